@@ -1,0 +1,281 @@
+"""EPDDeployment API (epd.vime.dev/v1alpha1): the pydantic models are the one source of truth.
+
+The CRD in `crds/` is generated from these models (see `crd.py`); the operator parses every
+object through them. Field names are camelCase on the wire, as Kubernetes spells them.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+GROUP = "epd.vime.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "EPDDeployment"
+PLURAL = "epddeployments"
+SINGULAR = "epddeployment"
+SHORT_NAMES = ["epd"]
+
+DNS1123_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+# Kubernetes quantities such as "8Gi" or "512M", as resource.Quantity accepts them.
+QUANTITY = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
+
+# Open maps (vLLM engine args, connector extra config) and embedded Kubernetes core types
+# (affinity, volumes, ...) are kept schemaless: their own API server validates the latter
+# when the operator creates the pod.
+OpenObject = dict[str, Any]
+
+
+class _Schema(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        use_enum_values=True,
+    )
+
+
+class WorkerType(str, enum.Enum):
+    encoder = "encoder"
+    regular = "regular"
+    prefill = "prefill"
+    decode = "decode"
+
+
+class EnvVar(_Schema):
+    """A container environment variable, as in a Pod spec."""
+
+    model_config = ConfigDict(extra="allow", alias_generator=to_camel, populate_by_name=True)
+    name: str = Field(min_length=1, description="Variable name.")
+    value: str | None = Field(default=None, description="Literal value.")
+    value_from: OpenObject | None = Field(
+        default=None, description="Source for the value (secretKeyRef, configMapKeyRef, fieldRef...)."
+    )
+
+
+class ResourceRequirements(_Schema):
+    """Extra container resources for each engine; GPUs are set by the operator from numGpusPerEngine."""
+
+    limits: dict[str, int | str] = Field(default_factory=dict, description="Resource limits.")
+    requests: dict[str, int | str] = Field(default_factory=dict, description="Resource requests.")
+
+
+class ServerGroup(_Schema):
+    """A group of identical vLLM engines of one worker type (Vime's `server_groups[]`)."""
+
+    worker_type: WorkerType = Field(
+        description=(
+            "Role of the engines: encoder (EC producer, never behind the router), regular "
+            "(EC consumer serving prefill and decode), prefill (EC consumer, KV producer) or "
+            "decode (KV consumer)."
+        )
+    )
+    num_gpus: int = Field(ge=1, le=1024, description="GPUs for the whole group, in each EPD unit.")
+    num_gpus_per_engine: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="GPUs per engine (tensor parallel size). numGpus must be a multiple of it.",
+    )
+    overrides: OpenObject = Field(
+        default_factory=dict,
+        description=(
+            "vLLM engine arguments in snake_case, as in Vime (e.g. max_model_len: 4096). Highest "
+            "priority: they win over every default; ec_transfer_config is deep-merged."
+        ),
+    )
+    env: list[EnvVar] = Field(default_factory=list, description="Extra environment for these engines.")
+    resources: ResourceRequirements | None = Field(
+        default=None, description="Extra resources (cpu, memory) for each engine container."
+    )
+
+    @property
+    def engines(self) -> int:
+        return self.num_gpus // self.num_gpus_per_engine
+
+
+class ModelSpec(_Schema):
+    """One served model and its server groups; each EPD unit of it is one pod on one node."""
+
+    name: str = Field(
+        max_length=40,
+        pattern=DNS1123_LABEL,
+        description="Model key (DNS-1123 label, unique). Vime's default model name is 'default'.",
+    )
+    model: str = Field(min_length=1, description="Model path or id passed to vLLM (`vllm serve <model>`).")
+    served_model_name: str | None = Field(
+        default=None, description="Name clients use in requests; defaults to `model`."
+    )
+    server_groups: list[ServerGroup] = Field(
+        min_length=1,
+        max_length=16,
+        description=(
+            "Valid layouts: {encoder, regular}, {encoder, prefill, decode}, and text-only "
+            "{regular} or {prefill, decode}. Several groups of one type are allowed."
+        ),
+    )
+
+
+class ECConnector(_Schema):
+    """Encoder-cache (EC) connector between encoders (producers) and consumers."""
+
+    name: str = Field(default="ECExampleConnector", description="vLLM EC connector class.")
+    storage_root: str = Field(
+        default="/dev/shm",
+        pattern=r"^/.*",
+        description="Folder holding each model's isolated EC store (the shared memory-backed emptyDir).",
+    )
+    path_prefix: str = Field(
+        default="vime-ec-",
+        pattern=r"^[A-Za-z0-9._-]+$",
+        description="Prefix of each model's EC folder name under storageRoot.",
+    )
+    module_path: str | None = Field(default=None, description="Python module of a custom connector.")
+    extra_config: OpenObject = Field(
+        default_factory=dict, description="Merged into ec_connector_extra_config of every engine."
+    )
+
+
+class KVConnector(_Schema):
+    """KV-cache connector between prefill (producer) and decode (consumer) engines."""
+
+    name: str = Field(default="NixlConnector", description="vLLM KV connector class.")
+    extra_config: OpenObject = Field(
+        default_factory=dict, description="kv_connector_extra_config of prefill and decode engines."
+    )
+
+
+class RouterPolicy(str, enum.Enum):
+    round_robin = "round_robin"
+    random = "random"
+    cache_aware = "cache_aware"
+    power_of_two = "power_of_two"
+    consistent_hash = "consistent_hash"
+
+
+class Router(_Schema):
+    """vllm-router in front of a unit's consumer engines (added for prefill/decode or >1 consumer)."""
+
+    image: str = Field(default="vllm/vllm-router:v0.1.17", description="vllm-router image.")
+    policy: RouterPolicy = Field(default=RouterPolicy.round_robin, description="Load-balancing policy.")
+    request_timeout_seconds: int = Field(default=1800, ge=1, description="Per-request timeout.")
+    extra_args: list[str] = Field(default_factory=list, description="Extra vllm-router arguments.")
+    resources: ResourceRequirements | None = Field(default=None, description="Router container resources.")
+
+
+class Shm(_Schema):
+    """The memory-backed emptyDir every engine of a unit mounts at /dev/shm."""
+
+    size_limit: str = Field(
+        default="16Gi", pattern=QUANTITY, description="emptyDir sizeLimit (counts against pod memory)."
+    )
+
+
+class ECStorage(_Schema):
+    """Bounds on each model's EC store (the connector itself never deletes anything)."""
+
+    max_bytes: int | None = Field(
+        default=None, ge=1, description="Byte budget per model; default: 80% of shm.sizeLimit."
+    )
+    ttl_seconds: int | None = Field(default=None, ge=1, description="Evict entries older than this.")
+
+
+class Ports(_Schema):
+    """Ports inside each unit pod; engines get consecutive ports, encoders first."""
+
+    router: int = Field(default=8000, ge=1, le=65535, description="vllm-router HTTP port.")
+    engine_base: int = Field(default=8100, ge=1, le=65000, description="First engine HTTP port.")
+    nixl_side_channel_base: int = Field(
+        default=5600, ge=1, le=65000, description="First NIXL side-channel port (prefill/decode)."
+    )
+
+
+class Probes(_Schema):
+    """Engine health probes on /health; the startup window is sized for model loading."""
+
+    period_seconds: int = Field(default=10, ge=1, description="Probe period.")
+    startup_timeout_seconds: int = Field(
+        default=1800, ge=10, description="How long an engine may take to load its model."
+    )
+    failure_threshold: int = Field(default=3, ge=1, description="Failures before unready/restart.")
+
+
+class EPDDeploymentSpec(_Schema):
+    """Desired state: models served with encoder-prefill disaggregation."""
+
+    image: str = Field(min_length=1, description="vLLM image, e.g. vllm/vllm-openai:v0.33.0.")
+    vllm_version: str | None = Field(
+        default=None,
+        pattern=r"^v?[0-9]+\.[0-9]+(\.[0-9]+)?([.+-].*)?$",
+        description="vLLM version (selects argument templates); default: parsed from the image tag.",
+    )
+    replicas: int = Field(default=1, ge=0, le=1000, description="EPD units per model (one pod each).")
+    models: list[ModelSpec] = Field(min_length=1, max_length=16, description="Served models.")
+    ec_connector: ECConnector = Field(default_factory=ECConnector, description="EC connector.")
+    ec_storage: ECStorage = Field(default_factory=ECStorage, description="EC store bounds.")
+    kv_connector: KVConnector = Field(default_factory=KVConnector, description="KV connector.")
+    router: Router = Field(default_factory=Router, description="vllm-router settings.")
+    shm: Shm = Field(default_factory=Shm, description="Shared /dev/shm emptyDir.")
+    ports: Ports = Field(default_factory=Ports, description="Container ports.")
+    probes: Probes = Field(default_factory=Probes, description="Engine probes.")
+    env: list[EnvVar] = Field(default_factory=list, description="Environment for every engine.")
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Pod nodeSelector.")
+    tolerations: list[OpenObject] = Field(default_factory=list, description="Pod tolerations.")
+    affinity: OpenObject | None = Field(default=None, description="Pod affinity.")
+    priority_class_name: str | None = Field(default=None, description="Pod priorityClassName.")
+    service_account_name: str | None = Field(default=None, description="Pod serviceAccountName.")
+    image_pull_secrets: list[OpenObject] = Field(default_factory=list, description="Pod imagePullSecrets.")
+    volumes: list[OpenObject] = Field(
+        default_factory=list, description="Extra pod volumes (e.g. a model cache PVC); no hostPath."
+    )
+    volume_mounts: list[OpenObject] = Field(
+        default_factory=list, description="Extra mounts for every engine container."
+    )
+
+
+class Condition(_Schema):
+    """A Kubernetes-style condition."""
+
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str
+    message: str = ""
+    last_transition_time: str
+    observed_generation: int | None = None
+
+
+class UnitStatus(_Schema):
+    """One EPD unit: a pod holding every engine of a model on one node."""
+
+    name: str
+    pod: str
+    node: str | None = None
+    ready: bool = False
+    reason: str | None = None
+    message: str | None = None
+    encoder_urls: list[str] = Field(default_factory=list)
+    consumer_urls: list[str] = Field(default_factory=list)
+    router_url: str | None = None
+
+
+class ModelStatus(_Schema):
+    name: str
+    served_model_name: str
+    ec_storage_path: str | None = None
+    ready_units: int = 0
+    units: list[UnitStatus] = Field(default_factory=list)
+
+
+class EPDDeploymentStatus(_Schema):
+    """Observed state, written by the operator."""
+
+    observed_generation: int | None = None
+    phase: str | None = None
+    ready: str | None = Field(default=None, description="Ready units / desired units, e.g. 2/2.")
+    model_count: int | None = None
+    conditions: list[Condition] = Field(default_factory=list)
+    models: list[ModelStatus] = Field(default_factory=list)

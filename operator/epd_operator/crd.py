@@ -1,0 +1,190 @@
+"""Generate the EPDDeployment CustomResourceDefinition from the pydantic models.
+
+The structural OpenAPI schema comes from the models' JSON schema; the CEL rules come from the
+layout table in `validation.py`. `make crds` writes the result to `crds/`; a test fails when the
+committed file drifts.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import yaml
+
+from . import api
+from .validation import LAYOUT_RULES, SUPPORTED_VLLM_VERSIONS
+
+CRD_FILE = "crds/epddeployments.epd.vime.dev.yaml"
+
+
+def _inline(node: Any, defs: dict[str, Any]) -> Any:
+    """Resolve $refs and turn JSON-schema idioms into the structural subset Kubernetes accepts."""
+    if isinstance(node, list):
+        return [_inline(item, defs) for item in node]
+    if not isinstance(node, dict):
+        return node
+    if "$ref" in node:
+        target = _inline(copy.deepcopy(defs[node["$ref"].rsplit("/", 1)[-1]]), defs)
+        extra = {k: v for k, v in node.items() if k != "$ref"}
+        return _inline({**target, **extra}, defs)
+    node = {k: _inline(v, defs) for k, v in node.items() if k not in ("title", "$defs")}
+    any_of = node.pop("anyOf", None)
+    if any_of is not None:
+        options = [o for o in any_of if o.get("type") != "null"]
+        nullable = len(options) < len(any_of)
+        if len(options) == 1:
+            node = {**options[0], **node}
+        elif {o.get("type") for o in options} == {"integer", "string"}:
+            node = {"x-kubernetes-int-or-string": True, **node}
+        else:
+            raise ValueError(f"cannot express anyOf {any_of} structurally")
+        if nullable:
+            node["nullable"] = True
+    if node.get("type") == "object":
+        extra = node.get("additionalProperties")
+        if extra is True or (extra is None and "properties" not in node):
+            node.pop("additionalProperties", None)
+            node["x-kubernetes-preserve-unknown-fields"] = True
+        elif extra is False:
+            node.pop("additionalProperties")
+        elif "properties" in node and extra is not None:
+            # An object with declared fields that also keeps unknown ones (e.g. EnvVar).
+            node.pop("additionalProperties")
+            node["x-kubernetes-preserve-unknown-fields"] = True
+    if node.get("default") is None:
+        node.pop("default", None)
+    return node
+
+
+def _object_defaults(model: type[api._Schema], schema: dict[str, Any]) -> None:
+    """Default nested objects to {} so the API server fills in their own field defaults."""
+    for name, field in model.model_fields.items():
+        prop = schema["properties"][field.alias or name]
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, api._Schema):
+            if field.default_factory is not None:
+                prop["default"] = {}
+            _object_defaults(annotation, prop)
+        elif (
+            getattr(annotation, "__origin__", None) is list
+            and isinstance(annotation.__args__[0], type)
+            and issubclass(annotation.__args__[0], api._Schema)
+        ):
+            _object_defaults(annotation.__args__[0], prop["items"])
+
+
+def _has(worker_type: str) -> str:
+    return f"self.serverGroups.exists(g, g.workerType == '{worker_type}')"
+
+
+def _layout_cel_rules() -> list[dict[str, str]]:
+    rules = []
+    for rule in LAYOUT_RULES:
+        terms = [_has(t) for t in sorted(rule.present)]
+        if rule.any_of:
+            terms.append("(" + " || ".join(_has(t) for t in sorted(rule.any_of)) + ")")
+        terms += [f"!{_has(t)}" for t in sorted(rule.absent)]
+        rules.append(
+            {
+                "rule": "!(" + " && ".join(terms) + ")",
+                "messageExpression": f"\"model '\" + self.name + \"': {rule.message}\"",
+                "reason": "FieldValueInvalid",
+            }
+        )
+    return rules
+
+
+def _add_cel_rules(spec: dict[str, Any]) -> None:
+    supported = ", ".join(SUPPORTED_VLLM_VERSIONS)
+    # Majors are all 0 today; the alternation lists the supported minors, e.g. (32|33).
+    minors = "|".join(v.split(".", 1)[1] for v in SUPPORTED_VLLM_VERSIONS)
+    spec["x-kubernetes-validations"] = [
+        {
+            "rule": f"has(self.vllmVersion) ? self.vllmVersion.matches('^v?0\\\\.({minors})([.+-].*)?$') "
+            f": self.image.matches(':v?0\\\\.({minors})([.+-][^/:@]*)?(@.*)?$')",
+            "message": f"unsupported or unknown vLLM version: set spec.vllmVersion to one of {supported}, "
+            "or use an image tagged with one of them",
+        }
+    ]
+    models = spec["properties"]["models"]
+    models["x-kubernetes-list-type"] = "map"
+    models["x-kubernetes-list-map-keys"] = ["name"]
+    models["items"]["x-kubernetes-validations"] = _layout_cel_rules()
+    groups = models["items"]["properties"]["serverGroups"]["items"]
+    groups["x-kubernetes-validations"] = [
+        {
+            "rule": "self.numGpus % self.numGpusPerEngine == 0",
+            "messageExpression": "'numGpus (' + string(self.numGpus) + ') must be a multiple of "
+            "numGpusPerEngine (' + string(self.numGpusPerEngine) + ')'",
+        }
+    ]
+    spec["properties"]["volumes"]["items"]["x-kubernetes-validations"] = [
+        {"rule": "!has(self.hostPath)", "message": "hostPath volumes are not allowed: use a PVC or emptyDir"}
+    ]
+
+
+def _schema(model: type[api._Schema]) -> dict[str, Any]:
+    raw = model.model_json_schema(by_alias=True, mode="validation")
+    schema = _inline(raw, raw.get("$defs", {}))
+    _object_defaults(model, schema)
+    return schema
+
+
+def build_crd() -> dict[str, Any]:
+    spec = _schema(api.EPDDeploymentSpec)
+    _add_cel_rules(spec)
+    status = _schema(api.EPDDeploymentStatus)
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{api.PLURAL}.{api.GROUP}"},
+        "spec": {
+            "group": api.GROUP,
+            "names": {
+                "kind": api.KIND,
+                "listKind": f"{api.KIND}List",
+                "plural": api.PLURAL,
+                "singular": api.SINGULAR,
+                "shortNames": api.SHORT_NAMES,
+                "categories": ["all", "vllm"],
+            },
+            "scope": "Namespaced",
+            "versions": [
+                {
+                    "name": api.VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": [
+                        {"name": "Ready", "type": "string", "jsonPath": ".status.ready"},
+                        {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+                        {"name": "Models", "type": "integer", "jsonPath": ".status.modelCount"},
+                        {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas"},
+                        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+                    ],
+                    "schema": {
+                        "openAPIV3Schema": {
+                            "type": "object",
+                            "description": "EPDDeployment serves multimodal models with vLLM "
+                            "encoder-prefill disaggregation: encoder engines write image "
+                            "embeddings to a node-local store that the language engines read.",
+                            "required": ["spec"],
+                            "properties": {
+                                "apiVersion": {"type": "string"},
+                                "kind": {"type": "string"},
+                                "metadata": {"type": "object"},
+                                "spec": spec,
+                                "status": status,
+                            },
+                        }
+                    },
+                }
+            ],
+        },
+    }
+
+
+def render_crd_yaml() -> str:
+    header = "# Generated by `make crds` from operator/epd_operator/api.py. Do not edit.\n"
+    return header + yaml.safe_dump(build_crd(), sort_keys=False, width=100)

@@ -1,0 +1,147 @@
+"""The seed's topology rules, in one table, and the operator-side validation built on it.
+
+The same table generates the CRD's CEL rules (`crd.py`), so the API server (at apply time) and
+the operator (for clusters without CEL, or objects written before the rules) give one verdict.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import pydantic
+
+from .api import EPDDeploymentSpec, ModelSpec, WorkerType
+
+SUPPORTED_VLLM_VERSIONS = ("0.32", "0.33")
+
+
+@dataclass(frozen=True)
+class LayoutRule:
+    """A layout is rejected when it has every type in `present`, at least one of `any_of`
+    (when given) and none of `absent`."""
+
+    present: frozenset[str]
+    absent: frozenset[str]
+    message: str
+    any_of: frozenset[str] = frozenset()
+
+    def violated_by(self, types: set[str]) -> bool:
+        return (
+            self.present <= types
+            and (not self.any_of or bool(self.any_of & types))
+            and not (self.absent & types)
+        )
+
+
+def _rule(present: str, absent: str, message: str, any_of: str = "") -> LayoutRule:
+    return LayoutRule(
+        frozenset(present.split()), frozenset(absent.split()), message, frozenset(any_of.split())
+    )
+
+
+# Valid per model: {encoder, regular}, {encoder, prefill, decode}, {regular}, {prefill, decode}.
+LAYOUT_RULES: tuple[LayoutRule, ...] = (
+    _rule(
+        "regular",
+        "",
+        "regular cannot be mixed with prefill or decode: use regular groups, or a prefill and a decode group",
+        any_of="prefill decode",
+    ),
+    _rule("encoder prefill", "decode", "encoder+prefill is incomplete: add a decode group"),
+    _rule("encoder decode", "prefill", "encoder+decode is incomplete: add a prefill group"),
+    _rule(
+        "encoder",
+        "regular prefill decode",
+        "an encoder group alone serves nothing: add a regular group, or a prefill and a decode group",
+    ),
+    _rule("prefill", "decode encoder regular", "prefill without decode: add a decode group"),
+    _rule("decode", "prefill encoder regular", "decode without prefill: add a prefill group"),
+)
+
+
+def layout_errors(model: ModelSpec) -> list[str]:
+    """Messages for every layout rule this model breaks (empty when the layout is valid)."""
+    types = {WorkerType(g.worker_type).value for g in model.server_groups}
+    return [f"model '{model.name}': {r.message}" for r in LAYOUT_RULES if r.violated_by(types)]
+
+
+class SpecError(ValueError):
+    """An EPDDeployment spec that must not be reconciled; `errors` are user-facing messages."""
+
+    def __init__(self, errors: list[str]):
+        self.errors = errors
+        super().__init__("; ".join(errors))
+
+
+def vllm_minor(spec: EPDDeploymentSpec) -> str:
+    """The vLLM minor version ("0.33") from `vllmVersion`, else from the image tag."""
+    if spec.vllm_version:
+        source, text = "spec.vllmVersion", spec.vllm_version
+    else:
+        source, text = "spec.image", _image_tag(spec.image)
+    match = re.match(r"^v?(\d+)\.(\d+)(?:[.+-].*)?$", text or "")
+    if not match:
+        raise SpecError(
+            [
+                f"{source}: cannot tell the vLLM version from {text or spec.image!r}: "
+                f"set spec.vllmVersion to one of {', '.join(SUPPORTED_VLLM_VERSIONS)}"
+            ]
+        )
+    minor = f"{int(match[1])}.{int(match[2])}"
+    if minor not in SUPPORTED_VLLM_VERSIONS:
+        raise SpecError(
+            [
+                f"{source}: vLLM {minor} is not supported: use one of "
+                f"{', '.join(SUPPORTED_VLLM_VERSIONS)} (argument templates exist only for those)"
+            ]
+        )
+    return minor
+
+
+def _image_tag(image: str) -> str:
+    name = image.split("@", 1)[0]
+    last = name.rsplit("/", 1)[-1]
+    return last.split(":", 1)[1] if ":" in last else ""
+
+
+def _pydantic_messages(error: pydantic.ValidationError) -> list[str]:
+    messages = []
+    for item in error.errors():
+        path = "spec" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in item["loc"])
+        messages.append(f"{path}: {item['msg']}")
+    return messages
+
+
+def validate(spec: dict[str, Any]) -> EPDDeploymentSpec:
+    """Parse and check a raw `.spec`; raise SpecError listing every problem, each naming its field."""
+    try:
+        parsed = EPDDeploymentSpec.model_validate(spec)
+    except pydantic.ValidationError as error:
+        raise SpecError(_pydantic_messages(error)) from None
+    errors: list[str] = []
+    seen: set[str] = set()
+    for index, model in enumerate(parsed.models):
+        if model.name in seen:
+            errors.append(f"spec.models[{index}].name: model name '{model.name}' is used twice: names must be unique")
+        seen.add(model.name)
+        errors += layout_errors(model)
+        for g_index, group in enumerate(model.server_groups):
+            if group.num_gpus % group.num_gpus_per_engine:
+                errors.append(
+                    f"spec.models[{index}].serverGroups[{g_index}]: numGpus ({group.num_gpus}) must be "
+                    f"a multiple of numGpusPerEngine ({group.num_gpus_per_engine})"
+                )
+    for volume in parsed.volumes:
+        if "hostPath" in volume:
+            errors.append(
+                f"spec.volumes: volume '{volume.get('name')}' uses hostPath: not allowed (use a PVC or emptyDir)"
+            )
+    try:
+        vllm_minor(parsed)
+    except SpecError as error:
+        errors += error.errors
+    if errors:
+        raise SpecError(errors)
+    return parsed

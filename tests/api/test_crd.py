@@ -1,0 +1,72 @@
+"""The committed CRD is generated from the pydantic models and never drifts from them."""
+
+from pathlib import Path
+
+import yaml
+
+from epd_operator.crd import CRD_FILE, build_crd, render_crd_yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_committed_crd_matches_the_models():
+    committed = (ROOT / CRD_FILE).read_text()
+    assert committed == render_crd_yaml(), "crds/ drifted from api.py: run `make crds` and commit"
+
+
+def test_chart_ships_the_same_crd():
+    chart_crd = ROOT / "charts/epd-operator/crds" / Path(CRD_FILE).name
+    assert chart_crd.read_text() == render_crd_yaml(), "chart CRD drifted: run `make crds` and commit"
+
+
+def _schema():
+    return build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def _walk(node, path="$"):
+    yield path, node
+    for key, value in node.get("properties", {}).items():
+        yield from _walk(value, f"{path}.{key}")
+    if "items" in node:
+        yield from _walk(node["items"], f"{path}[]")
+
+
+def test_schema_is_structural():
+    for path, node in _walk(_schema()):
+        assert "$ref" not in node and "anyOf" not in node, path
+        assert "type" in node or node.get("x-kubernetes-int-or-string"), f"{path} has no type"
+
+
+def test_every_spec_field_is_described():
+    spec = _schema()["properties"]["spec"]
+    for path, node in _walk(spec):
+        scalar_item = path.endswith("[]") and node.get("type") != "object"
+        assert scalar_item or node.get("description"), f"{path} has no description (kubectl explain shows it)"
+
+
+def test_open_maps_are_only_where_intended():
+    spec = _schema()["properties"]["spec"]
+    open_paths = {p for p, n in _walk(spec) if n.get("x-kubernetes-preserve-unknown-fields")}
+    assert open_paths == {
+        "$.env[]", "$.env[].valueFrom", "$.ecConnector.extraConfig", "$.kvConnector.extraConfig",
+        "$.models[].serverGroups[].overrides", "$.models[].serverGroups[].env[]",
+        "$.models[].serverGroups[].env[].valueFrom", "$.tolerations[]", "$.affinity",
+        "$.imagePullSecrets[]", "$.volumes[]", "$.volumeMounts[]",
+    }
+
+
+def test_nested_objects_default_so_the_api_server_fills_their_fields():
+    spec = _schema()["properties"]["spec"]["properties"]
+    assert spec["ecConnector"]["default"] == {}
+    assert spec["ecConnector"]["properties"]["pathPrefix"]["default"] == "vime-ec-"
+    assert spec["replicas"]["default"] == 1
+
+
+def test_layout_rules_are_cel_on_each_model():
+    models = _schema()["properties"]["spec"]["properties"]["models"]
+    assert models["x-kubernetes-list-map-keys"] == ["name"]
+    assert len(models["items"]["x-kubernetes-validations"]) == 6
+
+
+def test_yaml_round_trips():
+    assert yaml.safe_load(render_crd_yaml()) == build_crd()

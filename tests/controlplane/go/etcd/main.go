@@ -1,0 +1,12 @@
+// Command etcd runs upstream etcd's main entry point unchanged.
+package main
+
+import (
+	"os"
+
+	"go.etcd.io/etcd/server/v3/etcdmain"
+)
+
+func main() {
+	etcdmain.Main(os.Args)
+}
