@@ -1,0 +1,143 @@
+"""`epd-operator`: run the operator, and offline tools (render, convert, crds) for people."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .validation import SpecError
+
+
+def _load_manifest(path: str) -> dict[str, Any]:
+    text = sys.stdin.read() if path == "-" else Path(path).read_text()
+    document = yaml.safe_load(text)
+    if not isinstance(document, dict):
+        raise SpecError([f"{path}: expected one YAML mapping"])
+    return document
+
+
+def _render(args: argparse.Namespace) -> None:
+    from .render import commands_json, format_commands, render
+    from .validation import validate
+
+    manifest = _load_manifest(args.file)
+    metadata = manifest.get("metadata", {})
+    plans = render(
+        validate(manifest.get("spec", {})),
+        namespace=metadata.get("namespace", args.namespace),
+        name=metadata.get("name", "epd"),
+        uid=metadata.get("uid", args.uid),
+    )
+    if args.output == "json":
+        print(json.dumps(commands_json(plans), indent=2))
+    else:
+        print(format_commands(plans))
+
+
+def _convert(args: argparse.Namespace) -> None:
+    from .convert import vime_to_manifest
+
+    manifest = vime_to_manifest(
+        _load_manifest(args.file), name=args.name, image=args.image, model=args.model, namespace=args.namespace
+    )
+    print(yaml.safe_dump(manifest, sort_keys=False), end="")
+
+
+def _crds(args: argparse.Namespace) -> None:
+    from .crd import render_crd_yaml
+
+    print(render_crd_yaml(), end="")
+
+
+def _run(args: argparse.Namespace) -> None:
+    from .runner import run
+
+    run(
+        namespaces=args.namespace,
+        all_namespaces=args.all_namespaces,
+        peering=args.peering,
+        standalone=args.standalone,
+        liveness=args.liveness,
+        metrics_port=args.metrics_port,
+        log_level=args.log_level,
+        log_format=args.log_format,
+    )
+
+
+def _janitor(args: argparse.Namespace) -> None:
+    from .janitor import run_janitor
+
+    run_janitor(
+        paths=args.path,
+        max_bytes=args.max_bytes,
+        ttl_seconds=args.ttl_seconds,
+        interval_seconds=args.interval,
+        metrics_port=args.metrics_port,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="epd-operator", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run the operator (wraps kopf)")
+    run.add_argument("-n", "--namespace", action="append", default=[], help="watch this namespace (repeatable)")
+    run.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace")
+    run.add_argument("--peering", default=None, help="kopf peering name for leader election among replicas")
+    run.add_argument("--standalone", action="store_true", help="no peering (a single replica)")
+    run.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="liveness endpoint URL")
+    run.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port (0: off)")
+    run.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    run.add_argument("--log-format", default="plain", choices=["plain", "full", "json"])
+    run.set_defaults(func=_run)
+
+    render = sub.add_parser("render", help="print every engine's and router's command line")
+    render.add_argument("-f", "--file", required=True, help="EPDDeployment manifest ('-' for stdin)")
+    render.add_argument("-o", "--output", choices=["text", "json"], default="text")
+    render.add_argument("--namespace", default="default", help="namespace when the manifest has none")
+    render.add_argument("--uid", default="00000000-0000-0000-0000-000000000000", help="object uid to assume")
+    render.set_defaults(func=_render)
+
+    convert = sub.add_parser("convert", help="turn a Vime `vllm:` config into an EPDDeployment")
+    convert.add_argument("-f", "--file", required=True, help="Vime config YAML ('-' for stdin)")
+    convert.add_argument("--name", default="vime", help="EPDDeployment name")
+    convert.add_argument("--image", default="vllm/vllm-openai:v0.33.0", help="vLLM image")
+    convert.add_argument("--model", default=None, help="model path for entries that name none")
+    convert.add_argument("--namespace", default=None)
+    convert.set_defaults(func=_convert)
+
+    crds = sub.add_parser("crds", help="print the generated CustomResourceDefinition")
+    crds.set_defaults(func=_crds)
+
+    janitor = sub.add_parser("janitor", help="keep EC stores under a byte budget (runs in each unit)")
+    janitor.add_argument("--path", action="append", required=True, help="an EC store folder (repeatable)")
+    janitor.add_argument("--max-bytes", type=int, required=True)
+    janitor.add_argument("--ttl-seconds", type=int, default=None)
+    janitor.add_argument("--interval", type=float, default=2.0)
+    janitor.add_argument("--metrics-port", type=int, default=0)
+    janitor.set_defaults(func=_janitor)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except SpecError as error:
+        print("error: invalid EPDDeployment:", file=sys.stderr)
+        for message in error.errors:
+            print(f"  - {message}", file=sys.stderr)
+        return 1
+    except (OSError, yaml.YAMLError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

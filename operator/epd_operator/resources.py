@@ -1,0 +1,226 @@
+"""Desired Kubernetes objects for an EPDDeployment: pure functions of the validated spec.
+
+One EPD unit is one pod holding every engine of a model, because the default EC connector
+exchanges embeddings as files: encoders and the consumers reading them must share a node and a
+/dev/shm. Each model's units are the pods of one StatefulSet (see docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Any
+
+from . import api
+from .render import EngineCommand, ModelPlan
+
+FIELD_MANAGER = "epd-operator"
+SHM_VOLUME = "dshm"
+GPU_RESOURCE = "nvidia.com/gpu"
+FRONT_PORT_NAME = "http"
+
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_DEPLOYMENT = f"{api.GROUP}/deployment"
+LABEL_MODEL = f"{api.GROUP}/model"
+LABEL_UNIT = f"{api.GROUP}/unit"
+LABEL_ROLE = f"{api.GROUP}/role"
+ANNOTATION_SPEC_HASH = f"{api.GROUP}/spec-hash"
+
+
+def child_name(deployment: str, model: str, suffix: str = "", limit: int = 52) -> str:
+    """`<deployment>-<model>[-suffix]`, shortened with a hash when too long.
+
+    52 leaves room for the `-<revision hash>` the StatefulSet controller appends in pod labels.
+    """
+    full = "-".join(p for p in (deployment, model, suffix) if p)
+    if len(full) <= limit:
+        return full
+    digest = hashlib.sha256(full.encode()).hexdigest()[:8]
+    return f"{full[: limit - 9].rstrip('-.')}-{digest}"
+
+
+def selector_labels(deployment: str, model: str) -> dict[str, str]:
+    return {LABEL_DEPLOYMENT: deployment, LABEL_MODEL: model}
+
+
+def common_labels(deployment: str, model: str, role: str) -> dict[str, str]:
+    return {
+        LABEL_NAME: "epd",
+        LABEL_INSTANCE: deployment,
+        LABEL_COMPONENT: role,
+        LABEL_MANAGED_BY: FIELD_MANAGER,
+        LABEL_ROLE: role,
+        **selector_labels(deployment, model),
+    }
+
+
+def _env(command: EngineCommand, extra: list[api.EnvVar]) -> list[dict[str, Any]]:
+    """Rendered env, then the user's; a user variable of the same name replaces the rendered one."""
+    user = [e.model_dump(by_alias=True, exclude_none=True) for e in extra]
+    overridden = {u["name"] for u in user}
+    return [{"name": k, "value": v} for k, v in command.env.items() if k not in overridden] + user
+
+
+def _probe(port: int, probes: api.Probes, *, startup: bool) -> dict[str, Any]:
+    probe: dict[str, Any] = {"httpGet": {"path": "/health", "port": port}, "periodSeconds": probes.period_seconds}
+    if startup:
+        probe["failureThreshold"] = math.ceil(probes.startup_timeout_seconds / probes.period_seconds)
+    else:
+        probe["failureThreshold"] = probes.failure_threshold
+        probe["timeoutSeconds"] = 5
+    return probe
+
+
+def _resources(gpus: int, extra: api.ResourceRequirements | None) -> dict[str, Any]:
+    limits = dict(extra.limits) if extra else {}
+    requests = dict(extra.requests) if extra else {}
+    if gpus:
+        limits[GPU_RESOURCE] = gpus
+        requests[GPU_RESOURCE] = gpus
+    resources = {}
+    if limits:
+        resources["limits"] = limits
+    if requests:
+        resources["requests"] = requests
+    return resources
+
+
+def _engine_container(
+    spec: api.EPDDeploymentSpec, model: api.ModelSpec, command: EngineCommand, front: bool
+) -> dict[str, Any]:
+    group = model.server_groups[command.group_index]
+    ports = [{"name": FRONT_PORT_NAME if front else command.container_name, "containerPort": command.port}]
+    if command.nixl_port is not None:
+        ports.append({"name": f"nixl-{command.engine_index}", "containerPort": command.nixl_port})
+    container = {
+        "name": command.container_name,
+        "image": spec.image,
+        "command": command.args[:2],
+        "args": command.args[2:],
+        "env": _env(command, [*spec.env, *group.env]),
+        "ports": ports,
+        "resources": _resources(command.gpus, group.resources),
+        "volumeMounts": [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}, *spec.volume_mounts],
+        "startupProbe": _probe(command.port, spec.probes, startup=True),
+        "readinessProbe": _probe(command.port, spec.probes, startup=False),
+        "livenessProbe": _probe(command.port, spec.probes, startup=False),
+    }
+    if command.worker_type == "encoder":
+        # A native sidecar: the kubelet starts the consumers only after every encoder's
+        # startupProbe passed, and an unready encoder makes the whole pod unready.
+        container["restartPolicy"] = "Always"
+    return container
+
+
+def _router_container(spec: api.EPDDeploymentSpec, command: EngineCommand) -> dict[str, Any]:
+    return {
+        "name": command.container_name,
+        "image": spec.router.image,
+        "command": command.args[:1],
+        "args": command.args[1:],
+        "env": [{"name": k, "value": v} for k, v in command.env.items()],
+        "ports": [{"name": FRONT_PORT_NAME, "containerPort": command.port}],
+        "resources": _resources(0, spec.router.resources),
+        "readinessProbe": _probe(command.port, spec.probes, startup=False),
+        "livenessProbe": _probe(command.port, spec.probes, startup=False),
+    }
+
+
+def pod_template(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPlan) -> dict[str, Any]:
+    model = next(m for m in spec.models if m.name == plan.name)
+    consumers = [c for c in plan.engines if c.worker_type != "encoder"]
+    front_is_engine = plan.router is None and len(consumers) == 1
+    init = [_engine_container(spec, model, c, False) for c in plan.engines if c.worker_type == "encoder"]
+    main = [_engine_container(spec, model, c, front_is_engine) for c in consumers]
+    if plan.router is not None:
+        main.append(_router_container(spec, plan.router))
+    shm: dict[str, Any] = {"medium": "Memory", "sizeLimit": spec.shm.size_limit}
+    pod_spec: dict[str, Any] = {
+        "initContainers": init,
+        "containers": main,
+        "volumes": [{"name": SHM_VOLUME, "emptyDir": shm}, *spec.volumes],
+        "enableServiceLinks": False,
+    }
+    optional = {
+        "nodeSelector": spec.node_selector or None,
+        "tolerations": spec.tolerations or None,
+        "affinity": spec.affinity,
+        "priorityClassName": spec.priority_class_name,
+        "serviceAccountName": spec.service_account_name,
+        "imagePullSecrets": spec.image_pull_secrets or None,
+    }
+    pod_spec.update({k: v for k, v in optional.items() if v is not None})
+    labels = common_labels(deployment, plan.name, "unit")
+    annotations = {}
+    if plan.ec_storage_path:
+        annotations[f"{api.GROUP}/ec-storage-path"] = plan.ec_storage_path
+    return {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod_spec}
+
+
+def statefulset(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPlan) -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": {
+            "name": child_name(deployment, plan.name),
+            "labels": common_labels(deployment, plan.name, "unit"),
+        },
+        "spec": {
+            "replicas": spec.replicas,
+            "serviceName": child_name(deployment, plan.name, "units", limit=63),
+            # Units are independent: start and replace them all at once, not one by one.
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": selector_labels(deployment, plan.name)},
+            "template": pod_template(spec, deployment, plan),
+            "updateStrategy": {"type": "RollingUpdate"},
+        },
+    }
+
+
+def _service_port(plan: ModelPlan, spec: api.EPDDeploymentSpec) -> dict[str, Any]:
+    port = plan.router.port if plan.router else spec.ports.router
+    return {"name": FRONT_PORT_NAME, "port": port, "targetPort": FRONT_PORT_NAME, "protocol": "TCP"}
+
+
+def services(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPlan) -> list[dict[str, Any]]:
+    """A headless Service listing every unit, and one fronting ready units' routers or consumers.
+
+    Both expose only the `http` port (router, or the single consumer): encoders are never
+    reachable through a Service; clients find their URLs in the EPDDeployment's status.
+    """
+    selector = selector_labels(deployment, plan.name)
+    headless = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": child_name(deployment, plan.name, "units", limit=63),
+            "labels": common_labels(deployment, plan.name, "units"),
+        },
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": selector,
+            "ports": [_service_port(plan, spec)],
+        },
+    }
+    front = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": child_name(deployment, plan.name, limit=63),
+            "labels": common_labels(deployment, plan.name, "router" if plan.router else "consumer"),
+        },
+        "spec": {"type": "ClusterIP", "selector": selector, "ports": [_service_port(plan, spec)]},
+    }
+    return [headless, front]
+
+
+def desired_children(spec: api.EPDDeploymentSpec, deployment: str, plans: list[ModelPlan]) -> list[dict[str, Any]]:
+    children = []
+    for plan in plans:
+        children.append(statefulset(spec, deployment, plan))
+        children.extend(services(spec, deployment, plan))
+    return children

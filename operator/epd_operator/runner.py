@@ -1,0 +1,47 @@
+"""`epd-operator run`: kopf with the operator's handlers, namespaces, peering and logging."""
+
+from __future__ import annotations
+
+import logging
+
+import kopf
+
+from . import metrics
+
+_FORMATS = {"plain": kopf.LogFormat.PLAIN, "full": kopf.LogFormat.FULL, "json": kopf.LogFormat.JSON}
+
+
+def run(
+    *,
+    namespaces: list[str],
+    all_namespaces: bool,
+    peering: str | None,
+    standalone: bool,
+    liveness: str | None,
+    metrics_port: int,
+    log_level: str,
+    log_format: str,
+) -> None:
+    if not namespaces and not all_namespaces:
+        raise SystemExit("epd-operator run: pass --namespace NAME (repeatable) or --all-namespaces")
+    if peering and standalone:
+        raise SystemExit("epd-operator run: --peering and --standalone exclude each other")
+    kopf.configure(
+        debug=log_level == "DEBUG",
+        verbose=log_level in ("DEBUG", "INFO"),
+        quiet=log_level in ("WARNING", "ERROR"),
+        log_format=_FORMATS[log_format],
+        log_refkey="epd" if log_format == "json" else None,
+    )
+    logging.getLogger().setLevel(log_level)
+    from . import controller  # noqa: F401  (registers the handlers)
+
+    if metrics_port:
+        metrics.serve(metrics_port)
+    kopf.run(
+        clusterwide=all_namespaces,
+        namespaces=namespaces,
+        standalone=standalone or not peering,
+        peering_name=peering,
+        liveness_endpoint=liveness or None,
+    )

@@ -1,0 +1,106 @@
+"""Run the operator as a real process (`epd-operator run`) against the local control plane."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD = ROOT / "crds" / "epddeployments.epd.vime.dev.yaml"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def install_crd(cluster: Any) -> None:
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD))
+    cluster.kubectl("wait", "--for=condition=Established", "crd/epddeployments.epd.vime.dev", "--timeout=60s")
+
+
+class OperatorProcess:
+    """`epd-operator run` as a subprocess; logs go to a file that failures print."""
+
+    def __init__(self, kubeconfig: Path, log_dir: Path, *, extra_args: list[str] | None = None,
+                 env: dict[str, str] | None = None):
+        self.kubeconfig = kubeconfig
+        self.log_path = log_dir / "operator.log"
+        self.extra_args = extra_args or ["--all-namespaces"]
+        self.env = env or {}
+        self.proc: subprocess.Popen | None = None
+        self.metrics_port = 0
+        self.liveness_port = 0
+
+    def start(self, timeout: float = 60) -> "OperatorProcess":
+        self.metrics_port, self.liveness_port = free_port(), free_port()
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("a")
+        log.write(f"\n===== start {time.strftime('%H:%M:%S')} =====\n")
+        log.flush()
+        cmd = [sys.executable, "-m", "epd_operator.cli", "run", *self.extra_args, "--standalone",
+               "--metrics-port", str(self.metrics_port),
+               "--liveness", f"http://127.0.0.1:{self.liveness_port}/healthz"]
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), **self.env}
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        wait_for(self._live, timeout, "operator liveness endpoint", self.tail)
+        return self
+
+    def _live(self) -> bool:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise AssertionError(f"operator exited with {self.proc.returncode}:\n{self.tail()}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.liveness_port}/healthz", timeout=1) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
+            return r.read().decode()
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+            self.proc.wait(timeout=30)
+        self.proc = None
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.proc = None
+
+    def tail(self, lines: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no operator log)"
+
+
+def wait_for(check: Callable[[], Any], timeout: float, what: str, context: Callable[[], str] = lambda: "") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{context()}")
+        time.sleep(0.2)
+
+
+def get_json(cluster: Any, *args: str) -> Any:
+    out = cluster.kubectl("get", *args, "-o", "json", check=False)
+    return json.loads(out.stdout) if out.returncode == 0 else None

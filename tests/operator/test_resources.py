@@ -1,0 +1,98 @@
+"""Desired objects are pure functions of the spec: checked without a cluster."""
+
+from pathlib import Path
+
+import yaml
+
+from epd_operator.render import render
+from epd_operator.resources import child_name, desired_children
+from epd_operator.validation import validate
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
+
+
+def children_of(example: str, **spec_changes):
+    manifest = yaml.safe_load((EXAMPLES / example).read_text())
+    manifest["spec"].update(spec_changes)
+    spec = validate(manifest["spec"])
+    name = manifest["metadata"]["name"]
+    return desired_children(spec, name, render(spec, namespace="ns", name=name, uid="uid-1"))
+
+
+def test_one_statefulset_and_two_services_per_model():
+    kinds = [(c["kind"], c["metadata"]["name"]) for c in children_of("multi-model-overrides.yaml")]
+    assert kinds == [
+        ("StatefulSet", "rl-rollout-actor"), ("Service", "rl-rollout-actor-units"), ("Service", "rl-rollout-actor"),
+        ("StatefulSet", "rl-rollout-reward"), ("Service", "rl-rollout-reward-units"), ("Service", "rl-rollout-reward"),
+    ]
+
+
+def test_encoders_are_sidecars_started_before_consumers():
+    sts = children_of("encoder-regular.yaml")[0]
+    pod = sts["spec"]["template"]["spec"]
+    assert [(c["name"], c["restartPolicy"]) for c in pod["initContainers"]] == [("encoder-0", "Always")]
+    assert [c["name"] for c in pod["containers"]] == ["regular-0"]
+    startup = pod["initContainers"][0]["startupProbe"]
+    # Default 1800 s of model loading at a 10 s period.
+    assert startup["failureThreshold"] * startup["periodSeconds"] == 1800
+
+
+def test_every_engine_shares_one_memory_backed_shm_and_gets_its_gpus():
+    sts = children_of("multi-model-overrides.yaml")[0]
+    pod = sts["spec"]["template"]["spec"]
+    assert pod["volumes"][0] == {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "32Gi"}}
+    engines = [*pod["initContainers"], *[c for c in pod["containers"] if c["name"] != "router"]]
+    assert [c["name"] for c in engines] == ["encoder-0", "encoder-1", "regular-0", "regular-1"]
+    assert [c["resources"]["limits"]["nvidia.com/gpu"] for c in engines] == [1, 1, 2, 2]
+    for container in engines:
+        assert container["volumeMounts"][:2] == [
+            {"name": "dshm", "mountPath": "/dev/shm"}, {"name": "models", "mountPath": "/models", "readOnly": True}
+        ]
+    ports = [p["containerPort"] for c in pod["initContainers"] + pod["containers"] for p in c["ports"]]
+    assert len(ports) == len(set(ports))
+
+
+def test_router_only_with_several_consumers_and_front_service_targets_it():
+    actor, _, actor_front, reward, _, reward_front = children_of("multi-model-overrides.yaml")
+    actor_names = [c["name"] for c in actor["spec"]["template"]["spec"]["containers"]]
+    assert actor_names == ["regular-0", "regular-1", "router"]
+    router = actor["spec"]["template"]["spec"]["containers"][-1]
+    assert router["ports"] == [{"name": "http", "containerPort": 8000}]
+    assert [c["name"] for c in reward["spec"]["template"]["spec"]["containers"]] == ["regular-0"]
+    assert "initContainers" not in reward["spec"]["template"]["spec"] or not reward["spec"]["template"]["spec"]["initContainers"]
+    for front in (actor_front, reward_front):
+        assert [p["targetPort"] for p in front["spec"]["ports"]] == ["http"]
+
+
+def test_user_env_replaces_rendered_env_of_the_same_name():
+    manifest = yaml.safe_load((EXAMPLES / "encoder-prefill-decode.yaml").read_text())
+    manifest["spec"]["env"] = [{"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "value": "0.0.0.0"},
+                               {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}]
+    spec = validate(manifest["spec"])
+    sts = desired_children(spec, "pd", render(spec, namespace="ns", name="pd", uid="u"))[0]
+    prefill = sts["spec"]["template"]["spec"]["containers"][0]
+    hosts = [e for e in prefill["env"] if e["name"] == "VLLM_NIXL_SIDE_CHANNEL_HOST"]
+    assert hosts == [{"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "value": "0.0.0.0"}]
+    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}} in prefill["env"]
+
+
+def test_pod_level_knobs_pass_through():
+    sts = children_of(
+        "encoder-regular.yaml",
+        nodeSelector={"gpu": "h100"},
+        tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        priorityClassName="rollout",
+        serviceAccountName="vllm",
+        imagePullSecrets=[{"name": "regcred"}],
+    )[0]
+    pod = sts["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"gpu": "h100"}
+    assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+    assert (pod["priorityClassName"], pod["serviceAccountName"]) == ("rollout", "vllm")
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+
+
+def test_long_names_are_shortened_stably_within_limits():
+    name = child_name("a" * 60, "actor")
+    assert len(name) <= 52 and name == child_name("a" * 60, "actor") and name != child_name("a" * 60, "critic")
+    assert child_name("short", "actor") == "short-actor"

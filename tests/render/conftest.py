@@ -1,0 +1,30 @@
+"""Real-parser fixtures: both vLLM versions' parsers, started once per session."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import pytest
+
+from tests.vllm import envs
+
+from .cases import VERSIONS
+from .vllm_parser import VllmParser
+
+
+@pytest.fixture(scope="session")
+def vllm_parsers() -> Iterator[dict[str, VllmParser]]:
+    """Both versions' parsers, started together so their imports overlap."""
+    try:
+        pythons = {version: envs.parser_python(version) for version in VERSIONS}
+    except envs.MissingEnvironment as missing:
+        pytest.fail(str(missing), pytrace=False)
+    parsers = {version: VllmParser(version, python) for version, python in pythons.items()}
+    yield parsers
+    for parser in parsers.values():
+        parser.close()
+
+
+@pytest.fixture(params=VERSIONS, ids=lambda v: f"vllm-{v}")
+def vllm_parser(request: pytest.FixtureRequest, vllm_parsers: dict[str, VllmParser]) -> VllmParser:
+    return vllm_parsers[request.param]

@@ -1,0 +1,131 @@
+"""Parse `vllm serve` command lines with the real vLLM CLI parser (run with a parser venv's python).
+
+Protocol: one JSON request per stdin line, one JSON answer per stdout line.
+
+- `{"op": "actions"}` -> `{"actions": [{"dest", "options", "kind", "nargs", "type"}, ...]}`: every
+  argument of the `vllm serve` parser (hidden spellings included).
+- `{"op": "parse", "commands": [{"id", "argv", "full": bool}, ...]}` -> `{"results": {id: ...}}`:
+  argv is the whole command (`["vllm", "serve", ...]`). Each result is `{"ok": true, "namespace":
+  {...}}`, plus `"engine": {...}` when `full` (the EngineArgs `vllm serve` builds), or
+  `{"ok": false, "exit_code": int | None, "error": str}`.
+
+It builds the parser exactly as the `vllm` console script does for `serve` (a top-level
+FlexibleArgumentParser with the serve subcommand, so the model is the positional `model_tag`),
+then, when `full`, runs the subcommand's validation and `AsyncEngineArgs.from_cli_args`.
+Needs VLLM_TARGET_DEVICE=cpu on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import sys
+
+
+def _parser():
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    top = FlexibleArgumentParser(prog="vllm")
+    subparsers = top.add_subparsers(dest="subparser")
+    serve = ServeSubcommand()
+    serve_parser = serve.subparser_init(subparsers)
+    return top, serve, serve_parser
+
+
+def _actions(serve_parser) -> list[dict]:
+    options: dict[int, list[str]] = {}
+    for option, action in serve_parser._option_string_actions.items():
+        options.setdefault(id(action), []).append(option)
+    return [
+        {
+            "dest": action.dest,
+            "options": sorted(options.get(id(action), [])),
+            "kind": type(action).__name__,
+            "nargs": action.nargs,
+            "type": getattr(action.type, "__name__", None),
+            "choices": list(action.choices) if action.choices else None,
+        }
+        for action in serve_parser._actions
+    ]
+
+
+def _engine(args) -> dict:
+    from vllm.config import ECTransferConfig, KVTransferConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    engine = AsyncEngineArgs.from_cli_args(args)
+    ec, kv = engine.ec_transfer_config, engine.kv_transfer_config
+    return {
+        "model": engine.model,
+        "served_model_name": engine.served_model_name,
+        "tensor_parallel_size": engine.tensor_parallel_size,
+        "mm_encoder_only": engine.mm_encoder_only,
+        "enable_prefix_caching": engine.enable_prefix_caching,
+        "enforce_eager": engine.enforce_eager,
+        "ec_transfer_config": None
+        if ec is None
+        else {
+            "class": type(ec).__name__,
+            "is_ec_transfer_config": isinstance(ec, ECTransferConfig),
+            "ec_connector": ec.ec_connector,
+            "ec_role": ec.ec_role,
+            "ec_buffer_device": ec.ec_buffer_device,
+            "ec_connector_module_path": ec.ec_connector_module_path,
+            "ec_connector_extra_config": ec.ec_connector_extra_config,
+        },
+        "kv_transfer_config": None
+        if kv is None
+        else {
+            "class": type(kv).__name__,
+            "is_kv_transfer_config": isinstance(kv, KVTransferConfig),
+            "kv_connector": kv.kv_connector,
+            "kv_role": kv.kv_role,
+            "kv_buffer_device": kv.kv_buffer_device,
+            "kv_connector_extra_config": kv.kv_connector_extra_config,
+        },
+    }
+
+
+def _parse(top, serve, command: dict) -> dict:
+    argv = command["argv"]
+    if argv[:2] != ["vllm", "serve"]:
+        return {"ok": False, "exit_code": None, "error": f"not a `vllm serve` command: {argv[:2]}"}
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            args = top.parse_args(argv[1:])
+            result = {"ok": True, "namespace": {k: v for k, v in vars(args).items() if k != "dispatch_function"}}
+            if command.get("full"):
+                serve.validate(args)
+                # What ServeSubcommand.cmd does first: the positional wins over --model.
+                if args.model_tag is not None:
+                    args.model = args.model_tag
+                result["engine"] = _engine(args)
+        return result
+    except SystemExit as exit_:
+        return {"ok": False, "exit_code": exit_.code, "error": stderr.getvalue()}
+    except Exception as error:  # noqa: BLE001 - any rejection is an answer, not a crash
+        return {"ok": False, "exit_code": None, "error": f"{type(error).__name__}: {error}"}
+
+
+def main() -> None:
+    # vLLM logs to stdout: keep the protocol on a private copy of it, send everything else to stderr.
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    top, serve, serve_parser = _parser()
+    for line in sys.stdin:
+        request = json.loads(line)
+        if request["op"] == "actions":
+            answer = {"actions": _actions(serve_parser)}
+        else:
+            answer = {"results": {c["id"]: _parse(top, serve, c) for c in request["commands"]}}
+        out.write(json.dumps(answer, default=repr) + "\n")
+        out.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""Contract with the REAL vLLM parser: every rendered engine command of every case is parsed by the
+`vllm serve` parser of its version (0.32.0, 0.33.0, each in its own venv, see
+tests/vllm/envs.py), and vLLM must understand what the seed's rules say.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from epd_operator.render import engine_flags
+
+from .cases import CASES, plans
+from .vllm_parser import VllmParser
+
+EC_ROLE = {"encoder": "ec_producer", "regular": "ec_consumer", "prefill": "ec_consumer", "decode": None}
+KV_ROLE = {"encoder": None, "regular": None, "prefill": "kv_producer", "decode": "kv_consumer"}
+
+# What each override case's groups change, by (case, group index), in vLLM's own terms.
+OVERRIDDEN: dict[tuple[str, int], dict[str, Any]] = {
+    ("overrides-regular", 0): {
+        "max_model_len": 4096,
+        "gpu_memory_utilization": 0.85,
+        "middleware": ["a.b:m1", "a.b:m2"],
+        "ec_connector_module_path": "my_connectors.ec",
+    },
+    ("overrides-regular", 1): {
+        "mm_encoder_only": False,
+        "enable_prefix_caching": True,
+        "enforce_eager": False,
+        "ec_buffer_device": "cpu",
+        "ec_connector_module_path": "my_connectors.ec",
+    },
+    ("overrides-prefill-decode", 0): {"disable_log_stats": True},
+    ("overrides-prefill-decode", 1): {
+        "enable_prefix_caching": False,
+        "max_num_batched_tokens": 8192,
+        "kv_buffer_device": "cpu",
+        "kv_connector_extra_config": {"backends": ["UCX"], "num_threads": 4},
+    },
+    ("overrides-prefill-decode", 2): {"kv_connector_extra_config": {"backends": ["UCX"]}},
+    ("overrides-prefill-decode", 3): {"kv_connector_extra_config": {"backends": ["UCX"]}},
+}
+EC_EXTRA = {"overrides-regular": {"flush_interval_s": 5}}
+EC_EXTRA_OVERRIDDEN = {("overrides-regular", 1): {"shm_budget": "4Gi"}}
+
+
+def _understood(result: dict[str, Any]) -> dict[str, Any]:
+    """What vLLM made of a command: parsed namespace, engine args, EC and KV config, flattened."""
+    engine = dict(result["engine"])
+    ec, kv = engine.pop("ec_transfer_config"), engine.pop("kv_transfer_config")
+    flat = {**result["namespace"], **engine, "ec_role": None, "kv_role": None}
+    if ec:
+        assert ec.pop("is_ec_transfer_config"), ec
+        flat.update(ec)
+    if kv:
+        assert kv.pop("is_kv_transfer_config"), kv
+        flat.update(kv)
+    return flat
+
+
+def _expected(case: str, plan, cmd) -> dict[str, Any]:
+    encoder = cmd.worker_type == "encoder"
+    ec_role = EC_ROLE[cmd.worker_type] if plan.ec_storage_path else None
+    want: dict[str, Any] = {
+        "model": cmd.args[2],
+        "served_model_name": [plan.served_model_name],
+        "host": "0.0.0.0",
+        "port": cmd.port,
+        "tensor_parallel_size": cmd.gpus,
+        "mm_encoder_only": encoder,
+        "enable_prefix_caching": False if encoder else None,
+        "enforce_eager": encoder,
+        "enable_scale_out": not encoder,
+        "ec_role": ec_role,
+        "kv_role": KV_ROLE[cmd.worker_type],
+    }
+    if ec_role:
+        want["ec_connector"] = "ECExampleConnector"
+        want["ec_connector_extra_config"] = {
+            **EC_EXTRA.get(case, {}),
+            **EC_EXTRA_OVERRIDDEN.get((case, cmd.group_index), {}),
+            "shared_storage_path": plan.ec_storage_path,
+        }
+    if want["kv_role"]:
+        want["kv_connector"] = "NixlConnector"
+        want["kv_connector_extra_config"] = {}
+    want.update(OVERRIDDEN.get((case, cmd.group_index), {}))
+    return want
+
+
+def test_every_rendered_engine_command_means_what_the_rules_say(vllm_parser: VllmParser) -> None:
+    version = vllm_parser.version
+    engines = {
+        f"{case}/{plan.name}/{cmd.container_name}": (case, plan, cmd)
+        for case in CASES
+        for plan in plans(case, version)
+        for cmd in plan.engines
+    }
+    assert {case for case, _, _ in engines.values()} == set(CASES)
+    results = vllm_parser.parse({key: cmd.args for key, (_, _, cmd) in engines.items()})
+    rejected = {key: r["error"] for key, r in results.items() if not r["ok"]}
+    assert not rejected, f"vLLM {version} rejected rendered commands:\n" + json.dumps(rejected, indent=1)
+    mismatches = {}
+    for key, (case, plan, cmd) in engines.items():
+        understood = _understood(results[key])
+        want = _expected(case, plan, cmd)
+        got = {name: understood.get(name, "<missing>") for name in want}
+        if got != want:
+            mismatches[key] = {n: {"want": want[n], "got": got[n]} for n in want if got[n] != want[n]}
+    assert not mismatches, json.dumps(mismatches, indent=1)
+
+
+def test_a_wrong_ec_role_is_rejected(vllm_parser: VllmParser) -> None:
+    encoder = plans("encoder-regular", vllm_parser.version)[0].engines[0]
+    argv = list(encoder.args)
+    at = argv.index("--ec-transfer-config") + 1
+    argv[at] = json.dumps({**json.loads(argv[at]), "ec_role": "ec_bogus"})
+    [result] = vllm_parser.parse({"bad": argv}).values()
+    assert not result["ok"] and result["exit_code"] == 2
+    assert "ec_role" in result["error"]
+
+
+def test_disable_prefix_caching_exists_only_in_0_33(vllm_parser: VllmParser) -> None:
+    [result] = vllm_parser.parse({"x": ["vllm", "serve", "m", "--disable-prefix-caching"]}).values()
+    if vllm_parser.version == "0.32":
+        assert not result["ok"] and result["exit_code"] == 2
+        assert "unrecognized arguments: --disable-prefix-caching" in result["error"]
+    else:
+        assert result["ok"] and result["engine"]["enable_prefix_caching"] is False
+
+
+BOOLEAN_KINDS = {"BooleanOptionalAction", "EnableDisableAction", "_StoreTrueAction"}
+
+
+def test_every_boolean_flag_is_spelled_the_way_the_parser_reads_it(vllm_parser: VllmParser) -> None:
+    version = vllm_parser.version
+    booleans = [a["dest"] for a in vllm_parser.actions() if a["kind"] in BOOLEAN_KINDS]
+    assert {"mm_encoder_only", "enable_prefix_caching", "enforce_eager", "enable_scale_out"} <= set(booleans)
+    argvs = {
+        f"{dest}={value}": ["vllm", "serve", "m", *engine_flags(version, {dest: value})]
+        for dest in booleans
+        for value in (True, False)
+    }
+    results = vllm_parser.parse(argvs, full=False)
+    wrong = {
+        key: argvs[key][3:] if not r["ok"] else r["namespace"][key.split("=")[0]]
+        for key, r in results.items()
+        if not r["ok"] or r["namespace"][key.split("=")[0]] is not (key.endswith("=True"))
+    }
+    assert not wrong, f"vLLM {version} read these boolean spellings differently: {wrong}"
+
+
+def test_every_list_flag_is_spelled_the_way_the_parser_reads_it(vllm_parser: VllmParser) -> None:
+    version = vllm_parser.version
+    lists = [a for a in vllm_parser.actions() if a["nargs"] in ("+", "*") or a["kind"] == "_AppendAction"]
+    assert {"middleware", "served_model_name"} <= {a["dest"] for a in lists}
+
+    def sample(action: dict[str, Any]) -> list[Any]:
+        if action["dest"] == "lora_modules":  # JSON objects: dicts render as JSON
+            return [{"name": "a", "path": "/a"}, {"name": "b", "path": "/b"}]
+        return [str(c) for c in action["choices"][:2]] if action["choices"] else ["1", "2"]
+
+    samples = {a["dest"]: sample(a) for a in lists}
+    argvs = {dest: ["vllm", "serve", "m", *engine_flags(version, {dest: value})] for dest, value in samples.items()}
+    results = vllm_parser.parse(argvs, full=False)
+    wrong = {}
+    for dest, result in results.items():
+        parsed = result["namespace"][dest] if result["ok"] else None
+        if dest == "lora_modules":
+            good = parsed is not None and len(parsed) == 2 and "'a'" in parsed[0] and "'b'" in parsed[1]
+        else:
+            good = parsed is not None and [str(item) for item in parsed] == samples[dest]
+        if not good:
+            wrong[dest] = {"argv": argvs[dest][3:], "parsed": parsed if result["ok"] else result["error"]}
+    assert not wrong, f"vLLM {version} read these list spellings differently: {wrong}"
+
+
+def test_flag_tables_list_exactly_the_parsers_exceptions(vllm_parser: VllmParser) -> None:
+    from epd_operator.render import _spelling
+
+    spelling = _spelling(vllm_parser.version)
+    actions = vllm_parser.actions()
+    assert spelling.store_true == {a["dest"] for a in actions if a["kind"] == "_StoreTrueAction"}
+    assert spelling.append == {a["dest"] for a in actions if a["kind"] == "_AppendAction"}

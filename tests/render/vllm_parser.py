@@ -1,0 +1,59 @@
+"""A long-lived parse_with_vllm.py per vLLM version (importing vLLM takes ~20 s, so every
+contract test of a version shares one process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HELPER = Path(__file__).with_name("parse_with_vllm.py")
+
+
+class VllmParser:
+    """parse_with_vllm.py running in the parser venv of one vLLM version."""
+
+    def __init__(self, version: str, python: Path) -> None:
+        self.version = version
+        self._log = tempfile.TemporaryFile("w+")
+        self._proc = subprocess.Popen(
+            [str(python), str(HELPER)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"},
+        )
+        self._actions: list[dict[str, Any]] | None = None
+
+    def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
+        assert self._proc.stdin and self._proc.stdout
+        self._proc.stdin.write(json.dumps(request) + "\n")
+        self._proc.stdin.flush()
+        line = self._proc.stdout.readline()
+        if not line:
+            self._log.seek(0)
+            pytest.fail(f"the vLLM {self.version} parser process died:\n{self._log.read()[-4000:]}")
+        return json.loads(line)
+
+    def actions(self) -> list[dict[str, Any]]:
+        """Every argument of `vllm serve`: dest, options, kind, nargs, type, choices."""
+        if self._actions is None:
+            self._actions = self._ask({"op": "actions"})["actions"]
+        return self._actions
+
+    def parse(self, argvs: dict[str, list[str]], *, full: bool = True) -> dict[str, dict[str, Any]]:
+        """Parse each argv (`["vllm", "serve", ...]`); see parse_with_vllm.py for the answer."""
+        commands = [{"id": key, "argv": argv, "full": full} for key, argv in argvs.items()]
+        return self._ask({"op": "parse", "commands": commands})["results"]
+
+    def close(self) -> None:
+        # Nothing to flush: killing skips vLLM's slow interpreter shutdown.
+        self._proc.kill()
+        self._proc.wait()
+        self._log.close()
