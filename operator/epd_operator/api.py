@@ -207,9 +207,10 @@ class Probes(_Schema):
 class EPDDeploymentSpec(_Schema):
     """Desired state: models served with encoder-prefill disaggregation."""
 
-    image: str = Field(min_length=1, description="vLLM image, e.g. vllm/vllm-openai:v0.33.0.")
+    image: str = Field(min_length=1, max_length=512, description="vLLM image, e.g. vllm/vllm-openai:v0.33.0.")
     vllm_version: str | None = Field(
         default=None,
+        max_length=64,
         pattern=r"^v?[0-9]+\.[0-9]+(\.[0-9]+)?([.+-].*)?$",
         description="vLLM version (selects argument templates); default: parsed from the image tag.",
     )

@@ -54,6 +54,9 @@ def _inline(node: Any, defs: dict[str, Any]) -> Any:
             node["x-kubernetes-preserve-unknown-fields"] = True
     if node.get("default") is None:
         node.pop("default", None)
+    if node.get("type") == "string" and "enum" in node:
+        # CEL cost estimates need bounded strings; an enum is as long as its longest value.
+        node["maxLength"] = max(len(v) for v in node["enum"])
     return node
 
 
@@ -115,11 +118,13 @@ def _add_cel_rules(spec: dict[str, Any]) -> None:
     groups["x-kubernetes-validations"] = [
         {
             "rule": "self.numGpus % self.numGpusPerEngine == 0",
-            "messageExpression": "'numGpus (' + string(self.numGpus) + ') must be a multiple of "
-            "numGpusPerEngine (' + string(self.numGpusPerEngine) + ')'",
+            "message": "numGpus must be a multiple of numGpusPerEngine",
         }
     ]
-    spec["properties"]["volumes"]["items"]["x-kubernetes-validations"] = [
+    volume = spec["properties"]["volumes"]["items"]
+    # Declared so that CEL can refer to it; the rest of a volume stays schemaless.
+    volume["properties"] = {"hostPath": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}
+    volume["x-kubernetes-validations"] = [
         {"rule": "!has(self.hostPath)", "message": "hostPath volumes are not allowed: use a PVC or emptyDir"}
     ]
 

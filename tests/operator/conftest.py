@@ -6,12 +6,7 @@ from typing import Iterator
 
 import pytest
 
-from .harness import OperatorProcess, install_crd
-
-
-@pytest.fixture(scope="session")
-def crd(cluster) -> None:
-    install_crd(cluster)
+from .harness import OperatorProcess
 
 
 @pytest.fixture(scope="session")

@@ -70,7 +70,7 @@ def test_encoder_regular_topology_becomes_ready(cluster, namespace, epd_operator
     assert encoder["readinessProbe"]["httpGet"]["path"] == "/health"
     assert [c["name"] for c in pod_spec["containers"]] == ["regular-0"]  # one consumer: no router
     for container in (encoder, *pod_spec["containers"]):
-        assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
         assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
     assert pod_spec["volumes"][0]["emptyDir"]["medium"] == "Memory"
     assert not any("hostPath" in v for v in pod_spec["volumes"])

