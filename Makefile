@@ -29,6 +29,7 @@ crds: $(PY)
 	$(PY) -m epd_operator.cli crds > crds/epddeployments.epd.vime.dev.yaml
 	mkdir -p charts/epd-operator/crds
 	cp crds/epddeployments.epd.vime.dev.yaml charts/epd-operator/crds/
+	$(PY) -c 'from epd_operator.crd import write_api_reference; write_api_reference("docs/api.md")'
 
 demo: cluster
 	$(PY) -m epd_localcluster.demo up

@@ -51,7 +51,7 @@ def test_open_maps_are_only_where_intended():
         "$.env[]", "$.env[].valueFrom", "$.ecConnector.extraConfig", "$.kvConnector.extraConfig",
         "$.models[].serverGroups[].overrides", "$.models[].serverGroups[].env[]",
         "$.models[].serverGroups[].env[].valueFrom", "$.tolerations[]", "$.affinity",
-        "$.imagePullSecrets[]", "$.volumes[]", "$.volumeMounts[]",
+        "$.imagePullSecrets[]", "$.volumes[]", "$.volumes[].hostPath", "$.volumeMounts[]",
     }
 
 
@@ -70,3 +70,9 @@ def test_layout_rules_are_cel_on_each_model():
 
 def test_yaml_round_trips():
     assert yaml.safe_load(render_crd_yaml()) == build_crd()
+
+
+def test_api_docs_carry_the_current_field_reference():
+    from epd_operator.crd import field_reference_markdown
+
+    assert field_reference_markdown() in (ROOT / "docs/api.md").read_text(), "run `make crds` and commit"
