@@ -1,0 +1,12 @@
+# The client library (operator/epd_client, docs/client.md). Included from the main
+# Makefile, which defines PY (the venv's python) and the `venv` target.
+
+.PHONY: bench-client test-client
+
+## bench-client: prime_encoder vs raw httpx vs a Vime-style loop against a stand-in server
+bench-client: venv
+	PYTHONPATH=operator $(PY) benchmarks/bench_client.py
+
+## test-client: the client library's tests (no cluster, no vLLM)
+test-client: venv
+	PYTHONPATH=operator $(PY) -m pytest -q tests/client

@@ -1,0 +1,148 @@
+"""Where a model's EPD units are: plain, immutable data, parsed from explicit URLs, a Vime
+args object or an EPDDeployment status."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ._errors import EndpointsError, NoReadyUnitError
+
+
+class VimeArgs(Protocol):
+    """What Vime's rollout passes around: ``{model_name: (served model, [encoder URLs])}``."""
+
+    vllm_model_encoder_endpoints: Mapping[str, tuple[str, Sequence[str]]]
+
+
+def _base_url(url: str) -> str:
+    return url.rstrip("/")
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One EPD unit: one pod whose encoders and consumers share a node-local EC store."""
+
+    name: str
+    encoder_urls: tuple[str, ...] = ()
+    router_url: str | None = None
+    consumer_urls: tuple[str, ...] = ()
+    ready: bool = True
+    pod: str | None = None
+    node: str | None = None
+
+    def __post_init__(self) -> None:
+        # Accept any sequence and trailing slashes; paths are appended as "/v1/...".
+        object.__setattr__(self, "encoder_urls", tuple(map(_base_url, self.encoder_urls)))
+        object.__setattr__(self, "consumer_urls", tuple(map(_base_url, self.consumer_urls)))
+        if self.router_url is not None:
+            object.__setattr__(self, "router_url", _base_url(self.router_url))
+
+    @property
+    def entry_url(self) -> str | None:
+        """Where render/generate go: the unit's router, else its first consumer."""
+        if self.router_url:
+            return self.router_url
+        return self.consumer_urls[0] if self.consumer_urls else None
+
+
+@dataclass(frozen=True)
+class ModelEndpoints:
+    name: str
+    units: tuple[Unit, ...]
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "units", tuple(self.units))
+
+    @property
+    def served_name(self) -> str:
+        """The ``model`` field of requests sent to the engines."""
+        return self.served_model_name or self.name
+
+    def ready_units(self) -> tuple[Unit, ...]:
+        ready = tuple(u for u in self.units if u.ready)
+        if not ready:
+            raise NoReadyUnitError(f"model {self.name!r} has no ready unit (of {len(self.units)})")
+        return ready
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """The models of one EPD deployment and their units."""
+
+    models: tuple[ModelEndpoints, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "models", tuple(self.models))
+
+    def model(self, name: str) -> ModelEndpoints:
+        for model in self.models:
+            if model.name == name:
+                return model
+        known = ", ".join(repr(m.name) for m in self.models) or "none"
+        raise EndpointsError(f"unknown model {name!r} (known: {known})")
+
+    @classmethod
+    def from_urls(
+        cls,
+        encoder_urls: Iterable[str],
+        entry_url: str | None = None,
+        *,
+        model_name: str = "default",
+        served_model_name: str | None = None,
+    ) -> Endpoints:
+        """One model with one unit from explicit URLs. ``entry_url`` is its router or
+        consumer, needed only for generate. Build Unit objects yourself for several units."""
+        unit = Unit(
+            name=model_name,
+            encoder_urls=tuple(encoder_urls),
+            consumer_urls=(entry_url,) if entry_url else (),
+        )
+        return cls((ModelEndpoints(model_name, (unit,), served_model_name),))
+
+    @classmethod
+    def from_vime_args(cls, args: VimeArgs) -> Endpoints:
+        """Vime runs on one node, so each model's encoders form a single unit."""
+        return cls(
+            tuple(
+                ModelEndpoints(name, (Unit(name=name, encoder_urls=tuple(urls)),), served)
+                for name, (served, urls) in args.vllm_model_encoder_endpoints.items()
+            )
+        )
+
+    @classmethod
+    def from_status(cls, status: Mapping[str, Any]) -> Endpoints:
+        """Parse ``status`` of an EPDDeployment (camelCase, as the operator writes it)."""
+        try:
+            return cls(tuple(_model_from_status(m) for m in status.get("models") or ()))
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise EndpointsError(f"malformed EPDDeployment status: {exc!r}") from exc
+
+
+def _model_from_status(model: Mapping[str, Any]) -> ModelEndpoints:
+    units = tuple(
+        Unit(
+            name=unit["name"],
+            encoder_urls=tuple(unit.get("encoderUrls") or ()),
+            router_url=unit.get("routerUrl"),
+            consumer_urls=tuple(unit.get("consumerUrls") or ()),
+            # A unit the operator has not yet called ready must not receive traffic.
+            ready=unit.get("ready") is True,
+            pod=unit.get("pod"),
+            node=unit.get("node"),
+        )
+        for unit in model.get("units") or ()
+    )
+    return ModelEndpoints(model["name"], units, model.get("servedModelName"))
+
+
+def rendezvous(units: Sequence[Unit], key: str) -> Unit:
+    """Highest-random-weight choice: stable for a key, and when a unit leaves only its own
+    keys move (a modulo hash would reshuffle almost all of them)."""
+    return max(
+        units,
+        key=lambda u: hashlib.blake2b(f"{key}\0{u.name}".encode(), digest_size=8).digest(),
+    )

@@ -1,0 +1,145 @@
+"""Pooled HTTP with bounded concurrency, and the retry loop around each request."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import ssl
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import httpx
+
+from ._errors import RequestError
+from ._retry import RETRYABLE_STATUS, RetryableStatus, RetryPolicy, retrying
+
+
+@functools.cache
+def _ssl_context() -> ssl.SSLContext:
+    # httpx builds a new context per client by default, which costs 20-80 ms (it loads the
+    # CA bundle); short-lived clients made by prime_encoder(args, ...) share this one.
+    return ssl.create_default_context()
+
+
+# httpcore scans every connection of a pool on each request and response, so one pool
+# with 64 connections costs ~3x the CPU per request of pools of 8 (docs/performance.md).
+_POOL_SIZE = 8
+
+
+class _Pool:
+    __slots__ = ("client", "load")
+
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self.client = client
+        self.load = 0
+
+
+class Transport:
+    def __init__(
+        self,
+        policy: RetryPolicy,
+        max_concurrency: int,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        if max_concurrency < 1:
+            raise ValueError("max_concurrency must be at least 1")
+        self.policy = policy
+        self._headers = headers
+        # The semaphore bounds concurrency, not the pools: it is released during backoff
+        # sleeps, and a waiting request counts against its deadline, not its attempt timeout.
+        self._slots = asyncio.Semaphore(max_concurrency)
+        # Small pools per base URL, added as load grows; never more than the semaphore
+        # lets through, so a request never queues inside httpcore.
+        self._pools: dict[str, list[_Pool]] = {}
+
+    async def aclose(self) -> None:
+        pools = [pool for pools in self._pools.values() for pool in pools]
+        self._pools.clear()
+        for pool in pools:
+            await pool.client.aclose()
+
+    def _pool(self, base_url: str) -> _Pool:
+        pools = self._pools.setdefault(base_url, [])
+        pool = min(pools, key=lambda p: p.load, default=None)
+        if pool is None or pool.load >= _POOL_SIZE:
+            pool = _Pool(
+                httpx.AsyncClient(
+                    headers=self._headers,
+                    verify=_ssl_context(),
+                    timeout=httpx.Timeout(None, connect=self.policy.connect_timeout),
+                    limits=httpx.Limits(
+                        max_connections=_POOL_SIZE, max_keepalive_connections=_POOL_SIZE
+                    ),
+                )
+            )
+            pools.append(pool)
+        return pool
+
+    async def post(
+        self, urls: Sequence[str], path: str, body: Any, *, first: int = 0
+    ) -> httpx.Response:
+        """POST ``body`` as JSON to ``urls[first] + path``; each retry moves to the next URL.
+
+        Raises RequestError once the request cannot succeed.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.policy.deadline
+        tried: list[str] = []
+        try:
+            async for attempt in retrying(self.policy):
+                with attempt:
+                    url = urls[(first + attempt.retry_state.attempt_number - 1) % len(urls)]
+                    tried.append(url)
+                    return await self._attempt(url, path, body, deadline)
+        except (RetryableStatus, _FatalStatus) as exc:
+            raise _request_error(path, tried, exc.response) from exc
+        except _DeadlineExceeded as exc:
+            raise RequestError(path, tried, attempts=len(tried), reason=str(exc)) from exc
+        except TimeoutError as exc:
+            raise RequestError(path, tried, attempts=len(tried), reason="timed out") from exc
+        except httpx.HTTPError as exc:
+            reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            raise RequestError(path, tried, attempts=len(tried), reason=reason) from exc
+        raise AssertionError("unreachable: tenacity either returns or reraises")
+
+    async def _attempt(
+        self, base_url: str, path: str, body: Any, deadline: float
+    ) -> httpx.Response:
+        async with self._slots:
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                raise _DeadlineExceeded(f"deadline of {self.policy.deadline} s passed")
+            pool = self._pool(base_url)
+            pool.load += 1
+            try:
+                async with asyncio.timeout(min(self.policy.attempt_timeout, remaining)):
+                    response = await pool.client.post(
+                        base_url + path, json=body, headers={"x-request-id": uuid.uuid4().hex}
+                    )
+            finally:
+                pool.load -= 1
+        if response.status_code >= 500 or response.status_code in RETRYABLE_STATUS:
+            raise RetryableStatus(response)
+        if response.is_error:
+            raise _FatalStatus(response)
+        return response
+
+
+class _FatalStatus(Exception):
+    def __init__(self, response: httpx.Response) -> None:
+        self.response = response
+        super().__init__(response.status_code)
+
+
+class _DeadlineExceeded(Exception):
+    pass
+
+
+def _request_error(path: str, tried: list[str], response: httpx.Response) -> RequestError:
+    # vLLM puts the reason in a short JSON body; keep enough of it to be useful.
+    excerpt = response.text[:300].strip()
+    reason = f"HTTP {response.status_code}" + (f": {excerpt}" if excerpt else "")
+    return RequestError(
+        path, tried, attempts=len(tried), reason=reason, status_code=response.status_code
+    )

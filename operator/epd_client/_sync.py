@@ -1,0 +1,50 @@
+"""Blocking wrappers for scripts and notebooks; each call runs its own event loop and
+connection pool, so prefer the async API where one is running."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine, Iterable, Mapping
+from typing import Any, TypeVar
+
+from ._client import EPDClient, Message, prime_encoder
+from ._endpoints import Endpoints, VimeArgs
+from ._retry import RetryPolicy
+
+T = TypeVar("T")
+
+
+def prime_encoder_sync(
+    target: VimeArgs | Endpoints,
+    messages: Iterable[Message],
+    *,
+    model_name: str = "default",
+) -> None:
+    """Blocking ``prime_encoder``."""
+    _run(lambda: prime_encoder(target, messages, model_name=model_name))
+
+
+def generate_sync(
+    endpoints: Endpoints,
+    request: Mapping[str, Any],
+    *,
+    key: str | None = None,
+    model_name: str = "default",
+    retry: RetryPolicy | None = None,
+) -> Any:
+    """Blocking ``EPDClient.generate``."""
+
+    async def run() -> Any:
+        async with EPDClient(endpoints, retry=retry) as client:
+            return await client.generate(request, key=key, model_name=model_name)
+
+    return _run(run)
+
+
+def _run(make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    # Check first: asyncio.run would fail only after the coroutine exists, and warn about it.
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(make())
+    raise RuntimeError("an event loop is running here: await the async API instead")

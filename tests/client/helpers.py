@@ -1,0 +1,64 @@
+"""Shared pieces of the client tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from epd_client import RetryPolicy, Unit
+
+from .standin_server import StandinServer
+
+# Quick retries so failure paths take milliseconds.
+FAST = RetryPolicy(max_attempts=4, backoff=0.01, max_backoff=0.05, attempt_timeout=2, deadline=10)
+
+
+def image_messages(count: int) -> list[dict[str, Any]]:
+    """A system text, then ``count`` images spread over two user messages, with parts the
+    client must ignore (text, audio, a non-string image URL)."""
+    images = [
+        {"type": "image_url", "image_url": {"url": f"https://images.test/{i}.png"}}
+        for i in range(count)
+    ]
+    half = count // 2
+    return [
+        {"role": "system", "content": "You describe pictures."},
+        {"role": "user", "content": [{"type": "text", "text": "first"}, *images[:half]]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "input_audio", "input_audio": {"data": "...", "format": "wav"}},
+                {"type": "image_url", "image_url": {"url": None}},
+                *images[half:],
+            ],
+        },
+    ]
+
+
+def image_urls(server: StandinServer) -> list[str]:
+    """Image URLs of the prime requests a stand-in received, in arrival order."""
+    return [
+        r.body["messages"][0]["content"][0]["image_url"]["url"]
+        for r in server.requests("/v1/chat/completions")
+    ]
+
+
+@dataclass
+class UnitServers:
+    """Stand-ins for one EPD unit: encoders and a consumer sharing one EC store."""
+
+    name: str
+    encoders: list[StandinServer]
+    consumer: StandinServer
+
+    def unit(self, *, ready: bool = True) -> Unit:
+        return Unit(
+            name=self.name,
+            encoder_urls=tuple(e.url for e in self.encoders),
+            consumer_urls=(self.consumer.url,),
+            ready=ready,
+        )
+
+    @property
+    def prime_count(self) -> int:
+        return sum(len(e.requests("/v1/chat/completions")) for e in self.encoders)

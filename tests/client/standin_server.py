@@ -1,0 +1,216 @@
+"""A STAND-IN for vLLM engines, NOT vLLM: a small HTTP server answering the four calls
+the client makes, in vLLM's shapes, and recording every request.
+
+It exists for what a real engine cannot be made to do on demand (answer slowly, be
+counted, be run by the dozen in a unit test) and for the client benchmark. Tests that
+need vLLM's real behaviour belong with the real engines (tests/vllm).
+
+- ``POST /v1/chat/completions``: a chat completion; every image URL in it is added to
+  ``ec_store``, as an encoder publishing embeddings through its EC connector would.
+- ``POST /v1/chat/completions/render``: ``{"token_ids": [...], "features": {"mm_hashes":
+  [...]}, ...}``; the hash of an image here is the hash of its URL.
+- ``POST /inference/v1/generate``: takes the render response; counts each mm_hash found
+  in ``ec_store`` as a hit, else a miss (real vLLM would encode the image itself, silently).
+- ``GET /health``: 200.
+
+Give the encoders and the consumer of one unit the same ``ec_store`` set to model the
+node-local EC directory. For a separate process run, from the repository root,
+``python -m tests.client.standin_server --port 0``: it prints its URL on the first line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import itertools
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from .httpkit import BackgroundServer, read_request, response_bytes
+
+
+def mm_hash(url: str) -> str:
+    return hashlib.sha256(url.encode()).hexdigest()
+
+
+@dataclass
+class Record:
+    path: str
+    headers: dict[str, str]  # lower-case names
+    body: Any
+    connection: int
+    started: float  # time.monotonic()
+    finished: float | None = None
+    status: int | None = None
+    aborted: bool = False  # the client went away before the answer
+
+
+class StandinServer:
+    """In-process use: ``with StandinServer(delay=0.2) as server: ... server.url``."""
+
+    def __init__(
+        self, *, delay: float = 0.0, ec_store: set[str] | None = None, port: int = 0
+    ) -> None:
+        self.delay = delay
+        self.ec_store = ec_store if ec_store is not None else set()
+        self.records: list[Record] = []
+        self.open_connections = 0
+        self.ec_hits = 0
+        self.ec_misses = 0
+        self._connection_ids = itertools.count()
+        self._server = BackgroundServer(self.handle, port=port)
+
+    @property
+    def url(self) -> str:
+        return self._server.url
+
+    def __enter__(self) -> StandinServer:
+        self._server.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._server.stop()
+
+    def requests(self, path: str) -> list[Record]:
+        return [r for r in self.records if r.path == path]
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connection = next(self._connection_ids)
+        self.open_connections += 1
+        try:
+            while (request := await read_request(reader)) is not None:
+                record = Record(
+                    request.target,
+                    {k.lower(): v for k, v in request.headers},
+                    _json_or_none(request.body),
+                    connection,
+                    time.monotonic(),
+                )
+                self.records.append(record)
+                if self.delay and await _client_left_during(reader, self.delay):
+                    record.aborted = True
+                    return
+                record.status, payload = self._answer(request.method, request.target, record.body)
+                writer.write(response_bytes(record.status, json.dumps(payload).encode()))
+                await writer.drain()
+                record.finished = time.monotonic()
+                if not request.keep_alive:
+                    return
+        except ConnectionError:
+            pass
+        finally:
+            self.open_connections -= 1
+            writer.close()
+
+    def _answer(self, method: str, path: str, body: Any) -> tuple[int, Any]:
+        if method == "GET" and path == "/health":
+            return 200, {}
+        if method != "POST":
+            return 404, {"error": "not found"}
+        if not isinstance(body, dict):
+            return 400, {"error": "body must be a JSON object"}
+        if path == "/v1/chat/completions":
+            self.ec_store.update(mm_hash(u) for u in _image_urls(body))
+            return 200, _chat_completion(body)
+        if path == "/v1/chat/completions/render":
+            return 200, _render(body)
+        if path == "/inference/v1/generate":
+            return self._generate(body)
+        return 404, {"error": "not found"}
+
+    def _generate(self, body: dict[str, Any]) -> tuple[int, Any]:
+        if not isinstance(body.get("token_ids"), list):
+            return 400, {"error": "token_ids required (send the render response)"}
+        for h in (body.get("features") or {}).get("mm_hashes", []):
+            if h in self.ec_store:
+                self.ec_hits += 1
+            else:
+                self.ec_misses += 1
+        return 200, {
+            "request_id": body.get("request_id"),
+            "choices": [{"index": 0, "token_ids": [7, 8, 9], "finish_reason": "length"}],
+        }
+
+
+async def _client_left_during(reader: asyncio.StreamReader, seconds: float) -> bool:
+    """Sleep, but notice at once when the client closes the connection (HTTP/1.1 clients
+    send nothing more before the answer, so any read completing means EOF)."""
+    eof = asyncio.ensure_future(reader.read(1))
+    done, _ = await asyncio.wait({eof}, timeout=seconds)
+    if not done:
+        eof.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await eof  # the reader allows one waiter: the next read must not race this one
+    return bool(done)
+
+
+def _json_or_none(raw: bytes) -> Any:
+    try:
+        return json.loads(raw) if raw else None
+    except ValueError:
+        return None
+
+
+def _image_urls(body: dict[str, Any]) -> list[str]:
+    return [
+        part["image_url"]["url"]
+        for message in body.get("messages") or []
+        if isinstance(message.get("content"), list)
+        for part in message["content"]
+        if isinstance(part, dict)
+        and part.get("type") == "image_url"
+        and isinstance(part["image_url"].get("url"), str)
+    ]
+
+
+def _chat_completion(body: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": body.get("model"),
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "x"},
+                "finish_reason": "length",
+            }
+        ],
+        "usage": {"prompt_tokens": 8, "completion_tokens": 1, "total_tokens": 9},
+    }
+
+
+def _render(body: dict[str, Any]) -> dict[str, Any]:
+    hashes = [mm_hash(u) for u in _image_urls(body)]
+    return {
+        "request_id": f"render-{uuid.uuid4().hex}",
+        "model": body.get("model"),
+        "token_ids": [1, 2, 3, 4],
+        "features": {
+            "mm_hashes": hashes,
+            "mm_placeholders": [{"offset": 1, "length": 1} for _ in hashes],
+        }
+        if hashes
+        else None,
+        "sampling_params": {"max_tokens": body.get("max_tokens", 16)},
+    }
+
+
+async def _serve_forever(port: int, delay: float) -> None:
+    server = StandinServer(delay=delay)
+    listener = await asyncio.start_server(server.handle, "127.0.0.1", port)
+    print(f"http://127.0.0.1:{listener.sockets[0].getsockname()[1]}", flush=True)
+    await listener.serve_forever()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--delay", type=float, default=0.0, help="seconds before each answer")
+    cli = parser.parse_args()
+    asyncio.run(_serve_forever(cli.port, cli.delay))
