@@ -62,6 +62,7 @@ def _run(args: argparse.Namespace) -> None:
         all_namespaces=args.all_namespaces,
         peering=args.peering,
         standalone=args.standalone,
+        priority=args.priority,
         liveness=args.liveness,
         metrics_port=args.metrics_port,
         log_level=args.log_level,
@@ -90,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace")
     run.add_argument("--peering", default=None, help="kopf peering name for leader election among replicas")
     run.add_argument("--standalone", action="store_true", help="no peering (a single replica)")
+    run.add_argument(
+        "--priority",
+        default="0",
+        help="peering priority: the highest live peer works, the others stand by; 'random' gives "
+        "each replica its own (kopf pauses every peer while two share the top priority)",
+    )
     run.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="liveness endpoint URL")
     run.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port (0: off)")
     run.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])

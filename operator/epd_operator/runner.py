@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import random
 
 import kopf
 
@@ -17,6 +18,7 @@ def run(
     all_namespaces: bool,
     peering: str | None,
     standalone: bool,
+    priority: str,
     liveness: str | None,
     metrics_port: int,
     log_level: str,
@@ -26,6 +28,8 @@ def run(
         raise SystemExit("epd-operator run: pass --namespace NAME (repeatable) or --all-namespaces")
     if peering and standalone:
         raise SystemExit("epd-operator run: --peering and --standalone exclude each other")
+    if priority != "random" and not priority.lstrip("-").isdigit():
+        raise SystemExit(f"epd-operator run: --priority takes an integer or 'random', not {priority!r}")
     kopf.configure(
         debug=log_level == "DEBUG",
         verbose=log_level in ("DEBUG", "INFO"),
@@ -43,5 +47,6 @@ def run(
         namespaces=namespaces,
         standalone=standalone or not peering,
         peering_name=peering,
+        priority=random.randrange(1, 2**31) if priority == "random" else int(priority),
         liveness_endpoint=liveness or None,
     )

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
@@ -31,6 +32,14 @@ def install_crd(cluster: Any) -> None:
 class OperatorProcess:
     """`epd-operator run` as a subprocess; logs go to a file that failures print."""
 
+    _instances: "weakref.WeakSet[OperatorProcess]" = weakref.WeakSet()
+
+    @classmethod
+    def running(cls, kubeconfig: Path) -> list["OperatorProcess"]:
+        """Operators of this session alive on a cluster (tests that need to be the only one stop them)."""
+        return [o for o in cls._instances if o.kubeconfig == kubeconfig and o.proc is not None
+                and o.proc.poll() is None]
+
     def __init__(self, kubeconfig: Path, log_dir: Path, *, extra_args: list[str] | None = None,
                  env: dict[str, str] | None = None):
         self.kubeconfig = kubeconfig
@@ -47,11 +56,13 @@ class OperatorProcess:
         log = self.log_path.open("a")
         log.write(f"\n===== start {time.strftime('%H:%M:%S')} =====\n")
         log.flush()
-        cmd = [sys.executable, "-m", "epd_operator.cli", "run", *self.extra_args, "--standalone",
+        peering = [] if any(a.startswith("--peering") for a in self.extra_args) else ["--standalone"]
+        cmd = [sys.executable, "-m", "epd_operator.cli", "run", *self.extra_args, *peering,
                "--metrics-port", str(self.metrics_port),
                "--liveness", f"http://127.0.0.1:{self.liveness_port}/healthz"]
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), **self.env}
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        OperatorProcess._instances.add(self)
         wait_for(self._live, timeout, "operator liveness endpoint", self.tail)
         return self
 
