@@ -1,0 +1,18 @@
+"""A real local Kubernetes control plane for tests and demos.
+
+Built from upstream Go modules (``python -m epd_localcluster.build``) and run as
+plain processes with kwok fake GPU nodes (``python -m epd_localcluster up``).
+"""
+
+from .binaries import ETCD_VERSION, HELM_VERSION, K8S_VERSION, KWOK_VERSION
+from .cluster import ClusterBusy, ClusterError, LocalCluster
+
+__all__ = [
+    "ClusterBusy",
+    "ClusterError",
+    "ETCD_VERSION",
+    "HELM_VERSION",
+    "K8S_VERSION",
+    "KWOK_VERSION",
+    "LocalCluster",
+]

@@ -1,0 +1,681 @@
+"""A real Kubernetes control plane on loopback, with kwok standing in for kubelets.
+
+    python -m epd_localcluster up|down|status [--dir .cluster] [--nodes 4]
+
+Runs etcd, kube-apiserver (TLS, RBAC, service-account tokens), kube-controller-
+manager, kube-scheduler and kwok as plain processes built by
+``epd_localcluster.build``. kwok keeps N fake GPU nodes Ready and marks the pods
+the scheduler binds to them Running and Ready; nothing runs in containers.
+
+Everything about one cluster lives in its folder: credentials, kubeconfigs,
+etcd data, logs and ``state.json`` (the pids), so ``down`` works from any
+process and the next ``up`` kills whatever a crashed run left behind. Ports are
+picked free at start, so clusters in different folders do not collide; the
+process that started a cluster owns its folder (a flock) until it stops it or
+exits, so a second start there fails with ClusterBusy instead of killing it.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import ctypes
+import fcntl
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from . import binaries
+
+# Service and pod address ranges; nothing routes to them, they only need to be valid.
+SERVICE_CIDR = "10.96.0.0/16"
+FIRST_SERVICE_IP = "10.96.0.1"
+POD_CIDR = "10.244.0.1/16"
+# The apiserver listens on loopback only, but the `kubernetes` Service's
+# endpoints may not be a loopback IP. Nothing routes Service traffic here (no
+# kube-proxy), so a documentation address (RFC 5737) keeps that Service valid
+# without pretending it is reachable.
+ADVERTISE_ADDRESS = "192.0.2.1"
+
+# kwok manages exactly the nodes carrying this annotation (kwok's own convention).
+KWOK_ANNOTATION = ("kwok.x-k8s.io/node", "fake")
+NODE_RESOURCES = {
+    "cpu": "32",
+    "memory": "256Gi",
+    "pods": "110",
+    "nvidia.com/gpu": "8",
+    "ephemeral-storage": "1Ti",
+}
+
+# Start order; stop goes in reverse.
+COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
+
+# Entries of the cluster folder this module owns (wiped on a fresh start).
+_OWNED = ("state.json", "kubeconfig", "pki", "kubeconfigs", "etcd", "logs", "run", "bin", "kwok.yaml")
+
+_PR_SET_PDEATHSIG = 1
+
+# Project-specific kwok Stages (e.g. simulating failed probes), loaded after
+# kwok's standard ones.
+EXTRA_STAGES_DIR = Path(__file__).parent / "stages"
+
+
+class ClusterError(RuntimeError):
+    pass
+
+
+class ClusterBusy(ClusterError):
+    """Another live process owns the cluster in this folder."""
+
+
+@dataclass
+class _Proc:
+    name: str
+    pid: int
+    start_ticks: int  # /proc start time: tells our process from a recycled pid
+    popen: subprocess.Popen | None = None  # set when this process started it
+
+
+def _proc_start_ticks(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # Field 22 (start time); split after the last ')' as the name may hold spaces.
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def _alive(proc: _Proc) -> bool:
+    """Running (not a zombie) and still the process we started, not a recycled pid."""
+    try:
+        fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return fields[0] != "Z" and int(fields[19]) == proc.start_ticks
+
+
+def _free_ports(n: int) -> list[int]:
+    # Hold every socket until all are chosen so one call never returns duplicates.
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _b64(path: Path) -> str:
+    return base64.b64encode(path.read_bytes()).decode()
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def _fmt(seconds: float) -> str:
+    return f"{seconds:.1f}s"
+
+
+class LocalCluster:
+    """One local control plane rooted at ``dir``.
+
+    ``nodes`` fake GPU nodes are created; ``bin_dir`` defaults to the build
+    cache; ``extra_stages`` are kwok Stage files added to kwok's standard ones
+    (default: this package's ``stages/*.yaml``).
+
+    >>> with LocalCluster(".cluster", nodes=4) as c:
+    ...     c.kubectl("get", "nodes")
+    """
+
+    def __init__(
+        self,
+        dir: str | os.PathLike = ".cluster",
+        nodes: int = 4,
+        *,
+        bin_dir: str | os.PathLike | None = None,
+        die_with_parent: bool = False,
+        extra_stages: list[str | os.PathLike] | None = None,
+        log: Callable[[str], None] | None = None,
+    ) -> None:
+        self.dir = Path(dir).resolve()
+        self.nodes = nodes
+        self.bin_dir = Path(bin_dir) if bin_dir else binaries.bin_dir()
+        # For test sessions: the kernel kills the components if the launching
+        # process dies (even by SIGKILL), so no orphan outlives a killed pytest.
+        # SIGKILL, not SIGTERM: all would get it at once, and an apiserver whose
+        # etcd vanished first does not finish a graceful shutdown.
+        self.die_with_parent = die_with_parent
+        self.extra_stages = (
+            [Path(p) for p in extra_stages] if extra_stages is not None
+            else sorted(EXTRA_STAGES_DIR.glob("*.yaml"))
+        )
+        self._log = log or (lambda msg: print(f"[cluster] {msg}", flush=True))
+        self._procs: dict[str, _Proc] = {}
+        self._ports: dict[str, int] = {}
+        self._owner_lock: Any = None  # open file holding flock(<dir>/owner.lock)
+
+    # ------------------------------------------------------------------ paths
+
+    @property
+    def kubeconfig(self) -> Path:
+        """Admin kubeconfig (group system:masters)."""
+        return self.dir / "kubeconfig"
+
+    @property
+    def state_file(self) -> Path:
+        return self.dir / "state.json"
+
+    @property
+    def logs(self) -> Path:
+        return self.dir / "logs"
+
+    @property
+    def pki(self) -> Path:
+        return self.dir / "pki"
+
+    @property
+    def server(self) -> str:
+        port = self._ports.get("apiserver") or self._state()["ports"]["apiserver"]
+        return f"https://127.0.0.1:{port}"
+
+    @property
+    def node_names(self) -> list[str]:
+        return [f"kwok-node-{i}" for i in range(self.nodes)]
+
+    def env(self) -> dict[str, str]:
+        """Environment for tools run against this cluster (kubectl, helm, kopf)."""
+        return {
+            **os.environ,
+            "KUBECONFIG": str(self.kubeconfig),
+            "PATH": f"{self.dir / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
+            # Keep kubectl's discovery cache and helm's state out of $HOME.
+            "KUBECACHEDIR": str(self.dir / "run" / "kube-cache"),
+            "HELM_CACHE_HOME": str(self.dir / "run" / "helm" / "cache"),
+            "HELM_CONFIG_HOME": str(self.dir / "run" / "helm" / "config"),
+            "HELM_DATA_HOME": str(self.dir / "run" / "helm" / "data"),
+        }
+
+    # ------------------------------------------------------------- lifecycle
+
+    def __enter__(self) -> "LocalCluster":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self, timeout: float = 180) -> "LocalCluster":
+        """Start a fresh cluster, killing whatever an earlier run left in ``dir``."""
+        missing = [n for n in binaries.NAMES if not os.access(self.bin_dir / n, os.X_OK)]
+        if missing:
+            raise ClusterError(
+                f"control plane binaries missing from {self.bin_dir}: {', '.join(missing)}. "
+                "Build them once with: make cluster"
+            )
+        for attempt in (1, 2):
+            try:
+                self._start(timeout)
+                return self
+            except ClusterError as err:
+                # A port picked free can be taken by someone else before the
+                # component binds it; that race deserves one more try.
+                if attempt == 1 and "address already in use" in str(err):
+                    self._log("a port was taken meanwhile; retrying with new ports")
+                    continue
+                raise
+        raise AssertionError("unreachable")
+
+    def _start(self, timeout: float) -> None:
+        began = time.monotonic()
+        deadline = began + timeout
+        self._claim_dir()
+        leftovers = self._terminate_recorded()
+        if leftovers:
+            self._log(f"killed leftovers of an earlier run in {self.dir}: {', '.join(leftovers)}")
+        self._reset_dir()
+        names = ("etcd", "etcd-peer", "apiserver", "controller-manager", "scheduler", "kwok")
+        ports = dict(zip(names, _free_ports(len(names)), strict=True))
+        self._ports = ports
+        self._procs = {}
+        self._write_state()
+        self._write_credentials()
+        self._link_tools()
+        self._log(f"starting in {self.dir} (apiserver port {ports['apiserver']}, {self.nodes} nodes)")
+        try:
+            self._spawn("etcd", self._etcd_args())
+            self._wait("etcd healthy", self._etcd_healthy, deadline, "etcd")
+            self._spawn("kube-apiserver", self._apiserver_args())
+            self._wait("kube-apiserver ready", self._apiserver_ready, deadline, "kube-apiserver")
+            # Nodes exist before kwok starts so it picks them all up at once.
+            self._create_nodes()
+            self._spawn("kube-controller-manager", self._controller_manager_args())
+            self._spawn("kube-scheduler", self._scheduler_args())
+            self._spawn("kwok", self._kwok_args())
+            self._wait("kube-controller-manager healthy",
+                       lambda: self._https_ok(ports["controller-manager"]), deadline,
+                       "kube-controller-manager")
+            self._wait("kube-scheduler healthy",
+                       lambda: self._https_ok(ports["scheduler"]), deadline, "kube-scheduler")
+            self._wait("kwok healthy", self._kwok_healthy, deadline, "kwok")
+            self._wait(f"{self.nodes} nodes Ready and untainted", self._nodes_ready, deadline, "kwok")
+            self._wait("default ServiceAccount", self._default_sa_exists, deadline,
+                       "kube-controller-manager")
+        except BaseException:
+            self.stop(quiet=True)
+            raise
+        self._log(f"cluster ready in {_fmt(time.monotonic() - began)}; KUBECONFIG={self.kubeconfig}")
+
+    def stop(self, quiet: bool = False) -> None:
+        """Stop every component recorded in ``state.json`` (works from any process)."""
+        stopped = self._terminate_recorded()
+        if self._owner_lock is not None:
+            self._owner_lock.close()  # releases the flock
+            self._owner_lock = None
+        if stopped and not quiet:
+            self._log(f"stopped {', '.join(stopped)}")
+
+    def _terminate_recorded(self, grace: float = 10) -> list[str]:
+        """Terminate what state.json lists, dependents first; return the names stopped.
+
+        One at a time in reverse start order: the apiserver shuts down cleanly
+        in about a second while etcd is still there, but hangs if etcd goes first.
+        """
+        running = [p for p in self._recorded_procs() if _alive(p)]
+        for proc in reversed(running):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)  # pgid == pid: own session
+                deadline = time.monotonic() + grace
+                while _alive(proc) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                if _alive(proc):
+                    self._log(f"{proc.name} ignored SIGTERM for {grace:.0f}s; killing it")
+                    os.killpg(proc.pid, signal.SIGKILL)
+        for proc in self._procs.values():
+            if proc.popen is not None:
+                proc.popen.wait()  # reap our own children (no zombies)
+        self._procs = {}
+        if self.state_file.exists():
+            self.state_file.unlink()
+        return [p.name for p in reversed(running)]
+
+    def _claim_dir(self) -> None:
+        """Refuse a folder whose cluster another live process (a test session) owns.
+
+        The owner holds flock(<dir>/owner.lock) until stop() or its exit, even
+        by SIGKILL. The CLI's `up` exits once the cluster is ready, so a cluster
+        it started has no owner: another `up` may replace it, `down` stops it.
+        """
+        if self._owner_lock is not None:
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        lock = open(self.dir / "owner.lock", "a")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            try:
+                owner = f" (pid {self._state()['launcher_pid']})"
+            except (ClusterError, ValueError, KeyError):
+                owner = ""
+            raise ClusterBusy(f"{self.dir} is in use by another running process{owner}") from None
+        self._owner_lock = lock
+
+    def status(self) -> dict[str, Any]:
+        """What is running, per component, and whether the apiserver answers."""
+        state = self._state() if self.state_file.exists() else {}
+        procs = {p.name: p for p in self._recorded_procs()}
+        components = {n: (n in procs and _alive(procs[n])) for n in COMPONENTS}
+        ready = bool(state) and components["kube-apiserver"] and self._apiserver_ready()
+        return {
+            "dir": str(self.dir),
+            "running": ready and all(components.values()),
+            "apiserver_ready": ready,
+            "components": components,
+            "server": f"https://127.0.0.1:{state['ports']['apiserver']}" if state else None,
+            "kubeconfig": str(self.kubeconfig) if state else None,
+        }
+
+    # ---------------------------------------------------------------- helpers
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True,
+                timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        """Run the real kubectl against this cluster; raise ClusterError on failure if ``check``."""
+        cmd = [str(self.bin_dir / "kubectl"), "--kubeconfig", str(self.kubeconfig), *args]
+        out = subprocess.run(cmd, input=input, capture_output=True, text=True,
+                             timeout=timeout, env=self.env())
+        if check and out.returncode != 0:
+            raise ClusterError(f"kubectl {' '.join(args)} failed ({out.returncode}): {out.stderr.strip()}")
+        return out
+
+    def api(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        """Minimal admin REST call: (status, decoded JSON body)."""
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.server + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json",
+                                              "Accept": "application/json"})
+        try:
+            with urllib.request.urlopen(req, context=self._admin_tls(), timeout=10) as resp:
+                status, raw = resp.status, resp.read()
+        except urllib.error.HTTPError as err:
+            status, raw = err.code, err.read()
+        try:
+            return status, json.loads(raw) if raw else None
+        except ValueError:
+            return status, raw.decode(errors="replace")
+
+    # --------------------------------------------------------- setup details
+
+    def _reset_dir(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for name in _OWNED:
+            path = self.dir / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            elif path.exists() or path.is_symlink():
+                path.unlink()
+        for sub in ("logs", "run", "bin", "kubeconfigs"):
+            (self.dir / sub).mkdir()
+
+    def _write_credentials(self) -> None:
+        from .pki import PKI  # cryptography is only needed when starting a cluster
+
+        pki = PKI(self.pki)
+        pki.issue("apiserver", "kube-apiserver",
+                  dns=("localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
+                       "kubernetes.default.svc.cluster.local"),
+                  ips=("127.0.0.1", FIRST_SERVICE_IP))
+        pki.service_account_keys()
+        pki.issue("front-proxy-client", "front-proxy-client")
+        # Each component gets its own identity so the bootstrap RBAC roles are
+        # what authorizes them, as in a real cluster. kwok plays every kubelet,
+        # so it gets the admin group like the cluster admin.
+        identities = {
+            "admin": ("kubernetes-admin", ("system:masters",)),
+            "controller-manager": ("system:kube-controller-manager", ()),
+            "scheduler": ("system:kube-scheduler", ()),
+            "kwok": ("kwok-controller", ("system:masters",)),
+        }
+        for name, (cn, orgs) in identities.items():
+            pki.issue(name, cn, orgs=orgs)
+            target = self.kubeconfig if name == "admin" else self.dir / "kubeconfigs" / f"{name}.kubeconfig"
+            self._write_kubeconfig(target, name)
+        stages = [self.bin_dir.parent / binaries.KWOK_STAGES, *self.extra_stages]
+        (self.dir / "kwok.yaml").write_text("\n---\n".join(p.read_text().strip() for p in stages) + "\n")
+
+    def _write_kubeconfig(self, path: Path, user: str) -> None:
+        # Credentials are embedded so the file works when copied elsewhere.
+        path.write_text(
+            f"""apiVersion: v1
+kind: Config
+clusters:
+- name: epd-local
+  cluster:
+    server: https://127.0.0.1:{self._ports['apiserver']}
+    certificate-authority-data: {_b64(self.pki / 'ca.crt')}
+users:
+- name: {user}
+  user:
+    client-certificate-data: {_b64(self.pki / f'{user}.crt')}
+    client-key-data: {_b64(self.pki / f'{user}.key')}
+contexts:
+- name: epd-local
+  context:
+    cluster: epd-local
+    user: {user}
+    namespace: default
+current-context: epd-local
+"""
+        )
+        path.chmod(0o600)
+
+    def _link_tools(self) -> None:
+        for tool in ("kubectl", "helm"):
+            (self.dir / "bin" / tool).symlink_to(self.bin_dir / tool)
+
+    def _etcd_args(self) -> list[str]:
+        client = f"http://127.0.0.1:{self._ports['etcd']}"
+        peer = f"http://127.0.0.1:{self._ports['etcd-peer']}"
+        return [
+            "--name=local", f"--data-dir={self.dir / 'etcd'}",
+            f"--listen-client-urls={client}", f"--advertise-client-urls={client}",
+            f"--listen-peer-urls={peer}", f"--initial-advertise-peer-urls={peer}",
+            f"--initial-cluster=local={peer}",
+            # Throwaway data: skipping fsync keeps 2-core machines responsive.
+            "--unsafe-no-fsync", "--log-level=warn",
+        ]
+
+    def _apiserver_args(self) -> list[str]:
+        pki = self.pki
+        return [
+            f"--etcd-servers=http://127.0.0.1:{self._ports['etcd']}",
+            "--bind-address=127.0.0.1", f"--advertise-address={ADVERTISE_ADDRESS}",
+            f"--secure-port={self._ports['apiserver']}",
+            f"--tls-cert-file={pki / 'apiserver.crt'}", f"--tls-private-key-file={pki / 'apiserver.key'}",
+            f"--cert-dir={self.dir / 'run' / 'apiserver'}",
+            f"--client-ca-file={pki / 'ca.crt'}",
+            "--authorization-mode=Node,RBAC",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+            f"--service-account-key-file={pki / 'sa.pub'}",
+            f"--service-account-signing-key-file={pki / 'sa.key'}",
+            # Front-proxy (aggregation layer) settings as kubeadm sets them; the
+            # controller-manager and scheduler read this CA for delegated authn.
+            f"--requestheader-client-ca-file={pki / 'ca.crt'}",
+            "--requestheader-allowed-names=front-proxy-client",
+            "--requestheader-username-headers=X-Remote-User",
+            "--requestheader-group-headers=X-Remote-Group",
+            "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+            f"--proxy-client-cert-file={pki / 'front-proxy-client.crt'}",
+            f"--proxy-client-key-file={pki / 'front-proxy-client.key'}",
+            "--allow-privileged=true", "--profiling=false",
+        ]
+
+    def _controller_manager_args(self) -> list[str]:
+        kc = self.dir / "kubeconfigs" / "controller-manager.kubeconfig"
+        pki = self.pki
+        return [
+            f"--kubeconfig={kc}", f"--authentication-kubeconfig={kc}", f"--authorization-kubeconfig={kc}",
+            "--bind-address=127.0.0.1", f"--secure-port={self._ports['controller-manager']}",
+            f"--cert-dir={self.dir / 'run' / 'controller-manager'}",
+            f"--root-ca-file={pki / 'ca.crt'}",
+            f"--service-account-private-key-file={pki / 'sa.key'}",
+            "--use-service-account-credentials=true",
+            f"--cluster-signing-cert-file={pki / 'ca.crt'}", f"--cluster-signing-key-file={pki / 'ca.key'}",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            # Default set: deployment, replicaset, garbage-collector, namespace,
+            # serviceaccount(-token), nodelifecycle, job, ... (all upstream defaults).
+            "--controllers=*",
+            "--leader-elect=false", "--profiling=false",
+        ]
+
+    def _scheduler_args(self) -> list[str]:
+        kc = self.dir / "kubeconfigs" / "scheduler.kubeconfig"
+        return [
+            f"--kubeconfig={kc}", f"--authentication-kubeconfig={kc}", f"--authorization-kubeconfig={kc}",
+            "--bind-address=127.0.0.1", f"--secure-port={self._ports['scheduler']}",
+            f"--cert-dir={self.dir / 'run' / 'scheduler'}",
+            "--leader-elect=false", "--profiling=false",
+        ]
+
+    def _kwok_args(self) -> list[str]:
+        key, value = KWOK_ANNOTATION
+        return [
+            f"--kubeconfig={self.dir / 'kubeconfigs' / 'kwok.kubeconfig'}",
+            # Our own config only: never pick up a user's ~/.kwok/kwok.yaml.
+            f"--config={self.dir / 'kwok.yaml'}",
+            "--manage-all-nodes=false",
+            f"--manage-nodes-with-annotation-selector={key}={value}",
+            f"--cidr={POD_CIDR}",
+            # Node leases keep the node lifecycle controller from tainting nodes.
+            "--node-lease-duration-seconds=40",
+            f"--server-address=127.0.0.1:{self._ports['kwok']}",
+        ]
+
+    def _create_nodes(self) -> None:
+        for name in self.node_names:
+            node = {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {
+                    "name": name,
+                    "annotations": {KWOK_ANNOTATION[0]: KWOK_ANNOTATION[1]},
+                    "labels": {
+                        "kubernetes.io/hostname": name,
+                        "kubernetes.io/os": "linux",
+                        "kubernetes.io/arch": "amd64",
+                        "type": "kwok",
+                    },
+                },
+                # Unlike most objects, a Node's status is kept on create: this is
+                # how a kubelet registers its capacity.
+                "status": {"capacity": NODE_RESOURCES, "allocatable": NODE_RESOURCES},
+            }
+            status, body = self.api("POST", "/api/v1/nodes", node)
+            if status != 201:
+                raise ClusterError(f"creating node {name} failed: {status} {body}")
+
+    # ------------------------------------------------------- process control
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        log = open(self.logs / f"{name}.log", "ab")
+        preexec = _die_with_parent if self.die_with_parent else None
+        try:
+            popen = subprocess.Popen(
+                [str(self.bin_dir / name), *args],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                cwd=self.dir / "run",
+                # Own process group: Ctrl-C in the launching shell does not reach
+                # it, and stop() can signal the whole group.
+                start_new_session=True,
+                preexec_fn=preexec,
+            )
+        finally:
+            log.close()
+        ticks = _proc_start_ticks(popen.pid) or 0
+        self._procs[name] = _Proc(name, popen.pid, ticks, popen)
+        self._write_state()
+
+    def _write_state(self) -> None:
+        state = {
+            "ports": self._ports,
+            "nodes": self.nodes,
+            "bin_dir": str(self.bin_dir),
+            "launcher_pid": os.getpid(),
+            "processes": {p.name: {"pid": p.pid, "start_ticks": p.start_ticks} for p in self._procs.values()},
+        }
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=2) + "\n")
+        os.replace(tmp, self.state_file)
+
+    def _state(self) -> dict[str, Any]:
+        try:
+            return json.loads(self.state_file.read_text())
+        except FileNotFoundError:
+            raise ClusterError(f"no cluster in {self.dir} (no state.json); run `up` first") from None
+
+    def _recorded_procs(self) -> list[_Proc]:
+        """Processes in state.json; our own Popen handles where this process started them."""
+        try:
+            state = self._state()
+        except (ClusterError, ValueError):
+            return []
+        self._ports = state.get("ports", {})
+        procs = []
+        for name, rec in state.get("processes", {}).items():
+            mine = self._procs.get(name)
+            if mine and mine.pid == rec["pid"]:
+                procs.append(mine)
+            else:
+                procs.append(_Proc(name, rec["pid"], rec["start_ticks"]))
+        return procs
+
+    def _wait(self, what: str, check: Callable[[], bool], deadline: float, component: str) -> None:
+        began = time.monotonic()
+        while True:
+            dead = [p.name for p in self._procs.values() if not _alive(p)]
+            if dead:
+                raise self._failure(f"{dead[0]} exited while waiting for {what}", dead[0])
+            try:
+                if check():
+                    break
+            except (OSError, ValueError, KeyError, TypeError):
+                pass  # not up yet (URLError and SSLError are OSErrors)
+            if time.monotonic() > deadline:
+                raise self._failure(f"timed out waiting for {what}", component)
+            time.sleep(0.2)
+        self._log(f"{what} ({_fmt(time.monotonic() - began)})")
+
+    def _failure(self, message: str, component: str) -> ClusterError:
+        log = self.logs / f"{component}.log"
+        detail = f"{message}\n--- last lines of {log} ---\n{_tail(log)}"
+        self._log(detail)
+        return ClusterError(detail)
+
+    # ---------------------------------------------------------- readiness
+
+    def _admin_tls(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
+        ctx.load_cert_chain(str(self.pki / "admin.crt"), str(self.pki / "admin.key"))
+        return ctx
+
+    def _etcd_healthy(self) -> bool:
+        url = f"http://127.0.0.1:{self._ports['etcd']}/health"
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return json.loads(resp.read()).get("health") == "true"
+
+    def _apiserver_ready(self) -> bool:
+        try:
+            status, _ = self.api("GET", "/readyz")
+        except (OSError, urllib.error.URLError, ssl.SSLError, ClusterError):
+            return False
+        return status == 200
+
+    @staticmethod
+    def _https_ok(port: int) -> bool:
+        # Controller-manager and scheduler serve /healthz with a self-signed
+        # cert; /healthz is always allowed, so no credentials are needed.
+        ctx = ssl._create_unverified_context()
+        with urllib.request.urlopen(f"https://127.0.0.1:{port}/healthz", context=ctx, timeout=2) as resp:
+            return resp.status == 200
+
+    def _kwok_healthy(self) -> bool:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self._ports['kwok']}/healthz", timeout=2) as resp:
+            return resp.status == 200
+
+    def _nodes_ready(self) -> bool:
+        status, body = self.api("GET", "/api/v1/nodes")
+        if status != 200:
+            return False
+        ready = 0
+        for node in body["items"]:
+            conditions = {c["type"]: c["status"] for c in node.get("status", {}).get("conditions", [])}
+            # The not-ready taint goes once the node lifecycle controller sees Ready.
+            if conditions.get("Ready") == "True" and not node["spec"].get("taints"):
+                ready += 1
+        return ready >= self.nodes
+
+    def _default_sa_exists(self) -> bool:
+        status, _ = self.api("GET", "/api/v1/namespaces/default/serviceaccounts/default")
+        return status == 200
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)

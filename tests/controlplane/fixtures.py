@@ -1,0 +1,98 @@
+"""Pytest plugin: the real local control plane, started once per test session.
+
+Enable with ``pytest_plugins = ["tests.controlplane.fixtures"]`` (tests/conftest.py).
+
+Fixtures:
+  cluster     the started ``LocalCluster`` (session scope; stopped at session end)
+  kubectl     ``kubectl(*args, input=None, check=True)`` bound to that cluster
+  namespace   a fresh namespace per test (deleted afterwards)
+  k8s_api     a ``kubernetes.client.ApiClient`` for that cluster
+
+The cluster folder is ``.cluster-test/`` in the repo root, or
+``.cluster-test-2/``, ... while other sessions run (each session owns its
+folder through a lock); EPD_TEST_CLUSTER_DIR forces one. Fixed places, so a
+session killed hard leaves nothing behind: its components die with it, and the
+next start in that folder clears whatever remains.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+import uuid
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+
+from epd_localcluster import ClusterBusy, LocalCluster, binaries
+from epd_localcluster.paths import repo_root
+
+BUILD_HINT = "make cluster"
+
+
+def require_binaries() -> None:
+    """Fail (never skip) when the control plane has not been built."""
+    missing = binaries.missing_binaries()
+    if missing:
+        pytest.fail(
+            f"local control plane binaries are not built ({', '.join(missing)} missing from "
+            f"{binaries.bin_dir()}).\nBuild them once (about 15 min cold on 2 cores) with:\n\n"
+            f"    {BUILD_HINT}\n",
+            pytrace=False,
+        )
+
+
+def _start_cluster() -> LocalCluster:
+    env = os.environ.get("EPD_TEST_CLUSTER_DIR")
+    candidates = [Path(env)] if env else [
+        repo_root() / (".cluster-test" if i == 1 else f".cluster-test-{i}") for i in range(1, 9)
+    ]
+    for folder in candidates:
+        local = LocalCluster(folder, nodes=4, die_with_parent=True)
+        try:
+            return local.start()
+        except ClusterBusy:
+            continue  # another live test session owns it
+    pytest.fail(f"every test cluster folder is in use by other sessions: {candidates}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[LocalCluster]:
+    require_binaries()
+    local = _start_cluster()
+    try:
+        yield local
+    finally:
+        local.stop()
+
+
+@pytest.fixture(scope="session")
+def kubectl(cluster: LocalCluster) -> Callable:
+    return cluster.kubectl
+
+
+@pytest.fixture
+def namespace(cluster: LocalCluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A new namespace whose default ServiceAccount exists (pods can be created at once)."""
+    slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
+    name = f"{slug}-{uuid.uuid4().hex[:5]}"
+    cluster.kubectl("create", "namespace", name)
+    deadline = time.monotonic() + 60
+    while cluster.kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode != 0:
+        if time.monotonic() > deadline:
+            pytest.fail(f"default ServiceAccount never appeared in namespace {name}")
+        time.sleep(0.2)
+    yield name
+    # Do not wait: the namespace controller and kwok finish the job in the background.
+    cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="session")
+def k8s_api(cluster: LocalCluster):
+    from kubernetes import config
+
+    client = config.new_client_from_config(config_file=str(cluster.kubeconfig))
+    yield client
+    client.close()
