@@ -51,6 +51,7 @@ def discover(name: str, namespace: str, kubeconfig: str | None = None) -> Endpoi
 
 def _api_client(client: Any, config: Any, kubeconfig: str | None) -> Any:
     # Same order as kubernetes.config.load_config, without touching the global default.
+    kubeconfig = kubeconfig or os.environ.get("KUBECONFIG")
     default = os.path.expanduser(config.KUBE_CONFIG_DEFAULT_LOCATION)
     if kubeconfig is None and not os.path.exists(default):
         configuration = client.Configuration()
