@@ -267,6 +267,7 @@ class ModelStatus(_Schema):
     name: str
     served_model_name: str
     ec_storage_path: str | None = None
+    ec_storage_max_bytes: int | None = None
     ready_units: int = 0
     units: list[UnitStatus] = Field(default_factory=list)
 

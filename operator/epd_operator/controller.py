@@ -12,6 +12,7 @@ import datetime
 import hashlib
 import json
 import logging
+import os
 import time
 from typing import Any
 
@@ -20,7 +21,14 @@ import kopf
 from . import api, metrics
 from .kube import Kube
 from .render import render
-from .resources import ANNOTATION_SPEC_HASH, FIELD_MANAGER, LABEL_DEPLOYMENT, LABEL_MANAGED_BY, desired_children
+from .resources import (
+    ANNOTATION_SPEC_HASH,
+    FIELD_MANAGER,
+    LABEL_DEPLOYMENT,
+    LABEL_MANAGED_BY,
+    OPERATOR_IMAGE,
+    desired_children,
+)
 from .status import compute_status, invalid_status
 from .validation import SpecError, validate
 
@@ -28,6 +36,8 @@ EPD = (api.GROUP, api.VERSION, api.PLURAL)
 OURS = {LABEL_MANAGED_BY: FIELD_MANAGER}
 # Pod events come in bursts (all containers of a unit flip at once); coalesce status writes.
 STATUS_DEBOUNCE_SECONDS = 0.2
+# Each unit's EC janitor runs from the operator's own image; the Helm chart sets this to it.
+JANITOR_IMAGE = os.environ.get("EPD_OPERATOR_IMAGE", OPERATOR_IMAGE)
 
 _connection: kopf.ConnectionInfo | None = None
 _kube: Kube | None = None
@@ -177,7 +187,7 @@ async def _report_invalid(body: kopf.Body, error: SpecError, generation: int | N
 async def _converge(body: kopf.Body, spec: api.EPDDeploymentSpec, plans: list[Any],
                     unit_sets: kopf.Index, unit_services: kopf.Index, *, reapply: bool) -> None:
     key = (body.metadata.namespace, body.metadata.name)
-    children = desired_children(spec, body.metadata.name, plans)
+    children = desired_children(spec, body.metadata.name, plans, JANITOR_IMAGE)
     kopf.adopt(children, owner=body)
     existing = {name: digest for name, digest, *_ in [*unit_sets.get(key, []), *unit_services.get(key, [])]}
     applies = []
@@ -216,8 +226,16 @@ async def _write_status(namespace: str, name: str, body: kopf.Body, unit_pods: k
         generation=body.metadata.get("generation"), previous=previous, now=_now(),
     )
     metrics.set_ready_units(namespace, name, sum(m["readyUnits"] for m in status["models"]))
-    if not _same(status, previous):
-        await kube().patch_status(namespace, name, status)
+    if _same(status, previous):
+        return
+    budget = _condition(status, "ECBudgetSufficient")
+    if budget["status"] == "False" and _condition(previous, "ECBudgetSufficient").get("message") != budget["message"]:
+        kopf.warn(body, reason="ECBudgetTooSmall", message=budget["message"])
+    await kube().patch_status(namespace, name, status)
+
+
+def _condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next((c for c in status.get("conditions") or [] if c.get("type") == kind), {})
 
 
 def _schedule_status(namespace: str, deployment: str, deployments: kopf.Index, unit_pods: kopf.Index,

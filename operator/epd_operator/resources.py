@@ -12,6 +12,7 @@ import math
 from typing import Any
 
 from . import api
+from .janitor import effective_max_bytes
 from .render import EngineCommand, ModelPlan
 
 FIELD_MANAGER = "epd-operator"
@@ -28,6 +29,9 @@ LABEL_MODEL = f"{api.GROUP}/model"
 LABEL_UNIT = f"{api.GROUP}/unit"
 LABEL_ROLE = f"{api.GROUP}/role"
 ANNOTATION_SPEC_HASH = f"{api.GROUP}/spec-hash"
+# The janitor runs `epd-operator janitor` from the operator's own image.
+OPERATOR_IMAGE = "ghcr.io/vime/epd-operator:0.1.0"
+JANITOR_METRICS_PORT = 9400
 
 
 def child_name(deployment: str, model: str, suffix: str = "", limit: int = 52) -> str:
@@ -129,7 +133,47 @@ def _router_container(spec: api.EPDDeploymentSpec, command: EngineCommand) -> di
     }
 
 
-def pod_template(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPlan) -> dict[str, Any]:
+def janitor_container(spec: api.EPDDeploymentSpec, plan: ModelPlan, image: str = OPERATOR_IMAGE) -> dict[str, Any]:
+    """Keeps the model's EC store under its byte budget: vLLM's connector never deletes a file.
+
+    It only lists and deletes inside the store; it never creates it (the connector does, on its
+    first write). See docs/ec-storage.md.
+    """
+    assert plan.ec_storage_path is not None, "only units with encoders have an EC store"
+    args = ["--path", plan.ec_storage_path, "--max-bytes", str(effective_max_bytes(spec))]
+    if spec.ec_storage.ttl_seconds is not None:
+        args += ["--ttl-seconds", str(spec.ec_storage.ttl_seconds)]
+    # The store is under /dev/shm unless ecConnector.storageRoot names one of the user's volumes.
+    mounts = [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}] + [
+        m for m in spec.volume_mounts
+        if m.get("mountPath") and plan.ec_storage_path.startswith(str(m["mountPath"]).rstrip("/") + "/")
+    ]
+    return {
+        "name": "janitor",
+        "image": image,
+        "command": ["epd-operator", "janitor"],
+        "args": [*args, "--metrics-port", str(JANITOR_METRICS_PORT)],
+        "ports": [{"name": "janitor-metrics", "containerPort": JANITOR_METRICS_PORT}],
+        # Measured: 36 MiB idle, ~0.6 KiB more per entry (a 50,000-entry store peaks at 63 MiB).
+        "resources": {"requests": {"cpu": "10m", "memory": "48Mi"}, "limits": {"memory": "128Mi"}},
+        "volumeMounts": mounts,
+        # A crashing janitor's last log lines show in the pod's container status.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": {
+            # Only the owner of the store's folders (0755) may delete in them: the engines, root
+            # in vLLM's images. So root's uid, but with every capability dropped: it can touch
+            # nothing it does not own, and its root filesystem is read-only.
+            "runAsUser": 0,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
+
+
+def pod_template(
+    spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPlan, operator_image: str = OPERATOR_IMAGE
+) -> dict[str, Any]:
     model = next(m for m in spec.models if m.name == plan.name)
     consumers = [c for c in plan.engines if c.worker_type != "encoder"]
     front_is_engine = plan.router is None and len(consumers) == 1
@@ -137,6 +181,8 @@ def pod_template(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPlan) 
     main = [_engine_container(spec, model, c, front_is_engine) for c in consumers]
     if plan.router is not None:
         main.append(_router_container(spec, plan.router))
+    if plan.ec_storage_path:
+        main.append(janitor_container(spec, plan, operator_image))
     shm: dict[str, Any] = {"medium": "Memory", "sizeLimit": spec.shm.size_limit}
     pod_spec: dict[str, Any] = {
         "initContainers": init,
@@ -160,7 +206,9 @@ def pod_template(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPlan) 
     return {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod_spec}
 
 
-def statefulset(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPlan) -> dict[str, Any]:
+def statefulset(
+    spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPlan, operator_image: str = OPERATOR_IMAGE
+) -> dict[str, Any]:
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
@@ -174,7 +222,7 @@ def statefulset(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPlan) -
             # Units are independent: start and replace them all at once, not one by one.
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": selector_labels(deployment, plan.name)},
-            "template": pod_template(spec, deployment, plan),
+            "template": pod_template(spec, deployment, plan, operator_image),
             "updateStrategy": {"type": "RollingUpdate"},
         },
     }
@@ -218,9 +266,11 @@ def services(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPlan) -> l
     return [headless, front]
 
 
-def desired_children(spec: api.EPDDeploymentSpec, deployment: str, plans: list[ModelPlan]) -> list[dict[str, Any]]:
+def desired_children(
+    spec: api.EPDDeploymentSpec, deployment: str, plans: list[ModelPlan], operator_image: str = OPERATOR_IMAGE
+) -> list[dict[str, Any]]:
     children = []
     for plan in plans:
-        children.append(statefulset(spec, deployment, plan))
+        children.append(statefulset(spec, deployment, plan, operator_image))
         children.extend(services(spec, deployment, plan))
     return children

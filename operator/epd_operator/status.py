@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import api
+from .janitor import budget_warning, effective_max_bytes
 from .render import ModelPlan
 from .resources import child_name
 
@@ -159,6 +160,7 @@ def compute_status(
                 name=plan.name,
                 served_model_name=plan.served_model_name,
                 ec_storage_path=plan.ec_storage_path,
+                ec_storage_max_bytes=effective_max_bytes(spec) if plan.ec_storage_path else None,
                 ready_units=sum(u.ready for u in observed),
                 units=[u.status for u in observed],
             )
@@ -191,6 +193,10 @@ def compute_status(
     broken = [u for u in unready if not u.starting]
     _set(conditions, before, now, generation, "Degraded", bool(broken),
          broken[0].reason if broken else "AsExpected", _describe(broken))
+
+    warnings = [w for p in plans if (w := budget_warning(spec, p))]
+    _set(conditions, before, now, generation, "ECBudgetSufficient", not warnings,
+         "BudgetTooSmall" if warnings else "Sufficient", "; ".join(warnings))
 
     if not unready:
         phase = "Ready"

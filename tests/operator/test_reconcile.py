@@ -68,8 +68,8 @@ def test_encoder_regular_topology_becomes_ready(cluster, namespace, epd_operator
     assert encoder["name"] == "encoder-0" and encoder["restartPolicy"] == "Always"
     assert encoder["startupProbe"]["httpGet"]["path"] == "/health"
     assert encoder["readinessProbe"]["httpGet"]["path"] == "/health"
-    assert [c["name"] for c in pod_spec["containers"]] == ["regular-0"]  # one consumer: no router
-    for container in (encoder, *pod_spec["containers"]):
+    assert [c["name"] for c in pod_spec["containers"]] == ["regular-0", "janitor"]  # one consumer: no router
+    for container in (encoder, pod_spec["containers"][0]):
         assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
         assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
     assert pod_spec["volumes"][0]["emptyDir"]["medium"] == "Memory"
@@ -109,7 +109,7 @@ def test_prefill_decode_topology_gets_a_router_listing_only_consumers(cluster, n
     (sts,) = children(cluster, namespace, "qwen-vl-pd")["statefulsets"]
     pod_spec = sts["spec"]["template"]["spec"]
     names = [c["name"] for c in pod_spec["containers"]]
-    assert names == ["prefill-0", "decode-0", "router"]
+    assert names == ["prefill-0", "decode-0", "router", "janitor"]
     ports = {c["name"]: c["ports"][0]["containerPort"] for c in [*pod_spec["initContainers"], *pod_spec["containers"]]}
     router_args = " ".join(pod_spec["containers"][2]["args"])
     assert f"127.0.0.1:{ports['prefill-0']}" in router_args and f"127.0.0.1:{ports['decode-0']}" in router_args

@@ -31,7 +31,7 @@ def test_encoders_are_sidecars_started_before_consumers():
     sts = children_of("encoder-regular.yaml")[0]
     pod = sts["spec"]["template"]["spec"]
     assert [(c["name"], c["restartPolicy"]) for c in pod["initContainers"]] == [("encoder-0", "Always")]
-    assert [c["name"] for c in pod["containers"]] == ["regular-0"]
+    assert [c["name"] for c in pod["containers"]] == ["regular-0", "janitor"]
     startup = pod["initContainers"][0]["startupProbe"]
     # Default 1800 s of model loading at a 10 s period.
     assert startup["failureThreshold"] * startup["periodSeconds"] == 1800
@@ -41,7 +41,7 @@ def test_every_engine_shares_one_memory_backed_shm_and_gets_its_gpus():
     sts = children_of("multi-model-overrides.yaml")[0]
     pod = sts["spec"]["template"]["spec"]
     assert pod["volumes"][0] == {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "32Gi"}}
-    engines = [*pod["initContainers"], *[c for c in pod["containers"] if c["name"] != "router"]]
+    engines = [*pod["initContainers"], *[c for c in pod["containers"] if c["name"] not in ("router", "janitor")]]
     assert [c["name"] for c in engines] == ["encoder-0", "encoder-1", "regular-0", "regular-1"]
     assert [c["resources"]["limits"]["nvidia.com/gpu"] for c in engines] == [1, 1, 2, 2]
     for container in engines:
@@ -55,9 +55,10 @@ def test_every_engine_shares_one_memory_backed_shm_and_gets_its_gpus():
 def test_router_only_with_several_consumers_and_front_service_targets_it():
     actor, _, actor_front, reward, _, reward_front = children_of("multi-model-overrides.yaml")
     actor_names = [c["name"] for c in actor["spec"]["template"]["spec"]["containers"]]
-    assert actor_names == ["regular-0", "regular-1", "router"]
-    router = actor["spec"]["template"]["spec"]["containers"][-1]
+    assert actor_names == ["regular-0", "regular-1", "router", "janitor"]
+    router = actor["spec"]["template"]["spec"]["containers"][2]
     assert router["ports"] == [{"name": "http", "containerPort": 8000}]
+    # Text-only: no encoder, no EC store, so no janitor either.
     assert [c["name"] for c in reward["spec"]["template"]["spec"]["containers"]] == ["regular-0"]
     assert "initContainers" not in reward["spec"]["template"]["spec"] or not reward["spec"]["template"]["spec"]["initContainers"]
     for front in (actor_front, reward_front):

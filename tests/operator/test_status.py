@@ -12,9 +12,10 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
 NOW = "2026-11-29T12:00:00Z"
 
 
-def setup(replicas=1):
+def setup(replicas=1, **spec_changes):
     manifest = yaml.safe_load((EXAMPLES / "encoder-regular.yaml").read_text())
     manifest["spec"]["replicas"] = replicas
+    manifest["spec"].update(spec_changes)
     spec = validate(manifest["spec"])
     return spec, render(spec, namespace="ns", name="d", uid="u")
 
@@ -48,7 +49,8 @@ def test_all_units_ready():
     status = status_of([pod("d-default-0")])
     assert status["phase"] == "Ready" and status["ready"] == "1/1" and status["observedGeneration"] == 3
     assert {k: c["status"] for k, c in conditions(status).items()} == {
-        "Validated": "True", "EncodersReady": "True", "Ready": "True", "Progressing": "False", "Degraded": "False"}
+        "Validated": "True", "EncodersReady": "True", "Ready": "True", "Progressing": "False", "Degraded": "False",
+        "ECBudgetSufficient": "True"}
     unit = status["models"][0]["units"][0]
     assert unit["encoderUrls"] == ["http://10.0.0.5:8100"] and unit["consumerUrls"] == ["http://10.0.0.5:8101"]
 
@@ -93,3 +95,14 @@ def test_transition_time_is_kept_while_a_condition_holds():
                              pods={"d-default-0": pod("d-default-0", consumer_ready=False)},
                              rolled_out=True, generation=3, previous=first, now="2026-11-29T13:00:00Z")
     assert conditions(flipped)["Ready"]["lastTransitionTime"] == "2026-11-29T13:00:00Z"
+
+
+def test_too_small_ec_budget_is_a_warning_condition():
+    spec, plans = setup(shm={"sizeLimit": "1Gi"})
+    status = compute_status(deployment="d", spec=spec, plans=plans, pods={"d-default-0": pod("d-default-0")},
+                            rolled_out=True, generation=3, previous=None, now=NOW)
+    budget = conditions(status)["ECBudgetSufficient"]
+    assert budget["status"] == "False" and budget["reason"] == "BudgetTooSmall"
+    assert "model default: EC budget" in budget["message"] and "Raise shm.sizeLimit" in budget["message"]
+    assert status["models"][0]["ecStorageMaxBytes"] == int(0.8 * 2**30)
+    assert status["phase"] == "Ready"  # a warning, not an outage

@@ -1,0 +1,358 @@
+"""EC store janitor: keeps a model's encoder-cache store under its byte budget.
+
+vLLM's ECExampleConnector writes `<store>/<mm_hash>/encoder_cache.safetensors` and never deletes
+anything; in the unit's memory-backed /dev/shm the store would grow until the kubelet evicts the
+pod. `epd-operator janitor` runs as a container in every unit with encoders and removes whole
+`<mm_hash>` folders: abandoned ones, expired ones, then the oldest until the store fits.
+
+Pure: quantity parsing and budgets, the eviction policy (`select_evictions`), the spec check
+(`budget_warning`). Imperative: `scan_store`, `evict` and the loop `run_janitor` (Prometheus
+metrics, JSON log lines). docs/ec-storage.md explains the design and its limits.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import json
+import math
+import os
+import re
+import signal
+import stat
+import sys
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from decimal import Decimal
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+if TYPE_CHECKING:
+    from .api import EPDDeploymentSpec
+    from .render import ModelPlan
+
+EMBEDDING_FILE = "encoder_cache.safetensors"
+# A folder changed this recently is never touched: a write may be in progress (safetensors
+# writes a `.tmpXXXXXX` file beside the embedding, then renames it; older releases wrote the
+# file in place), or a consumer is about to read what was just primed.
+GRACE_SECONDS = 10.0
+REASONS = ("empty", "ttl", "budget")
+DEFAULT_BUDGET_SHARE = Decimal("0.8")  # of shm.sizeLimit: /dev/shm also holds vLLM's own buffers
+
+# budget_warning's assumptions. One image embedding of a 7B-class VL model at about one
+# megapixel: ~1,344 tokens x hidden 3,584 x 2 bytes (bf16), ~9 MiB. The operator cannot know the
+# real size (it depends on the model and image sizes); the janitor's metrics show it.
+ASSUMED_EMBEDDING_BYTES = 1344 * 3584 * 2
+# vLLM's default max_num_seqs for an API server on most GPUs (H100-class and larger: 1024).
+VLLM_DEFAULT_MAX_NUM_SEQS = 256
+EC_CONSUMERS = ("regular", "prefill")
+
+
+# --------------------------------------------------------------------------- budgets (pure)
+
+_UNITS = {
+    "": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+}
+_QUANTITY = re.compile(r"\+?(\d+(?:\.\d*)?|\.\d+)(?:[eE]([+-]?\d+)|(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E))?")
+
+
+def parse_quantity(quantity: str) -> int:
+    """Bytes in a Kubernetes quantity ("16Gi", "512M", "1e9", "1.5Gi", "1000"), rounded up as
+    Kubernetes rounds byte quantities. Raises ValueError for anything else (e.g. "100m")."""
+    match = _QUANTITY.fullmatch(quantity.strip())
+    if not match:
+        raise ValueError(f"not a byte quantity: {quantity!r}")
+    number, exponent, unit = match.groups()
+    scale = Decimal(10) ** int(exponent) if exponent else Decimal(_UNITS[unit or ""])
+    return math.ceil(Decimal(number) * scale)
+
+
+def default_max_bytes(size_limit: str) -> int:
+    """The default EC budget: 80% of the shm emptyDir's sizeLimit."""
+    return math.floor(parse_quantity(size_limit) * DEFAULT_BUDGET_SHARE)
+
+
+def effective_max_bytes(spec: EPDDeploymentSpec) -> int:
+    return spec.ec_storage.max_bytes or default_max_bytes(spec.shm.size_limit)
+
+
+def budget_warning(
+    spec: EPDDeploymentSpec, plan: ModelPlan, *, embedding_bytes: int = ASSUMED_EMBEDDING_BYTES
+) -> str | None:
+    """Why this model's EC budget is too small, or None (also for a text-only model).
+
+    Too small means: at least sizeLimit (the emptyDir fills before the janitor can act), or
+    fewer than one image embedding per sequence the unit's EC consumers run at once. Then
+    entries are evicted before the consumers read them and they silently encode the images
+    themselves, which EPD exists to avoid.
+    """
+    if plan.ec_storage_path is None:
+        return None
+    budget = effective_max_bytes(spec)
+    shm = parse_quantity(spec.shm.size_limit)
+    if budget >= shm:
+        return (
+            f"model {plan.name}: ecStorage.maxBytes ({_human(budget)}) is not below shm.sizeLimit "
+            f"({spec.shm.size_limit}); /dev/shm also holds vLLM's own shared memory, so it fills up "
+            "(and the unit is evicted) before the janitor evicts anything"
+        )
+    model = next(m for m in spec.models if m.name == plan.name)
+    sequences = 0
+    for engine in plan.engines:
+        if engine.worker_type in EC_CONSUMERS:
+            overrides = model.server_groups[engine.group_index].overrides
+            seqs = overrides.get("max_num_seqs", overrides.get("max-num-seqs"))
+            sequences += seqs if isinstance(seqs, int) and seqs > 0 else VLLM_DEFAULT_MAX_NUM_SEQS
+    needed = sequences * embedding_bytes
+    if budget < needed:
+        return (
+            f"model {plan.name}: EC budget {_human(budget)} holds fewer than one image per sequence its "
+            f"consumers run at once ({sequences} sequences x ~{_human(embedding_bytes)}, an assumed image "
+            f"embedding size, = {_human(needed)}); consumers will re-encode evicted images themselves. "
+            "Raise shm.sizeLimit or ecStorage.maxBytes, or lower max_num_seqs"
+        )
+    return None
+
+
+def _human(size: int) -> str:
+    for unit, scale in (("Gi", 2**30), ("Mi", 2**20), ("Ki", 2**10)):
+        if size >= scale:
+            return f"{size / scale:.1f}{unit}"
+    return f"{size}B"
+
+
+# --------------------------------------------------------------------------- policy (pure)
+
+
+@dataclass(frozen=True, slots=True)  # slots: a big store has tens of thousands of entries
+class Entry:
+    """One `<mm_hash>` folder of the store, as a scan saw it."""
+
+    name: str
+    bytes: int  # memory its files hold (allocated blocks: what tmpfs charges)
+    newest_mtime: float  # the latest change of the folder or of any file in it
+    complete: bool  # holds encoder_cache.safetensors (safetensors renames it into place whole)
+    files: tuple[str, ...] = ()  # the regular files seen: the only ones `evict` removes
+    folder_mtime_ns: int = 0  # lets the next scan reuse this entry while the folder is unchanged
+
+
+class Eviction(NamedTuple):
+    entry: Entry
+    reason: str  # one of REASONS
+
+
+def select_evictions(
+    entries: Sequence[Entry],
+    *,
+    now: float,
+    max_bytes: int,
+    ttl_seconds: float | None = None,
+    grace_seconds: float = GRACE_SECONDS,
+) -> list[Eviction]:
+    """Which whole folders to remove, oldest first.
+
+    Nothing changed within `grace_seconds` is ever chosen, even over budget. Of the rest:
+    `empty`: no embedding (the folder a 0.32 consumer's cache miss leaves, or a writer's
+    abandoned temp file); `ttl`: an embedding older than `ttl_seconds`; `budget`: then the
+    oldest embeddings until everything left fits in `max_bytes`.
+    """
+    settled = sorted(
+        (e for e in entries if now - e.newest_mtime >= grace_seconds), key=lambda e: (e.newest_mtime, e.name)
+    )
+    evictions = []
+    for entry in settled:
+        if not entry.complete:
+            evictions.append(Eviction(entry, "empty"))
+        elif ttl_seconds is not None and now - entry.newest_mtime >= ttl_seconds:
+            evictions.append(Eviction(entry, "ttl"))
+    chosen = {e.entry.name for e in evictions}
+    left = sum(e.bytes for e in entries) - sum(e.entry.bytes for e in evictions)
+    for entry in settled:
+        if left <= max_bytes:
+            break
+        if entry.name not in chosen:
+            evictions.append(Eviction(entry, "budget"))
+            left -= entry.bytes
+    return evictions
+
+
+# --------------------------------------------------------------------------- filesystem
+
+
+def scan_store(root: str, known: Mapping[str, Entry] | None = None, *, settled_before: float = 0.0) -> list[Entry]:
+    """A snapshot of the store. Folders that vanish while it is taken are left out; a missing
+    store is empty (the connector creates it on its first write, the janitor never does).
+
+    An entry of `known` (the previous snapshot) is reused when its folder is unchanged and it had
+    settled (newest change before `settled_before`): writers create and rename files, which
+    changes the folder, so a settled entry costs one stat instead of a listing and a stat per file.
+    """
+    known = known or {}
+    try:
+        listing = os.scandir(root)
+    except FileNotFoundError:
+        return []
+    entries = []
+    with listing:
+        for folder in listing:
+            try:
+                if not folder.is_dir(follow_symlinks=False):
+                    continue
+                mtime_ns = folder.stat(follow_symlinks=False).st_mtime_ns
+                before = known.get(folder.name)
+                if before and before.folder_mtime_ns == mtime_ns and before.newest_mtime < settled_before:
+                    entries.append(before)
+                else:
+                    entries.append(_scan_entry(folder.path, folder.name, mtime_ns))
+            except FileNotFoundError:
+                continue
+    return entries
+
+
+def _scan_entry(path: str, name: str, folder_mtime_ns: int) -> Entry:
+    newest, total, files = folder_mtime_ns / 1e9, 0, []
+    with os.scandir(path) as listing:
+        for item in listing:
+            try:
+                info = item.stat(follow_symlinks=False)
+            except FileNotFoundError:  # e.g. a temp file renamed into place meanwhile
+                continue
+            if stat.S_ISREG(info.st_mode):  # vLLM writes nothing else; anything else is left alone
+                files.append(item.name)
+                total += info.st_blocks * 512
+                newest = max(newest, info.st_mtime)
+    return Entry(name, total, newest, EMBEDDING_FILE in files, tuple(files), folder_mtime_ns)
+
+
+def evict(root: str, entry: Entry) -> bool:
+    """Removes the files the scan saw, then the folder; False if it is gone or got new files.
+
+    Not shutil.rmtree: a file written after the scan (an encoder re-publishing this image) is
+    never deleted; the folder then stays and the next scan judges it again. A consumer that
+    already opened the embedding keeps reading it (unlinked files live on while open).
+    Other OSErrors (e.g. permissions) are raised.
+    """
+    folder = os.path.join(root, entry.name)
+    for name in entry.files:
+        try:
+            os.unlink(os.path.join(folder, name))
+        except FileNotFoundError:
+            pass
+    try:
+        os.rmdir(folder)
+    except FileNotFoundError:
+        return False
+    except OSError as error:
+        if error.errno == errno.ENOTEMPTY:  # written to since the scan
+            return False
+        raise
+    return True
+
+
+# --------------------------------------------------------------------------- loop
+
+
+class _Metrics:
+    def __init__(self, paths: Iterable[str], max_bytes: int) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["path"]
+        self.bytes = Gauge("epd_ec_store_bytes", "Bytes the EC store holds.", labels, registry=self.registry)
+        self.entries = Gauge("epd_ec_store_entries", "<mm_hash> folders in the EC store.", labels,
+                             registry=self.registry)
+        self.budget = Gauge("epd_ec_store_budget_bytes", "The EC store's byte budget.", labels,
+                            registry=self.registry)
+        self.evictions = Counter("epd_ec_evictions", "Folders evicted, by reason.", [*labels, "reason"],
+                                 registry=self.registry)
+        self.failures = Counter("epd_ec_eviction_failures", "Evictions that failed (see the logs).", labels,
+                                registry=self.registry)
+        for path in paths:  # every series exists from the start, so rate() and alerts see the first one
+            self.budget.labels(path).set(max_bytes)
+            self.bytes.labels(path)
+            self.entries.labels(path)
+            self.failures.labels(path)
+            for reason in REASONS:
+                self.evictions.labels(path, reason)
+
+
+def _log(event: str, level: str = "info", **fields: Any) -> None:
+    now = datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds")
+    sys.stdout.write(json.dumps({"time": now, "level": level, "event": event, **fields}) + "\n")
+    sys.stdout.flush()
+
+
+def sweep(
+    path: str,
+    metrics: _Metrics,
+    known: dict[str, Entry],
+    *,
+    max_bytes: int,
+    ttl_seconds: float | None,
+    grace_seconds: float,
+) -> None:
+    """One scan-and-evict pass over one store; `known` carries its snapshot to the next pass."""
+    now = time.time()
+    entries = scan_store(path, known, settled_before=now - grace_seconds)
+    evicted: dict[str, list[Entry]] = {}
+    failed: list[tuple[str, str]] = []
+    for entry, reason in select_evictions(
+        entries, now=now, max_bytes=max_bytes, ttl_seconds=ttl_seconds, grace_seconds=grace_seconds
+    ):
+        try:
+            if evict(path, entry):
+                evicted.setdefault(reason, []).append(entry)
+        except OSError as error:
+            failed.append((entry.name, str(error)))
+    gone = {e.name for group in evicted.values() for e in group}
+    kept = [e for e in entries if e.name not in gone]
+    known.clear()
+    known.update((e.name, e) for e in kept)
+    metrics.bytes.labels(path).set(sum(e.bytes for e in kept))
+    metrics.entries.labels(path).set(len(kept))
+    for reason, group in evicted.items():
+        metrics.evictions.labels(path, reason).inc(len(group))
+        # The youngest age tells whether budget evictions come close to what consumers still read.
+        _log("evicted", path=path, reason=reason, entries=len(group), bytes=sum(e.bytes for e in group),
+             youngest_age_seconds=round(now - max(e.newest_mtime for e in group), 1))
+    if failed:
+        metrics.failures.labels(path).inc(len(failed))
+        _log("eviction_failed", "error", path=path, entries=len(failed), first=failed[0][0], error=failed[0][1])
+
+
+def run_janitor(
+    *,
+    paths: Sequence[str],
+    max_bytes: int,
+    ttl_seconds: float | None = None,
+    interval_seconds: float = 2.0,
+    metrics_port: int = 0,
+    grace_seconds: float = GRACE_SECONDS,
+    stop: threading.Event | None = None,
+) -> None:
+    """Sweep every store every `interval_seconds` until `stop` is set (or SIGTERM, when run as
+    the main thread); serve /metrics on `metrics_port` unless it is 0."""
+    stop = stop or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        # As a container's PID 1 the process ignores SIGTERM unless it handles it, and the pod's
+        # shutdown would wait out its whole grace period.
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    metrics = _Metrics(paths, max_bytes)
+    server = start_http_server(metrics_port, registry=metrics.registry)[0] if metrics_port else None
+    _log("started", paths=list(paths), max_bytes=max_bytes, ttl_seconds=ttl_seconds,
+         grace_seconds=grace_seconds, interval_seconds=interval_seconds)
+    known: dict[str, dict[str, Entry]] = {path: {} for path in paths}
+    try:
+        while True:
+            for path in paths:
+                sweep(path, metrics, known[path], max_bytes=max_bytes, ttl_seconds=ttl_seconds,
+                      grace_seconds=grace_seconds)
+            if stop.wait(interval_seconds):
+                return
+    finally:
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        _log("stopped")

@@ -1,0 +1,208 @@
+"""The janitor against a real vLLM EPD unit: a small budget while a real encoder primes images.
+
+The unit is the operator's pod for the tiny model (one encoder, one regular engine) run by
+tests/vllm/unit_runner.py; its janitor container, which the runner leaves out, is run here as
+rendered (its real `epd-operator janitor` command), only on a free metrics port. The budget is
+a few embeddings, so evictions start as soon as entries leave the grace period.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from epd_operator.janitor import EMBEDDING_FILE, GRACE_SECONDS
+from tests.vllm import payloads, tiny_model
+from tests.vllm.conftest import (  # noqa: F401 - fixtures, reused
+    serving_python,
+    start_unit,
+    tiny_manifest,
+    tiny_model_dir,
+    vllm_timings,
+)
+from tests.vllm.unit_runner import UnitRunner
+
+pytestmark = pytest.mark.vllm
+
+# One embedding of the tiny model: 16 tokens x 128 x bf16 = 4 KiB of data plus a header, two
+# pages of tmpfs. The budget holds a few of them.
+ENTRY_BYTES = 8192
+BUDGET = 5 * ENTRY_BYTES
+IMAGES = 30
+# A janitor sweep (CLI default interval 2 s) plus slack: an entry older than this has been judged.
+SETTLED_AFTER = GRACE_SECONDS + 4.0
+
+
+@pytest.fixture(scope="module")
+def unit(tiny_model_dir, tmp_path_factory):
+    manifest = tiny_manifest(
+        "janitor", tiny_model_dir,
+        [{"workerType": "encoder", "numGpus": 1}, {"workerType": "regular", "numGpus": 1}],
+        ecStorage={"maxBytes": BUDGET},
+    )
+    runner = UnitRunner.from_manifest(manifest, tmp_path_factory.mktemp("janitor-unit"), uid=str(uuid.uuid4()))
+    with start_unit(runner, "encoder + regular (janitor)"):
+        yield runner
+
+
+@pytest.fixture
+def janitor(unit, tmp_path):
+    """The unit's janitor container, run as rendered but for its metrics port."""
+    (container,) = [c for c in unit.pod["spec"]["containers"] if c["name"] == "janitor"]
+    args = list(container["args"])
+    port = _free_port()
+    args[args.index("--metrics-port") + 1] = str(port)
+    cli = Path(sys.executable).with_name(container["command"][0])
+    log = tmp_path / "janitor.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(cli), *container["command"][1:], *args], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        yield port, log
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=10) == 0
+
+
+def test_a_small_budget_holds_while_a_real_encoder_primes_and_the_consumer_keeps_answering(
+    unit, janitor, vllm_timings
+):
+    port, log = janitor
+    store = Path(unit.ec_storage_path)
+    encoder, consumer = unit.sidecars[0], unit.consumers[0]
+    watcher = StoreWatcher(store)
+    watcher.start()
+    started = time.monotonic()
+    try:
+        for i in range(IMAGES):
+            part = payloads.image_part((i * 8 % 256, 255 - i * 8 % 256, 100))
+            prime(encoder, part)
+            rendered = consumer.post("/v1/chat/completions/render", payloads.greedy(payloads.messages(part)))
+            tokens, _ = payloads.output(consumer.post("/inference/v1/generate", rendered))
+            assert len(tokens) == 6  # the consumer keeps answering
+            # The janitor never touches a fresh entry: what was just primed is there to read.
+            (mm_hash,) = payloads.image_hashes(rendered)
+            assert (store / mm_hash / EMBEDDING_FILE).stat().st_blocks * 512 == ENTRY_BYTES
+        vllm_timings[f"janitor: prime, render, generate x{IMAGES}"] = time.monotonic() - started
+        # Until every entry has been judged, then the store is within its budget.
+        time.sleep(SETTLED_AFTER)
+        metrics = scrape(port)
+    finally:
+        watcher.stop()
+
+    assert not watcher.partial_files, watcher.partial_files
+    assert watcher.max_settled_bytes <= BUDGET
+    assert watcher.entries_seen >= IMAGES
+    assert metrics["epd_ec_store_bytes"] <= BUDGET
+    assert metrics["epd_ec_store_entries"] <= BUDGET // ENTRY_BYTES
+    assert metrics["epd_ec_evictions_total", "budget"] >= IMAGES - BUDGET // ENTRY_BYTES
+    assert metrics["epd_ec_eviction_failures_total"] == 0
+    assert sum(_du(store).values()) <= BUDGET
+
+    # A consumer's cache miss (an image never primed): vLLM 0.32 encodes it itself, silently,
+    # and its existence check leaves an empty folder, which the janitor removes once the grace
+    # period is over.
+    rendered = consumer.post("/v1/chat/completions/render",
+                             payloads.greedy(payloads.messages(payloads.image_part((1, 2, 3)))))
+    tokens, _ = payloads.output(consumer.post("/inference/v1/generate", rendered))
+    assert len(tokens) == 6
+    miss = store / payloads.image_hashes(rendered)[0]
+    assert miss.is_dir() and not any(miss.iterdir())
+    deadline = time.monotonic() + SETTLED_AFTER + 5
+    while miss.exists():
+        assert time.monotonic() < deadline, "the cache miss's empty folder was not removed"
+        time.sleep(0.5)
+    assert scrape(port)["epd_ec_evictions_total", "empty"] == 1
+    assert "Traceback" not in consumer.log_path.read_text(errors="replace")
+    assert "Traceback" not in encoder.log_path.read_text(errors="replace")
+
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert lines[0]["event"] == "started" and lines[0]["max_bytes"] == BUDGET
+    budget_lines = [line for line in lines if line["event"] == "evicted" and line["reason"] == "budget"]
+    assert budget_lines and all(line["youngest_age_seconds"] >= GRACE_SECONDS for line in budget_lines)
+
+
+def prime(encoder, part: dict) -> None:
+    """Vime's prime_encoder request for one image: an image-only message, one token."""
+    encoder.post("/v1/chat/completions", {"model": tiny_model.SERVED_NAME, "max_tokens": 1, "stream": False,
+                                          "messages": [{"role": "user", "content": [part]}]})
+
+
+def scrape(port: int) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            reason = sample.labels.get("reason")
+            samples[(sample.name, reason) if reason else sample.name] = sample.value
+    return samples
+
+
+def _du(store: Path, older_than: float = 0.0) -> dict[str, int]:
+    """Bytes of each entry last changed more than `older_than` seconds ago, measured here."""
+    now, sizes = time.time(), {}
+    for folder in list(store.glob("*")):
+        try:
+            stats = [folder.stat(), *(f.stat() for f in folder.iterdir())]
+        except FileNotFoundError:
+            continue  # evicted meanwhile
+        if now - max(s.st_mtime for s in stats) > older_than:
+            sizes[folder.name] = sum(s.st_blocks * 512 for s in stats[1:])
+    return sizes
+
+
+def _complete(path: Path) -> bool:
+    """A whole safetensors file: 8-byte header length, the JSON header, every tensor's bytes."""
+    with open(path, "rb") as f:
+        data = f.read()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    end = max(t["data_offsets"][1] for k, t in header.items() if k != "__metadata__")
+    return len(data) == 8 + length + end
+
+
+class StoreWatcher(threading.Thread):
+    """Looks at the store every few milliseconds, as consumers do: every embedding file visible
+    must be complete, and settled entries must fit in the budget."""
+
+    def __init__(self, store: Path) -> None:
+        super().__init__(daemon=True)
+        self.store, self.partial_files, self.max_settled_bytes = store, [], 0
+        self.seen: set[str] = set()
+        self._stop_event = threading.Event()
+
+    @property
+    def entries_seen(self) -> int:
+        return len(self.seen)
+
+    def run(self) -> None:
+        while not self._stop_event.wait(0.02):
+            for path in self.store.glob(f"*/{EMBEDDING_FILE}"):
+                try:
+                    if not _complete(path):
+                        self.partial_files.append(str(path))
+                    self.seen.add(path.parent.name)
+                except FileNotFoundError:
+                    pass  # evicted between the listing and the read
+            self.max_settled_bytes = max(self.max_settled_bytes, sum(_du(self.store, SETTLED_AFTER).values()))
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=10)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
