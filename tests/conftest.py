@@ -1,8 +1,10 @@
-"""Shared pytest configuration: the real local control plane is a session fixture."""
+"""Shared pytest configuration: the real local control plane and the operator are session fixtures."""
+
+from typing import Iterator
 
 import pytest
 
-from tests.operator.harness import install_crd
+from tests.operator.harness import OperatorProcess, install_crd
 
 pytest_plugins = ["tests.controlplane.fixtures"]
 
@@ -11,3 +13,21 @@ pytest_plugins = ["tests.controlplane.fixtures"]
 def crd(cluster) -> None:
     """The generated EPDDeployment CRD, installed once on the session's cluster."""
     install_crd(cluster)
+
+
+@pytest.fixture(scope="session")
+def epd_operator(cluster, crd, tmp_path_factory) -> Iterator[OperatorProcess]:
+    """One operator for the session, watching every namespace (two would fight over objects)."""
+    operator = OperatorProcess(cluster.kubeconfig, tmp_path_factory.mktemp("operator")).start()
+    yield operator
+    operator.stop()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Attach the operator's log to failures: the usual reason a cluster test fails is in there."""
+    outcome = yield
+    report = outcome.get_result()
+    operator = item.funcargs.get("epd_operator") if hasattr(item, "funcargs") else None
+    if report.failed and isinstance(operator, OperatorProcess):
+        report.sections.append(("operator log (tail)", operator.tail(80)))

@@ -1,30 +1,10 @@
-"""Fixtures for tests that run the operator as a real process on the local control plane."""
+"""Fixtures for the operator's cluster tests (the operator itself is in tests/conftest.py)."""
 
 from __future__ import annotations
 
 from typing import Iterator
 
 import pytest
-
-from .harness import OperatorProcess
-
-
-@pytest.fixture(scope="session")
-def epd_operator(cluster, crd, tmp_path_factory) -> Iterator[OperatorProcess]:
-    """One operator for the session, watching every namespace."""
-    operator = OperatorProcess(cluster.kubeconfig, tmp_path_factory.mktemp("operator")).start()
-    yield operator
-    operator.stop()
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    """Attach the operator's log to failures: the usual reason a cluster test fails is in there."""
-    outcome = yield
-    report = outcome.get_result()
-    operator = item.funcargs.get("epd_operator") if hasattr(item, "funcargs") else None
-    if report.failed and isinstance(operator, OperatorProcess):
-        report.sections.append(("operator log (tail)", operator.tail(80)))
 
 
 @pytest.fixture

@@ -1,56 +1,69 @@
 """Fixtures for tests against real vLLM engines on CPU (marker `vllm`).
 
-Missing environments are errors, never skips: the message names the install command.
+Every engine is the operator's: a test module writes a real EPDDeployment for the tiny model
+(`tiny_manifest`), gets the unit pod the operator creates (or renders), and runs it with
+unit_runner.py. Missing environments are errors, never skips: the message names the install
+command.
 """
 
 from __future__ import annotations
 
-import json
-import shutil
+import contextlib
+import copy
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
 
-from tests.vllm import engines, envs, tiny_model
+from tests.vllm import engines, envs, tiny_model, unit_runner
 
-# Cold start of an engine is ~40 s on an idle 2-core machine, ~150 s when it is busy.
-ENGINE_READY_TIMEOUT_S = 600
+# What serving on CPU needs (facts.md): every engine gets these group overrides. Encoders run
+# eager already (a role default); consumers need it too (no CUDA graphs on CPU).
+CPU_OVERRIDES = {"max_model_len": 512, "dtype": "bfloat16"}
+EAGER = {"enforce_eager": True}
 
-_running: list[engines.Engine] = []   # for log tails in failure reports
-_timings: dict[str, float] = {}       # printed in the terminal summary
-
-
-@dataclass
-class EpdPair:
-    encoder: engines.Engine
-    consumer: engines.Engine
-    ec_dir: Path
-    model: str
+_timings: dict[str, float] = {}  # printed in the terminal summary
+_vllm_seconds = [0.0]             # wall time of every `vllm` test, fixtures included
 
 
-def ec_config(role: str, ec_dir: Path) -> str:
-    return json.dumps({
-        "ec_connector": "ECExampleConnector",
-        "ec_role": role,
-        "ec_connector_extra_config": {"shared_storage_path": str(ec_dir)},
-    })
+def tiny_manifest(name: str, model_dir: Path, groups: list[dict[str, Any]], **spec: Any) -> dict[str, Any]:
+    """An EPDDeployment serving the tiny model with `groups` (serverGroups, camelCase), the CPU
+    overrides merged under each group's own, and ports nothing on this machine listens on.
+
+    `spec` adds top-level spec fields (kvConnector, ...).
+    """
+    groups = copy.deepcopy(groups)
+    for group in groups:
+        eager = EAGER if group["workerType"] != "encoder" else {}
+        group["overrides"] = {**CPU_OVERRIDES, **eager, **group.get("overrides", {})}
+    # One block: router, then one HTTP port and one NIXL side-channel port per engine.
+    count = sum(g["numGpus"] // g.get("numGpusPerEngine", 1) for g in groups)
+    base = unit_runner.free_port_range(1 + 2 * count)
+    return {
+        "apiVersion": "epd.vime.dev/v1alpha1",
+        "kind": "EPDDeployment",
+        "metadata": {"name": name},
+        "spec": {
+            "image": "vllm/vllm-openai:v0.32.0",  # the version of the CPU build that serves here
+            "ports": {"router": base, "engineBase": base + 1, "nixlSideChannelBase": base + 1 + count},
+            "models": [{"name": "default", "model": str(model_dir),
+                        "servedModelName": tiny_model.SERVED_NAME, "serverGroups": groups}],
+            **spec,
+        },
+    }
 
 
-# Hand-written for now; the operator's arg renderer will provide these later.
-COMMON_ARGS = ["--enforce-eager", "--max-model-len", "512", "--dtype", "bfloat16"]
-
-
-def encoder_args(ec_dir: Path) -> list[str]:
-    return [*COMMON_ARGS, "--mm-encoder-only", "--no-enable-prefix-caching",
-            "--ec-transfer-config", ec_config("ec_producer", ec_dir)]
-
-
-def consumer_args(ec_dir: Path) -> list[str]:
-    return [*COMMON_ARGS, "--enable-scale-out",
-            "--ec-transfer-config", ec_config("ec_consumer", ec_dir)]
+@contextlib.contextmanager
+def start_unit(runner: unit_runner.UnitRunner, label: str) -> Iterator[unit_runner.UnitRunner]:
+    """Run a unit for the block, recording how long each of its engines took to be ready."""
+    started = time.monotonic()
+    with runner:
+        for engine, seconds in runner.ready_after_s.items():
+            _timings[f"{label}: {engine} ready"] = seconds
+        _timings[f"{label}: whole unit ready"] = time.monotonic() - started
+        yield runner
 
 
 @pytest.fixture(scope="session")
@@ -72,49 +85,25 @@ def tiny_model_dir(serving_python: Path) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def ec_dir():
-    """An isolated EC folder in shared memory, as Vime makes one per model."""
-    path = Path(f"/dev/shm/vime-ec-test-{uuid.uuid4().hex[:12]}")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+@pytest.fixture(scope="session")
+def aggregated(tiny_model_dir, tmp_path_factory) -> engines.Engine:
+    """The reference: one engine serving the whole model, no EC config (a text-only model's
+    rendered command). Session scope: every module compares against the same engine."""
+    manifest = tiny_manifest("tiny-aggregated", tiny_model_dir, [{"workerType": "regular", "numGpus": 1}])
+    runner = unit_runner.UnitRunner.from_manifest(
+        manifest, tmp_path_factory.mktemp("aggregated-logs"), uid=str(uuid.uuid4()))
+    (engine,) = runner.consumers
+    assert "--ec-transfer-config" not in engine.argv
+    with start_unit(runner, "aggregated engine"):
+        yield engine
 
 
-def start_all(group: list[engines.Engine], timeout: float = ENGINE_READY_TIMEOUT_S) -> None:
-    """Start engines together (they load in parallel) and wait for every /health."""
-    for engine in group:
-        _running.append(engine)
-        engine.start()
-    for engine in group:
-        _timings[f"{engine.name} ready"] = engine.wait_healthy(timeout)
-
-
-def stop_all(group: list[engines.Engine]) -> None:
-    for engine in group:
-        engine.stop()
-        if engine in _running:
-            _running.remove(engine)
-
-
-@pytest.fixture(scope="module")
-def epd(serving_python, tiny_model_dir, ec_dir, tmp_path_factory):
-    """One encoder (ec_producer) and one consumer (ec_consumer) sharing `ec_dir`.
-
-    Vime starts consumers only once encoders are up; nothing in vLLM needs that order
-    (they only share a folder), so both load at once here to halve the wait.
-    """
-    log_dir = tmp_path_factory.mktemp("vllm-logs")
-    served = tiny_model.SERVED_NAME
-    encoder = engines.vllm_server("encoder", serving_python, tiny_model_dir,
-                                  encoder_args(ec_dir), log_dir=log_dir, served_name=served)
-    consumer = engines.vllm_server("consumer", serving_python, tiny_model_dir,
-                                   consumer_args(ec_dir), log_dir=log_dir, served_name=served)
-    group = [encoder, consumer]
-    try:
-        start_all(group)
-        yield EpdPair(encoder, consumer, ec_dir, served)
-    finally:
-        stop_all(group)
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    start = time.monotonic()
+    yield
+    if item.get_closest_marker("vllm"):
+        _vllm_seconds[0] += time.monotonic() - start
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -122,13 +111,16 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     if report.failed:
-        for engine in _running:
+        for engine in engines.RUNNING:
             report.sections.append(
                 (f"{engine.name} log tail ({engine.log_path})", engine.log_tail(60)))
 
 
 def pytest_terminal_summary(terminalreporter):
-    if _timings:
-        terminalreporter.section("vllm timings")
-        for what, seconds in _timings.items():
-            terminalreporter.write_line(f"{what}: {seconds:.1f}s")
+    if not _vllm_seconds[0]:
+        return
+    terminalreporter.section("vllm timings")
+    for what, seconds in _timings.items():
+        terminalreporter.write_line(f"{what}: {seconds:.1f}s")
+    terminalreporter.write_line(
+        f"vLLM tests took {_vllm_seconds[0]:.0f}s in all (engine starts and stops included)")

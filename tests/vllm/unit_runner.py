@@ -1,0 +1,183 @@
+"""Run one EPD unit's engines as local processes, the way the kubelet runs the unit's pod.
+
+The input is the pod the operator made: read from the control plane (`UnitRunner(pod, log_dir)`),
+or built without a cluster from `render` output by `resources.pod_template`, the function the
+operator itself uses (`UnitRunner.from_manifest`). Each container's command, args and env are
+run as they are, except for what only a container runtime provides:
+
+- the image: `vllm serve <model> ...` becomes `<serving python> -m
+  vllm.entrypoints.openai.api_server --model <model> ...` (the `vllm` console script of the
+  CPU build cannot start, facts.md), and `vllm-router ...` becomes the venv's real binary;
+- the env gets CPU_ENV (VLLM_TARGET_DEVICE=cpu, a 1 GiB KV cache, offline hub);
+- /dev/shm is the host's, not a per-pod emptyDir: the unit's EC store
+  (`/dev/shm/vime-ec-<name>-<model>-<hash of the object's uid>`) must not exist before the
+  start, and is removed on stop.
+
+Only the EC-store janitor container is not run (see JANITOR).
+
+Ports are the pod's: a test picks free ones through the manifest's `spec.ports` (see
+`free_port_range`), never by rewriting args.
+
+Order, as the kubelet: the sidecars (encoders) one by one, each waited for on its
+startupProbe; then the consumers, waited for on theirs; then the router, waited for on its
+readinessProbe. Stop is the reverse order (the kubelet stops sidecars after the main
+containers).
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import random
+import socket
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from epd_operator.render import render
+from epd_operator.resources import pod_template
+from epd_operator.validation import validate
+
+from tests.vllm import engines, envs
+
+EC_STORAGE_ANNOTATION = "epd.vime.dev/ec-storage-path"
+LOCALHOST = "127.0.0.1"
+# Not run: it only trims the EC store to a budget (16 GiB by default, far above what a test
+# writes), tests/janitor tests it, and its fixed metrics port would collide between runs.
+JANITOR = ["epd-operator", "janitor"]
+
+
+class UnitRunner:
+    """One EPD unit as local processes: `pod` as read from the control plane
+    (`kubectl get pod -o json`), or from `from_manifest`. Use as a context manager.
+
+    `ready_timeout` bounds each engine's start: ~40 s on an idle 2-core machine, ~150 s on a
+    busy one.
+    """
+
+    def __init__(self, pod: dict[str, Any], log_dir: Path, *, ready_timeout: float = 600.0) -> None:
+        self.pod = pod
+        self.name = pod["metadata"].get("name", "unit")
+        self.pod_ip = pod.get("status", {}).get("podIP")
+        self.ec_storage_path = pod["metadata"].get("annotations", {}).get(EC_STORAGE_ANNOTATION)
+        self.log_dir = Path(log_dir)
+        self.ready_timeout = ready_timeout
+        spec = pod["spec"]
+        init = spec.get("initContainers", [])
+        if any(c.get("restartPolicy") != "Always" for c in init):
+            raise ValueError(f"{self.name}: only native sidecars are expected among initContainers")
+        self.sidecars = [self._engine(c) for c in init]
+        main = [self._engine(c) for c in spec["containers"] if c.get("command") != JANITOR]
+        self.router = next((e for e in main if e.name == "router"), None)
+        self.consumers = [e for e in main if e is not self.router]
+        self.ready_after_s: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_manifest(cls, manifest: dict[str, Any], log_dir: Path, *, uid: str,
+                      model: str = "default") -> "UnitRunner":
+        """The unit pod the operator would create for `model` of an EPDDeployment manifest,
+        without a cluster: `uid` stands for the object's uid (it names the EC store)."""
+        meta = manifest["metadata"]
+        spec = validate(manifest["spec"])
+        plans = render(spec, namespace=meta.get("namespace", "default"), name=meta["name"], uid=uid)
+        plan = next(p for p in plans if p.name == model)
+        template = pod_template(spec, meta["name"], plan)
+        pod = {"metadata": {**copy.deepcopy(template["metadata"]), "name": f"{meta['name']}-{model}-0"},
+               "spec": template["spec"]}
+        return cls(pod, log_dir)
+
+    def _engine(self, container: dict[str, Any]) -> engines.Engine:
+        command = [*container.get("command", []), *container.get("args", [])]
+        env = {}
+        for var in container.get("env", []):
+            if "value" not in var:
+                raise ValueError(f"{container['name']}: env {var['name']} has no literal value")
+            env[var["name"]] = var["value"]
+        if command[:2] == ["vllm", "serve"]:
+            argv = [str(envs.serving_python()), "-m", "vllm.entrypoints.openai.api_server",
+                    "--model", *command[2:]]
+            env = {**env, **engines.CPU_ENV}
+        elif command[:1] == ["vllm-router"]:
+            argv = [str(envs.router_binary()), *command[1:]]
+        else:
+            raise ValueError(f"{container['name']}: no local stand-in for the image of {command[:2]}")
+        # What the kubelet waits for: the startupProbe, else (the router) the readinessProbe.
+        probe = (container.get("startupProbe") or container["readinessProbe"])["httpGet"]
+        return engines.Engine(container["name"], argv, port=probe["port"], log_dir=self.log_dir,
+                              env=env, health_path=probe["path"])
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def engines(self) -> list[engines.Engine]:
+        """In start order: sidecars, consumers, router."""
+        return [*self.sidecars, *self.consumers, *([self.router] if self.router else [])]
+
+    def start(self) -> "UnitRunner":
+        if self.ec_storage_path and Path(self.ec_storage_path).exists():
+            raise RuntimeError(f"EC store {self.ec_storage_path} exists already: not this unit's")
+        try:
+            for sidecar in self.sidecars:  # one at a time, as the kubelet starts init containers
+                self._start_and_wait([sidecar])
+            self._start_and_wait(self.consumers)
+            if self.router:
+                # The kubelet starts it with the consumers; vllm-router would then wait for them
+                # itself. After them, its start-up is not raced against two loading engines.
+                self._start_and_wait([self.router])
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_and_wait(self, group: list[engines.Engine]) -> None:
+        for engine in group:
+            engine.start()
+        for engine in group:
+            self.ready_after_s[engine.name] = engine.wait_healthy(self.ready_timeout)
+
+    def stop(self) -> None:
+        for engine in reversed(self.engines):
+            engine.stop()
+        if self.ec_storage_path:
+            shutil.rmtree(self.ec_storage_path, ignore_errors=True)
+
+    def __enter__(self) -> "UnitRunner":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ addressing
+
+    def local_url(self, url: str) -> str:
+        """A URL of the operator's status (pod IP, container port) as reachable here."""
+        parts = urlsplit(url)
+        if parts.hostname != self.pod_ip:
+            raise ValueError(f"{url} is not an address of pod {self.name} ({self.pod_ip})")
+        return urlunsplit(parts._replace(netloc=f"{LOCALHOST}:{parts.port}"))
+
+
+def free_port_range(count: int, start: int = 20000, stop: int = 32000) -> int:
+    """The first of `count` consecutive ports nothing listens on, for a manifest's `spec.ports`.
+
+    Below Linux's ephemeral range (32768+), so no outgoing connection takes one meanwhile; a
+    random pick, so concurrent runs on one machine rarely race for the same range between this
+    check and the engines' bind. Engines listen on 0.0.0.0 (the rendered `--host`), so that is
+    what is checked.
+    """
+    for _ in range(200):
+        base = random.randrange(start, stop - count)
+        if all(_bindable(port) for port in range(base, base + count)):
+            return base
+    raise RuntimeError(f"no {count} free consecutive ports in {start}-{stop}")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
