@@ -261,6 +261,9 @@ class UnitStatus(_Schema):
     encoder_urls: list[str] = Field(default_factory=list)
     consumer_urls: list[str] = Field(default_factory=list)
     router_url: str | None = None
+    ec_evictions: int | None = Field(
+        default=None, description="EC entries its janitor evicted for budget since it started (scraped)."
+    )
 
 
 class ModelStatus(_Schema):

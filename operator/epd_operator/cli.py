@@ -65,6 +65,7 @@ def _run(args: argparse.Namespace) -> None:
         priority=args.priority,
         liveness=args.liveness,
         metrics_port=args.metrics_port,
+        janitor_scrape_interval=args.janitor_scrape_interval,
         log_level=args.log_level,
         log_format=args.log_format,
     )
@@ -99,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="liveness endpoint URL")
     run.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port (0: off)")
+    run.add_argument(
+        "--janitor-scrape-interval",
+        type=float,
+        default=30.0,
+        help="seconds between scrapes of the units' EC janitors, which turn budget evictions into "
+        "ECEvicted Events and status.models[].units[].ecEvictions (0: off)",
+    )
     run.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     run.add_argument("--log-format", default="plain", choices=["plain", "full", "json"])
     run.set_defaults(func=_run)

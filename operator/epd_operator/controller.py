@@ -8,6 +8,7 @@ event, so a restarted operator converges without duplicates.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import hashlib
 import json
@@ -16,14 +17,17 @@ import os
 import time
 from typing import Any
 
+import aiohttp
 import kopf
 
 from . import api, metrics
+from .evictions import JanitorMetrics, eviction_report, parse_metrics
 from .kube import Kube
 from .render import render
 from .resources import (
     ANNOTATION_SPEC_HASH,
     FIELD_MANAGER,
+    JANITOR_METRICS_PORT,
     LABEL_DEPLOYMENT,
     LABEL_MANAGED_BY,
     OPERATOR_IMAGE,
@@ -45,6 +49,15 @@ RETRY_MAX_SECONDS = 60
 _pending: dict[tuple[str, str], asyncio.Task[None]] = {}
 _failures: dict[tuple[str, str], int] = {}
 _background: set[asyncio.Task[None]] = set()
+
+# Janitor scraping (`epd-operator run --janitor-scrape-interval`; the interval comes in the memo).
+DEFAULT_JANITOR_SCRAPE_INTERVAL = 30.0
+# Short: an unreachable janitor (a pod just gone, kwok's fake pod IPs) must not hold up a round.
+JANITOR_SCRAPE_TIMEOUT = aiohttp.ClientTimeout(total=3, connect=1)
+JANITOR_SCRAPE_CONCURRENCY = 16
+# Budget evictions as last scraped: (namespace, deployment) -> unit pod name -> count.
+_evictions: dict[tuple[str, str], dict[str, int]] = {}
+logger = logging.getLogger(__name__)
 
 
 @kopf.on.login()
@@ -68,8 +81,23 @@ def kube() -> Kube:
     return _kube
 
 
+@kopf.on.startup()
+async def start_janitor_scrapes(memo: kopf.Memo, deployments: kopf.Index, unit_pods: kopf.Index,
+                                unit_sets: kopf.Index, **_: Any) -> None:
+    interval = memo.get("janitor_scrape_interval", DEFAULT_JANITOR_SCRAPE_INTERVAL)
+    if interval > 0:
+        # One operator-wide loop; the indexes are live objects that fill once watching starts.
+        memo["janitor_scrapes"] = asyncio.create_task(
+            _scrape_janitors_forever(interval, deployments, unit_pods, unit_sets))
+
+
 @kopf.on.cleanup()
-async def close(**_: Any) -> None:
+async def close(memo: kopf.Memo, **_: Any) -> None:
+    scrapes = memo.get("janitor_scrapes")
+    if scrapes is not None:
+        scrapes.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await scrapes
     if _kube is not None:
         await _kube.aclose()
 
@@ -224,6 +252,7 @@ async def _write_status(namespace: str, name: str, body: kopf.Body, unit_pods: k
     status = compute_status(
         deployment=name, spec=spec, plans=plans, pods=pods, rolled_out=rolled_out,
         generation=body.metadata.get("generation"), previous=previous, now=_now(),
+        evictions=_evictions.get((namespace, name)),
     )
     metrics.set_ready_units(namespace, name, sum(m["readyUnits"] for m in status["models"]))
     if _same(status, previous):
@@ -255,7 +284,7 @@ def _schedule_status(namespace: str, deployment: str, deployments: kopf.Index, u
 
 
 @kopf.on.event("pods", labels=OURS)
-def pod_changed(namespace: str, labels: kopf.Labels, deployments: kopf.Index, unit_pods: kopf.Index,
+async def pod_changed(namespace: str, labels: kopf.Labels, deployments: kopf.Index, unit_pods: kopf.Index,
                 unit_sets: kopf.Index, **_: Any) -> None:
     _schedule_status(namespace, labels[LABEL_DEPLOYMENT], deployments, unit_pods, unit_sets)
 
@@ -276,3 +305,80 @@ async def child_changed(type: str, namespace: str, labels: kopf.Labels, deployme
 @kopf.on.probe(id="deployments")
 def count_deployments(deployments: kopf.Index, **_: Any) -> int:
     return len(deployments)
+
+
+# --------------------------------------------------------------------------- janitor scraping
+# The janitor has no API access, so the operator reads its metrics: see docs/ec-storage.md.
+
+
+async def _scrape_janitors_forever(interval: float, deployments: kopf.Index, unit_pods: kopf.Index,
+                                   unit_sets: kopf.Index) -> None:
+    async with aiohttp.ClientSession(timeout=JANITOR_SCRAPE_TIMEOUT) as session:
+        while True:
+            try:
+                await scrape_janitors(session, deployments, unit_pods, unit_sets)
+            except Exception:  # a bug in one round must not end the reporting for good
+                logger.exception("scraping the EC janitors failed")
+            await asyncio.sleep(interval)
+
+
+def _janitor_ip(pod: dict[str, Any]) -> str | None:
+    """Where to scrape the unit's janitor: only a Running pod that has one can answer."""
+    status = pod.get("status", {})
+    has_janitor = any(c.get("name") == "janitor" for c in status.get("containerStatuses") or [])
+    return status.get("podIP") if status.get("phase") == "Running" and has_janitor else None
+
+
+def _reported(deployments: kopf.Index, key: tuple[str, str], unit: str) -> int | None:
+    """The count the status shows for `unit`: what this or an earlier operator process reported."""
+    for body in deployments.get(key, []):
+        for model in body.status.get("models") or []:
+            for status in model.get("units") or []:
+                if status.get("name") == unit:
+                    return status.get("ecEvictions")
+    return None
+
+
+async def scrape_janitors(session: aiohttp.ClientSession, deployments: kopf.Index, unit_pods: kopf.Index,
+                          unit_sets: kopf.Index, *, port: int = JANITOR_METRICS_PORT) -> None:
+    """One round: scrape every running unit's janitor, warn where its budget evictions grew, and
+    rewrite the status of deployments whose counts changed. Janitors that do not answer keep
+    their last count; units no longer running are forgotten."""
+    targets = {
+        (key, pod["name"]): ip for key, pods in unit_pods.items() for pod in pods if (ip := _janitor_ip(pod))
+    }
+    limit = asyncio.Semaphore(JANITOR_SCRAPE_CONCURRENCY)
+
+    async def scrape(ip: str) -> JanitorMetrics | None:
+        async with limit:
+            try:
+                async with session.get(f"http://{ip}:{port}/metrics") as response:
+                    response.raise_for_status()
+                    return parse_metrics(await response.text())
+            except (aiohttp.ClientError, TimeoutError, ValueError) as error:
+                logger.debug(f"janitor at {ip} not scraped: {error!r}")  # normal while pods come and go
+                return None
+
+    results = await asyncio.gather(*(scrape(ip) for ip in targets.values()))
+    changed = set()
+    for (key, unit), current in zip(targets, results, strict=True):
+        if current is None:
+            continue
+        counts = _evictions.setdefault(key, {})
+        previous = counts[unit] if unit in counts else _reported(deployments, key, unit)
+        if message := eviction_report(unit, previous, current):
+            for body in deployments.get(key, []):
+                kopf.warn(body, reason="ECEvicted", message=message)
+        if counts.get(unit) != current.budget_evictions:
+            counts[unit] = current.budget_evictions
+            changed.add(key)
+    for key, counts in list(_evictions.items()):
+        gone = [unit for unit in counts if (key, unit) not in targets]
+        for unit in gone:
+            del counts[unit]
+        if gone:
+            changed.add(key)
+        if not counts:
+            del _evictions[key]
+    for namespace, deployment in changed:
+        _schedule_status(namespace, deployment, deployments, unit_pods, unit_sets)

@@ -21,6 +21,7 @@ def run(
     priority: str,
     liveness: str | None,
     metrics_port: int,
+    janitor_scrape_interval: float,
     log_level: str,
     log_format: str,
 ) -> None:
@@ -49,4 +50,5 @@ def run(
         peering_name=peering,
         priority=random.randrange(1, 2**31) if priority == "random" else int(priority),
         liveness_endpoint=liveness or None,
+        memo=kopf.Memo(janitor_scrape_interval=janitor_scrape_interval),  # read by the startup handler
     )

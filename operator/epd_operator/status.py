@@ -7,6 +7,7 @@ containers too so that a consumer is never reported Ready while its encoders are
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,8 +44,9 @@ def _containers(pod: Pod) -> dict[str, dict[str, Any]]:
     return {c["name"]: c for c in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]}
 
 
-def observe_unit(plan: ModelPlan, unit_name: str, pod: Pod | None) -> Unit:
-    """What one unit's pod says about it; `pod` is None while it does not exist yet."""
+def observe_unit(plan: ModelPlan, unit_name: str, pod: Pod | None, ec_evictions: int | None = None) -> Unit:
+    """What one unit's pod says about it; `pod` is None while it does not exist yet.
+    `ec_evictions`: its janitor's budget evictions, as the operator last scraped them."""
     if pod is None:
         status = api.UnitStatus(name=unit_name, pod=unit_name, reason="PodMissing", message="pod not created yet")
         return Unit(unit_name, plan.name, False, False, True, False, "PodMissing", status.message or "", status)
@@ -92,6 +94,7 @@ def observe_unit(plan: ModelPlan, unit_name: str, pod: Pod | None) -> Unit:
         encoder_urls=[u for e in encoders if (u := url(e.port))],
         consumer_urls=[u for c in consumers if (u := url(c.port))],
         router_url=url(plan.router.port) if plan.router else None,
+        ec_evictions=ec_evictions,
     )
     starting = reason in ("EncoderStarting", "EngineStarting", "PodNotReady") or (
         scheduled.get("status") == "False" and reason != "Unschedulable"
@@ -147,13 +150,16 @@ def compute_status(
     generation: int | None,
     previous: dict[str, Any] | None,
     now: str,
+    evictions: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """The full status from the pods of this deployment (by name) and whether every
-    StatefulSet has finished rolling out its current revision."""
+    StatefulSet has finished rolling out its current revision; `evictions`: budget evictions
+    by unit name, for the units whose janitor the operator scraped."""
     models: list[api.ModelStatus] = []
     units: list[Unit] = []
     for plan in plans:
-        observed = [observe_unit(plan, n, pods.get(n)) for n in unit_names(deployment, plan, spec.replicas)]
+        observed = [observe_unit(plan, n, pods.get(n), (evictions or {}).get(n))
+                    for n in unit_names(deployment, plan, spec.replicas)]
         units += observed
         models.append(
             api.ModelStatus(

@@ -106,3 +106,13 @@ def test_too_small_ec_budget_is_a_warning_condition():
     assert "model default: EC budget" in budget["message"] and "Raise shm.sizeLimit" in budget["message"]
     assert status["models"][0]["ecStorageMaxBytes"] == int(0.8 * 2**30)
     assert status["phase"] == "Ready"  # a warning, not an outage
+
+
+def test_scraped_ec_evictions_show_per_unit():
+    spec, plans = setup(replicas=2)
+    pods = {p["name"]: p for p in [pod("d-default-0"), pod("d-default-1")]}
+    status = compute_status(deployment="d", spec=spec, plans=plans, pods=pods, rolled_out=True, generation=3,
+                            previous=None, now=NOW, evictions={"d-default-0": 12})
+    units = status["models"][0]["units"]
+    assert units[0]["ecEvictions"] == 12
+    assert "ecEvictions" not in units[1]  # not scraped (yet): no note rather than a made-up 0
