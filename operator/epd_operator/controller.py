@@ -22,7 +22,7 @@ import kopf
 
 from . import api, metrics
 from .evictions import JanitorMetrics, eviction_report, parse_metrics
-from .kube import Kube
+from .kube import Kube, KubeError
 from .render import render
 from .resources import (
     ANNOTATION_SPEC_HASH,
@@ -297,7 +297,12 @@ async def child_changed(type: str, namespace: str, labels: kopf.Labels, deployme
     if type == "DELETED":
         # Someone deleted a child: converge the owner again (it re-creates what is missing).
         for body in deployments.get((namespace, deployment), []):
-            await reconcile(body, unit_sets, unit_services, unit_pods, reapply=True)
+            try:
+                await reconcile(body, unit_sets, unit_services, unit_pods, reapply=True)
+            except KubeError as error:
+                if not error.namespace_terminating:
+                    raise
+                # The namespace is being deleted with everything in it: nothing to restore.
         return
     _schedule_status(namespace, deployment, deployments, unit_pods, unit_sets)
 

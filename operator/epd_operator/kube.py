@@ -29,6 +29,8 @@ class KubeError(Exception):
             message = response.json().get("message", response.text)
         except ValueError:
             message = response.text
+        # The API server refuses new objects in a namespace that is being deleted.
+        self.namespace_terminating = response.status_code == 403 and "being terminated" in message
         super().__init__(f"{response.request.method} {response.request.url.path}: {response.status_code} {message}")
 
 
