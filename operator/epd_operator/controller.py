@@ -300,7 +300,7 @@ async def child_changed(type: str, namespace: str, labels: kopf.Labels, deployme
             try:
                 await reconcile(body, unit_sets, unit_services, unit_pods, reapply=True)
             except KubeError as error:
-                if not error.namespace_terminating:
+                if not error.namespace_gone:
                     raise
                 # The namespace is being deleted with everything in it: nothing to restore.
         return

@@ -29,8 +29,10 @@ class KubeError(Exception):
             message = response.json().get("message", response.text)
         except ValueError:
             message = response.text
-        # The API server refuses new objects in a namespace that is being deleted.
-        self.namespace_terminating = response.status_code == 403 and "being terminated" in message
+        # New objects are refused in a namespace being deleted, or already gone.
+        self.namespace_gone = (response.status_code == 403 and "being terminated" in message) or (
+            response.status_code == 404 and message.startswith("namespaces ")
+        )
         super().__init__(f"{response.request.method} {response.request.url.path}: {response.status_code} {message}")
 
 
