@@ -21,8 +21,8 @@ SINGULAR = "epddeployment"
 SHORT_NAMES = ["epd"]
 
 DNS1123_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
-# Kubernetes quantities such as "8Gi" or "512M", as resource.Quantity accepts them.
-QUANTITY = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
+# A byte quantity as Kubernetes writes one ("16Gi", "512M", "1e9"): no milli or negative values.
+BYTE_QUANTITY = r"^\+?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+]?[0-9]+|Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
 
 # Open maps (vLLM engine args, connector extra config) and embedded Kubernetes core types
 # (affinity, volumes, ...) are kept schemaless: their own API server validates the latter
@@ -171,7 +171,10 @@ class Shm(_Schema):
     """The memory-backed emptyDir every engine of a unit mounts at /dev/shm."""
 
     size_limit: str = Field(
-        default="16Gi", pattern=QUANTITY, description="emptyDir sizeLimit (counts against pod memory)."
+        default="16Gi",
+        pattern=BYTE_QUANTITY,
+        max_length=32,
+        description="emptyDir sizeLimit in bytes, e.g. 16Gi (counts against pod memory).",
     )
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pydantic
 
-from .api import EPDDeploymentSpec, ModelSpec, WorkerType
+from .api import BYTE_QUANTITY, DNS1123_LABEL, EPDDeploymentSpec, ModelSpec, WorkerType
 
 SUPPORTED_VLLM_VERSIONS = ("0.32", "0.33")
 
@@ -106,11 +106,22 @@ def _image_tag(image: str) -> str:
     return last.split(":", 1)[1] if ":" in last else ""
 
 
+# What a pattern means, for people: a regex in an error message tells them little.
+_PATTERN_HINTS = {
+    DNS1123_LABEL: "a DNS-1123 label: lowercase letters, digits and '-', starting and ending with a letter or digit",
+    BYTE_QUANTITY: "a byte quantity such as 16Gi, 512Mi or 1e9",
+}
+
+
 def _pydantic_messages(error: pydantic.ValidationError) -> list[str]:
     messages = []
     for item in error.errors():
         path = "spec" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in item["loc"])
-        messages.append(f"{path}: {item['msg']}")
+        hint = _PATTERN_HINTS.get((item.get("ctx") or {}).get("pattern", ""))
+        if item["type"] == "string_pattern_mismatch" and hint:
+            messages.append(f"{path}: {item['input']!r} is not {hint}")
+        else:
+            messages.append(f"{path}: {item['msg']}")
     return messages
 
 

@@ -86,7 +86,7 @@ def test_model_names_are_unique_dns_labels():
         validate(spec)
     spec = spec_with("regular")
     spec["models"][0]["name"] = "Actor_1"
-    with pytest.raises(SpecError, match=r"spec.models\[0\].name: String should match pattern"):
+    with pytest.raises(SpecError, match=r"spec.models\[0\].name: 'Actor_1' is not a DNS-1123 label"):
         validate(spec)
 
 
@@ -131,3 +131,10 @@ def test_unsupported_versions_are_errors_not_guesses(image, version, message):
     with pytest.raises(SpecError) as error:
         validate(spec_with("regular", image=image, vllmVersion=version))
     assert error.value.errors[0].startswith(message)
+
+
+@pytest.mark.parametrize("size", ["100m", "-1Gi", "16 GiB"])
+def test_shm_size_must_be_bytes(size):
+    with pytest.raises(SpecError) as error:
+        validate(spec_with("encoder", "regular", shm={"sizeLimit": size}))
+    assert error.value.errors == [f"spec.shm.sizeLimit: {size!r} is not a byte quantity such as 16Gi, 512Mi or 1e9"]
