@@ -21,6 +21,8 @@ SINGULAR = "epddeployment"
 SHORT_NAMES = ["epd"]
 
 DNS1123_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+# The EC janitor's Prometheus port in every unit with encoders.
+JANITOR_METRICS_PORT = 9400
 # A byte quantity as Kubernetes writes one ("16Gi", "512M", "1e9"): no milli or negative values.
 BYTE_QUANTITY = r"^\+?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+]?[0-9]+|Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
 

@@ -31,7 +31,7 @@ LABEL_ROLE = f"{api.GROUP}/role"
 ANNOTATION_SPEC_HASH = f"{api.GROUP}/spec-hash"
 # The janitor runs `epd-operator janitor` from the operator's own image.
 OPERATOR_IMAGE = "ghcr.io/vime/epd-operator:0.1.0"
-JANITOR_METRICS_PORT = 9400
+JANITOR_METRICS_PORT = api.JANITOR_METRICS_PORT
 
 
 def child_name(deployment: str, model: str, suffix: str = "", limit: int = 52) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pydantic
 
-from .api import BYTE_QUANTITY, DNS1123_LABEL, EPDDeploymentSpec, ModelSpec, WorkerType
+from .api import BYTE_QUANTITY, DNS1123_LABEL, JANITOR_METRICS_PORT, EPDDeploymentSpec, ModelSpec, WorkerType
 
 SUPPORTED_VLLM_VERSIONS = ("0.32", "0.33")
 
@@ -73,6 +73,41 @@ class SpecError(ValueError):
     def __init__(self, errors: list[str]):
         self.errors = errors
         super().__init__("; ".join(errors))
+
+
+# vLLM engine arguments as Vime writes them: snake_case (dashes tolerated), never a raw flag.
+OVERRIDE_KEY = re.compile(r"^[a-z][a-z0-9_-]*$")
+
+
+def port_errors(spec: EPDDeploymentSpec, index: int, model: ModelSpec) -> list[str]:
+    """Ports the model's unit would use twice, or past 65535: its engines could not all bind."""
+    engines = sum(g.engines for g in model.server_groups)
+    types = {WorkerType(g.worker_type).value for g in model.server_groups}
+    pd = bool(types & {"prefill", "decode"})
+    consumers = sum(g.engines for g in model.server_groups if g.worker_type != "encoder")
+    ranges = {"ports.engineBase": (spec.ports.engine_base, spec.ports.engine_base + engines - 1)}
+    if pd or consumers > 1:
+        ranges["ports.router"] = (spec.ports.router, spec.ports.router)
+    if pd:
+        base = spec.ports.nixl_side_channel_base
+        ranges["ports.nixlSideChannelBase"] = (base, base + engines - 1)
+    if "encoder" in types:
+        ranges["the EC janitor's metrics port"] = (JANITOR_METRICS_PORT, JANITOR_METRICS_PORT)
+    errors = []
+    for name, (low, high) in ranges.items():
+        if high > 65535 and name.startswith("ports."):
+            errors.append(f"spec.{name}: model '{model.name}' needs ports {low}-{high}, past 65535: lower it")
+    names = list(ranges)
+    for i, first in enumerate(names):
+        for second in names[i + 1:]:
+            (a_low, a_high), (b_low, b_high) = ranges[first], ranges[second]
+            if a_low <= b_high and b_low <= a_high:
+                fix = first if first.startswith("ports.") else second
+                errors.append(
+                    f"spec.{fix}: model '{model.name}' would use ports {a_low}-{a_high} for {first} and "
+                    f"{b_low}-{b_high} for {second}: move one range"
+                )
+    return errors
 
 
 def vllm_minor(spec: EPDDeploymentSpec) -> str:
@@ -138,7 +173,14 @@ def validate(spec: dict[str, Any]) -> EPDDeploymentSpec:
             errors.append(f"spec.models[{index}].name: model name '{model.name}' is used twice: names must be unique")
         seen.add(model.name)
         errors += layout_errors(model)
+        errors += port_errors(parsed, index, model)
         for g_index, group in enumerate(model.server_groups):
+            for key in group.overrides:
+                if not OVERRIDE_KEY.match(key):
+                    errors.append(
+                        f"spec.models[{index}].serverGroups[{g_index}].overrides: {key!r} is not a vLLM "
+                        "engine argument name: use snake_case such as max_model_len"
+                    )
             if group.num_gpus % group.num_gpus_per_engine:
                 errors.append(
                     f"spec.models[{index}].serverGroups[{g_index}]: numGpus ({group.num_gpus}) must be "

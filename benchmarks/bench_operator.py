@@ -1,0 +1,792 @@
+"""Operator benchmark on the real local control plane (`make bench`).
+
+Starts its own LocalCluster (etcd, kube-apiserver, kube-controller-manager, kube-scheduler,
+kwok with 100 fake GPU nodes) in ``--dir``, installs the CRD and runs ``epd-operator run`` as
+a real process, then measures:
+
+1. Reconcile latency, N = 50 and 200. Apply N EPDDeployments (docs/examples/
+   encoder-regular.yaml under unique names, one ``kubectl apply`` call); per object, the
+   time from its creation to: its StatefulSet and both Services exist AND its
+   status.observedGeneration == generation. Then N one-pod Deployments, the same way: from
+   creation to the pod created by kube-controller-manager (Deployment -> ReplicaSet -> Pod).
+   Every time is the arrival of a watch event in this process (creationTimestamp has 1 s
+   resolution), so both sides are measured alike. Done with kcm's default client rate limit
+   (--kube-api-qps 20, --kube-api-burst 30), then again with kcm restarted at 200/300.
+2. Scale: a fresh operator, 1,000 EPDDeployments over the 100 nodes: time from the apply
+   to every one Ready; the operator's peak RSS (VmHWM) and CPU seconds; its CPU while idle
+   afterwards.
+
+Prints tables and PASS/MISS per target, and ends with ``key=value`` lines. ``--profile``
+samples the operator with py-spy during the scale run and prints its hottest functions.
+
+    python -m benchmarks.bench_operator [--sizes 50 200] [--scale 1000] [--profile DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import httpx
+import yaml
+
+if not __package__:  # run as a file: make `benchmarks` and `tests` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from epd_localcluster import LocalCluster  # noqa: E402
+from tests.operator.harness import ROOT, OperatorProcess, install_crd  # noqa: E402
+
+EXAMPLE = ROOT / "docs" / "examples" / "encoder-regular.yaml"
+EPD_PATH = "/apis/epd.vime.dev/v1alpha1"
+OURS = "app.kubernetes.io/managed-by=epd-operator"
+BENCH_LABEL = "bench.epd.vime.dev/deployment"  # ties a benchmark Deployment's pod to it
+# kwok nodes advertise 8 GPUs; a unit of the example needs 2 (encoder + regular engine), so
+# 1,000 units plus the latency runs' need more: the benchmark's nodes advertise 32.
+GPUS_PER_NODE = 32
+KCM_DEFAULT = "default (--kube-api-qps 20, --kube-api-burst 30)"
+KCM_RAISED_ARGS = ("--kube-api-qps=200", "--kube-api-burst=300")
+KCM_RAISED = "raised (--kube-api-qps 200, --kube-api-burst 300)"
+
+TARGETS = {  # key: (limit, how it compares, what the target says)
+    "reconcile_p50_ratio": (1.0, "<=", "reconcile p50 <= 1.0x kcm p50"),
+    "reconcile_p99_ratio": (1.5, "<=", "reconcile p99 <= 1.5x kcm p99"),
+    "scale_seconds": (30.0, "<=", "1,000 EPDDeployments Ready within 30 s"),
+    "operator_peak_rss_mb": (150.0, "<=", "operator peak RSS <= 150 MB"),
+    "idle_cpu_percent": (1.0, "<=", "operator idle CPU <= 1 %"),
+}
+
+
+def log(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+# ----------------------------------------------------------------------------- cluster
+
+
+class BenchCluster(LocalCluster):
+    """A LocalCluster that can restart one component, optionally with extra flags.
+
+    LocalCluster has no public restart yet (proposed to the lead); this reuses its process
+    table, so it works only in the process that started the cluster.
+    """
+
+    def restart(self, component: str, extra_args: tuple[str, ...] = (), *, hard: bool = False,
+                timeout: float = 120) -> float:
+        """Stop ``component`` (SIGKILL if ``hard``, else SIGTERM), start it again with its
+        usual flags plus ``extra_args``, wait until it is healthy; returns the seconds taken."""
+        flags: dict[str, tuple[Callable[[], list[str]], Callable[[], bool]]] = {
+            "kube-apiserver": (self._apiserver_args, self._apiserver_ready),
+            "kube-controller-manager": (self._controller_manager_args,
+                                        lambda: self._https_ok(self._ports["controller-manager"])),
+        }
+        args, healthy = flags[component]
+        began = time.monotonic()
+        proc = self._procs[component]
+        os.killpg(proc.pid, signal.SIGKILL if hard else signal.SIGTERM)
+        assert proc.popen is not None, "restart works only in the process that started the cluster"
+        proc.popen.wait(timeout=60)
+        self._spawn(component, [*args(), *extra_args])
+        self._wait(f"{component} healthy again", healthy, began + timeout, component)
+        return time.monotonic() - began
+
+
+def start_cluster(folder: Path, nodes: int) -> BenchCluster:
+    cluster = BenchCluster(folder, nodes=nodes, die_with_parent=True, log=lambda m: log(f"cluster: {m}"))
+    cluster.start()
+    set_node_gpus(cluster, GPUS_PER_NODE)
+    install_crd(cluster)
+    return cluster
+
+
+def set_node_gpus(cluster: LocalCluster, gpus: int) -> None:
+    """Advertise ``gpus`` GPUs per node (kwok keeps whatever capacity a node registered)."""
+    api = Api(cluster)
+    patch = {"status": {key: {"nvidia.com/gpu": str(gpus)} for key in ("capacity", "allocatable")}}
+    for name in cluster.node_names:
+        api.call("PATCH", f"/api/v1/nodes/{name}/status", json=patch,
+                 headers={"Content-Type": "application/merge-patch+json"})
+
+
+# ---------------------------------------------------------------------------- API access
+
+
+def tls_context(cluster: LocalCluster) -> ssl.SSLContext:
+    context = ssl.create_default_context(cafile=str(cluster.pki / "ca.crt"))
+    context.load_cert_chain(str(cluster.pki / "admin.crt"), str(cluster.pki / "admin.key"))
+    return context
+
+
+class Api:
+    """Admin calls to the API server over one pooled client (kubectl per call costs ~0.2 s
+    of CPU on this machine, which a benchmark polling 1,000 objects cannot afford)."""
+
+    def __init__(self, cluster: LocalCluster):
+        self.cluster = cluster
+        self.http = httpx.Client(base_url=cluster.server, verify=tls_context(cluster), timeout=60)
+
+    def call(self, method: str, path: str, **kwargs: Any) -> Any:
+        response = self.http.request(method, path, **kwargs)
+        response.raise_for_status()
+        return response.json()
+
+    def items(self, path: str, **params: str) -> list[dict[str, Any]]:
+        return self.call("GET", path, params=params)["items"]
+
+    def close(self) -> None:
+        self.http.close()
+
+
+class Watch(threading.Thread):
+    """One watch stream; ``on_event(type, object, arrival)`` runs on this thread, with the
+    arrival time (time.monotonic) taken before the event is even decoded."""
+
+    def __init__(self, cluster: LocalCluster, path: str, on_event: Callable[[str, dict, float], None],
+                 **params: str):
+        super().__init__(daemon=True, name=f"watch {path}")
+        self.cluster, self.path, self.on_event, self.params = cluster, path, on_event, params
+        self.established = threading.Event()
+        self.error: BaseException | None = None
+        self._socket: socket.socket | None = None
+        self._stopping = False
+
+    def run(self) -> None:
+        version = ""  # resume from the last event seen when the server ends the stream
+        try:
+            with httpx.Client(base_url=self.cluster.server, verify=tls_context(self.cluster),
+                              timeout=httpx.Timeout(30, read=None)) as http:
+                while not self._stopping:
+                    params = {"watch": "1", **self.params, **({"resourceVersion": version} if version else {})}
+                    with http.stream("GET", self.path, params=params) as response:
+                        if response.status_code == 429:  # a new CRD's storage is still initializing
+                            time.sleep(1)
+                            continue
+                        response.raise_for_status()
+                        self._socket = response.extensions["network_stream"].get_extra_info("socket")
+                        self.established.set()  # headers arrived: the server is watching
+                        for line in response.iter_lines():
+                            arrival = time.monotonic()
+                            event = json.loads(line)
+                            if event["type"] == "ERROR":
+                                raise RuntimeError(f"watch error: {event['object'].get('message')}")
+                            version = event["object"]["metadata"]["resourceVersion"]
+                            self.on_event(event["type"], event["object"], arrival)
+        except BaseException as error:  # noqa: BLE001 - reported to the waiting thread
+            if not self._stopping:
+                self.error = error
+        finally:
+            self.established.set()
+
+    def stop(self) -> None:
+        """End the stream from another thread. Only a shutdown: closing the socket here would
+        free its descriptor while this thread still reads it, and a new connection given the
+        same number would have its TLS records stolen."""
+        self._stopping = True
+        if self._socket is not None:
+            with contextlib.suppress(OSError):
+                self._socket.shutdown(socket.SHUT_RDWR)
+        self.join(10)
+
+
+@contextlib.contextmanager
+def watching(cluster: LocalCluster, *streams: tuple[str, Callable[[str, dict, float], None], dict[str, str]]
+             ) -> Iterator[list[Watch]]:
+    watches = [Watch(cluster, path, on_event, **params) for path, on_event, params in streams]
+    for watch in watches:
+        watch.start()
+    for watch in watches:
+        watch.established.wait(30)
+        if watch.error:
+            raise RuntimeError(f"watch {watch.path} failed: {watch.error}")
+    try:
+        yield watches
+    finally:
+        for watch in watches:
+            watch.stop()
+
+
+class Recorder:
+    """First-seen times per (what, name), shared by watch threads and the waiting thread."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, dict[str, float]] = collections.defaultdict(dict)
+        self.children: dict[str, set[str]] = collections.defaultdict(set)
+        self._changed = threading.Condition()
+
+    def mark(self, what: str, name: str, at: float) -> None:
+        with self._changed:
+            self.times[what].setdefault(name, at)
+            self._changed.notify_all()
+
+    def child(self, owner: str, name: str, at: float) -> None:
+        with self._changed:
+            if name not in self.children[owner]:
+                self.children[owner].add(name)
+                self.times["child"][owner] = max(at, self.times["child"].get(owner, at))
+            self._changed.notify_all()
+
+    def wait(self, done: Callable[[], bool], timeout: float, what: str, watches: list[Watch]) -> None:
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while not done():
+                broken = [w for w in watches if w.error]
+                if broken:
+                    raise RuntimeError(f"watch {broken[0].path} failed: {broken[0].error}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+                self._changed.wait(min(left, 1.0))
+
+
+# ------------------------------------------------------------------------------ objects
+
+
+def settle(rec: Recorder, names: list[str], what: str, timeout: float, watches: list[Watch]) -> list[str]:
+    """Wait until every name is marked ``what``; the names that are not after ``timeout``."""
+    with contextlib.suppress(TimeoutError):
+        rec.wait(lambda: len(rec.times[what]) == len(names), timeout, f"{len(names)} {what}", watches)
+    return [x for x in names if x not in rec.times[what]]
+
+
+def converged(epd: dict[str, Any]) -> bool:
+    """Ready, for the current generation."""
+    generation = epd["metadata"].get("generation")
+    status = epd.get("status") or {}
+    ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), {})
+    return (status.get("observedGeneration") == generation and ready.get("status") == "True"
+            and ready.get("observedGeneration") == generation)
+
+
+def epd_manifest(name: str, **spec: Any) -> dict[str, Any]:
+    manifest = yaml.safe_load(EXAMPLE.read_text())
+    manifest["metadata"]["name"] = name
+    manifest["spec"].update(spec)
+    return manifest
+
+
+def deployment_manifest(name: str) -> dict[str, Any]:
+    labels = {BENCH_LABEL: name}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {"containers": [{"name": "main", "image": "registry.k8s.io/pause:3.10"}]},
+            },
+        },
+    }
+
+
+def apply(cluster: LocalCluster, namespace: str, documents: list[dict[str, Any]]) -> float:
+    """One `kubectl apply` of every document; returns the seconds it took."""
+    began = time.monotonic()
+    cluster.kubectl("apply", "--server-side", "-n", namespace, "-f", "-",
+                    input=yaml.safe_dump_all(documents), timeout=900)
+    return time.monotonic() - began
+
+
+def create_namespace(cluster: LocalCluster, api: Api, name: str) -> str:
+    cluster.kubectl("create", "namespace", name)
+    # Pods are refused until the namespace's default ServiceAccount exists (kcm creates it).
+    deadline = time.monotonic() + 60
+    while not api.items(f"/api/v1/namespaces/{name}/serviceaccounts", fieldSelector="metadata.name=default"):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no default ServiceAccount in {name}")
+        time.sleep(0.2)
+    return name
+
+
+def delete_namespaces(cluster: LocalCluster, api: Api, names: list[str], timeout: float = 600) -> None:
+    if not names:
+        return
+    cluster.kubectl("delete", "namespace", *names, "--wait=false")
+    deadline = time.monotonic() + timeout
+    while {n["metadata"]["name"] for n in api.items("/api/v1/namespaces")} & set(names):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"namespaces {names} still there after {timeout:.0f}s")
+        time.sleep(1)
+
+
+# ------------------------------------------------------------------------------ process
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def memory_mb(pid: int, key: str) -> float:
+    """VmHWM (peak RSS) or VmRSS of a process, in MB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) / 1024
+    raise KeyError(key)
+
+
+def pid_of(operator: OperatorProcess) -> int:
+    assert operator.proc is not None, "the operator is not running"
+    return operator.proc.pid
+
+
+def check_alive(operator: OperatorProcess) -> None:
+    """A crashed operator would make every later number meaningless: stop at once."""
+    if operator.proc is None or operator.proc.poll() is not None:
+        code = operator.proc.returncode if operator.proc else None
+        raise RuntimeError(f"the operator exited (code {code}):\n{operator.tail(40)}")
+
+
+def reconcile_stats(operator: OperatorProcess) -> dict[str, float]:
+    """Totals of the operator's reconcile metrics (count by result, seconds)."""
+    stats: dict[str, float] = collections.Counter()
+    for line in operator.metrics().splitlines():
+        if line.startswith("epd_reconciles_total{"):
+            result = line.split('result="', 1)[1].split('"', 1)[0]
+            stats[f"reconciles_{result}"] += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("epd_reconcile_duration_seconds_sum "):
+            stats["reconcile_seconds"] += float(line.rsplit(" ", 1)[1])
+    return dict(stats)
+
+
+# ---------------------------------------------------------------------------- measuring
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (p99 of 50 values is the largest)."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+@dataclass
+class Latencies:
+    what: str
+    n: int
+    kcm: str
+    seconds: list[float]
+    apply_seconds: float
+
+    @property
+    def p50_ms(self) -> float:
+        return percentile(self.seconds, 50) * 1000
+
+    @property
+    def p99_ms(self) -> float:
+        return percentile(self.seconds, 99) * 1000
+
+
+def measure_epds(cluster: LocalCluster, api: Api, namespace: str, n: int, kcm: str,
+                 timeout: float = 600) -> Latencies:
+    """Creation -> StatefulSet + 2 Services + status.observedGeneration, per EPDDeployment;
+    then waits until every one is Ready so the next run starts on an idle cluster."""
+    rec = Recorder()
+
+    def on_epd(_type: str, obj: dict, at: float) -> None:
+        name = obj["metadata"]["name"]
+        rec.mark("created", name, at)
+        if (obj.get("status") or {}).get("observedGeneration") == obj["metadata"]["generation"]:
+            rec.mark("status", name, at)
+        if converged(obj):
+            rec.mark("ready", name, at)
+
+    def on_child(type_: str, obj: dict, at: float) -> None:
+        if type_ == "ADDED":
+            rec.child(obj["metadata"]["labels"]["epd.vime.dev/deployment"], f"{obj['kind']}/{obj['metadata']['name']}", at)
+
+    names = [f"bench-{i}" for i in range(n)]
+    streams = [
+        (f"{EPD_PATH}/namespaces/{namespace}/epddeployments", on_epd, {}),
+        (f"/apis/apps/v1/namespaces/{namespace}/statefulsets", on_child, {"labelSelector": OURS}),
+        (f"/api/v1/namespaces/{namespace}/services", on_child, {"labelSelector": OURS}),
+    ]
+
+    def complete(name: str) -> bool:
+        return name in rec.times["status"] and len(rec.children[name]) == 3
+
+    with watching(cluster, *streams) as watches:
+        took = apply(cluster, namespace, [epd_manifest(name) for name in names])
+        rec.wait(lambda: all(complete(x) for x in names), timeout, f"{n} EPDDeployments reconciled", watches)
+        stuck = settle(rec, names, "ready", timeout, watches)
+    seconds = [max(rec.times["status"][x], rec.times["child"][x]) - rec.times["created"][x] for x in names]
+    if stuck:
+        log(f"  MISS: {len(stuck)} EPDDeployments never Ready: {' '.join(stuck[:10])}")
+    return Latencies("EPDDeployment -> children + status", n, kcm, seconds, took)
+
+
+def measure_deployments(cluster: LocalCluster, api: Api, namespace: str, n: int, kcm: str,
+                        timeout: float = 600) -> Latencies:
+    """Creation -> pod created by kube-controller-manager, per one-pod Deployment; then waits
+    until every pod runs."""
+    rec = Recorder()
+
+    def on_deployment(_type: str, obj: dict, at: float) -> None:
+        rec.mark("created", obj["metadata"]["name"], at)
+
+    def on_pod(_type: str, obj: dict, at: float) -> None:
+        owner = obj["metadata"]["labels"][BENCH_LABEL]
+        rec.mark("pod", owner, at)
+        if (obj.get("status") or {}).get("phase") == "Running":
+            rec.mark("running", owner, at)
+
+    names = [f"bench-{i}" for i in range(n)]
+    streams = [
+        (f"/apis/apps/v1/namespaces/{namespace}/deployments", on_deployment, {}),
+        (f"/api/v1/namespaces/{namespace}/pods", on_pod, {"labelSelector": BENCH_LABEL}),
+    ]
+    with watching(cluster, *streams) as watches:
+        took = apply(cluster, namespace, [deployment_manifest(name) for name in names])
+        rec.wait(lambda: len(rec.times["pod"]) == n, timeout, f"pods of {n} Deployments", watches)
+        settle(rec, names, "running", timeout, watches)
+    seconds = [rec.times["pod"][x] - rec.times["created"][x] for x in names]
+    return Latencies("Deployment -> pod (kcm)", n, kcm, seconds, took)
+
+
+@dataclass
+class Scale:
+    n: int
+    kcm: str
+    apply_seconds: float  # the `kubectl apply` call itself
+    reconciled_seconds: float  # apply start -> every EPD has its children and a status
+    ready_seconds: float  # apply start -> every EPD Ready (inf if some never were)
+    not_ready: list[str]  # EPDs still not Ready at the timeout
+    quiet_seconds: float  # apply start -> the last event before the idle measurement
+    cpu_seconds: float  # operator CPU from apply start to all Ready
+    peak_rss_mb: float
+    rss_mb: float
+    idle_cpu_percent: float
+    idle_seconds: float
+    idle_events: int  # events on our objects during the idle measurement (should be none)
+    reconciles: dict[str, float] = field(default_factory=dict)
+    profile: list[str] = field(default_factory=list)
+
+
+def measure_scale(cluster: LocalCluster, api: Api, operator: OperatorProcess, namespace: str, n: int,
+                  kcm: str, *, idle_seconds: float = 30, profile_dir: Path | None = None,
+                  timeout: float = 600) -> Scale:
+    """Apply n EPDDeployments; time until all are reconciled and Ready; then wait until the
+    cluster is quiet (kcm works off its rate-limited backlog of StatefulSet status updates
+    for a while after the last unit is Ready) and measure the operator's idle CPU."""
+    rec = Recorder()
+    seen = {"events": 0, "last": time.monotonic()}
+
+    def count(at: float) -> None:
+        seen["events"] += 1
+        seen["last"] = at
+
+    def on_epd(_type: str, obj: dict, at: float) -> None:
+        count(at)
+        name = obj["metadata"]["name"]
+        if (obj.get("status") or {}).get("observedGeneration") == obj["metadata"]["generation"]:
+            rec.mark("status", name, at)
+        if converged(obj):
+            rec.mark("ready", name, at)
+
+    def on_child(type_: str, obj: dict, at: float) -> None:
+        count(at)
+        if type_ == "ADDED" and obj["kind"] != "Pod":
+            rec.child(obj["metadata"]["labels"]["epd.vime.dev/deployment"], f"{obj['kind']}/{obj['metadata']['name']}", at)
+
+    names = [f"scale-{i}" for i in range(n)]
+    streams = [
+        (f"{EPD_PATH}/namespaces/{namespace}/epddeployments", on_epd, {}),
+        (f"/apis/apps/v1/namespaces/{namespace}/statefulsets", on_child, {"labelSelector": OURS}),
+        (f"/api/v1/namespaces/{namespace}/services", on_child, {"labelSelector": OURS}),
+        (f"/api/v1/namespaces/{namespace}/pods", on_child, {"labelSelector": OURS}),
+    ]
+    pid = pid_of(operator)
+    before = reconcile_stats(operator)
+    with watching(cluster, *streams) as watches:
+        with py_spy(pid, profile_dir, "scale") as profile:
+            cpu0, began = cpu_seconds(pid), time.monotonic()
+            took = apply(cluster, namespace, [epd_manifest(name) for name in names])
+            stuck = settle(rec, names, "ready", timeout, watches)
+            cpu = cpu_seconds(pid) - cpu0
+        rec.wait(lambda: time.monotonic() - seen["last"] > 5, timeout, "5 s without an event", watches)
+        quiet = seen["last"] - began
+        with py_spy(pid, profile_dir, "idle") as idle_profile:
+            events, cpu0, idle0 = seen["events"], cpu_seconds(pid), time.monotonic()
+            time.sleep(idle_seconds)
+            idle = (cpu_seconds(pid) - cpu0) / (time.monotonic() - idle0) * 100
+            idle_events = seen["events"] - events
+    after = reconcile_stats(operator)
+    return Scale(
+        n, kcm, took,
+        reconciled_seconds=max(max(rec.times["status"][x], rec.times["child"][x]) for x in names) - began,
+        ready_seconds=math.inf if stuck else max(rec.times["ready"].values()) - began, not_ready=stuck,
+        quiet_seconds=quiet, cpu_seconds=cpu, peak_rss_mb=memory_mb(pid, "VmHWM"), rss_mb=memory_mb(pid, "VmRSS"),
+        idle_cpu_percent=idle, idle_seconds=idle_seconds, idle_events=idle_events,
+        reconciles={k: after.get(k, 0) - before.get(k, 0) for k in after},
+        profile=[*(profile.lines if profile else []), *(idle_profile.lines if idle_profile else [])])
+
+
+# ----------------------------------------------------------------------------- profiling
+
+
+@dataclass
+class Profile:
+    path: Path
+    lines: list[str] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def py_spy(pid: int, folder: Path | None, name: str) -> Iterator[Profile | None]:
+    """Sample ``pid`` with py-spy while the block runs (non-blocking: the operator is not
+    paused per sample); afterwards the hottest functions, by own and by total samples."""
+    if folder is None:
+        yield None
+        return
+    binary = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    folder.mkdir(parents=True, exist_ok=True)
+    profile = Profile(folder / f"operator-{name}.txt")
+    spy = subprocess.Popen([binary, "record", "--pid", str(pid), "--rate", "100", "--nonblocking",
+                            "--format", "raw", "--output", str(profile.path)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        yield profile
+    finally:
+        spy.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+        _, err = spy.communicate(timeout=60)
+        if profile.path.exists():
+            profile.lines = hottest(profile.path)
+        else:
+            profile.lines = [f"py-spy wrote nothing: {err.strip()[-300:]}"]
+
+
+def hottest(collapsed: Path, top: int = 15) -> list[str]:
+    """Summarise py-spy's collapsed stacks ("frame;frame;... count") by function."""
+    own: collections.Counter[str] = collections.Counter()
+    total: collections.Counter[str] = collections.Counter()
+    samples = 0
+    for line in collapsed.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue  # a frame name holding a newline (generated code) splits a line
+        # "function (path/file.py:line)" -> "function (file.py)": lines would split a function
+        frames = [re.sub(r" \((?:.*/)?([^/:]*)(?::\d+)?\)$", r" (\1)", f) for f in stack.split(";") if f]
+        weight = int(count)
+        samples += weight
+        if frames:
+            own[frames[-1]] += weight
+        for frame in set(frames):
+            total[frame] += weight
+    lines = [f"py-spy: {samples} samples at 100 Hz ({collapsed})", "own %  total %  function"]
+    for frame, count in own.most_common(top):
+        lines.append(f"{100 * count / samples:5.1f}  {100 * total[frame] / samples:7.1f}  {frame}")
+    lines.append("by total (inclusive):")
+    for frame, count in total.most_common(top + 10):
+        lines.append(f"       {100 * count / samples:7.1f}  {frame}")
+    return lines
+
+
+# ------------------------------------------------------------------------------- report
+
+
+@dataclass
+class Results:
+    latencies: list[tuple[Latencies, Latencies]] = field(default_factory=list)  # (EPD, kcm) pairs
+    scale: Scale | None = None
+    machine: str = ""
+
+    def ratio(self, kcm: str, q: str) -> float | None:
+        pairs = [(e, d) for e, d in self.latencies if e.kcm == kcm]
+        if not pairs:
+            return None
+        epd, deploy = max(pairs, key=lambda p: p[0].n)  # the largest N is the headline
+        return getattr(epd, f"{q}_ms") / getattr(deploy, f"{q}_ms")
+
+    def keys(self) -> dict[str, float]:
+        keys: dict[str, float] = {}
+        headline = [(e, d) for e, d in self.latencies if e.kcm == KCM_DEFAULT]
+        if headline:
+            epd, deploy = max(headline, key=lambda p: p[0].n)
+            keys["reconcile_p50_ms"] = epd.p50_ms
+            keys["kcm_p50_ms"] = deploy.p50_ms
+            keys["reconcile_p50_ratio"] = epd.p50_ms / deploy.p50_ms
+            keys["reconcile_p99_ratio"] = epd.p99_ms / deploy.p99_ms
+        raised = [(e, d) for e, d in self.latencies if e.kcm == KCM_RAISED]
+        if raised:
+            epd, deploy = max(raised, key=lambda p: p[0].n)
+            keys["reconcile_p50_ratio_kcm_qps200"] = epd.p50_ms / deploy.p50_ms
+            keys["reconcile_p99_ratio_kcm_qps200"] = epd.p99_ms / deploy.p99_ms
+        if self.scale:
+            keys[f"scale_{self.scale.n}_seconds"] = self.scale.ready_seconds
+            keys["operator_peak_rss_mb"] = self.scale.peak_rss_mb
+            keys["idle_cpu_percent"] = self.scale.idle_cpu_percent
+        return keys
+
+
+def machine() -> str:
+    load = os.getloadavg()
+    memory = int(Path("/proc/meminfo").read_text().split()[1]) // 1024 // 1024
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    return (f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores ({cpu}), {memory} GiB, "
+            f"Python {platform.python_version()}, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
+
+
+def report(results: Results, out: Callable[[str], None] = print) -> None:
+    out("")
+    out(f"machine: {results.machine}")
+    if results.latencies:
+        out("")
+        out("| N | kube-controller-manager client | EPD p50 ms | EPD p99 ms | kcm p50 ms | kcm p99 ms "
+            "| p50 ratio | p99 ratio | apply s (EPD / Deployment) |")
+        out("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for epd, deploy in results.latencies:
+            out(f"| {epd.n} | {epd.kcm} | {epd.p50_ms:.0f} | {epd.p99_ms:.0f} | {deploy.p50_ms:.0f} "
+                f"| {deploy.p99_ms:.0f} | {epd.p50_ms / deploy.p50_ms:.2f}x | {epd.p99_ms / deploy.p99_ms:.2f}x "
+                f"| {epd.apply_seconds:.1f} / {deploy.apply_seconds:.1f} |")
+    if results.scale:
+        s = results.scale
+        out("")
+        out(f"scale: {s.n} EPDDeployments, kube-controller-manager client {s.kcm}")
+        out(f"  kubectl apply                      {s.apply_seconds:6.1f} s")
+        out(f"  all reconciled (children + status) {s.reconciled_seconds:6.1f} s after the apply began")
+        out(f"  all Ready                          {s.ready_seconds:6.1f} s after the apply began")
+        if s.not_ready:
+            out(f"  NOT Ready at the timeout: {len(s.not_ready)}: {' '.join(s.not_ready[:10])}")
+        out(f"  operator CPU until all Ready       {s.cpu_seconds:6.1f} s")
+        out(f"  operator peak RSS (VmHWM)          {s.peak_rss_mb:6.1f} MB (now {s.rss_mb:.1f} MB)")
+        out(f"  last event (EPD, child or pod)     {s.quiet_seconds:6.1f} s after the apply began")
+        out(f"  operator idle CPU over {s.idle_seconds:.0f} s        {s.idle_cpu_percent:6.2f} % "
+            f"({s.idle_events} events meanwhile)")
+        per = s.reconciles.get("reconcile_seconds", 0) / max(1, s.reconciles.get("reconciles_success", 0))
+        out(f"  reconciles {json.dumps({k: round(v, 1) for k, v in s.reconciles.items()})}"
+            f" ({per * 1000:.1f} ms each on average)")
+        for line in s.profile:
+            out(f"  {line}")
+    keys = results.keys()
+    out("")
+    for key, value in keys.items():
+        target = TARGETS.get("scale_seconds" if key.startswith("scale_") else key)
+        if target:
+            limit, _, text = target
+            out(f"{'PASS' if value <= limit else 'MISS'}  {text}: {value:.2f}")
+    out("")
+    for key, value in keys.items():
+        out(f"{key}={value:.3f}" if isinstance(value, float) else f"{key}={value}")
+
+
+# --------------------------------------------------------------------------------- main
+
+
+def run_latency(cluster: LocalCluster, api: Api, operator: OperatorProcess, sizes: list[int], kcm: str,
+                results: Results) -> list[str]:
+    """Both latency runs per size; returns the namespaces used (their objects are kept until
+    the caller deletes them: a namespace deletion keeps kcm busy for a while)."""
+    used = []
+    for n in sizes:
+        tag = uuid.uuid4().hex[:5]
+        epd_ns = create_namespace(cluster, api, f"bench-epd-{n}-{tag}")
+        log(f"{n} EPDDeployments, kcm {kcm}")
+        epd = measure_epds(cluster, api, epd_ns, n, kcm)
+        deploy_ns = create_namespace(cluster, api, f"bench-deploy-{n}-{tag}")
+        log(f"{n} Deployments, kcm {kcm}")
+        deploy = measure_deployments(cluster, api, deploy_ns, n, kcm)
+        check_alive(operator)
+        log(f"  EPD p50 {epd.p50_ms:.0f} ms p99 {epd.p99_ms:.0f} ms; kcm p50 {deploy.p50_ms:.0f} ms "
+            f"p99 {deploy.p99_ms:.0f} ms")
+        results.latencies.append((epd, deploy))
+        used += [epd_ns, deploy_ns]
+    return used
+
+
+def warm_up(cluster: LocalCluster, api: Api) -> str:
+    """One EPDDeployment and one Deployment through the whole path: the first reconcile
+    loads templates, the first pods warm the scheduler and kwok."""
+    namespace = create_namespace(cluster, api, f"bench-warmup-{uuid.uuid4().hex[:5]}")
+    measure_epds(cluster, api, namespace, 1, KCM_DEFAULT)
+    measure_deployments(cluster, api, namespace, 1, KCM_DEFAULT)
+    return namespace
+
+
+def benchmark(cluster: LocalCluster, api: Api, operator: OperatorProcess, *, sizes: list[int], scale: int,
+              idle_seconds: float = 30, profile_dir: Path | None = None,
+              restart_kcm: Callable[[tuple[str, ...]], object] | None = None) -> Results:
+    """Every measurement, on a running cluster with the CRD and a running operator. With
+    ``restart_kcm(extra_args)`` the latency runs are repeated with kcm's client limit raised.
+    The scale run gets a fresh operator process (its own peak RSS and CPU)."""
+    results = Results(machine=machine())
+    used = [warm_up(cluster, api)]
+    used += run_latency(cluster, api, operator, sizes, KCM_DEFAULT, results)
+    if restart_kcm and sizes:
+        log(f"restarting kube-controller-manager with {' '.join(KCM_RAISED_ARGS)}")
+        restart_kcm(KCM_RAISED_ARGS)
+        time.sleep(10)  # a restarted kcm resyncs every object first
+        used += run_latency(cluster, api, operator, sizes, KCM_RAISED, results)
+    if scale:
+        log("deleting the latency runs' namespaces; a fresh operator for the scale run")
+        operator.stop()
+        delete_namespaces(cluster, api, used)
+        if restart_kcm and sizes:
+            restart_kcm(())  # back to the defaults
+            time.sleep(10)
+        operator.start()
+        namespace = create_namespace(cluster, api, f"bench-scale-{uuid.uuid4().hex[:5]}")
+        log(f"scale: {scale} EPDDeployments")
+        results.scale = measure_scale(cluster, api, operator, namespace, scale, KCM_DEFAULT,
+                                      idle_seconds=idle_seconds, profile_dir=profile_dir)
+        delete_namespaces(cluster, api, [namespace])
+        check_alive(operator)  # deleting many at once is a load of its own
+    results.machine += f"; load average at the end {os.getloadavg()[0]:.1f}"
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "epd-bench",
+                        help="cluster folder (a leftover cluster there is replaced)")
+    parser.add_argument("--nodes", type=int, default=100)
+    parser.add_argument("--sizes", type=int, nargs="*", default=[50, 200], help="latency run sizes")
+    parser.add_argument("--scale", type=int, default=1000, help="EPDDeployments in the scale run (0: skip)")
+    parser.add_argument("--idle-seconds", type=float, default=30)
+    parser.add_argument("--no-kcm-raised", action="store_true", help="skip the runs with kcm at 200 QPS")
+    parser.add_argument("--profile", type=Path, default=None, help="py-spy the scale run into this folder")
+    parser.add_argument("--operator-src", type=Path, default=None,
+                        help="run the operator from this source folder (holding epd_operator/): A/B a change")
+    args = parser.parse_args(argv)
+
+    log(f"machine: {machine()}")
+    cluster = start_cluster(args.dir, args.nodes)
+    api = Api(cluster)
+    env = {"PYTHONPATH": str(args.operator_src.resolve())} if args.operator_src else None
+    operator = OperatorProcess(cluster.kubeconfig, args.dir / "operator", env=env)
+    try:
+        operator.start()
+        results = benchmark(cluster, api, operator, sizes=args.sizes, scale=args.scale,
+                            idle_seconds=args.idle_seconds, profile_dir=args.profile,
+                            restart_kcm=None if args.no_kcm_raised else
+                            lambda extra: cluster.restart("kube-controller-manager", extra))
+        report(results)
+        return 0
+    except BaseException:
+        print(f"--- operator log (tail) ---\n{operator.tail(40)}", file=sys.stderr)
+        raise
+    finally:
+        operator.stop()
+        api.close()
+        cluster.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
