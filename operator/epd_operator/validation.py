@@ -116,7 +116,10 @@ def vllm_minor(spec: EPDDeploymentSpec) -> str:
         source, text = "spec.vllmVersion", spec.vllm_version
     else:
         source, text = "spec.image", _image_tag(spec.image)
-    match = re.match(r"^v?(\d+)\.(\d+)(?:[.+-].*)?$", text or "")
+    # The same grammar as the CRD's CEL rule: ASCII digits, no leading zeros, and a tag suffix
+    # that cannot run into another part of the image reference.
+    suffix = r"(?:[.+-].*)?" if spec.vllm_version else r"(?:[.+-][^/:@]*)?"
+    match = re.fullmatch(r"v?(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)" + suffix, text or "", re.ASCII)
     if not match:
         raise SpecError(
             [

@@ -24,7 +24,7 @@ PD = {"prefill", "decode"}
 MUST_FAIL = frozenset({
     "unknown_field", "out_of_range", "bad_version", "broken_layout", "duplicate_model",
     "gpu_multiple", "host_path", "owned_override", "kv_connector", "bad_model_name", "empty_string",
-    "bad_shm_size",
+    "bad_shm_size", "port_clash",
 })
 
 
@@ -196,6 +196,15 @@ def _odd_override(draw: st.DrawFn, spec: dict[str, Any]) -> None:
 
 
 @st.composite
+def _port_clash(draw: st.DrawFn, spec: dict[str, Any]) -> None:
+    target = draw(st.sampled_from(spec["models"]))
+    target["serverGroups"] = [{"workerType": t, "numGpus": 1} for t in ("encoder", "prefill", "decode")]
+    base = draw(st.integers(10000, 60000))
+    other = "nixlSideChannelBase" if draw(st.booleans()) else "router"  # E+P+D has a router
+    spec["ports"] = {"engineBase": base, other: base + draw(st.integers(0, 2))}
+
+
+@st.composite
 def _kv_connector(draw: st.DrawFn, spec: dict[str, Any]) -> None:
     target = draw(st.sampled_from(spec["models"]))
     target["serverGroups"] = [{"workerType": "prefill", "numGpus": 1}, {"workerType": "decode", "numGpus": 1}]
@@ -242,6 +251,7 @@ MUTATIONS = {
     "unknown_field": _unknown_field, "out_of_range": _out_of_range, "bad_version": _bad_version,
     "broken_layout": _broken_layout, "duplicate_model": _duplicate_model, "gpu_multiple": _gpu_multiple,
     "host_path": _host_path, "owned_override": _owned_override, "odd_override": _odd_override,
+    "port_clash": _port_clash,
     "kv_connector": _kv_connector, "bad_model_name": _bad_model_name, "empty_string": _empty_string,
     "bad_shm_size": _bad_shm_size, "odd_resources": _odd_resources, "odd_env": _odd_env,
     "wrong_type": _wrong_type,
