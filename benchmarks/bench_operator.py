@@ -13,11 +13,12 @@ a real process, then measures:
    resolution), so both sides are measured alike. Done with kcm's default client rate limit
    (--kube-api-qps 20, --kube-api-burst 30), then again with kcm restarted at 200/300.
 2. Scale: a fresh operator, 1,000 EPDDeployments over the 100 nodes: time from the apply
-   to every one Ready; the operator's peak RSS (VmHWM) and CPU seconds; its CPU while idle
-   afterwards.
+   until all are reconciled and until all are Ready; the operator's peak RSS (VmHWM) and
+   CPU seconds; then, once no event has come for 5 s, its CPU while idle for 30 s.
 
-Prints tables and PASS/MISS per target, and ends with ``key=value`` lines. ``--profile``
-samples the operator with py-spy during the scale run and prints its hottest functions.
+Prints tables and PASS/MISS per target, and ends with ``key=value`` lines. ``--profile DIR``
+samples the operator with py-spy during the scale run and prints its hottest functions;
+``--operator-src DIR`` runs the operator from another source tree, to A/B a change.
 
     python -m benchmarks.bench_operator [--sizes 50 200] [--scale 1000] [--profile DIR]
 """
@@ -66,12 +67,12 @@ KCM_DEFAULT = "default (--kube-api-qps 20, --kube-api-burst 30)"
 KCM_RAISED_ARGS = ("--kube-api-qps=200", "--kube-api-burst=300")
 KCM_RAISED = "raised (--kube-api-qps 200, --kube-api-burst 300)"
 
-TARGETS = {  # key: (limit, how it compares, what the target says)
-    "reconcile_p50_ratio": (1.0, "<=", "reconcile p50 <= 1.0x kcm p50"),
-    "reconcile_p99_ratio": (1.5, "<=", "reconcile p99 <= 1.5x kcm p99"),
-    "scale_seconds": (30.0, "<=", "1,000 EPDDeployments Ready within 30 s"),
-    "operator_peak_rss_mb": (150.0, "<=", "operator peak RSS <= 150 MB"),
-    "idle_cpu_percent": (1.0, "<=", "operator idle CPU <= 1 %"),
+TARGETS = {  # key: (upper limit, what the target says)
+    "reconcile_p50_ratio": (1.0, "reconcile p50 <= 1.0x kcm p50"),
+    "reconcile_p99_ratio": (1.5, "reconcile p99 <= 1.5x kcm p99"),
+    "scale_seconds": (30.0, "1,000 EPDDeployments Ready within 30 s"),
+    "operator_peak_rss_mb": (150.0, "operator peak RSS <= 150 MB"),
+    "idle_cpu_percent": (1.0, "operator idle CPU <= 1 %"),
 }
 
 
@@ -121,9 +122,12 @@ def set_node_gpus(cluster: LocalCluster, gpus: int) -> None:
     """Advertise ``gpus`` GPUs per node (kwok keeps whatever capacity a node registered)."""
     api = Api(cluster)
     patch = {"status": {key: {"nvidia.com/gpu": str(gpus)} for key in ("capacity", "allocatable")}}
-    for name in cluster.node_names:
-        api.call("PATCH", f"/api/v1/nodes/{name}/status", json=patch,
-                 headers={"Content-Type": "application/merge-patch+json"})
+    try:
+        for name in cluster.node_names:
+            api.call("PATCH", f"/api/v1/nodes/{name}/status", json=patch,
+                     headers={"Content-Type": "application/merge-patch+json"})
+    finally:
+        api.close()
 
 
 # ---------------------------------------------------------------------------- API access
@@ -206,9 +210,11 @@ class Watch(threading.Thread):
         self.join(10)
 
 
+Stream = tuple[str, Callable[[str, dict, float], None], dict[str, str]]  # path, on_event, query
+
+
 @contextlib.contextmanager
-def watching(cluster: LocalCluster, *streams: tuple[str, Callable[[str, dict, float], None], dict[str, str]]
-             ) -> Iterator[list[Watch]]:
+def watching(cluster: LocalCluster, *streams: Stream) -> Iterator[list[Watch]]:
     watches = [Watch(cluster, path, on_event, **params) for path, on_event, params in streams]
     for watch in watches:
         watch.start()
@@ -395,13 +401,14 @@ class Latencies:
         return percentile(self.seconds, 99) * 1000
 
 
-def measure_epds(cluster: LocalCluster, api: Api, namespace: str, n: int, kcm: str,
-                 timeout: float = 600) -> Latencies:
-    """Creation -> StatefulSet + 2 Services + status.observedGeneration, per EPDDeployment;
-    then waits until every one is Ready so the next run starts on an idle cluster."""
-    rec = Recorder()
+def epd_streams(namespace: str, rec: Recorder, *, pods: bool = False,
+                seen: Callable[[float], None] = lambda at: None) -> list[Stream]:
+    """Watches marking, per EPDDeployment: "created", "status" (observedGeneration is the
+    generation), "ready" (converged) and, as "child", when its last child appeared. ``seen``
+    gets the arrival of every event (with ``pods``, of unit pods' too)."""
 
     def on_epd(_type: str, obj: dict, at: float) -> None:
+        seen(at)
         name = obj["metadata"]["name"]
         rec.mark("created", name, at)
         if (obj.get("status") or {}).get("observedGeneration") == obj["metadata"]["generation"]:
@@ -410,15 +417,29 @@ def measure_epds(cluster: LocalCluster, api: Api, namespace: str, n: int, kcm: s
             rec.mark("ready", name, at)
 
     def on_child(type_: str, obj: dict, at: float) -> None:
-        if type_ == "ADDED":
-            rec.child(obj["metadata"]["labels"]["epd.vime.dev/deployment"], f"{obj['kind']}/{obj['metadata']['name']}", at)
+        seen(at)
+        if type_ == "ADDED" and obj["kind"] != "Pod":
+            # By kind and name: a model's StatefulSet and its front Service share the name.
+            owner = obj["metadata"]["labels"]["epd.vime.dev/deployment"]
+            rec.child(owner, f"{obj['kind']}/{obj['metadata']['name']}", at)
 
-    names = [f"bench-{i}" for i in range(n)]
-    streams = [
+    streams: list[Stream] = [
         (f"{EPD_PATH}/namespaces/{namespace}/epddeployments", on_epd, {}),
         (f"/apis/apps/v1/namespaces/{namespace}/statefulsets", on_child, {"labelSelector": OURS}),
         (f"/api/v1/namespaces/{namespace}/services", on_child, {"labelSelector": OURS}),
     ]
+    if pods:
+        streams.append((f"/api/v1/namespaces/{namespace}/pods", on_child, {"labelSelector": OURS}))
+    return streams
+
+
+def measure_epds(cluster: LocalCluster, api: Api, namespace: str, n: int, kcm: str,
+                 timeout: float = 600) -> Latencies:
+    """Creation -> StatefulSet + 2 Services + status.observedGeneration, per EPDDeployment;
+    then waits until every one is Ready so the next run starts on an idle cluster."""
+    rec = Recorder()
+    names = [f"bench-{i}" for i in range(n)]
+    streams = epd_streams(namespace, rec)
 
     def complete(name: str) -> bool:
         return name in rec.times["status"] and len(rec.children[name]) == 3
@@ -493,26 +514,8 @@ def measure_scale(cluster: LocalCluster, api: Api, operator: OperatorProcess, na
         seen["events"] += 1
         seen["last"] = at
 
-    def on_epd(_type: str, obj: dict, at: float) -> None:
-        count(at)
-        name = obj["metadata"]["name"]
-        if (obj.get("status") or {}).get("observedGeneration") == obj["metadata"]["generation"]:
-            rec.mark("status", name, at)
-        if converged(obj):
-            rec.mark("ready", name, at)
-
-    def on_child(type_: str, obj: dict, at: float) -> None:
-        count(at)
-        if type_ == "ADDED" and obj["kind"] != "Pod":
-            rec.child(obj["metadata"]["labels"]["epd.vime.dev/deployment"], f"{obj['kind']}/{obj['metadata']['name']}", at)
-
     names = [f"scale-{i}" for i in range(n)]
-    streams = [
-        (f"{EPD_PATH}/namespaces/{namespace}/epddeployments", on_epd, {}),
-        (f"/apis/apps/v1/namespaces/{namespace}/statefulsets", on_child, {"labelSelector": OURS}),
-        (f"/api/v1/namespaces/{namespace}/services", on_child, {"labelSelector": OURS}),
-        (f"/api/v1/namespaces/{namespace}/pods", on_child, {"labelSelector": OURS}),
-    ]
+    streams = epd_streams(namespace, rec, pods=True, seen=count)
     pid = pid_of(operator)
     before = reconcile_stats(operator)
     with watching(cluster, *streams) as watches:
@@ -579,8 +582,8 @@ def hottest(collapsed: Path, top: int = 15) -> list[str]:
     samples = 0
     for line in collapsed.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
-        if not count.isdigit():
-            continue  # a frame name holding a newline (generated code) splits a line
+        if not count.isdigit() or not stack.endswith(")") or stack[:1].isspace():
+            continue  # py-spy now and then reads a frame name from garbage (a string holding newlines)
         # "function (path/file.py:line)" -> "function (file.py)": lines would split a function
         frames = [re.sub(r" \((?:.*/)?([^/:]*)(?::\d+)?\)$", r" (\1)", f) for f in stack.split(";") if f]
         weight = int(count)
@@ -680,7 +683,7 @@ def report(results: Results, out: Callable[[str], None] = print) -> None:
     for key, value in keys.items():
         target = TARGETS.get("scale_seconds" if key.startswith("scale_") else key)
         if target:
-            limit, _, text = target
+            limit, text = target
             out(f"{'PASS' if value <= limit else 'MISS'}  {text}: {value:.2f}")
     out("")
     for key, value in keys.items():
@@ -770,7 +773,9 @@ def main(argv: list[str] | None = None) -> int:
     cluster = start_cluster(args.dir, args.nodes)
     api = Api(cluster)
     env = {"PYTHONPATH": str(args.operator_src.resolve())} if args.operator_src else None
-    operator = OperatorProcess(cluster.kubeconfig, args.dir / "operator", env=env)
+    # Kwok pods have no janitor to scrape: keep the scrape loop out of the measurements.
+    operator = OperatorProcess(cluster.kubeconfig, args.dir / "operator", env=env,
+                               extra_args=["--all-namespaces", "--janitor-scrape-interval", "0"])
     try:
         operator.start()
         results = benchmark(cluster, api, operator, sizes=args.sizes, scale=args.scale,
