@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import collections
 import random
+import signal
 import sys
 import tempfile
 import threading
@@ -103,15 +104,14 @@ class Churn:
             replicas = rng.choice([r for r in (0, 1, 2) if r == 0 or units + r <= max_units])
             return Desired(replicas, rng.choice(MODEL_NAMES), rng.choice(MAX_MODEL_LENS))
 
-        while fresh or any(budget.values()):
-            kinds = [k for k, ok in (("create", fresh), ("update", budget["update"] and live),
-                                     ("delete", budget["delete"] and live),
-                                     ("recreate", budget["recreate"] and gone)) if ok]
+        while kinds := [k for k, ok in (("create", fresh), ("update", budget["update"] and live),
+                                        ("delete", budget["delete"] and live),
+                                        ("recreate", budget["recreate"] and gone)) if ok]:
             kind = rng.choice(kinds)
             size = rng.randint(1, max(1, objects // 20))
             if kind in ("create", "recreate"):
-                pool = fresh if kind == "create" else gone
-                names = [pool.pop(rng.randrange(len(pool))) for _ in range(min(size, len(pool)))]
+                pool, count = (fresh, size) if kind == "create" else (gone, min(size, budget["recreate"]))
+                names = [pool.pop(rng.randrange(len(pool))) for _ in range(min(count, len(pool)))]
                 desired = []
                 for name in names:
                     live[name] = pick(0)
@@ -353,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--operator-src", type=Path, default=None,
                         help="run the operator from this source folder (holding epd_operator/): A/B a change")
     args = parser.parse_args(argv)
+    # `kill` (SIGTERM) unwinds like Ctrl-C, so the cluster and the operator are stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
     log(f"seed {seed}")
 

@@ -8,7 +8,8 @@ event, so a restarted operator converges without duplicates.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import collections
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -23,7 +24,7 @@ import kopf
 from . import api, metrics
 from .evictions import JanitorMetrics, eviction_report, parse_metrics
 from .kube import Kube, KubeError
-from .render import render
+from .render import ModelPlan, render
 from .resources import (
     ANNOTATION_SPEC_HASH,
     FIELD_MANAGER,
@@ -35,6 +36,7 @@ from .resources import (
 )
 from .status import compute_status, invalid_status
 from .validation import SpecError, validate
+from .workqueue import WorkQueue
 
 EPD = (api.GROUP, api.VERSION, api.PLURAL)
 OURS = {LABEL_MANAGED_BY: FIELD_MANAGER}
@@ -46,8 +48,10 @@ JANITOR_IMAGE = os.environ.get("EPD_OPERATOR_IMAGE", OPERATOR_IMAGE)
 _connection: kopf.ConnectionInfo | None = None
 _kube: Kube | None = None
 RETRY_MAX_SECONDS = 60
-_pending: dict[tuple[str, str], asyncio.Task[None]] = {}
-_failures: dict[tuple[str, str], int] = {}
+# At most this many reconciles at once, as controller-runtime's MaxConcurrentReconciles: enough
+# to keep the API client's 16 connections busy.
+MAX_CONCURRENT_RECONCILES = 16
+_queue: WorkQueue | None = None
 _background: set[asyncio.Task[None]] = set()
 
 # Janitor scraping (`epd-operator run --janitor-scrape-interval`; the interval comes in the memo).
@@ -67,57 +71,124 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
     return _connection
 
 
+class _NoDiffBase(kopf.AnnotationsDiffBaseStorage):
+    """The handlers are level-based (on.event, indexes): none reads kopf's old/new/diff, so skip
+    its diff base, a deep copy of every watched object on every event."""
+
+    def build(self, *, body: kopf.Body, extra_fields: Any = None) -> kopf.BodyEssence:
+        return kopf.BodyEssence()
+
+
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.posting.level = logging.WARNING  # Events are for users: only warnings, not chatter.
     settings.watching.server_timeout = 300
+    settings.persistence.diffbase_storage = _NoDiffBase()
+    # A worker holds its object's last event until it exits: at 1,000 EPDDeployments (5,000
+    # watched objects) kopf's default 5 s keeps most of them in memory at once.
+    settings.queueing.idle_timeout = 0.5
 
 
 def kube() -> Kube:
     global _kube
-    if _kube is None:
-        assert _connection is not None, "kopf logs in before any handler runs"
+    assert _connection is not None, "kopf logs in before any handler runs"
+    if _kube is None or _kube.connection is not _connection:
+        if _kube is not None:  # kopf logged in again (credentials rotated): drop the old session
+            _spawn(_kube.aclose())
         _kube = Kube(_connection)
     return _kube
 
 
+@dataclasses.dataclass(frozen=True)
+class Indexes:
+    deployments: kopf.Index
+    unit_sets: kopf.Index
+    unit_services: kopf.Index
+    unit_pods: kopf.Index
+
+
+_indexes: Indexes | None = None
+_janitor_scrape_interval = DEFAULT_JANITOR_SCRAPE_INTERVAL
+
+
 @kopf.on.startup()
-async def start_janitor_scrapes(memo: kopf.Memo, deployments: kopf.Index, unit_pods: kopf.Index,
-                                unit_sets: kopf.Index, **_: Any) -> None:
-    interval = memo.get("janitor_scrape_interval", DEFAULT_JANITOR_SCRAPE_INTERVAL)
-    if interval > 0:
-        # One operator-wide loop; the indexes are live objects that fill once watching starts.
-        memo["janitor_scrapes"] = asyncio.create_task(
-            _scrape_janitors_forever(interval, deployments, unit_pods, unit_sets))
+async def keep_indexes(memo: kopf.Memo, deployments: kopf.Index, unit_sets: kopf.Index, unit_services: kopf.Index,
+                       unit_pods: kopf.Index, **_: Any) -> None:
+    global _indexes, _janitor_scrape_interval
+    _indexes = Indexes(deployments, unit_sets, unit_services, unit_pods)  # live: they fill as watching starts
+    _janitor_scrape_interval = memo.get("janitor_scrape_interval", DEFAULT_JANITOR_SCRAPE_INTERVAL)
+
+
+def queue() -> WorkQueue:
+    """The reconcile queue; its workers (and the janitor scrape loop) start with the first event:
+    a task inherits its creator's context, and kopf sets what posting Events (kopf.warn) needs
+    for handlers, not for startup handlers."""
+    global _queue
+    if _queue is None:
+        _queue = WorkQueue(_reconcile_key, workers=MAX_CONCURRENT_RECONCILES, max_backoff=RETRY_MAX_SECONDS)
+        if _janitor_scrape_interval > 0:
+            _spawn(_scrape_janitors_forever(_janitor_scrape_interval))
+    return _queue
+
+
+async def _reconcile_key(key: tuple[str, str]) -> None:
+    assert _indexes is not None, "kept at startup"
+    for body in _indexes.deployments.get(key, []):  # the latest state; none if deleted meanwhile
+        try:
+            await reconcile(body, _indexes.unit_sets, _indexes.unit_services, _indexes.unit_pods)
+        except KubeError as error:
+            if error.namespace_gone:
+                return  # deleted with everything in it: nothing to converge
+            kopf.warn(body, reason="ReconcileFailed", message=str(error))
+            raise  # the queue retries it with backoff
 
 
 @kopf.on.cleanup()
-async def close(memo: kopf.Memo, **_: Any) -> None:
-    scrapes = memo.get("janitor_scrapes")
-    if scrapes is not None:
-        scrapes.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await scrapes
+async def close(**_: Any) -> None:
+    for task in list(_background):
+        task.cancel()
+    await asyncio.gather(*_background, return_exceptions=True)
+    if _queue is not None:
+        await _queue.aclose()
     if _kube is not None:
         await _kube.aclose()
 
 
+# Indexes keep only what status and reconcile read: every unit's whole pod (managedFields,
+# container specs) and kubectl's last-applied copy of every spec would dominate memory at scale.
+_POD_CONDITION_FIELDS = ("type", "status", "reason", "message")
+_CONTAINER_FIELDS = ("name", "ready", "started")
+_EPD_METADATA_FIELDS = ("name", "namespace", "uid", "generation", "labels", "deletionTimestamp")
+
+
 def _summary(body: kopf.Body) -> dict[str, Any]:
+    status = body.status
+
+    def pick(items: Any, fields: tuple[str, ...]) -> list[dict[str, Any]]:
+        return [{f: item[f] for f in fields if f in item} for item in items or []]
+
     return {
         "name": body.metadata.name,
         "metadata": {"deletionTimestamp": body.metadata.get("deletionTimestamp")},
         "spec": {"nodeName": body.spec.get("nodeName")},
-        "status": dict(body.status),
+        "status": {
+            "phase": status.get("phase"),
+            "podIP": status.get("podIP"),
+            "conditions": pick(status.get("conditions"), _POD_CONDITION_FIELDS),
+            "initContainerStatuses": pick(status.get("initContainerStatuses"), _CONTAINER_FIELDS),
+            "containerStatuses": pick(status.get("containerStatuses"), _CONTAINER_FIELDS),
+        },
     }
 
 
+# Indexers are coroutines: kopf runs plain functions in a thread pool, a thread hop per event.
 @kopf.index("pods", labels=OURS)
-def unit_pods(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+async def unit_pods(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[Any, Any]:
     return {(namespace, labels[LABEL_DEPLOYMENT]): _summary(body)}
 
 
 @kopf.index("statefulsets", labels=OURS)
-def unit_sets(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+async def unit_sets(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[Any, Any]:
     status, spec, meta = body.status, body.spec, body.metadata
     rolled_out = (
         status.get("observedGeneration") == meta.get("generation")
@@ -128,13 +199,49 @@ def unit_sets(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) ->
 
 
 @kopf.index("services", labels=OURS)
-def unit_services(namespace: str, labels: kopf.Labels, meta: kopf.Meta, **_: Any) -> dict[Any, Any]:
+async def unit_services(namespace: str, labels: kopf.Labels, meta: kopf.Meta, **_: Any) -> dict[Any, Any]:
     return {(namespace, labels[LABEL_DEPLOYMENT]): (meta.name, meta.annotations.get(ANNOTATION_SPEC_HASH))}
 
 
 @kopf.index(*EPD)
-def deployments(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
-    return {(namespace, name): body}
+async def deployments(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    metadata = {f: body.metadata[f] for f in _EPD_METADATA_FIELDS if f in body.metadata}
+    trimmed = {"apiVersion": body["apiVersion"], "kind": body["kind"], "metadata": metadata,
+               "spec": body.get("spec", {}), "status": body.get("status", {})}
+    return {(namespace, name): kopf.Body(trimmed)}
+
+
+@dataclasses.dataclass
+class Planned:
+    spec: api.EPDDeploymentSpec
+    plans: list[ModelPlan]
+    digests: dict[str, str] | None = None  # child name -> hash of its desired state, once built
+
+
+# Validated spec, rendered plans and children's hashes per (uid, generation, labels): every
+# event of an EPDDeployment and of its children needs them, and they change only with the
+# generation (the spec) or the labels (children carry the owner's). Bounded LRU.
+PLAN_CACHE_SIZE = 4096
+_plans: collections.OrderedDict[tuple[Any, ...], Planned | SpecError] = collections.OrderedDict()
+def plan(body: kopf.Body) -> Planned:
+    """validate() and render() of the body's spec, cached; raises SpecError for an invalid one."""
+    metadata = body.metadata
+    key = (metadata.uid, metadata.get("generation"), tuple(sorted((metadata.labels or {}).items())))
+    if key in _plans:
+        _plans.move_to_end(key)
+    else:
+        try:
+            spec = validate(dict(body.spec))
+            _plans[key] = Planned(spec, render(spec, namespace=metadata.namespace, name=metadata.name,
+                                               uid=metadata.uid))
+        except SpecError as error:
+            _plans[key] = error
+        if len(_plans) > PLAN_CACHE_SIZE:
+            _plans.popitem(last=False)
+    cached = _plans[key]
+    if isinstance(cached, SpecError):
+        raise SpecError(cached.errors)  # a fresh one: re-raising one object grows its traceback
+    return cached
 
 
 def _now() -> str:
@@ -145,32 +252,27 @@ def _hash(obj: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
+# Handlers only queue the key of the EPDDeployment concerned; the queue's workers reconcile it
+# from the indexes (level-based: which event it was does not matter).
 @kopf.on.event(*EPD)
-async def epd_changed(
-    type: str, body: kopf.Body, logger: logging.Logger, deployments: kopf.Index, unit_sets: kopf.Index,
-    unit_services: kopf.Index, unit_pods: kopf.Index, **_: Any
-) -> None:
-    key = (body.metadata.namespace, body.metadata.name)
+async def epd_changed(type: str, namespace: str, name: str, **_: Any) -> None:
     if type == "DELETED":
-        metrics.forget(*key)
+        metrics.forget(namespace, name)
+        queue().forget((namespace, name))
         return
-    try:
-        await reconcile(body, unit_sets, unit_services, unit_pods)
-        _failures.pop(key, None)
-    except Exception as error:  # event handlers are not retried by kopf: retry ourselves
-        failures = _failures[key] = _failures.get(key, 0) + 1
-        delay = min(RETRY_MAX_SECONDS, 2**failures)
-        logger.warning(f"reconcile failed ({error}); retrying in {delay}s")
-        asyncio.get_running_loop().call_later(
-            delay, lambda: _spawn(_retry(key, deployments, unit_sets, unit_services, unit_pods, logger))
-        )
+    queue().add((namespace, name))
 
 
-async def _retry(key: tuple[str, str], deployments: kopf.Index, unit_sets: kopf.Index, unit_services: kopf.Index,
-                 unit_pods: kopf.Index, logger: logging.Logger) -> None:
-    for body in deployments.get(key, []):  # the latest body; gone if deleted meanwhile
-        await epd_changed(type="RETRY", body=body, logger=logger, deployments=deployments, unit_sets=unit_sets,
-                          unit_services=unit_services, unit_pods=unit_pods)
+@kopf.on.event("pods", labels=OURS)
+async def pod_changed(namespace: str, labels: kopf.Labels, **_: Any) -> None:
+    queue().add_after((namespace, labels[LABEL_DEPLOYMENT]), STATUS_DEBOUNCE_SECONDS)
+
+
+@kopf.on.event("statefulsets", labels=OURS)
+@kopf.on.event("services", labels=OURS)
+async def child_changed(namespace: str, labels: kopf.Labels, **_: Any) -> None:
+    # Also when one was deleted: the reconcile finds it missing from the index and re-creates it.
+    queue().add((namespace, labels[LABEL_DEPLOYMENT]))
 
 
 def _spawn(coroutine: Any) -> None:
@@ -179,22 +281,20 @@ def _spawn(coroutine: Any) -> None:
     task.add_done_callback(_background.discard)
 
 
-async def reconcile(body: kopf.Body, unit_sets: kopf.Index, unit_services: kopf.Index, unit_pods: kopf.Index,
-                    *, reapply: bool = False) -> None:
+async def reconcile(body: kopf.Body, unit_sets: kopf.Index, unit_services: kopf.Index, unit_pods: kopf.Index) -> None:
     if body.metadata.get("deletionTimestamp"):
         return  # children carry ownerReferences: the garbage collector removes them
     namespace, name, generation = body.metadata.namespace, body.metadata.name, body.metadata.get("generation")
     started = time.perf_counter()
     try:
-        spec = validate(dict(body.spec))
-        plans = render(spec, namespace=namespace, name=name, uid=body.metadata.uid)
+        planned = plan(body)
     except SpecError as error:
         await _report_invalid(body, error, generation)
         metrics.observe_reconcile("invalid", time.perf_counter() - started)
         return
     metrics.forget_invalid(namespace, name)
     try:
-        await _converge(body, spec, plans, unit_sets, unit_services, reapply=reapply)
+        await _converge(body, planned, unit_sets, unit_services)
         await _write_status(namespace, name, body, unit_pods, unit_sets)
     except Exception:
         metrics.observe_reconcile("error", time.perf_counter() - started)
@@ -212,27 +312,34 @@ async def _report_invalid(body: kopf.Body, error: SpecError, generation: int | N
     await kube().patch_status(namespace, name, status)
 
 
-async def _converge(body: kopf.Body, spec: api.EPDDeploymentSpec, plans: list[Any],
-                    unit_sets: kopf.Index, unit_services: kopf.Index, *, reapply: bool) -> None:
-    key = (body.metadata.namespace, body.metadata.name)
-    children = desired_children(spec, body.metadata.name, plans, JANITOR_IMAGE)
+def _desired(body: kopf.Body, planned: Planned) -> list[dict[str, Any]]:
+    """The children, each annotated with the hash of its desired state (remembered in `planned`)."""
+    children = desired_children(planned.spec, body.metadata.name, planned.plans, JANITOR_IMAGE)
     kopf.adopt(children, owner=body)
-    existing = {name: digest for name, digest, *_ in [*unit_sets.get(key, []), *unit_services.get(key, [])]}
-    applies = []
     for child in children:
-        digest = _hash(child)
-        child["metadata"].setdefault("annotations", {})[ANNOTATION_SPEC_HASH] = digest
-        # Level-based, but cheap: a child already carrying this exact desired state is left alone.
-        if reapply or existing.get(child["metadata"]["name"]) != digest:
-            applies.append(kube().apply(child))
-    await asyncio.gather(*applies)
-    wanted = {c["metadata"]["name"] for c in children}
-    for name, *_ in unit_sets.get(key, []):
-        if name not in wanted:  # a model removed from the spec
-            await kube().delete("apps/v1", "StatefulSet", key[0], name)
-    for name, _digest in unit_services.get(key, []):
-        if name not in wanted:
-            await kube().delete("v1", "Service", key[0], name)
+        child["metadata"].setdefault("annotations", {})[ANNOTATION_SPEC_HASH] = _hash(child)
+    planned.digests = {_ref(c): c["metadata"]["annotations"][ANNOTATION_SPEC_HASH] for c in children}
+    return children
+
+
+def _ref(child: dict[str, Any]) -> tuple[str, str]:
+    return child["kind"], child["metadata"]["name"]  # a unit's StatefulSet and Service share a name
+
+
+async def _converge(body: kopf.Body, planned: Planned, unit_sets: kopf.Index, unit_services: kopf.Index) -> None:
+    key = (body.metadata.namespace, body.metadata.name)
+    existing = {
+        **{("StatefulSet", name): digest for name, digest, _rolled_out in unit_sets.get(key, [])},
+        **{("Service", name): digest for name, digest in unit_services.get(key, [])},
+    }
+    # Level-based, but cheap: children already carrying their exact desired state are left alone,
+    # and are not even built again when the remembered hashes show that.
+    if planned.digests is None or any(existing.get(ref) != d for ref, d in planned.digests.items()):
+        children = _desired(body, planned)
+        await asyncio.gather(*(kube().apply(c) for c in children if existing.get(_ref(c)) != planned.digests[_ref(c)]))
+    assert planned.digests is not None  # set by _desired on the first pass
+    for kind, name in existing.keys() - planned.digests.keys():  # a model removed from the spec
+        await kube().delete("apps/v1" if kind == "StatefulSet" else "v1", kind, key[0], name)
 
 
 def _same(new: dict[str, Any], old: dict[str, Any]) -> bool:
@@ -241,10 +348,10 @@ def _same(new: dict[str, Any], old: dict[str, Any]) -> bool:
 
 async def _write_status(namespace: str, name: str, body: kopf.Body, unit_pods: kopf.Index, unit_sets: kopf.Index) -> None:
     try:
-        spec = validate(dict(body.spec))
+        planned = plan(body)
     except SpecError:
         return  # reported by reconcile; pods of an earlier valid spec do not change that verdict
-    plans = render(spec, namespace=namespace, name=name, uid=body.metadata.uid)
+    spec, plans = planned.spec, planned.plans
     pods = {p["name"]: p for p in unit_pods.get((namespace, name), [])}
     sets = list(unit_sets.get((namespace, name), []))
     rolled_out = len(sets) >= len(plans) and all(done for _n, _d, done in sets)
@@ -267,46 +374,6 @@ def _condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
     return next((c for c in status.get("conditions") or [] if c.get("type") == kind), {})
 
 
-def _schedule_status(namespace: str, deployment: str, deployments: kopf.Index, unit_pods: kopf.Index,
-                     unit_sets: kopf.Index) -> None:
-    key = (namespace, deployment)
-    if key in _pending and not _pending[key].done():
-        return
-
-    async def write() -> None:
-        await asyncio.sleep(STATUS_DEBOUNCE_SECONDS)
-        for body in deployments.get(key, []):
-            if not body.metadata.get("deletionTimestamp"):
-                await _write_status(namespace, deployment, body, unit_pods, unit_sets)
-
-    _pending[key] = asyncio.create_task(write())
-    _pending[key].add_done_callback(lambda _t: _pending.pop(key, None) if _pending.get(key) is _t else None)
-
-
-@kopf.on.event("pods", labels=OURS)
-async def pod_changed(namespace: str, labels: kopf.Labels, deployments: kopf.Index, unit_pods: kopf.Index,
-                unit_sets: kopf.Index, **_: Any) -> None:
-    _schedule_status(namespace, labels[LABEL_DEPLOYMENT], deployments, unit_pods, unit_sets)
-
-
-@kopf.on.event("statefulsets", labels=OURS)
-@kopf.on.event("services", labels=OURS)
-async def child_changed(type: str, namespace: str, labels: kopf.Labels, deployments: kopf.Index,
-                        unit_pods: kopf.Index, unit_sets: kopf.Index, unit_services: kopf.Index, **_: Any) -> None:
-    deployment = labels[LABEL_DEPLOYMENT]
-    if type == "DELETED":
-        # Someone deleted a child: converge the owner again (it re-creates what is missing).
-        for body in deployments.get((namespace, deployment), []):
-            try:
-                await reconcile(body, unit_sets, unit_services, unit_pods, reapply=True)
-            except KubeError as error:
-                if not error.namespace_gone:
-                    raise
-                # The namespace is being deleted with everything in it: nothing to restore.
-        return
-    _schedule_status(namespace, deployment, deployments, unit_pods, unit_sets)
-
-
 @kopf.on.probe(id="deployments")
 def count_deployments(deployments: kopf.Index, **_: Any) -> int:
     return len(deployments)
@@ -316,12 +383,12 @@ def count_deployments(deployments: kopf.Index, **_: Any) -> int:
 # The janitor has no API access, so the operator reads its metrics: see docs/ec-storage.md.
 
 
-async def _scrape_janitors_forever(interval: float, deployments: kopf.Index, unit_pods: kopf.Index,
-                                   unit_sets: kopf.Index) -> None:
+async def _scrape_janitors_forever(interval: float) -> None:
+    assert _indexes is not None, "kept at startup"
     async with aiohttp.ClientSession(timeout=JANITOR_SCRAPE_TIMEOUT) as session:
         while True:
             try:
-                await scrape_janitors(session, deployments, unit_pods, unit_sets)
+                await scrape_janitors(session, _indexes.deployments, _indexes.unit_pods)
             except Exception:  # a bug in one round must not end the reporting for good
                 logger.exception("scraping the EC janitors failed")
             await asyncio.sleep(interval)
@@ -345,7 +412,7 @@ def _reported(deployments: kopf.Index, key: tuple[str, str], unit: str) -> int |
 
 
 async def scrape_janitors(session: aiohttp.ClientSession, deployments: kopf.Index, unit_pods: kopf.Index,
-                          unit_sets: kopf.Index, *, port: int = JANITOR_METRICS_PORT) -> None:
+                          *, port: int = JANITOR_METRICS_PORT) -> None:
     """One round: scrape every running unit's janitor, warn where its budget evictions grew, and
     rewrite the status of deployments whose counts changed. Janitors that do not answer keep
     their last count; units no longer running are forgotten."""
@@ -385,5 +452,5 @@ async def scrape_janitors(session: aiohttp.ClientSession, deployments: kopf.Inde
             changed.add(key)
         if not counts:
             del _evictions[key]
-    for namespace, deployment in changed:
-        _schedule_status(namespace, deployment, deployments, unit_pods, unit_sets)
+    for key in changed:
+        queue().add(key)

@@ -1,8 +1,10 @@
-"""The few Kubernetes API calls the operator makes, over one pooled async httpx client.
+"""The few Kubernetes API calls the operator makes, over one pooled aiohttp session.
 
 kopf watches and indexes; this module writes: server-side apply of children, status patches,
-deletes. It reuses kopf's credentials, so the heavy `kubernetes` client is never imported by the
-operator (kopf's docs found it dominates a small operator's memory).
+deletes. It reuses kopf's credentials and kopf's own HTTP library (aiohttp), so the heavy
+`kubernetes` client is never imported by the operator (kopf's docs found it dominates a small
+operator's memory). aiohttp rather than httpx: profiling 1,000 EPDDeployments showed httpcore's
+pool spending a third of the operator's CPU re-scanning its queue of waiting requests.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import httpx
+import aiohttp
 import kopf
 
 from . import api
@@ -23,54 +25,51 @@ _PATHS = {
 
 
 class KubeError(Exception):
-    def __init__(self, response: httpx.Response):
-        self.status_code = response.status_code
+    def __init__(self, method: str, path: str, status_code: int, text: str):
+        self.status_code = status_code
         try:
-            message = response.json().get("message", response.text)
-        except ValueError:
-            message = response.text
+            message = json.loads(text).get("message", text)
+        except (ValueError, AttributeError):
+            message = text
         # New objects are refused in a namespace being deleted, or already gone.
-        self.namespace_gone = (response.status_code == 403 and "being terminated" in message) or (
-            response.status_code == 404 and message.startswith("namespaces ")
+        self.namespace_gone = (status_code == 403 and "being terminated" in message) or (
+            status_code == 404 and message.startswith("namespaces ")
         )
-        super().__init__(f"{response.request.method} {response.request.url.path}: {response.status_code} {message}")
+        super().__init__(f"{method} {path}: {status_code} {message}")
 
 
 class Kube:
-    def __init__(self, connection: kopf.ConnectionInfo, *, max_connections: int = 32):
-        headers = dict(connection.as_http_headers())
-        self._client = httpx.AsyncClient(
-            base_url=connection.server,
-            verify=connection.as_ssl_context(),
-            headers=headers,
-            timeout=httpx.Timeout(30.0),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+    def __init__(self, connection: kopf.ConnectionInfo, *, max_connections: int = 16):
+        self.connection = connection
+        self._server = connection.server.rstrip("/")
+        self._session = aiohttp.ClientSession(
+            headers=connection.as_http_headers(),
+            connector=aiohttp.TCPConnector(ssl=connection.as_ssl_context(), limit=max_connections),
+            timeout=aiohttp.ClientTimeout(total=30),
         )
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        await self._session.close()
 
-    async def _call(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
-        response = await self._client.request(method, path, **kwargs)
-        if response.status_code >= 400:
-            raise KubeError(response)
-        return response.json()
+    async def _call(self, method: str, path: str, body: dict[str, Any], content_type: str,
+                    params: dict[str, str] | None = None) -> None:
+        async with self._session.request(method, self._server + path, params=params, data=json.dumps(body),
+                                         headers={"Content-Type": content_type}) as response:
+            if response.status >= 400:
+                raise KubeError(method, path, response.status, await response.text())
+            await response.read()  # the connection goes back to the pool only once drained
 
-    async def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+    async def apply(self, obj: dict[str, Any]) -> None:
         """Server-side apply with our field manager, forcing ownership of the fields we set."""
         collection = _PATHS[(obj["apiVersion"], obj["kind"])].format(ns=obj["metadata"]["namespace"])
-        return await self._call(
-            "PATCH",
-            f"{collection}/{obj['metadata']['name']}",
-            params={"fieldManager": FIELD_MANAGER, "force": "true"},
-            content=json.dumps(obj),
-            headers={"Content-Type": "application/apply-patch+yaml"},
-        )
+        await self._call("PATCH", f"{collection}/{obj['metadata']['name']}", obj, "application/apply-patch+yaml",
+                         params={"fieldManager": FIELD_MANAGER, "force": "true"})
 
     async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
         collection = _PATHS[(api_version, kind)].format(ns=namespace)
         try:
-            await self._call("DELETE", f"{collection}/{name}", json={"propagationPolicy": "Background"})
+            await self._call("DELETE", f"{collection}/{name}", {"propagationPolicy": "Background"},
+                             "application/json")
         except KubeError as error:
             if error.status_code != 404:
                 raise
@@ -79,12 +78,7 @@ class Kube:
         """Replace the whole status with a merge patch (lists such as conditions are replaced)."""
         path = f"/apis/{api.GROUP}/{api.VERSION}/namespaces/{namespace}/{api.PLURAL}/{name}/status"
         try:
-            await self._call(
-                "PATCH",
-                path,
-                content=json.dumps({"status": status}),
-                headers={"Content-Type": "application/merge-patch+json"},
-            )
+            await self._call("PATCH", path, {"status": status}, "application/merge-patch+json")
         except KubeError as error:
             if error.status_code != 404:  # deleted meanwhile: nothing left to report on
                 raise

@@ -175,7 +175,7 @@ def _model_plan(
             engine_index = len(engines)
             port = spec.ports.engine_base + engine_index
             nixl_port = spec.ports.nixl_side_channel_base + engine_index if worker_type in PD_TYPES else None
-            defaults = yaml.safe_load(
+            defaults = _load_yaml(
                 _templates.get_template("engine.yaml.j2").render(
                     worker_type=worker_type,
                     served_model_name=served,
@@ -246,6 +246,11 @@ class _Spelling:
         return "--no-" + flag.removeprefix("--")
 
 
+def _load_yaml(text: str) -> Any:
+    # libyaml's parser when PyYAML has it: an order of magnitude faster than the pure-Python one.
+    return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+
+
 @functools.cache
 def _spelling(minor: str) -> _Spelling:
     text = (resources.files(__package__) / "templates" / f"vllm-{minor}" / "flags.yaml").read_text()
@@ -291,7 +296,7 @@ def _router(spec: EPDDeploymentSpec, model: ModelSpec, engines: list[EngineComma
     def urls(worker_type: str) -> list[str]:
         return [f"http://127.0.0.1:{e.port}" for e in consumers if e.worker_type == worker_type]
 
-    args = yaml.safe_load(
+    args = _load_yaml(
         _templates.get_template("router.yaml.j2").render(
             router=spec.router,
             port=spec.ports.router,

@@ -4,6 +4,7 @@ scraped by the operator's coroutine (no cluster: the indexes are plain dicts).""
 from __future__ import annotations
 
 import shutil
+import types
 import urllib.request
 
 import aiohttp
@@ -81,18 +82,17 @@ def _pod(name: str, ip: str) -> dict:
 
 @pytest.fixture
 def reported(monkeypatch):
-    """Records the Events posted and the status writes scheduled; starts with no memory."""
+    """Records the Events posted and the reconciles queued (they rewrite the status); starts with no memory."""
     calls = {"events": [], "status": []}
     monkeypatch.setattr(controller, "_evictions", {})
     monkeypatch.setattr(kopf, "warn", lambda body, *, reason, message: calls["events"].append((reason, message)))
-    monkeypatch.setattr(controller, "_schedule_status",
-                        lambda namespace, deployment, *_: calls["status"].append((namespace, deployment)))
+    monkeypatch.setattr(controller, "queue", lambda: types.SimpleNamespace(add=calls["status"].append))
     return calls
 
 
 async def _scrape(port: int, pods: list[dict], deployments: dict) -> None:
     async with aiohttp.ClientSession(timeout=controller.JANITOR_SCRAPE_TIMEOUT) as session:
-        await controller.scrape_janitors(session, deployments, {KEY: pods}, {}, port=port)
+        await controller.scrape_janitors(session, deployments, {KEY: pods}, port=port)
 
 
 async def test_the_operator_warns_and_rewrites_the_status_when_evictions_grow(janitor, reported):

@@ -41,8 +41,9 @@ class OperatorProcess:
                 and o.proc.poll() is None]
 
     def __init__(self, kubeconfig: Path, log_dir: Path, *, extra_args: list[str] | None = None,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, python: Path | str = sys.executable):
         self.kubeconfig = kubeconfig
+        self.python = str(python)
         self.log_path = log_dir / "operator.log"
         self.extra_args = extra_args or ["--all-namespaces"]
         self.env = env or {}
@@ -57,7 +58,7 @@ class OperatorProcess:
         log.write(f"\n===== start {time.strftime('%H:%M:%S')} =====\n")
         log.flush()
         peering = [] if any(a.startswith("--peering") for a in self.extra_args) else ["--standalone"]
-        cmd = [sys.executable, "-m", "epd_operator.cli", "run", *self.extra_args, *peering,
+        cmd = [self.python, "-m", "epd_operator.cli", "run", *self.extra_args, *peering,
                "--metrics-port", str(self.metrics_port),
                "--liveness", f"http://127.0.0.1:{self.liveness_port}/healthz"]
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), **self.env}

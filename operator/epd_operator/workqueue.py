@@ -1,0 +1,84 @@
+"""A work queue of object keys, as controller-runtime's: event handlers only add a key; a fixed
+number of workers reconcile keys, reading the latest state from the indexes.
+
+- A key waiting in the queue is there once, however many events named it meanwhile.
+- A key is never reconciled by two workers at once; added while being reconciled, it is
+  reconciled once more afterwards (the events may have come after its state was read).
+- A failed key is retried with exponential backoff; any success resets its count.
+
+Handlers return at once, so kopf's per-object workers (and the event bodies they hold) do not
+pile up behind the API calls: 1,000 new objects cost 1,000 keys, not 1,000 suspended handlers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Hashable
+
+logger = logging.getLogger(__name__)
+
+
+class WorkQueue:
+    def __init__(self, reconcile: Callable[[Hashable], Awaitable[None]], *, workers: int,
+                 max_backoff: float = 60.0) -> None:
+        self._reconcile = reconcile
+        self._max_backoff = max_backoff
+        self._ready: asyncio.Queue[Hashable] = asyncio.Queue()
+        self._dirty: set[Hashable] = set()  # waiting: in _ready, or to be re-queued when done
+        self._processing: set[Hashable] = set()
+        self._failures: dict[Hashable, int] = {}
+        self._timers: set[asyncio.TimerHandle] = set()
+        self._workers = [asyncio.create_task(self._work()) for _ in range(workers)]
+
+    def add(self, key: Hashable) -> None:
+        if key in self._dirty:
+            return
+        self._dirty.add(key)
+        if key not in self._processing:
+            self._ready.put_nowait(key)
+
+    def add_after(self, key: Hashable, delay: float) -> None:
+        def fire() -> None:
+            self._timers.discard(timer)
+            self.add(key)
+
+        timer = asyncio.get_running_loop().call_later(delay, fire)
+        self._timers.add(timer)
+
+    def forget(self, key: Hashable) -> None:
+        """The object is gone: drop its failure count (a queued key still runs, and finds nothing)."""
+        self._failures.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._dirty)
+
+    async def join(self) -> None:
+        """Until nothing waits and nothing runs (tests; timers not counted)."""
+        while self._dirty or self._processing:
+            await asyncio.sleep(0.01)
+
+    async def aclose(self) -> None:
+        for timer in self._timers:
+            timer.cancel()
+        for worker in self._workers:
+            worker.cancel()
+        await asyncio.gather(*self._workers, return_exceptions=True)
+
+    async def _work(self) -> None:
+        while True:
+            key = await self._ready.get()
+            self._dirty.discard(key)
+            self._processing.add(key)
+            try:
+                await self._reconcile(key)
+                self._failures.pop(key, None)
+            except Exception as error:
+                failures = self._failures[key] = self._failures.get(key, 0) + 1
+                delay = min(self._max_backoff, 2.0**failures)
+                logger.warning(f"reconciling {key} failed ({error}); retrying in {delay:.0f}s")
+                self.add_after(key, delay)
+            finally:
+                self._processing.discard(key)
+                if key in self._dirty:  # added again while it ran
+                    self._ready.put_nowait(key)

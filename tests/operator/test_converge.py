@@ -1,0 +1,87 @@
+"""What one reconcile applies and deletes, given the indexes (no cluster: the API is recorded)."""
+
+from __future__ import annotations
+
+
+import kopf
+import pytest
+import yaml
+
+from epd_operator import controller
+from epd_operator.resources import ANNOTATION_SPEC_HASH
+
+from .harness import ROOT
+
+KEY = ("ns", "qwen-vl-regular")
+
+
+class RecordingKube:
+    def __init__(self) -> None:
+        self.applied: list[tuple[str, str]] = []
+        self.deleted: list[tuple[str, str]] = []
+
+    async def apply(self, obj):
+        self.applied.append((obj["kind"], obj["metadata"]["name"]))
+
+    async def delete(self, _api_version, kind, _namespace, name):
+        self.deleted.append((kind, name))
+
+
+@pytest.fixture
+def api(monkeypatch):
+    recording = RecordingKube()
+    monkeypatch.setattr(controller, "kube", lambda: recording)
+    return recording
+
+
+def body(generation: int = 1, max_model_len: int | None = None) -> kopf.Body:
+    manifest = yaml.safe_load((ROOT / "docs" / "examples" / "encoder-regular.yaml").read_text())
+    manifest["metadata"].update(namespace=KEY[0], uid="uid-1", generation=generation)
+    if max_model_len:
+        manifest["spec"]["models"][0]["serverGroups"][1]["overrides"] = {"max_model_len": max_model_len}
+    return kopf.Body(manifest)
+
+
+def indexes_after(children: list[dict]) -> tuple[dict, dict]:
+    """The StatefulSet and Service indexes as the operator's watches would fill them."""
+    def entry(child):
+        return child["metadata"]["name"], child["metadata"]["annotations"][ANNOTATION_SPEC_HASH]
+    sets = [(*entry(c), True) for c in children if c["kind"] == "StatefulSet"]
+    services = [entry(c) for c in children if c["kind"] == "Service"]
+    return {KEY: sets}, {KEY: services}
+
+
+async def converge(b: kopf.Body, sets: dict, services: dict) -> None:
+    await controller._converge(b, controller.plan(b), sets, services)
+
+
+async def test_first_pass_applies_every_child_then_nothing_while_they_match(api):
+    await converge(body(), {}, {})
+    assert sorted(api.applied) == [("Service", "qwen-vl-regular-default"), ("Service", "qwen-vl-regular-default-units"),
+                                   ("StatefulSet", "qwen-vl-regular-default")]
+    sets, services = indexes_after(controller._desired(body(), controller.plan(body())))
+    api.applied.clear()
+    await converge(body(), sets, services)
+    assert api.applied == [] and api.deleted == []
+
+
+async def test_a_deleted_child_and_only_it_is_applied_again(api):
+    sets, services = indexes_after(controller._desired(body(), controller.plan(body())))
+    # The StatefulSet shares its name with the front Service: the Service alone must not hide its loss.
+    await converge(body(), {KEY: []}, services)
+    assert api.applied == [("StatefulSet", "qwen-vl-regular-default")]
+
+
+async def test_a_spec_change_applies_the_statefulset_only(api):
+    sets, services = indexes_after(controller._desired(body(), controller.plan(body())))
+    await converge(body(generation=2, max_model_len=4096), sets, services)
+    assert api.applied == [("StatefulSet", "qwen-vl-regular-default")]
+
+
+async def test_children_of_a_removed_model_are_deleted(api):
+    sets, services = indexes_after(controller._desired(body(), controller.plan(body())))
+    sets[KEY].append(("qwen-vl-regular-old", "hash", True))
+    services[KEY].append(("qwen-vl-regular-old", "hash"))
+    await converge(body(), sets, services)
+    assert api.applied == []
+    assert sorted(api.deleted) == [("Service", "qwen-vl-regular-old"), ("StatefulSet", "qwen-vl-regular-old")]

@@ -1,0 +1,70 @@
+"""The reconcile work queue: one entry per key, never two workers on one key, retries."""
+
+from __future__ import annotations
+
+import asyncio
+
+from epd_operator.workqueue import WorkQueue
+
+
+async def test_a_key_added_many_times_while_waiting_is_reconciled_once():
+    seen: list[str] = []
+    gate = asyncio.Event()
+
+    async def reconcile(key):
+        await gate.wait()
+        seen.append(key)
+
+    queue = WorkQueue(reconcile, workers=1)
+    queue.add("blocker")
+    await asyncio.sleep(0)  # the worker takes "blocker" and waits
+    for _ in range(5):
+        queue.add("a")
+    queue.add("b")
+    assert len(queue) == 2
+    gate.set()
+    await queue.join()
+    assert seen == ["blocker", "a", "b"]
+    await queue.aclose()
+
+
+async def test_a_key_added_while_it_runs_runs_again_afterwards_never_concurrently():
+    running: set[str] = set()
+    overlaps, runs = [], []
+
+    async def reconcile(key):
+        if key in running:
+            overlaps.append(key)
+        running.add(key)
+        runs.append(key)
+        await asyncio.sleep(0.02)
+        running.discard(key)
+
+    queue = WorkQueue(reconcile, workers=4)
+    queue.add("a")
+    await asyncio.sleep(0.005)  # "a" is running
+    queue.add("a")
+    queue.add("a")
+    await queue.join()
+    assert overlaps == [] and runs == ["a", "a"]
+    await queue.aclose()
+
+
+async def test_a_failing_key_is_retried_with_backoff_until_it_succeeds():
+    attempts: list[float] = []
+    loop = asyncio.get_running_loop()
+
+    async def reconcile(key):
+        attempts.append(loop.time())
+        if len(attempts) < 3:
+            raise RuntimeError("API server away")
+
+    queue = WorkQueue(reconcile, workers=2, max_backoff=0.05)
+    queue.add("a")
+    while len(attempts) < 3:
+        await asyncio.sleep(0.01)
+    await queue.join()
+    assert len(attempts) == 3
+    assert all(later - earlier >= 0.04 for earlier, later in zip(attempts, attempts[1:]))
+    assert queue._failures == {}  # success resets the count
+    await queue.aclose()
