@@ -1,8 +1,8 @@
 """kopf handlers: thin. Read, call the pure core, apply by server-side apply, write status.
 
-Reconcile is level-based: every EPDDeployment event (and every change of its children) leads
-to the same function computing the whole desired state; nothing depends on seeing a particular
-event, so a restarted operator converges without duplicates.
+Reconcile is level-based: every EPDDeployment event (and every change of its children) queues
+its key, and a worker computes the whole desired state from the indexes; nothing depends on
+seeing a particular event, so a restarted operator converges without duplicates.
 """
 
 from __future__ import annotations

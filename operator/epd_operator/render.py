@@ -49,6 +49,19 @@ _templates = jinja2.Environment(
     undefined=jinja2.StrictUndefined,
     autoescape=False,
 )
+# Characters YAML refuses raw (C1 controls, U+FFFE, U+FFFF) or reads as line breaks (NEL,
+# U+2028, U+2029); escaped, they keep their value.
+_NOT_YAML_PRINTABLE = re.compile("[\x7f-\x9f\u2028\u2029\ufffe\uffff]")
+
+
+def _yaml_safe_json(obj: Any, **kwargs: Any) -> str:
+    """`tojson` whose output YAML reads back as the same value: non-ASCII characters raw, as
+    JSON's `\\uXXXX` surrogate pairs (characters beyond U+FFFF) are not valid YAML escapes."""
+    text = json.dumps(obj, ensure_ascii=False, **kwargs)
+    return _NOT_YAML_PRINTABLE.sub(lambda match: f"\\u{ord(match.group()):04x}", text)
+
+
+_templates.policies["json.dumps_function"] = _yaml_safe_json
 
 
 @dataclass(frozen=True)

@@ -424,3 +424,12 @@ def test_user_strings_survive_the_yaml_templates_verbatim() -> None:
     assert flag_value(plan.engines[0], "--served-model-name") == tricky
     assert ec_config(plan.engines[0])["ec_connector_extra_config"][tricky] == tricky
     assert plan.router.args[-2:] == ["--api-key", tricky]
+
+
+# Found by fuzzing: a character beyond U+FFFF became a JSON surrogate pair that YAML refuses.
+@pytest.mark.parametrize("text", ["𐀀", "\x85", "\x80", "\u2028", "\ufffe", "é", "<&>'\"\\"])
+def test_any_text_reaches_the_command_unchanged(text: str) -> None:
+    plan = plan_of(spec([{"workerType": "regular", "numGpus": 2, "overrides": {"chat_template": f"t{text}"}}],
+                        router={"extraArgs": [f"--x{text}"]}))
+    assert plan.router is not None and plan.router.args[-1] == f"--x{text}"
+    assert all(flag_value(engine, "--chat-template") == f"t{text}" for engine in plan.engines)
