@@ -8,10 +8,10 @@ CHAOS_ARGS ?=
 
 .PHONY: bench chaos
 
-## bench: reconcile latency against kube-controller-manager, then 1,000 EPDDeployments (about 15 min)
+## bench: reconcile latency against kube-controller-manager, then 1,000 EPDDeployments (about 10 min)
 bench: cluster
 	$(PY) -m benchmarks.bench_operator $(BENCH_ARGS)
 
-## chaos: 20 kill -9s of the operator and a kube-apiserver kill during a 500-object churn (about 10 min)
+## chaos: 20 kill -9s of the operator and a kube-apiserver kill during a 500-object churn (about 3 min)
 chaos: cluster
 	$(PY) -m benchmarks.chaos $(CHAOS_ARGS)
