@@ -255,12 +255,13 @@ def _hash(obj: dict[str, Any]) -> str:
 # Handlers only queue the key of the EPDDeployment concerned; the queue's workers reconcile it
 # from the indexes (level-based: which event it was does not matter).
 @kopf.on.event(*EPD)
-async def epd_changed(type: str, namespace: str, name: str, **_: Any) -> None:
+async def epd_changed(type: str, namespace: str, name: str, body: kopf.Body, **_: Any) -> None:
     if type == "DELETED":
         metrics.forget(namespace, name)
         queue().forget((namespace, name))
         return
-    queue().add((namespace, name))
+    # A spec not reconciled yet goes before status refreshes of objects already converged.
+    queue().add((namespace, name), urgent=body.status.get("observedGeneration") != body.metadata.get("generation"))
 
 
 @kopf.on.event("pods", labels=OURS)

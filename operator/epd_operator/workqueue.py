@@ -5,6 +5,9 @@ number of workers reconcile keys, reading the latest state from the indexes.
 - A key is never reconciled by two workers at once; added while being reconciled, it is
   reconciled once more afterwards (the events may have come after its state was read).
 - A failed key is retried with exponential backoff; any success resets its count.
+- Urgent keys (an object whose spec has not been reconciled yet) go before the others (status
+  refreshes after child and pod events): in a burst of new objects, creating their children
+  does not wait behind the status updates of the ones created first.
 
 Handlers return at once, so kopf's per-object workers (and the event bodies they hold) do not
 pile up behind the API calls: 1,000 new objects cost 1,000 keys, not 1,000 suspended handlers.
@@ -13,6 +16,7 @@ pile up behind the API calls: 1,000 new objects cost 1,000 keys, not 1,000 suspe
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from collections.abc import Awaitable, Callable, Hashable
 
@@ -24,19 +28,28 @@ class WorkQueue:
                  max_backoff: float = 60.0) -> None:
         self._reconcile = reconcile
         self._max_backoff = max_backoff
-        self._ready: asyncio.Queue[Hashable] = asyncio.Queue()
-        self._dirty: set[Hashable] = set()  # waiting: in _ready, or to be re-queued when done
+        self._urgent: collections.deque[Hashable] = collections.deque()
+        self._normal: collections.deque[Hashable] = collections.deque()
+        self._entries = asyncio.Semaphore(0)  # counts the entries of both deques
+        self._dirty: set[Hashable] = set()  # waiting: in a deque, or to be re-queued when done
+        self._dirty_urgent: set[Hashable] = set()
         self._processing: set[Hashable] = set()
         self._failures: dict[Hashable, int] = {}
         self._timers: set[asyncio.TimerHandle] = set()
         self._workers = [asyncio.create_task(self._work()) for _ in range(workers)]
 
-    def add(self, key: Hashable) -> None:
-        if key in self._dirty:
+    def add(self, key: Hashable, *, urgent: bool = False) -> None:
+        if key in self._dirty and (not urgent or key in self._dirty_urgent):
             return
         self._dirty.add(key)
+        if urgent:
+            self._dirty_urgent.add(key)
         if key not in self._processing:
-            self._ready.put_nowait(key)
+            self._push(key)  # an urgent add of a key waiting as normal leaves a stale entry, skipped
+
+    def _push(self, key: Hashable) -> None:
+        (self._urgent if key in self._dirty_urgent else self._normal).append(key)
+        self._entries.release()
 
     def add_after(self, key: Hashable, delay: float) -> None:
         def fire() -> None:
@@ -67,8 +80,12 @@ class WorkQueue:
 
     async def _work(self) -> None:
         while True:
-            key = await self._ready.get()
+            await self._entries.acquire()
+            key = self._urgent.popleft() if self._urgent else self._normal.popleft()
+            if key not in self._dirty or key in self._processing:
+                continue  # stale: promoted to urgent and already taken from there
             self._dirty.discard(key)
+            self._dirty_urgent.discard(key)
             self._processing.add(key)
             try:
                 await self._reconcile(key)
@@ -81,4 +98,4 @@ class WorkQueue:
             finally:
                 self._processing.discard(key)
                 if key in self._dirty:  # added again while it ran
-                    self._ready.put_nowait(key)
+                    self._push(key)

@@ -68,3 +68,25 @@ async def test_a_failing_key_is_retried_with_backoff_until_it_succeeds():
     assert all(later - earlier >= 0.04 for earlier, later in zip(attempts, attempts[1:]))
     assert queue._failures == {}  # success resets the count
     await queue.aclose()
+
+
+async def test_urgent_keys_go_first_and_a_waiting_key_can_be_promoted():
+    order: list[str] = []
+    gate = asyncio.Event()
+
+    async def reconcile(key):
+        if key == "blocker":
+            await gate.wait()
+        order.append(key)
+
+    queue = WorkQueue(reconcile, workers=1)
+    queue.add("blocker")
+    await asyncio.sleep(0)
+    queue.add("status-a")
+    queue.add("status-b")
+    queue.add("new-c", urgent=True)
+    queue.add("status-b", urgent=True)  # its spec changed while it waited
+    gate.set()
+    await queue.join()
+    assert order == ["blocker", "new-c", "status-b", "status-a"]  # each once
+    await queue.aclose()
