@@ -60,6 +60,7 @@ if not __package__:  # run as a file: make `benchmarks` and `tests` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from epd_localcluster import LocalCluster  # noqa: E402
+from epd_localcluster.paths import cache_root  # noqa: E402
 from tests.operator.harness import ROOT, OperatorProcess, install_crd  # noqa: E402
 
 EXAMPLE = ROOT / "docs" / "examples" / "encoder-regular.yaml"
@@ -126,7 +127,7 @@ def runtime_python() -> Path:
     frozen = subprocess.run([sys.executable, "-m", "pip", "freeze", "--exclude-editable"],
                             check=True, capture_output=True, text=True).stdout
     key = hashlib.sha256(("\n".join(project["dependencies"]) + frozen).encode()).hexdigest()[:12]
-    venv = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "epd-operator" / "runtime" / key
+    venv = cache_root().parent / "runtime" / key
     python = venv / "bin" / "python"
     if python.exists():
         return python

@@ -215,7 +215,7 @@ async def deployments(namespace: str, name: str, body: kopf.Body, **_: Any) -> d
 class Planned:
     spec: api.EPDDeploymentSpec
     plans: list[ModelPlan]
-    digests: dict[str, str] | None = None  # child name -> hash of its desired state, once built
+    digests: dict[tuple[str, str], str] | None = None  # (kind, name) -> hash of its desired state, once built
 
 
 # Validated spec, rendered plans and children's hashes per (uid, generation, labels): every
@@ -223,6 +223,8 @@ class Planned:
 # generation (the spec) or the labels (children carry the owner's). Bounded LRU.
 PLAN_CACHE_SIZE = 4096
 _plans: collections.OrderedDict[tuple[Any, ...], Planned | SpecError] = collections.OrderedDict()
+
+
 def plan(body: kopf.Body) -> Planned:
     """validate() and render() of the body's spec, cached; raises SpecError for an invalid one."""
     metadata = body.metadata
@@ -296,7 +298,7 @@ async def reconcile(body: kopf.Body, unit_sets: kopf.Index, unit_services: kopf.
     metrics.forget_invalid(namespace, name)
     try:
         await _converge(body, planned, unit_sets, unit_services)
-        await _write_status(namespace, name, body, unit_pods, unit_sets)
+        await _write_status(body, planned, unit_pods, unit_sets)
     except Exception:
         metrics.observe_reconcile("error", time.perf_counter() - started)
         raise
@@ -347,11 +349,8 @@ def _same(new: dict[str, Any], old: dict[str, Any]) -> bool:
     return {k: v for k, v in new.items() if k != "kopf"} == {k: v for k, v in old.items() if k != "kopf"}
 
 
-async def _write_status(namespace: str, name: str, body: kopf.Body, unit_pods: kopf.Index, unit_sets: kopf.Index) -> None:
-    try:
-        planned = plan(body)
-    except SpecError:
-        return  # reported by reconcile; pods of an earlier valid spec do not change that verdict
+async def _write_status(body: kopf.Body, planned: Planned, unit_pods: kopf.Index, unit_sets: kopf.Index) -> None:
+    namespace, name = body.metadata.namespace, body.metadata.name
     spec, plans = planned.spec, planned.plans
     pods = {p["name"]: p for p in unit_pods.get((namespace, name), [])}
     sets = list(unit_sets.get((namespace, name), []))
