@@ -1,11 +1,12 @@
 # EPD operator: `make demo` runs it on the embedded local control plane, `make test` tests it.
+# Dev tooling lives in hack/ (the epd_dev package, its Go modules and these targets' includes);
+# big builds and venvs are cached in $EPD_CACHE (default ~/.cache/epd-operator).
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-export EPD_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/epd-operator
 
-.PHONY: help venv crds test test-fast lint demo demo-down bench chaos
+.PHONY: help venv crds test test-fast demo demo-down
 
 help:
 	@echo "make demo        run the operator on the local control plane (kwok-simulated GPU nodes)"
@@ -13,14 +14,15 @@ help:
 	@echo "make test        install everything needed (cached) and run every test"
 	@echo "make test-fast   the tests that need neither the cluster nor vLLM"
 	@echo "make crds        regenerate crds/ and the chart's CRD from the pydantic models"
-	@echo "make cluster     build the control plane binaries (cached in $(EPD_CACHE))"
-	@echo "make vllm-envs   install the vLLM venvs and vllm-router (cached in $(EPD_CACHE))"
+	@echo "make cluster     build the control plane binaries (cached in \$$EPD_CACHE)"
+	@echo "make vllm-envs   install the vLLM venvs and vllm-router (cached in \$$EPD_CACHE)"
 	@echo "make bench       benchmarks; make bench-client; make chaos"
 
-$(PY): pyproject.toml
+# The product (editable, with its test extras) and the dev tools (hack/, never shipped).
+$(PY): pyproject.toml hack/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test]' -e ./hack
 	@touch $(PY)
 
 venv: $(PY)
@@ -32,10 +34,10 @@ crds: $(PY)
 	$(PY) -c 'from epd_operator.crd import write_api_reference; write_api_reference("docs/api.md")'
 
 demo: cluster
-	$(PY) -m epd_localcluster.demo up
+	$(PY) -m epd_dev.demo up
 
 demo-down: venv
-	$(PY) -m epd_localcluster.demo down
+	$(PY) -m epd_dev.demo down
 
 test-fast: $(PY)
 	$(PY) -m pytest -q -m "not cluster and not vllm"
@@ -45,4 +47,4 @@ test: $(PY) cluster vllm-envs
 	$(PY) -m pytest -q --durations=15; rc=$$?; \
 	echo "make test: pytest took $$(( $$(date +%s) - start ))s"; exit $$rc
 
-include mk/*.mk
+include hack/mk/*.mk

@@ -4,7 +4,7 @@ from typing import Iterator
 
 import pytest
 
-from tests.operator.harness import OperatorProcess, install_crd
+from epd_dev.operator_process import OperatorProcess, install_crd
 
 pytest_plugins = ["tests.controlplane.fixtures"]
 

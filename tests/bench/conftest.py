@@ -14,7 +14,7 @@ from typing import Iterator
 
 import pytest
 
-from tests.operator.harness import OperatorProcess
+from epd_dev.operator_process import OperatorProcess
 
 
 def operators_on(kubeconfig: Path) -> list[int]:

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import chaos
-from benchmarks.bench_operator import Api, benchmark, report
+from epd_dev.bench import chaos
+from epd_dev.bench.bench_operator import benchmark, report
+from epd_dev.bench.kit import Api
 
 pytestmark = pytest.mark.cluster
 

@@ -1,7 +1,7 @@
 """The client under faults: many primes through fault-injecting proxies (5xx, slow answers,
 TCP resets, in a random order) in front of two encoders.
 
-The encoders are STAND-INs (tests/client/standin_server.py), not vLLM: a real vLLM encoder on
+The encoders are STAND-INs (epd_dev/standins/vllm_server.py), not vLLM: a real vLLM encoder on
 CPU takes about a second per image, and this needs hundreds of requests to hit every fault
 while others are in flight. What is checked is the client's own contract:
 
@@ -18,8 +18,8 @@ import time
 from contextlib import ExitStack
 
 from epd_client import Endpoints, EPDClient, PrimeError, RetryPolicy, prime_encoder
-from tests.client.fault_proxy import FaultProxy, delay, http_status, reset
-from tests.client.standin_server import StandinServer
+from epd_dev.standins.fault_proxy import FaultProxy, delay, http_status, reset
+from epd_dev.standins.vllm_server import StandinServer
 
 POLICY = RetryPolicy(max_attempts=4, backoff=0.01, max_backoff=0.05, attempt_timeout=0.3, deadline=1.0)
 SLACK = 0.5  # event-loop and thread scheduling on a busy 2-core machine

@@ -8,9 +8,9 @@ from contextlib import ExitStack
 
 import pytest
 
-from .fault_proxy import FaultProxy
+from epd_dev.standins.fault_proxy import FaultProxy
 from .helpers import UnitServers
-from .standin_server import StandinServer
+from epd_dev.standins.vllm_server import StandinServer
 
 
 @pytest.fixture

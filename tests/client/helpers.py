@@ -7,7 +7,7 @@ from typing import Any
 
 from epd_client import RetryPolicy, Unit
 
-from .standin_server import StandinServer
+from epd_dev.standins.vllm_server import StandinServer
 
 # Quick retries so failure paths take milliseconds.
 FAST = RetryPolicy(max_attempts=4, backoff=0.01, max_backoff=0.05, attempt_timeout=2, deadline=10)

@@ -18,7 +18,7 @@ from epd_client import (
     prime_encoder_sync,
 )
 
-from .fault_proxy import delay, http_status, reset
+from epd_dev.standins.fault_proxy import delay, http_status, reset
 from .helpers import FAST, image_messages, image_urls
 
 

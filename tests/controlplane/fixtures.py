@@ -26,8 +26,8 @@ from typing import Callable, Iterator
 
 import pytest
 
-from epd_localcluster import ClusterBusy, LocalCluster, binaries
-from epd_localcluster.paths import repo_root
+from epd_dev.localcluster import ClusterBusy, LocalCluster, binaries
+from epd_dev.paths import REPO
 
 BUILD_HINT = "make cluster"
 
@@ -47,7 +47,7 @@ def require_binaries() -> None:
 def _start_cluster() -> LocalCluster:
     env = os.environ.get("EPD_TEST_CLUSTER_DIR")
     candidates = [Path(env)] if env else [
-        repo_root() / (".cluster-test" if i == 1 else f".cluster-test-{i}") for i in range(1, 9)
+        REPO / (".cluster-test" if i == 1 else f".cluster-test-{i}") for i in range(1, 9)
     ]
     for folder in candidates:
         local = LocalCluster(folder, nodes=4, die_with_parent=True)

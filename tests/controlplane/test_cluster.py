@@ -7,7 +7,6 @@ the only fake (it plays the kubelets).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ from typing import Any, Callable
 
 import pytest
 
-from epd_localcluster import (
+from epd_dev.localcluster import (
     ClusterBusy,
     ClusterError,
     ETCD_VERSION,
@@ -26,8 +25,7 @@ from epd_localcluster import (
     LocalCluster,
     binaries,
 )
-from epd_localcluster.cluster import _alive, _Proc
-from epd_localcluster.paths import repo_root
+from epd_dev.localcluster.cluster import _alive, _Proc
 
 from .fixtures import require_binaries
 
@@ -300,11 +298,9 @@ def test_helm_installs_a_chart(cluster, namespace, tmp_path: Path) -> None:
 
 def test_second_cluster_beside_the_first_and_cli_lifecycle(cluster, tmp_path: Path) -> None:
     """A second cluster runs beside the session one; the CLI in other processes manages it."""
-    env = {**os.environ, "PYTHONPATH": str(repo_root() / "operator")}
-
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "epd_localcluster", *args, "--dir", str(tmp_path)],
-                              capture_output=True, text=True, env=env, timeout=240)
+        return subprocess.run([sys.executable, "-m", "epd_dev.localcluster", *args, "--dir", str(tmp_path)],
+                              capture_output=True, text=True, timeout=240)
 
     def alive(state: dict) -> list[str]:
         return [n for n, p in state["processes"].items() if _alive(_Proc(n, p["pid"], p["start_ticks"]))]

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from epd_localcluster import K8S_VERSION, binaries
+from epd_dev.localcluster import K8S_VERSION, binaries
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "epd-operator"

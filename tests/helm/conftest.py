@@ -61,7 +61,7 @@ def sole_operator(cluster) -> Iterator[None]:
     watches every namespace: if it (or any other OperatorProcess on this cluster) runs, stop it
     for the test and start it again afterwards.
     """
-    from tests.operator.harness import OperatorProcess
+    from epd_dev.operator_process import OperatorProcess
 
     running = OperatorProcess.running(cluster.kubeconfig)
     for operator in running:

@@ -107,7 +107,7 @@ def test_build_context_holds_the_sources_and_nothing_private():
     assert "pyproject.toml" in files
     assert "operator/epd_operator/cli.py" in files
     assert any(f.startswith("operator/epd_operator/templates/") for f in files), "render templates are data"
-    for forbidden in (".venv/", ".git/", ".cluster", "tests/", "__pycache__", ".egg-info", "benchmarks/"):
+    for forbidden in (".venv/", ".git/", ".cluster", "tests/", "__pycache__", ".egg-info", "hack/"):
         assert not [f for f in files if forbidden in f], forbidden
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.operator.harness import OperatorProcess
+from epd_dev.operator_process import OperatorProcess
 
 from .chart import ROOT
 

@@ -23,7 +23,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from epd_operator.janitor import EMBEDDING_FILE, GRACE_SECONDS
-from tests.vllm import payloads, tiny_model
+from epd_dev.vllm import tiny_model
+from tests.vllm import payloads
 from tests.vllm.conftest import (  # noqa: F401 - fixtures, reused
     serving_python,
     start_unit,
@@ -31,7 +32,7 @@ from tests.vllm.conftest import (  # noqa: F401 - fixtures, reused
     tiny_model_dir,
     vllm_timings,
 )
-from tests.vllm.unit_runner import UnitRunner
+from epd_dev.vllm.unit_runner import UnitRunner
 
 pytestmark = pytest.mark.vllm
 

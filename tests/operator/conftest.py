@@ -14,7 +14,7 @@ def crd_without_cel(cluster, crd) -> Iterator[None]:
 
     from epd_operator.crd import build_crd
 
-    from .harness import CRD
+    from epd_dev.operator_process import CRD
 
     def strip(node):
         if isinstance(node, dict):

@@ -10,7 +10,7 @@ import yaml
 from epd_operator import controller
 from epd_operator.resources import ANNOTATION_SPEC_HASH
 
-from .harness import ROOT
+from epd_dev.paths import REPO
 
 KEY = ("ns", "qwen-vl-regular")
 
@@ -35,7 +35,7 @@ def api(monkeypatch):
 
 
 def body(generation: int = 1, max_model_len: int | None = None) -> kopf.Body:
-    manifest = yaml.safe_load((ROOT / "docs" / "examples" / "encoder-regular.yaml").read_text())
+    manifest = yaml.safe_load((REPO / "docs" / "examples" / "encoder-regular.yaml").read_text())
     manifest["metadata"].update(namespace=KEY[0], uid="uid-1", generation=generation)
     if max_model_len:
         manifest["spec"]["models"][0]["serverGroups"][1]["overrides"] = {"max_model_len": max_model_len}

@@ -7,7 +7,7 @@ import yaml
 
 from epd_client import discover
 
-from .harness import get_json
+from epd_dev.operator_process import get_json
 from .test_reconcile import EXAMPLES, apply, wait_condition
 
 pytestmark = pytest.mark.cluster

@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .harness import ROOT, OperatorProcess, wait_for
+from epd_dev.operator_process import OperatorProcess, wait_for
+from epd_dev.paths import REPO
 from .test_reconcile import EXAMPLES, apply, wait_condition
 
 pytestmark = pytest.mark.cluster
 
-PEERING_CRDS = ROOT / "charts" / "epd-operator" / "crds" / "kopf-peerings.kopf.dev.yaml"
+PEERING_CRDS = REPO / "charts" / "epd-operator" / "crds" / "kopf-peerings.kopf.dev.yaml"
 
 
 def reconciles(operator: OperatorProcess) -> float:

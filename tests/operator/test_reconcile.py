@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .harness import ROOT, get_json, wait_for
+from epd_dev.operator_process import get_json, wait_for
+from epd_dev.paths import REPO
 
 pytestmark = pytest.mark.cluster
 
-EXAMPLES = ROOT / "docs" / "examples"
+EXAMPLES = REPO / "docs" / "examples"
 # Read by the kwok Stage that simulates a kubelet whose encoder readiness probe fails
-# (epd_localcluster's kwok config): "true" marks the unit's encoders unready, "false" ready again.
+# (epd_dev.localcluster's kwok config): "true" marks the unit's encoders unready, "false" ready again.
 SIMULATE_ENCODER_UNREADY = "kwok.epd.vime.dev/encoder-unready"
 
 

@@ -6,7 +6,7 @@ from typing import Iterator
 
 import pytest
 
-from tests.vllm import envs
+from epd_dev.vllm import envs
 
 from .cases import VERSIONS
 from .vllm_parser import VllmParser

@@ -14,7 +14,7 @@ import pytest
 
 from epd_operator.render import render
 from epd_operator.validation import validate
-from tests.vllm import envs
+from epd_dev.vllm import envs
 
 from .cases import CASES, OBJECT, VERSIONS, plans, raw_spec
 

@@ -17,7 +17,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from tests.vllm import engines, envs, tiny_model, unit_runner
+from epd_dev.vllm import engines, envs, tiny_model, unit_runner
 
 # What serving on CPU needs (facts.md): every engine gets these group overrides. Encoders run
 # eager already (a role default); consumers need it too (no CUDA graphs on CPU).

@@ -9,7 +9,7 @@ import urllib.request
 import zlib
 from pathlib import Path
 
-from tests.vllm import tiny_model
+from epd_dev.vllm import tiny_model
 
 EMBEDDING_FILE = "encoder_cache.safetensors"
 

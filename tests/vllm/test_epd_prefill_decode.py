@@ -25,10 +25,11 @@ from pathlib import Path
 import pytest
 
 from epd_client import EPDClient, Endpoints, prime_encoder
-from tests.vllm import payloads, tiny_model
+from epd_dev.vllm import tiny_model
+from tests.vllm import payloads
 from tests.vllm.conftest import start_unit, tiny_manifest
 from tests.vllm.payloads import image_part, messages
-from tests.vllm.unit_runner import UnitRunner
+from epd_dev.vllm.unit_runner import UnitRunner
 
 pytestmark = pytest.mark.vllm
 

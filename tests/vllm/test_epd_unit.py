@@ -23,11 +23,11 @@ import pytest
 import yaml
 
 from epd_client import EPDClient, Endpoints, ModelEndpoints, prime_encoder
-from tests.operator.harness import get_json, wait_for
+from epd_dev.operator_process import get_json, wait_for
 from tests.vllm import payloads
 from tests.vllm.conftest import start_unit, tiny_manifest
 from tests.vllm.payloads import EMBEDDING_FILE, image_part, messages
-from tests.vllm.unit_runner import UnitRunner
+from epd_dev.vllm.unit_runner import UnitRunner
 
 pytestmark = [pytest.mark.vllm, pytest.mark.cluster]
 

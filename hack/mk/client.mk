@@ -5,8 +5,8 @@
 
 ## bench-client: prime_encoder vs raw httpx vs a Vime-style loop against a stand-in server
 bench-client: venv
-	PYTHONPATH=operator $(PY) benchmarks/bench_client.py
+	$(PY) -m epd_dev.bench.bench_client
 
 ## test-client: the client library's tests (no cluster, no vLLM)
 test-client: venv
-	PYTHONPATH=operator $(PY) -m pytest -q tests/client
+	$(PY) -m pytest -q tests/client

@@ -15,7 +15,7 @@ and kube-controller-manager's garbage collector had time (up to --settle seconds
 
 Prints the counts; exits 1 if any is not zero.
 
-    python -m benchmarks.chaos [--objects 500] [--kills 20] [--seed N]
+    python -m epd_dev.bench.chaos [--objects 500] [--kills 20] [--seed N]
 """
 
 from __future__ import annotations
@@ -35,21 +35,9 @@ from typing import Any, Callable
 import httpx
 import yaml
 
-if not __package__:  # run as a file: make `benchmarks` and `tests` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.bench_operator import (  # noqa: E402
-    EPD_PATH,
-    OURS,
-    Api,
-    converged,
-    create_namespace,
-    epd_manifest,
-    log,
-    start_cluster,
-)
-from epd_localcluster import ClusterError, LocalCluster  # noqa: E402
-from tests.operator.harness import OperatorProcess  # noqa: E402
+from ..localcluster import ClusterError, LocalCluster
+from ..operator_process import OperatorProcess
+from .kit import EPD_PATH, OURS, Api, converged, create_namespace, epd_manifest, log, session
 
 LABEL_DEPLOYMENT = "epd.vime.dev/deployment"
 LABEL_MODEL = "epd.vime.dev/model"
@@ -358,14 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
     log(f"seed {seed}")
 
-    cluster = start_cluster(args.dir, args.nodes)
-    api = Api(cluster)
-    env = {"PYTHONPATH": str(args.operator_src.resolve())} if args.operator_src else None
-    # Kwok pods have no janitor to scrape: keep the scrape loop out of the measurements.
-    operator = OperatorProcess(cluster.kubeconfig, args.dir / "operator", env=env,
-                               extra_args=["--all-namespaces", "--janitor-scrape-interval", "0"])
-    try:
-        operator.start()
+    with session(args.dir, args.nodes, operator_src=args.operator_src) as (cluster, api, operator):
         namespace = create_namespace(cluster, api, "chaos")
         gpus = sum(int(n["status"]["allocatable"]["nvidia.com/gpu"]) for n in api.items("/api/v1/nodes"))
         result = run(cluster, api, operator, namespace, objects=args.objects, kills=args.kills, seed=seed,
@@ -375,12 +356,7 @@ def main(argv: list[str] | None = None) -> int:
             print(line)
         if not result.verdict.clean:
             print(f"--- operator log (tail) ---\n{operator.tail(60)}", file=sys.stderr)
-        return 0 if result.verdict.clean else 1
-    finally:
-        operator.stop()
-        api.close()
-        cluster.stop()
-
+    return 0 if result.verdict.clean else 1
 
 if __name__ == "__main__":
     sys.exit(main())

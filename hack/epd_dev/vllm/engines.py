@@ -18,7 +18,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-# Environment every CPU engine needs (facts.md, "Serving real vLLM on CPU").
+# Environment every CPU engine needs (docs/testing.md, "Serving vLLM on CPU").
 CPU_ENV = {
     "VLLM_TARGET_DEVICE": "cpu",
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB

@@ -1,10 +1,10 @@
 """The control plane binaries: versions, cache location, and the one-time build.
 
-    python -m epd_localcluster.build [--force] [--print-bin-dir]   (see build.py)
+    python -m epd_dev.localcluster.build [--force] [--print-bin-dir]   (see build.py)
 
 Every binary is compiled from published Go modules pinned by the go.mod/go.sum
-files under tests/controlplane/go (no Docker, no release downloads). The result
-lands in ``${XDG_CACHE_HOME:-~/.cache}/epd-operator/controlplane/<key>/bin``;
+files under hack/go (no Docker, no release downloads). The result
+lands in ``<cache root>/controlplane/<key>/bin`` (``epd_dev.paths.cache_root``);
 the key names every version plus a hash of the Go module files, so changing a
 pin builds a fresh cache entry and never mixes versions.
 
@@ -16,8 +16,6 @@ half cache behind, and the next run keeps the binaries it already finished.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -28,7 +26,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .paths import GO_MODULES, cache_root, repo_root
+from .. import paths
+from ..locking import file_lock
 
 K8S_VERSION = "v1.36.3"
 ETCD_VERSION = "v3.6.16"
@@ -55,7 +54,7 @@ K8S_LDFLAGS = " ".join(
 @dataclass(frozen=True)
 class Binary:
     name: str
-    module: str  # wrapper module folder under tests/controlplane/go
+    module: str  # wrapper module folder under hack/go
     package: str
     version_args: tuple[str, ...]
     expect: str  # must appear in the version output
@@ -107,7 +106,7 @@ def log(msg: str) -> None:
 
 
 def _go_dir() -> Path:
-    return repo_root() / GO_MODULES
+    return paths.GO_MODULES
 
 
 def _check_pins() -> None:
@@ -117,7 +116,7 @@ def _check_pins() -> None:
         if not re.search(rf"^\s*(require\s+)?{re.escape(path)} {re.escape(version)}\b", gomod, re.M):
             raise SystemExit(
                 f"{_go_dir() / module / 'go.mod'} does not require {path} {version}; "
-                "update the version constants in epd_localcluster/build.py with it"
+                "update the version constants in hack/epd_dev/localcluster/binaries.py with it"
             )
 
 
@@ -131,6 +130,10 @@ def cache_key() -> str:
         f"k8s-{K8S_VERSION}_etcd-{ETCD_VERSION}_kwok-{KWOK_VERSION}_helm-{HELM_VERSION}"
         f"_{digest.hexdigest()[:12]}"
     )
+
+
+def cache_root() -> Path:
+    return paths.cache_root() / "controlplane"
 
 
 def cache_dir() -> Path:
@@ -231,19 +234,6 @@ def _write_kwok_stages(dest: Path) -> None:
     dest.write_text("\n---\n".join(docs) + "\n")
 
 
-@contextlib.contextmanager
-def _lock(path: Path):
-    """One build at a time per machine (two would fight over 2 cores and the cache)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log(f"waiting for another build to finish (lock {path})")
-            fcntl.flock(fh, fcntl.LOCK_EX)
-        yield
-
-
 def _verify_all(bindir: Path) -> list[str]:
     return [b.name for b in BINARIES if version_of(bindir / b.name, b) is None]
 
@@ -255,7 +245,7 @@ def build(force: bool = False) -> Path:
     _check_pins()
     key = cache_key()
     final = cache_root() / key
-    with _lock(cache_root() / ".build.lock"):
+    with file_lock(cache_root() / ".build.lock", log):
         if final.exists() and not force:
             bad = _verify_all(final / "bin") if not missing_binaries() else list(NAMES)
             if not bad:
@@ -278,7 +268,7 @@ def build(force: bool = False) -> Path:
             if out.exists() and version_of(out, binary):
                 log(f"{step}: already built, skipping")
                 continue
-            log(f"{step}: go build {binary.package} (in {GO_MODULES / binary.module})")
+            log(f"{step}: go build {binary.package} (in hack/go/{binary.module})")
             started = time.monotonic()
             _go_build(binary, out)
             timings[binary.name] = round(time.monotonic() - started, 1)
@@ -302,7 +292,7 @@ def build(force: bool = False) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m epd_localcluster.build", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m epd_dev.localcluster.build", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--force", action="store_true", help="rebuild even if cached")
     parser.add_argument("--print-bin-dir", action="store_true",

@@ -7,7 +7,7 @@ run as they are, except for what only a container runtime provides:
 
 - the image: `vllm serve <model> ...` becomes `<serving python> -m
   vllm.entrypoints.openai.api_server --model <model> ...` (the `vllm` console script of the
-  CPU build cannot start, facts.md), and `vllm-router ...` becomes the venv's real binary;
+  CPU build cannot start: docs/testing.md), and `vllm-router ...` becomes the venv's real binary;
 - the env gets CPU_ENV (VLLM_TARGET_DEVICE=cpu, a 1 GiB KV cache, offline hub);
 - /dev/shm is the host's, not a per-pod emptyDir: the unit's EC store
   (`/dev/shm/vime-ec-<name>-<model>-<hash of the object's uid>`) must not exist before the
@@ -38,7 +38,7 @@ from epd_operator.render import render
 from epd_operator.resources import pod_template
 from epd_operator.validation import validate
 
-from tests.vllm import engines, envs
+from . import engines, envs
 
 EC_STORAGE_ANNOTATION = "epd.vime.dev/ec-storage-path"
 LOCALHOST = "127.0.0.1"

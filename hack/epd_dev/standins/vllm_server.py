@@ -14,8 +14,8 @@ need vLLM's real behaviour belong with the real engines (tests/vllm).
 - ``GET /health``: 200.
 
 Give the encoders and the consumer of one unit the same ``ec_store`` set to model the
-node-local EC directory. For a separate process run, from the repository root,
-``python -m tests.client.standin_server --port 0``: it prints its URL on the first line.
+node-local EC directory. For a separate process run
+``python -m epd_dev.standins.vllm_server --port 0``: it prints its URL on the first line.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""Build the control plane binaries once: ``python -m epd_localcluster.build``.
+"""Build the control plane binaries once: ``python -m epd_dev.localcluster.build``.
 
-A thin entry point; the work is in ``epd_localcluster.binaries`` (kept separate
+A thin entry point; the work is in ``epd_dev.localcluster.binaries`` (kept separate
 so that importing the package does not pre-import the module ``-m`` runs).
-Re-exports the common calls for ``from epd_localcluster import build``.
+Re-exports the common calls for ``from epd_dev.localcluster import build``.
 """
 
 import sys

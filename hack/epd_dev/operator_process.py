@@ -1,4 +1,5 @@
-"""Run the operator as a real process (`epd-operator run`) against the local control plane."""
+"""The operator as a real process (`epd-operator run`) against a cluster: tests, benchmarks and
+`make demo` all start it this way."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ import weakref
 from pathlib import Path
 from typing import Any, Callable
 
-ROOT = Path(__file__).resolve().parents[2]
-CRD = ROOT / "crds" / "epddeployments.epd.vime.dev.yaml"
+from .paths import REPO
+
+CRD = REPO / "crds" / "epddeployments.epd.vime.dev.yaml"
 
 
 def free_port() -> int:

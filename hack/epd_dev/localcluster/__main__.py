@@ -1,4 +1,4 @@
-"""CLI: python -m epd_localcluster up|down|status [--dir .cluster] [--nodes 4]"""
+"""CLI: python -m epd_dev.localcluster up|down|status [--dir .cluster] [--nodes 4]"""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import json
 import sys
 
 from .cluster import ClusterError, LocalCluster
-from .paths import repo_root
+from ..paths import REPO
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m epd_localcluster",
+        prog="python -m epd_dev.localcluster",
         description="Run the local control plane (build it first: make cluster).",
     )
     parser.add_argument("command", choices=("up", "down", "status"))
@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="up: start fresh even if a healthy cluster already runs in --dir")
     args = parser.parse_args(argv)
 
-    cluster = LocalCluster(args.dir or repo_root() / ".cluster", nodes=args.nodes)
+    cluster = LocalCluster(args.dir or REPO / ".cluster", nodes=args.nodes)
     try:
         if args.command == "up":
             if not args.recreate and cluster.status()["running"]:

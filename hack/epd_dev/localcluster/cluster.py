@@ -1,10 +1,10 @@
 """A real Kubernetes control plane on loopback, with kwok standing in for kubelets.
 
-    python -m epd_localcluster up|down|status [--dir .cluster] [--nodes 4]
+    python -m epd_dev.localcluster up|down|status [--dir .cluster] [--nodes 4]
 
 Runs etcd, kube-apiserver (TLS, RBAC, service-account tokens), kube-controller-
 manager, kube-scheduler and kwok as plain processes built by
-``epd_localcluster.build``. kwok keeps N fake GPU nodes Ready and marks the pods
+``epd_dev.localcluster.build``. kwok keeps N fake GPU nodes Ready and marks the pods
 the scheduler binds to them Running and Ready; nothing runs in containers.
 
 Everything about one cluster lives in its folder: credentials, kubeconfigs,
@@ -314,6 +314,31 @@ class LocalCluster:
         if self.state_file.exists():
             self.state_file.unlink()
         return [p.name for p in reversed(running)]
+
+    def restart(self, component: str, extra_args: tuple[str, ...] = (), *, hard: bool = False,
+                timeout: float = 120) -> float:
+        """Stop ``component`` (SIGKILL if ``hard``, else SIGTERM) and start it again with its
+        usual flags plus ``extra_args``; wait until it is healthy and return the seconds taken.
+
+        Only kube-apiserver and kube-controller-manager, and only in the process that started
+        the cluster (it reaps the old process)."""
+        checks: dict[str, tuple[Callable[[], list[str]], Callable[[], bool]]] = {
+            "kube-apiserver": (self._apiserver_args, self._apiserver_ready),
+            "kube-controller-manager": (self._controller_manager_args,
+                                        lambda: self._https_ok(self._ports["controller-manager"])),
+        }
+        if component not in checks:
+            raise ValueError(f"cannot restart {component!r}: only {', '.join(checks)}")
+        args, healthy = checks[component]
+        proc = self._procs.get(component)
+        if proc is None or proc.popen is None:
+            raise ClusterError(f"{component} was not started by this process: restart it where it was")
+        began = time.monotonic()
+        os.killpg(proc.pid, signal.SIGKILL if hard else signal.SIGTERM)
+        proc.popen.wait(timeout=60)
+        self._spawn(component, [*args(), *extra_args])
+        self._wait(f"{component} healthy again", healthy, began + timeout, component)
+        return time.monotonic() - began
 
     def _claim_dir(self) -> None:
         """Refuse a folder whose cluster another live process (a test session) owns.

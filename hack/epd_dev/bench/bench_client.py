@@ -1,7 +1,7 @@
 """Client overhead: prime_encoder against raw httpx and a Vime-style loop.
 
-All methods prime the same images against one fast STAND-IN server (tests/client/
-standin_server.py, not vLLM) running in its own process, so the server never shares the
+All methods prime the same images against one fast STAND-IN server
+(epd_dev/standins/vllm_server.py, not vLLM) running in its own process, so the server never shares the
 measured client's event loop. The work is ``--samples`` samples of ``--images-per-sample``
 images, ``--concurrency`` samples in flight. An image's latency is the time until its whole
 sample is primed, which is what a rollout waits for.
@@ -12,7 +12,7 @@ sample is primed, which is what a rollout waits for.
   and the same with the connections split into pools of 8, as EPDClient does.
 - Vime-style: a new httpx.AsyncClient per request, up to 60 tries with fixed 1 s sleeps.
 
-Run: ``make bench-client`` (or ``python benchmarks/bench_client.py --help``).
+Run: ``make bench-client`` (or ``python -m epd_dev.bench.bench_client --help``).
 """
 
 from __future__ import annotations
@@ -30,13 +30,10 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "operator"))
-from epd_client import Endpoints, EPDClient, prime_encoder  # noqa: E402
+from epd_client import Endpoints, EPDClient, prime_encoder
 
 MODEL = "bench-model"
 PrimeSample = Callable[[list[dict]], Awaitable[None]]
@@ -199,8 +196,7 @@ def main() -> None:
     cli = parser.parse_args()
 
     server = subprocess.Popen(
-        [sys.executable, "-m", "tests.client.standin_server", "--port", "0"],
-        cwd=ROOT,
+        [sys.executable, "-m", "epd_dev.standins.vllm_server", "--port", "0"],
         stdout=subprocess.PIPE,
         text=True,
     )
