@@ -12,6 +12,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+from .ec.quantity import BYTE_QUANTITY
+
 GROUP = "epd.vime.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -23,8 +25,6 @@ SHORT_NAMES = ["epd"]
 DNS1123_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 # The EC janitor's Prometheus port in every unit with encoders.
 JANITOR_METRICS_PORT = 9400
-# A byte quantity as Kubernetes writes one ("16Gi", "512M", "1e9"): no milli or negative values.
-BYTE_QUANTITY = r"^\+?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+]?[0-9]+|Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
 
 # Open maps (vLLM engine args, connector extra config) and embedded Kubernetes core types
 # (affinity, volumes, ...) are kept schemaless: their own API server validates the latter
@@ -32,7 +32,9 @@ BYTE_QUANTITY = r"^\+?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+]?[0-9]+|Ki|Mi|Gi|Ti|Pi
 OpenObject = dict[str, Any]
 
 
-class _Schema(BaseModel):
+class Schema(BaseModel):
+    """Base of every API model: camelCase on the wire, unknown fields refused."""
+
     model_config = ConfigDict(
         alias_generator=to_camel,
         populate_by_name=True,
@@ -42,13 +44,38 @@ class _Schema(BaseModel):
 
 
 class WorkerType(str, enum.Enum):
+    """An engine's role. Its EC and KV roles are the seed's table, kept here only."""
+
     encoder = "encoder"
     regular = "regular"
     prefill = "prefill"
     decode = "decode"
 
+    @property
+    def ec_role(self) -> str | None:
+        """vLLM's EC role: encoders produce embeddings, regular and prefill read them, decode
+        never sees an image."""
+        return {"encoder": "ec_producer", "regular": "ec_consumer", "prefill": "ec_consumer"}.get(self.value)
 
-class EnvVar(_Schema):
+    @property
+    def kv_role(self) -> str | None:
+        return {"prefill": "kv_producer", "decode": "kv_consumer"}.get(self.value)
+
+    @property
+    def is_encoder(self) -> bool:
+        return self is WorkerType.encoder
+
+    @property
+    def is_ec_consumer(self) -> bool:
+        return self.ec_role == "ec_consumer"
+
+    @property
+    def is_pd(self) -> bool:
+        """Prefill or decode: the unit needs vllm-router's prefill/decode mode."""
+        return self.kv_role is not None
+
+
+class EnvVar(Schema):
     """A container environment variable, as in a Pod spec."""
 
     model_config = ConfigDict(extra="allow", alias_generator=to_camel, populate_by_name=True)
@@ -59,15 +86,18 @@ class EnvVar(_Schema):
     )
 
 
-class ResourceRequirements(_Schema):
+class ResourceRequirements(Schema):
     """Extra container resources for each engine; GPUs are set by the operator from numGpusPerEngine."""
 
     limits: dict[str, int | str] = Field(default_factory=dict, description="Resource limits.")
     requests: dict[str, int | str] = Field(default_factory=dict, description="Resource requests.")
 
 
-class ServerGroup(_Schema):
+class ServerGroup(Schema):
     """A group of identical vLLM engines of one worker type (Vime's `server_groups[]`)."""
+
+    # Kept as the enum (not its value) so the role's behaviour is at hand: `group.worker_type.ec_role`.
+    model_config = ConfigDict(use_enum_values=False)
 
     worker_type: WorkerType = Field(
         description=(
@@ -100,7 +130,7 @@ class ServerGroup(_Schema):
         return self.num_gpus // self.num_gpus_per_engine
 
 
-class ModelSpec(_Schema):
+class ModelSpec(Schema):
     """One served model and its server groups; each EPD unit of it is one pod on one node."""
 
     name: str = Field(
@@ -121,8 +151,31 @@ class ModelSpec(_Schema):
         ),
     )
 
+    @property
+    def served_name(self) -> str:
+        return self.served_model_name or self.model
 
-class ECConnector(_Schema):
+    @property
+    def worker_types(self) -> set[WorkerType]:
+        return {g.worker_type for g in self.server_groups}
+
+    @property
+    def has_encoders(self) -> bool:
+        return WorkerType.encoder in self.worker_types
+
+    @property
+    def is_pd(self) -> bool:
+        return any(t.is_pd for t in self.worker_types)
+
+    @property
+    def needs_router(self) -> bool:
+        """vllm-router fronts the consumers when there is a choice to make: prefill/decode, or
+        more than one consumer engine. Encoders are never behind it."""
+        consumers = sum(g.engines for g in self.server_groups if not g.worker_type.is_encoder)
+        return self.is_pd or consumers > 1
+
+
+class ECConnector(Schema):
     """Encoder-cache (EC) connector between encoders (producers) and consumers."""
 
     name: str = Field(default="ECExampleConnector", description="vLLM EC connector class.")
@@ -142,7 +195,7 @@ class ECConnector(_Schema):
     )
 
 
-class KVConnector(_Schema):
+class KVConnector(Schema):
     """KV-cache connector between prefill (producer) and decode (consumer) engines."""
 
     name: str = Field(default="NixlConnector", description="vLLM KV connector class.")
@@ -159,7 +212,7 @@ class RouterPolicy(str, enum.Enum):
     consistent_hash = "consistent_hash"
 
 
-class Router(_Schema):
+class Router(Schema):
     """vllm-router in front of a unit's consumer engines (added for prefill/decode or >1 consumer)."""
 
     image: str = Field(default="vllm/vllm-router:v0.1.17", description="vllm-router image.")
@@ -169,7 +222,7 @@ class Router(_Schema):
     resources: ResourceRequirements | None = Field(default=None, description="Router container resources.")
 
 
-class Shm(_Schema):
+class Shm(Schema):
     """The memory-backed emptyDir every engine of a unit mounts at /dev/shm."""
 
     size_limit: str = Field(
@@ -180,7 +233,7 @@ class Shm(_Schema):
     )
 
 
-class ECStorage(_Schema):
+class ECStorage(Schema):
     """Bounds on each model's EC store (the connector itself never deletes anything)."""
 
     max_bytes: int | None = Field(
@@ -189,7 +242,7 @@ class ECStorage(_Schema):
     ttl_seconds: int | None = Field(default=None, ge=1, description="Evict entries older than this.")
 
 
-class Ports(_Schema):
+class Ports(Schema):
     """Ports inside each unit pod; engines get consecutive ports, encoders first."""
 
     router: int = Field(default=8000, ge=1, le=65535, description="vllm-router HTTP port.")
@@ -199,7 +252,7 @@ class Ports(_Schema):
     )
 
 
-class Probes(_Schema):
+class Probes(Schema):
     """Engine health probes on /health; the startup window is sized for model loading."""
 
     period_seconds: int = Field(default=10, ge=1, description="Probe period.")
@@ -209,7 +262,7 @@ class Probes(_Schema):
     failure_threshold: int = Field(default=3, ge=1, description="Failures before unready/restart.")
 
 
-class EPDDeploymentSpec(_Schema):
+class EPDDeploymentSpec(Schema):
     """Desired state: models served with encoder-prefill disaggregation."""
 
     image: str = Field(min_length=1, max_length=512, description="vLLM image, e.g. vllm/vllm-openai:v0.33.0.")
@@ -235,6 +288,14 @@ class EPDDeploymentSpec(_Schema):
     priority_class_name: str | None = Field(default=None, description="Pod priorityClassName.")
     service_account_name: str | None = Field(default=None, description="Pod serviceAccountName.")
     image_pull_secrets: list[OpenObject] = Field(default_factory=list, description="Pod imagePullSecrets.")
+    server_dev_mode: bool = Field(
+        default=False,
+        description=(
+            "Run every engine with VLLM_SERVER_DEV_MODE=1, which serves vLLM's development endpoints "
+            "(/pause, /resume, /reset_prefix_cache, ...) that RL trainers call around a weight sync. "
+            "Only for engines no untrusted client can reach."
+        ),
+    )
     volumes: list[OpenObject] = Field(
         default_factory=list, description="Extra pod volumes (e.g. a model cache PVC); no hostPath."
     )
@@ -243,7 +304,11 @@ class EPDDeploymentSpec(_Schema):
     )
 
 
-class Condition(_Schema):
+    def model(self, name: str) -> ModelSpec:
+        return next(m for m in self.models if m.name == name)
+
+
+class Condition(Schema):
     """A Kubernetes-style condition."""
 
     type: str
@@ -254,7 +319,15 @@ class Condition(_Schema):
     observed_generation: int | None = None
 
 
-class UnitStatus(_Schema):
+class EngineStatus(Schema):
+    """One engine of a unit, for trainers that must reach every engine (weight sync, pause)."""
+
+    name: str = Field(description="Container name, e.g. encoder-0 or prefill-1.")
+    role: WorkerType = Field(description="encoder, regular, prefill or decode.")
+    url: str | None = Field(default=None, description="http://<pod IP>:<port>; unset while the pod has no IP.")
+
+
+class UnitStatus(Schema):
     """One EPD unit: a pod holding every engine of a model on one node."""
 
     name: str
@@ -266,12 +339,13 @@ class UnitStatus(_Schema):
     encoder_urls: list[str] = Field(default_factory=list)
     consumer_urls: list[str] = Field(default_factory=list)
     router_url: str | None = None
+    engines: list[EngineStatus] = Field(default_factory=list, description="Every engine of the unit, by role.")
     ec_evictions: int | None = Field(
         default=None, description="EC entries its janitor evicted for budget since it started (scraped)."
     )
 
 
-class ModelStatus(_Schema):
+class ModelStatus(Schema):
     name: str
     served_model_name: str
     ec_storage_path: str | None = None
@@ -280,7 +354,7 @@ class ModelStatus(_Schema):
     units: list[UnitStatus] = Field(default_factory=list)
 
 
-class EPDDeploymentStatus(_Schema):
+class EPDDeploymentStatus(Schema):
     """Observed state, written by the operator."""
 
     observed_generation: int | None = None

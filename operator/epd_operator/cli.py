@@ -56,6 +56,7 @@ def _crds(args: argparse.Namespace) -> None:
 
 def _run(args: argparse.Namespace) -> None:
     from .runner import run
+    from .settings import Settings, own_image
 
     run(
         namespaces=args.namespace,
@@ -65,14 +66,15 @@ def _run(args: argparse.Namespace) -> None:
         priority=args.priority,
         liveness=args.liveness,
         metrics_port=args.metrics_port,
-        janitor_scrape_interval=args.janitor_scrape_interval,
+        settings=Settings(janitor_image=args.janitor_image or own_image(),
+                          janitor_scrape_interval=args.janitor_scrape_interval),
         log_level=args.log_level,
         log_format=args.log_format,
     )
 
 
 def _janitor(args: argparse.Namespace) -> None:
-    from .janitor import run_janitor
+    from .ec.janitor import run_janitor
 
     run_janitor(
         paths=args.path,
@@ -106,6 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="seconds between scrapes of the units' EC janitors, which turn budget evictions into "
         "ECEvicted Events and status.models[].units[].ecEvictions (0: off)",
+    )
+    run.add_argument(
+        "--janitor-image",
+        default=None,
+        help="image of each unit's EC janitor container, which runs `epd-operator janitor` (default: "
+        "$EPD_OPERATOR_IMAGE, which the Helm chart sets to the operator's own image, else epd-operator:<version>)",
     )
     run.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     run.add_argument("--log-format", default="plain", choices=["plain", "full", "json"])

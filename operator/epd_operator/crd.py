@@ -61,19 +61,19 @@ def _inline(node: Any, defs: dict[str, Any]) -> Any:
     return node
 
 
-def _object_defaults(model: type[api._Schema], schema: dict[str, Any]) -> None:
+def _object_defaults(model: type[api.Schema], schema: dict[str, Any]) -> None:
     """Default nested objects to {} so the API server fills in their own field defaults."""
     for name, field in model.model_fields.items():
         prop = schema["properties"][field.alias or name]
         annotation = field.annotation
-        if isinstance(annotation, type) and issubclass(annotation, api._Schema):
+        if isinstance(annotation, type) and issubclass(annotation, api.Schema):
             if field.default_factory is not None:
                 prop["default"] = {}
             _object_defaults(annotation, prop)
         elif (
             getattr(annotation, "__origin__", None) is list
             and isinstance(annotation.__args__[0], type)
-            and issubclass(annotation.__args__[0], api._Schema)
+            and issubclass(annotation.__args__[0], api.Schema)
         ):
             _object_defaults(annotation.__args__[0], prop["items"])
 
@@ -136,7 +136,7 @@ def _add_cel_rules(spec: dict[str, Any]) -> None:
     ]
 
 
-def _schema(model: type[api._Schema]) -> dict[str, Any]:
+def _schema(model: type[api.Schema]) -> dict[str, Any]:
     raw = model.model_json_schema(by_alias=True, mode="validation")
     schema = _inline(raw, raw.get("$defs", {}))
     _object_defaults(model, schema)

@@ -2,46 +2,60 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
-
-RECONCILES = Counter("epd_reconciles_total", "EPDDeployment reconciles by result.", ["result"])
-RECONCILE_SECONDS = Histogram(
-    "epd_reconcile_duration_seconds",
-    "Time to validate, render, apply children and write status.",
-    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    start_http_server,
 )
-READY_UNITS = Gauge("epd_ready_units", "Ready EPD units per EPDDeployment.", ["namespace", "name"])
-INVALID_SPECS = Gauge("epd_invalid_specs", "EPDDeployments whose spec is invalid.")
-
-_invalid: set[tuple[str, str]] = set()
 
 
-def observe_reconcile(result: str, seconds: float) -> None:
-    RECONCILES.labels(result).inc()
-    RECONCILE_SECONDS.observe(seconds)
+class OperatorMetrics:
+    """The operator's metrics, in a registry of their own (plus the usual process_* ones)."""
 
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        self._reconciles = Counter("epd_reconciles_total", "EPDDeployment reconciles by result.", ["result"],
+                                   registry=self.registry)
+        self._reconcile_seconds = Histogram(
+            "epd_reconcile_duration_seconds",
+            "Time to validate, render, apply children and write status.",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=self.registry,
+        )
+        self._ready_units = Gauge("epd_ready_units", "Ready EPD units per EPDDeployment.", ["namespace", "name"],
+                                  registry=self.registry)
+        self._invalid_specs = Gauge("epd_invalid_specs", "EPDDeployments whose spec is invalid.",
+                                    registry=self.registry)
+        self._invalid: set[tuple[str, str]] = set()
 
-def set_ready_units(namespace: str, name: str, count: int) -> None:
-    READY_UNITS.labels(namespace, name).set(count)
+    def observe_reconcile(self, result: str, seconds: float) -> None:
+        self._reconciles.labels(result).inc()
+        self._reconcile_seconds.observe(seconds)
 
+    def set_ready_units(self, namespace: str, name: str, count: int) -> None:
+        self._ready_units.labels(namespace, name).set(count)
 
-def mark_invalid(namespace: str, name: str) -> None:
-    _invalid.add((namespace, name))
-    INVALID_SPECS.set(len(_invalid))
+    def mark_invalid(self, namespace: str, name: str) -> None:
+        self._invalid.add((namespace, name))
+        self._invalid_specs.set(len(self._invalid))
 
+    def forget_invalid(self, namespace: str, name: str) -> None:
+        self._invalid.discard((namespace, name))
+        self._invalid_specs.set(len(self._invalid))
 
-def forget_invalid(namespace: str, name: str) -> None:
-    _invalid.discard((namespace, name))
-    INVALID_SPECS.set(len(_invalid))
+    def forget(self, namespace: str, name: str) -> None:
+        """The EPDDeployment is gone: drop its series."""
+        self.forget_invalid(namespace, name)
+        try:
+            self._ready_units.remove(namespace, name)
+        except KeyError:
+            pass
 
-
-def forget(namespace: str, name: str) -> None:
-    forget_invalid(namespace, name)
-    try:
-        READY_UNITS.remove(namespace, name)
-    except KeyError:
-        pass
-
-
-def serve(port: int) -> None:
-    start_http_server(port)
+    def serve(self, port: int) -> None:
+        start_http_server(port, registry=self.registry)

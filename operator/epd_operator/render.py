@@ -25,24 +25,10 @@ from typing import Any, Mapping
 import jinja2
 import yaml
 
-from .api import EPDDeploymentSpec, ModelSpec, ServerGroup, WorkerType
-from .validation import SpecError, vllm_minor
+from .api import EPDDeploymentSpec, ModelSpec, WorkerType
+from .validation import ROUTER_KV_CONNECTORS, CheckedSpec
 
-ENCODER = WorkerType.encoder.value
 ROUTER = "router"
-PD_TYPES = (WorkerType.prefill.value, WorkerType.decode.value)
-
-# Pod wiring the operator derives from other spec fields (probes, Services, GPU requests and the
-# router depend on them): an override would silently break it, so it is rejected instead.
-OWNED_ARGS = {
-    "model": "models[].model",
-    "served_model_name": "models[].servedModelName",
-    "port": "ports.engineBase",
-    "tensor_parallel_size": "serverGroups[].numGpusPerEngine",
-}
-
-# vllm-router's `--kv-connector` choices, by vLLM KV connector class.
-ROUTER_KV_CONNECTORS = {"NixlConnector": "nixl", "MooncakeConnector": "mooncake", "MoRIIOConnector": "moriio"}
 
 _templates = jinja2.Environment(
     loader=jinja2.PackageLoader(__package__, "templates"),
@@ -66,16 +52,28 @@ _templates.policies["json.dumps_function"] = _yaml_safe_json
 
 @dataclass(frozen=True)
 class EngineCommand:
+    """One vLLM engine of a unit."""
+
     model: str  # spec model name (key)
-    worker_type: str  # encoder | regular | prefill | decode | router
-    group_index: int  # index of its server group in the model (-1 for the router)
-    engine_index: int  # index within the unit pod, encoders first (-1 for the router)
-    container_name: str  # encoder-0, regular-1, prefill-0, ..., router
-    port: int  # HTTP port: ports.engineBase + engine_index; router: ports.router
+    worker_type: WorkerType
+    group_index: int  # index of its server group in the model
+    engine_index: int  # index within the unit pod, encoders first
+    container_name: str  # encoder-0, regular-1, prefill-0, ...
+    port: int  # HTTP port: ports.engineBase + engine_index
     nixl_port: int | None  # NIXL side-channel port of prefill/decode engines
-    gpus: int  # numGpusPerEngine (router: 0)
+    gpus: int  # numGpusPerEngine
     args: list[str]  # full argv
     env: dict[str, str]  # env the role needs; the caller adds the user's env lists
+
+
+@dataclass(frozen=True)
+class RouterCommand:
+    """vllm-router in front of a unit's consumers."""
+
+    model: str
+    port: int  # ports.router
+    args: list[str]  # full argv
+    container_name: str = ROUTER
 
 
 @dataclass(frozen=True)
@@ -84,22 +82,26 @@ class ModelPlan:
     served_model_name: str
     ec_storage_path: str | None  # None for text-only models
     engines: list[EngineCommand]  # encoders first, then consumers in group order
-    router: EngineCommand | None
+    router: RouterCommand | None
 
     @property
-    def commands(self) -> list[EngineCommand]:
-        return [*self.engines, *([self.router] if self.router else [])]
+    def encoders(self) -> list[EngineCommand]:
+        return [e for e in self.engines if e.worker_type.is_encoder]
+
+    @property
+    def consumers(self) -> list[EngineCommand]:
+        """The engines behind the router (or the unit's single entry): every non-encoder."""
+        return [e for e in self.engines if not e.worker_type.is_encoder]
 
 
-def render(spec: EPDDeploymentSpec, *, namespace: str, name: str, uid: str) -> list[ModelPlan]:
-    """The commands of every model's EPD unit; raises SpecError for an unsupported vLLM version
-    or an override of operator-owned wiring."""
-    minor = vllm_minor(spec)
+def render(checked: CheckedSpec, *, namespace: str, name: str, uid: str) -> list[ModelPlan]:
+    """The commands of every model's EPD unit (pure; a checked spec always renders)."""
+    spec = checked.spec
     plans = []
     for index, model in enumerate(spec.models):
-        has_encoder = any(_type(g) == ENCODER for g in model.server_groups)
-        path = ec_storage_path(spec, namespace=namespace, name=name, uid=uid, model=model.name) if has_encoder else None
-        plans.append(_model_plan(spec, minor, index, model, path))
+        path = ec_storage_path(spec, namespace=namespace, name=name, uid=uid, model=model.name) \
+            if model.has_encoders else None
+        plans.append(_model_plan(spec, checked.vllm_minor, index, model, path))
     return plans
 
 
@@ -122,7 +124,7 @@ def engine_flags(minor: str, args: Mapping[str, Any]) -> list[str]:
     empty lists -> omitted; dicts -> compact JSON with sorted keys; lists -> `--flag a b`
     (`--flag a --flag b` for append flags); anything else -> `--flag str(value)`.
     """
-    spelling = _spelling(minor)
+    spelling = flag_spelling(minor)
     argv: list[str] = []
     for key, value in args.items():
         flag = "--" + key.replace("_", "-")
@@ -149,25 +151,26 @@ def format_commands(plans: list[ModelPlan]) -> str:
     (`[model router] argv` for the router)."""
     lines = []
     for plan in plans:
-        for cmd in plan.commands:
-            where = "" if cmd.worker_type == ROUTER else f" group={cmd.group_index} engine={cmd.engine_index}"
+        for cmd in plan.engines:
             env = [f"{key}={value}" for key, value in sorted(cmd.env.items())]
-            lines.append(f"[{plan.name}{where} {cmd.container_name}] " + shlex.join([*env, *cmd.args]))
+            where = f"{plan.name} group={cmd.group_index} engine={cmd.engine_index} {cmd.container_name}"
+            lines.append(f"[{where}] " + shlex.join([*env, *cmd.args]))
+        if plan.router:
+            lines.append(f"[{plan.name} {ROUTER}] " + shlex.join(plan.router.args))
     return "\n".join(lines)
 
 
 def commands_json(plans: list[ModelPlan]) -> list[dict[str, Any]]:
-    return [
-        {
-            "model": cmd.model,
-            "workerType": cmd.worker_type,
-            "engineIndex": cmd.engine_index,
-            "args": list(cmd.args),
-            "env": dict(cmd.env),
-        }
-        for plan in plans
-        for cmd in plan.commands
-    ]
+    commands = []
+    for plan in plans:
+        for cmd in plan.engines:
+            commands.append({"model": cmd.model, "workerType": cmd.worker_type.value, "engineIndex": cmd.engine_index,
+                             "args": list(cmd.args), "env": dict(cmd.env)})
+        if plan.router:
+            # The router's entry keeps the engines' shape for tools reading the list.
+            commands.append({"model": plan.name, "workerType": ROUTER, "engineIndex": -1,
+                             "args": list(plan.router.args), "env": {}})
+    return commands
 
 
 # --------------------------------------------------------------------------- engines
@@ -176,21 +179,23 @@ def commands_json(plans: list[ModelPlan]) -> list[dict[str, Any]]:
 def _model_plan(
     spec: EPDDeploymentSpec, minor: str, m_index: int, model: ModelSpec, ec_path: str | None
 ) -> ModelPlan:
-    served = model.served_model_name or model.model
+    served = model.served_name
     groups = list(enumerate(model.server_groups))
     # Encoders first: they take the lowest ports and start (as sidecars) before the consumers.
-    ordered = [g for g in groups if _type(g[1]) == ENCODER] + [g for g in groups if _type(g[1]) != ENCODER]
+    ordered = [g for g in groups if g[1].worker_type.is_encoder] + [g for g in groups if not g[1].worker_type.is_encoder]
     engines: list[EngineCommand] = []
     numbers: Counter[str] = Counter()
     for g_index, group in ordered:
-        worker_type = _type(group)
+        worker_type = group.worker_type
         for _ in range(group.engines):
             engine_index = len(engines)
             port = spec.ports.engine_base + engine_index
-            nixl_port = spec.ports.nixl_side_channel_base + engine_index if worker_type in PD_TYPES else None
+            nixl_port = spec.ports.nixl_side_channel_base + engine_index if worker_type.is_pd else None
             defaults = _load_yaml(
                 _templates.get_template("engine.yaml.j2").render(
-                    worker_type=worker_type,
+                    worker_type=worker_type.value,
+                    ec_role=worker_type.ec_role,
+                    kv_role=worker_type.kv_role,
                     served_model_name=served,
                     port=port,
                     gpus=group.num_gpus_per_engine,
@@ -198,36 +203,31 @@ def _model_plan(
                     ec_storage_path=ec_path,
                     ec=spec.ec_connector,
                     kv=spec.kv_connector,
+                    server_dev_mode=spec.server_dev_mode,
                 )
             )
-            where = f"spec.models[{m_index}].serverGroups[{g_index}].overrides"
-            args = _apply_overrides(defaults["args"], group.overrides, where)
+            args = _apply_overrides(defaults["args"], group.overrides)
             engines.append(
                 EngineCommand(
                     model=model.name,
                     worker_type=worker_type,
                     group_index=g_index,
                     engine_index=engine_index,
-                    container_name=f"{worker_type}-{numbers[worker_type]}",
+                    container_name=f"{worker_type.value}-{numbers[worker_type]}",
                     port=port,
                     nixl_port=nixl_port,
                     gpus=group.num_gpus_per_engine,
                     args=["vllm", "serve", model.model, *engine_flags(minor, args)],
-                    env=defaults["env"],
+                    env=defaults["env"] or {},
                 )
             )
             numbers[worker_type] += 1
     return ModelPlan(model.name, served, ec_path, engines, _router(spec, model, engines))
 
 
-def _apply_overrides(defaults: dict[str, Any], overrides: dict[str, Any], where: str) -> dict[str, Any]:
+def _apply_overrides(defaults: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     # vLLM accepts both spellings of a flag; one key per argument keeps each flag single.
     overrides = {key.replace("-", "_"): value for key, value in overrides.items()}
-    owned = sorted(OWNED_ARGS.keys() & overrides.keys())
-    if owned:
-        raise SpecError(
-            [f"{where}.{key}: set by the operator from spec.{OWNED_ARGS[key]}; change that instead" for key in owned]
-        )
     # Sorted: args new to the defaults come in a stable order whatever the source's key order
     # (a reordered pod template would roll every unit).
     return _merge_patch(defaults, {key: overrides[key] for key in sorted(overrides)})
@@ -247,7 +247,7 @@ def _merge_patch(target: Any, patch: Any) -> Any:
 
 
 @dataclass(frozen=True)
-class _Spelling:
+class FlagSpelling:
     negated_prefixes: dict[str, str]
     store_true: frozenset[str]
     append: frozenset[str]
@@ -265,10 +265,11 @@ def _load_yaml(text: str) -> Any:
 
 
 @functools.cache
-def _spelling(minor: str) -> _Spelling:
+def flag_spelling(minor: str) -> FlagSpelling:
+    """How vLLM `minor` spells flags: templates/vllm-<minor>/flags.yaml."""
     text = (resources.files(__package__) / "templates" / f"vllm-{minor}" / "flags.yaml").read_text()
     data = yaml.safe_load(text)
-    return _Spelling(
+    return FlagSpelling(
         negated_prefixes=data["negated_prefixes"],
         store_true=frozenset(data["store_true"]),
         append=frozenset(data["append"]),
@@ -281,53 +282,27 @@ def _text(value: Any) -> str:
     return str(value)
 
 
-def _type(group: ServerGroup) -> str:
-    return WorkerType(group.worker_type).value
-
-
 # --------------------------------------------------------------------------- router
 
 
-def _router(spec: EPDDeploymentSpec, model: ModelSpec, engines: list[EngineCommand]) -> EngineCommand | None:
-    """vllm-router in front of the consumers, when there is a choice to make: prefill/decode, or
-    more than one consumer engine. Encoders are never behind it."""
-    consumers = [e for e in engines if e.worker_type != ENCODER]
-    pd = any(e.worker_type in PD_TYPES for e in consumers)
-    if not pd and len(consumers) < 2:
+def _router(spec: EPDDeploymentSpec, model: ModelSpec, engines: list[EngineCommand]) -> RouterCommand | None:
+    """vllm-router in front of the consumers, when the model needs one; never the encoders."""
+    if not model.needs_router:
         return None
-    kv_connector = None
-    if pd:
-        kv_connector = ROUTER_KV_CONNECTORS.get(spec.kv_connector.name)
-        if kv_connector is None:
-            raise SpecError(
-                [
-                    f"spec.kvConnector.name: vllm-router coordinates prefill/decode only with "
-                    f"{', '.join(ROUTER_KV_CONNECTORS)} (model '{model.name}' has prefill/decode groups)"
-                ]
-            )
+    consumers = [e for e in engines if not e.worker_type.is_encoder]
 
-    def urls(worker_type: str) -> list[str]:
+    def urls(worker_type: WorkerType) -> list[str]:
         return [f"http://127.0.0.1:{e.port}" for e in consumers if e.worker_type == worker_type]
 
     args = _load_yaml(
         _templates.get_template("router.yaml.j2").render(
             router=spec.router,
             port=spec.ports.router,
-            worker_urls=urls(WorkerType.regular.value),
-            prefill_urls=urls(WorkerType.prefill.value),
-            decode_urls=urls(WorkerType.decode.value),
-            kv_connector=kv_connector,
+            worker_urls=urls(WorkerType.regular),
+            prefill_urls=urls(WorkerType.prefill),
+            decode_urls=urls(WorkerType.decode),
+            # validate() refused a prefill/decode model whose KV connector the router cannot name.
+            kv_connector=ROUTER_KV_CONNECTORS.get(spec.kv_connector.name) if model.is_pd else None,
         )
     )
-    return EngineCommand(
-        model=model.name,
-        worker_type=ROUTER,
-        group_index=-1,
-        engine_index=-1,
-        container_name=ROUTER,
-        port=spec.ports.router,
-        nixl_port=None,
-        gpus=0,
-        args=args,
-        env={},
-    )
+    return RouterCommand(model=model.name, port=spec.ports.router, args=args)

@@ -12,8 +12,8 @@ import math
 from typing import Any
 
 from . import api
-from .janitor import effective_max_bytes
-from .render import EngineCommand, ModelPlan
+from .ec.budget import effective_max_bytes
+from .render import EngineCommand, ModelPlan, RouterCommand
 
 FIELD_MANAGER = "epd-operator"
 SHM_VOLUME = "dshm"
@@ -29,8 +29,7 @@ LABEL_MODEL = f"{api.GROUP}/model"
 LABEL_UNIT = f"{api.GROUP}/unit"
 LABEL_ROLE = f"{api.GROUP}/role"
 ANNOTATION_SPEC_HASH = f"{api.GROUP}/spec-hash"
-# The janitor runs `epd-operator janitor` from the operator's own image.
-OPERATOR_IMAGE = "ghcr.io/vime/epd-operator:0.1.0"
+ANNOTATION_EC_STORAGE_PATH = f"{api.GROUP}/ec-storage-path"
 JANITOR_METRICS_PORT = api.JANITOR_METRICS_PORT
 
 
@@ -112,20 +111,20 @@ def _engine_container(
         "readinessProbe": _probe(command.port, spec.probes, startup=False),
         "livenessProbe": _probe(command.port, spec.probes, startup=False),
     }
-    if command.worker_type == "encoder":
+    if command.worker_type.is_encoder:
         # A native sidecar: the kubelet starts the consumers only after every encoder's
         # startupProbe passed, and an unready encoder makes the whole pod unready.
         container["restartPolicy"] = "Always"
     return container
 
 
-def _router_container(spec: api.EPDDeploymentSpec, command: EngineCommand) -> dict[str, Any]:
+def _router_container(spec: api.EPDDeploymentSpec, command: RouterCommand) -> dict[str, Any]:
     return {
         "name": command.container_name,
         "image": spec.router.image,
         "command": command.args[:1],
         "args": command.args[1:],
-        "env": [{"name": k, "value": v} for k, v in command.env.items()],
+        "env": [],
         "ports": [{"name": FRONT_PORT_NAME, "containerPort": command.port}],
         "resources": _resources(0, spec.router.resources),
         "readinessProbe": _probe(command.port, spec.probes, startup=False),
@@ -133,8 +132,9 @@ def _router_container(spec: api.EPDDeploymentSpec, command: EngineCommand) -> di
     }
 
 
-def janitor_container(spec: api.EPDDeploymentSpec, plan: ModelPlan, image: str = OPERATOR_IMAGE) -> dict[str, Any]:
+def janitor_container(spec: api.EPDDeploymentSpec, plan: ModelPlan, image: str) -> dict[str, Any]:
     """Keeps the model's EC store under its byte budget: vLLM's connector never deletes a file.
+    `image` is the operator's own (it runs `epd-operator janitor`).
 
     It only lists and deletes inside the store; it never creates it (the connector does, on its
     first write). See docs/ec-storage.md.
@@ -171,13 +171,11 @@ def janitor_container(spec: api.EPDDeploymentSpec, plan: ModelPlan, image: str =
     }
 
 
-def pod_template(
-    spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPlan, operator_image: str = OPERATOR_IMAGE
-) -> dict[str, Any]:
-    model = next(m for m in spec.models if m.name == plan.name)
-    consumers = [c for c in plan.engines if c.worker_type != "encoder"]
+def pod_template(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPlan, operator_image: str) -> dict[str, Any]:
+    model = spec.model(plan.name)
+    consumers = plan.consumers
     front_is_engine = plan.router is None and len(consumers) == 1
-    init = [_engine_container(spec, model, c, False) for c in plan.engines if c.worker_type == "encoder"]
+    init = [_engine_container(spec, model, c, False) for c in plan.encoders]
     main = [_engine_container(spec, model, c, front_is_engine) for c in consumers]
     if plan.router is not None:
         main.append(_router_container(spec, plan.router))
@@ -202,13 +200,11 @@ def pod_template(
     labels = common_labels(deployment, plan.name, "unit")
     annotations = {}
     if plan.ec_storage_path:
-        annotations[f"{api.GROUP}/ec-storage-path"] = plan.ec_storage_path
+        annotations[ANNOTATION_EC_STORAGE_PATH] = plan.ec_storage_path
     return {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod_spec}
 
 
-def statefulset(
-    spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPlan, operator_image: str = OPERATOR_IMAGE
-) -> dict[str, Any]:
+def statefulset(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPlan, operator_image: str) -> dict[str, Any]:
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
@@ -267,8 +263,9 @@ def services(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPlan) -> l
 
 
 def desired_children(
-    spec: api.EPDDeploymentSpec, deployment: str, plans: list[ModelPlan], operator_image: str = OPERATOR_IMAGE
+    spec: api.EPDDeploymentSpec, deployment: str, plans: list[ModelPlan], operator_image: str
 ) -> list[dict[str, Any]]:
+    """Per model: its units' StatefulSet and two Services. `operator_image` runs the janitors."""
     children = []
     for plan in plans:
         children.append(statefulset(spec, deployment, plan, operator_image))

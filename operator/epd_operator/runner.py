@@ -7,7 +7,7 @@ import random
 
 import kopf
 
-from . import metrics
+from .settings import Settings
 
 _FORMATS = {"plain": kopf.LogFormat.PLAIN, "full": kopf.LogFormat.FULL, "json": kopf.LogFormat.JSON}
 
@@ -21,7 +21,7 @@ def run(
     priority: str,
     liveness: str | None,
     metrics_port: int,
-    janitor_scrape_interval: float,
+    settings: Settings,
     log_level: str,
     log_format: str,
 ) -> None:
@@ -43,10 +43,12 @@ def run(
         # kopf logs "Handler ... succeeded" per handler per watch event at INFO: with level-based
         # handlers that is a line per event (and 3 % of the CPU at 1,000 objects). DEBUG shows it.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
-    from . import controller  # noqa: F401  (registers the handlers)
+    from . import handlers  # noqa: F401  (registers the handlers)
+    from .reconciler import Reconciler
 
+    reconciler = Reconciler(settings)
     if metrics_port:
-        metrics.serve(metrics_port)
+        reconciler.metrics.serve(metrics_port)
     kopf.run(
         clusterwide=all_namespaces,
         namespaces=namespaces,
@@ -54,5 +56,5 @@ def run(
         peering_name=peering,
         priority=random.randrange(1, 2**31) if priority == "random" else int(priority),
         liveness_endpoint=liveness or None,
-        memo=kopf.Memo(janitor_scrape_interval=janitor_scrape_interval),  # read by the startup handler
+        memo=kopf.Memo(reconciler=reconciler),  # every handler reaches it as memo.reconciler
     )

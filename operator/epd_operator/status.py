@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import api
-from .janitor import budget_warning, effective_max_bytes
+from .ec.budget import budget_warning, effective_max_bytes
 from .render import ModelPlan
 from .resources import child_name
 
@@ -52,8 +52,7 @@ def observe_unit(plan: ModelPlan, unit_name: str, pod: Pod | None, ec_evictions:
         return Unit(unit_name, plan.name, False, False, True, False, "PodMissing", status.message or "", status)
     ip = pod.get("status", {}).get("podIP")
     containers = _containers(pod)
-    encoders = [e for e in plan.engines if e.worker_type == "encoder"]
-    consumers = [e for e in plan.engines if e.worker_type != "encoder"]
+    encoders, consumers = plan.encoders, plan.consumers
     routed = [*consumers, *([plan.router] if plan.router else [])]
 
     def ready(name: str) -> bool:
@@ -94,6 +93,7 @@ def observe_unit(plan: ModelPlan, unit_name: str, pod: Pod | None, ec_evictions:
         encoder_urls=[u for e in encoders if (u := url(e.port))],
         consumer_urls=[u for c in consumers if (u := url(c.port))],
         router_url=url(plan.router.port) if plan.router else None,
+        engines=[api.EngineStatus(name=e.container_name, role=e.worker_type, url=url(e.port)) for e in plan.engines],
         ec_evictions=ec_evictions,
     )
     starting = reason in ("EncoderStarting", "EngineStarting", "PodNotReady") or (
@@ -175,7 +175,7 @@ def compute_status(
     conditions: list[api.Condition] = []
     _set(conditions, before, now, generation, "Validated", True, "Valid")
 
-    encoder_models = {p.name for p in plans if any(e.worker_type == "encoder" for e in p.engines)}
+    encoder_models = {p.name for p in plans if p.encoders}
     has_encoders = [u for u in units if u.model in encoder_models]
     unready_encoders = [u for u in has_encoders if not u.encoders_ready]
     if not has_encoders:

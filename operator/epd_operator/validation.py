@@ -1,7 +1,9 @@
-"""The seed's topology rules, in one table, and the operator-side validation built on it.
+"""The one validation gate: every rule that can reject a spec, and the checked spec it returns.
 
-The same table generates the CRD's CEL rules (`crd.py`), so the API server (at apply time) and
-the operator (for clusters without CEL, or objects written before the rules) give one verdict.
+The seed's topology rules are one table; the same table generates the CRD's CEL rules
+(`crd.py`), so the API server (at apply time) and the operator (for clusters without CEL, or
+objects written before the rules) give one verdict. The operator, `render` and `convert` all
+call `validate`; rendering a CheckedSpec cannot fail.
 """
 
 from __future__ import annotations
@@ -12,9 +14,30 @@ from typing import Any
 
 import pydantic
 
-from .api import BYTE_QUANTITY, DNS1123_LABEL, JANITOR_METRICS_PORT, EPDDeploymentSpec, ModelSpec, WorkerType
+from .api import DNS1123_LABEL, JANITOR_METRICS_PORT, EPDDeploymentSpec, ModelSpec, ServerGroup
+from .ec.quantity import BYTE_QUANTITY
 
 SUPPORTED_VLLM_VERSIONS = ("0.32", "0.33")
+
+# Pod wiring the operator derives from other spec fields (probes, Services, GPU requests and the
+# router depend on them): an override would silently break it, so it is refused instead.
+OWNED_ARGS = {
+    "model": "models[].model",
+    "served_model_name": "models[].servedModelName",
+    "port": "ports.engineBase",
+    "tensor_parallel_size": "serverGroups[].numGpusPerEngine",
+}
+
+# vllm-router's `--kv-connector` choices, by vLLM KV connector class.
+ROUTER_KV_CONNECTORS = {"NixlConnector": "nixl", "MooncakeConnector": "mooncake", "MoRIIOConnector": "moriio"}
+
+
+@dataclass(frozen=True)
+class CheckedSpec:
+    """A spec that passed every rule of `validate`, with what the rules worked out."""
+
+    spec: EPDDeploymentSpec
+    vllm_minor: str  # "0.33": selects the argument templates
 
 
 @dataclass(frozen=True)
@@ -63,7 +86,7 @@ LAYOUT_RULES: tuple[LayoutRule, ...] = (
 
 def layout_errors(model: ModelSpec) -> list[str]:
     """Messages for every layout rule this model breaks (empty when the layout is valid)."""
-    types = {WorkerType(g.worker_type).value for g in model.server_groups}
+    types = {t.value for t in model.worker_types}
     return [f"model '{model.name}': {r.message}" for r in LAYOUT_RULES if r.violated_by(types)]
 
 
@@ -82,16 +105,13 @@ OVERRIDE_KEY = re.compile(r"^[a-z][a-z0-9_-]*$")
 def port_errors(spec: EPDDeploymentSpec, index: int, model: ModelSpec) -> list[str]:
     """Ports the model's unit would use twice, or past 65535: its engines could not all bind."""
     engines = sum(g.engines for g in model.server_groups)
-    types = {WorkerType(g.worker_type).value for g in model.server_groups}
-    pd = bool(types & {"prefill", "decode"})
-    consumers = sum(g.engines for g in model.server_groups if g.worker_type != "encoder")
     ranges = {"ports.engineBase": (spec.ports.engine_base, spec.ports.engine_base + engines - 1)}
-    if pd or consumers > 1:
+    if model.needs_router:
         ranges["ports.router"] = (spec.ports.router, spec.ports.router)
-    if pd:
+    if model.is_pd:
         base = spec.ports.nixl_side_channel_base
         ranges["ports.nixlSideChannelBase"] = (base, base + engines - 1)
-    if "encoder" in types:
+    if model.has_encoders:
         ranges["the EC janitor's metrics port"] = (JANITOR_METRICS_PORT, JANITOR_METRICS_PORT)
     errors = []
     for name, (low, high) in ranges.items():
@@ -108,6 +128,27 @@ def port_errors(spec: EPDDeploymentSpec, index: int, model: ModelSpec) -> list[s
                     f"{b_low}-{b_high} for {second}: move one range"
                 )
     return errors
+
+
+def override_errors(group: ServerGroup, where: str) -> list[str]:
+    """Override keys that are not engine argument names, or set wiring the operator owns."""
+    errors = []
+    for key in group.overrides:
+        name = key.replace("-", "_")  # vLLM accepts both spellings; one key per argument
+        if not OVERRIDE_KEY.match(key):
+            errors.append(f"{where}: {key!r} is not a vLLM engine argument name: use snake_case such as max_model_len")
+        elif name in OWNED_ARGS:
+            errors.append(f"{where}.{name}: set by the operator from spec.{OWNED_ARGS[name]}; change that instead")
+    return errors
+
+
+def router_errors(spec: EPDDeploymentSpec, model: ModelSpec) -> list[str]:
+    if model.is_pd and spec.kv_connector.name not in ROUTER_KV_CONNECTORS:
+        return [
+            f"spec.kvConnector.name: vllm-router coordinates prefill/decode only with "
+            f"{', '.join(ROUTER_KV_CONNECTORS)} (model '{model.name}' has prefill/decode groups)"
+        ]
+    return []
 
 
 def vllm_minor(spec: EPDDeploymentSpec) -> str:
@@ -163,41 +204,37 @@ def _pydantic_messages(error: pydantic.ValidationError) -> list[str]:
     return messages
 
 
-def validate(spec: dict[str, Any]) -> EPDDeploymentSpec:
+def validate(raw: dict[str, Any]) -> CheckedSpec:
     """Parse and check a raw `.spec`; raise SpecError listing every problem, each naming its field."""
     try:
-        parsed = EPDDeploymentSpec.model_validate(spec)
+        spec = EPDDeploymentSpec.model_validate(raw)
     except pydantic.ValidationError as error:
         raise SpecError(_pydantic_messages(error)) from None
     errors: list[str] = []
     seen: set[str] = set()
-    for index, model in enumerate(parsed.models):
+    for index, model in enumerate(spec.models):
         if model.name in seen:
             errors.append(f"spec.models[{index}].name: model name '{model.name}' is used twice: names must be unique")
         seen.add(model.name)
         errors += layout_errors(model)
-        errors += port_errors(parsed, index, model)
+        errors += port_errors(spec, index, model)
+        errors += router_errors(spec, model)
         for g_index, group in enumerate(model.server_groups):
-            for key in group.overrides:
-                if not OVERRIDE_KEY.match(key):
-                    errors.append(
-                        f"spec.models[{index}].serverGroups[{g_index}].overrides: {key!r} is not a vLLM "
-                        "engine argument name: use snake_case such as max_model_len"
-                    )
+            errors += override_errors(group, f"spec.models[{index}].serverGroups[{g_index}].overrides")
             if group.num_gpus % group.num_gpus_per_engine:
                 errors.append(
                     f"spec.models[{index}].serverGroups[{g_index}]: numGpus ({group.num_gpus}) must be "
                     f"a multiple of numGpusPerEngine ({group.num_gpus_per_engine})"
                 )
-    for volume in parsed.volumes:
+    for volume in spec.volumes:
         if "hostPath" in volume:
             errors.append(
                 f"spec.volumes: volume '{volume.get('name')}' uses hostPath: not allowed (use a PVC or emptyDir)"
             )
     try:
-        vllm_minor(parsed)
+        minor = vllm_minor(spec)
     except SpecError as error:
         errors += error.errors
     if errors:
         raise SpecError(errors)
-    return parsed
+    return CheckedSpec(spec, minor)

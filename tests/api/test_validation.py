@@ -73,7 +73,7 @@ def test_num_gpus_must_be_a_multiple_of_gpus_per_engine():
 def test_unknown_fields_are_rejected_but_overrides_stay_open():
     spec = spec_with("encoder", "regular")
     spec["models"][0]["serverGroups"][0]["overrides"] = {"any_vllm_arg": {"nested": True}}
-    assert validate(spec).models[0].server_groups[0].overrides == {"any_vllm_arg": {"nested": True}}
+    assert validate(spec).spec.models[0].server_groups[0].overrides == {"any_vllm_arg": {"nested": True}}
     spec["models"][0]["servergroups"] = []
     with pytest.raises(SpecError, match=r"spec.models\[0\].servergroups: Extra inputs are not permitted"):
         validate(spec)
@@ -114,8 +114,8 @@ def test_all_errors_are_reported_at_once():
     ],
 )
 def test_vllm_version_from_field_or_image_tag(image, version, minor):
-    spec = validate(spec_with("regular", image=image, vllmVersion=version))
-    assert vllm_minor(spec) == minor
+    checked = validate(spec_with("regular", image=image, vllmVersion=version))
+    assert checked.vllm_minor == vllm_minor(checked.spec) == minor
 
 
 @pytest.mark.parametrize(

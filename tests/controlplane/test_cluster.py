@@ -25,7 +25,7 @@ from epd_dev.localcluster import (
     LocalCluster,
     binaries,
 )
-from epd_dev.localcluster.cluster import _alive, _Proc
+from epd_dev.localcluster.cluster import alive_components
 
 from .fixtures import require_binaries
 
@@ -302,9 +302,6 @@ def test_second_cluster_beside_the_first_and_cli_lifecycle(cluster, tmp_path: Pa
         return subprocess.run([sys.executable, "-m", "epd_dev.localcluster", *args, "--dir", str(tmp_path)],
                               capture_output=True, text=True, timeout=240)
 
-    def alive(state: dict) -> list[str]:
-        return [n for n, p in state["processes"].items() if _alive(_Proc(n, p["pid"], p["start_ticks"]))]
-
     try:
         up = cli("up", "--nodes", "1")
         assert up.returncode == 0, up.stdout + up.stderr
@@ -320,12 +317,12 @@ def test_second_cluster_beside_the_first_and_cli_lifecycle(cluster, tmp_path: Pa
         again = cli("up", "--nodes", "1", "--recreate")
         assert again.returncode == 0, again.stdout + again.stderr
         assert "killed leftovers" in again.stdout
-        assert not alive(first)
+        assert not alive_components(first)
         renewed = json.loads((tmp_path / "state.json").read_text())
 
         down = cli("down")
         assert down.returncode == 0, down.stdout + down.stderr
-        assert not alive(renewed)
+        assert not alive_components(renewed)
         assert cli("status").returncode == 1
         assert cluster.status()["running"]  # the session cluster is untouched
     finally:

@@ -13,7 +13,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from epd_operator.render import OWNED_ARGS, ROUTER_KV_CONNECTORS
+from epd_operator.validation import OWNED_ARGS, ROUTER_KV_CONNECTORS
 
 VALID_LAYOUTS = (("encoder", "regular"), ("encoder", "prefill", "decode"), ("regular",), ("prefill", "decode"))
 INVALID_LAYOUTS = (("encoder",), ("encoder", "prefill"), ("encoder", "decode"), ("prefill",), ("decode",),

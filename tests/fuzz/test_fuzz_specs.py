@@ -50,9 +50,9 @@ KNOWN_GAPS = {
 def python_verdict(spec: dict[str, Any]) -> tuple[list[str], list[dict[str, Any]]]:
     """(errors, children) as the operator reaches them; errors empty when accepted."""
     try:
-        parsed = validate(copy.deepcopy(spec))
-        plans = render(parsed, namespace="fuzz", name="fuzz", uid="0000")
-        return [], desired_children(parsed, "fuzz", plans)
+        checked = validate(copy.deepcopy(spec))
+        plans = render(checked, namespace="fuzz", name="fuzz", uid="0000")
+        return [], desired_children(checked.spec, "fuzz", plans, "epd-operator:fuzz")
     except SpecError as error:
         return error.errors, []
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from epd_operator.janitor import EMBEDDING_FILE
+from epd_operator.ec.janitor import EMBEDDING_FILE
 
 
 def new_store() -> Path:

@@ -4,16 +4,14 @@ scraped by the operator's coroutine (no cluster: the indexes are plain dicts).""
 from __future__ import annotations
 
 import shutil
-import types
 import urllib.request
 
 import aiohttp
 import kopf
 import pytest
 
-from epd_operator import controller
-from epd_operator.evictions import JanitorMetrics, eviction_report, parse_metrics
-from epd_operator.janitor import scan_store
+from epd_operator.ec.scrape import JanitorMetrics, JanitorScraper, eviction_report, parse_metrics
+from epd_operator.ec.janitor import scan_store
 
 from .store import new_store, publish
 from .test_run import free_port, janitor_thread, wait_for
@@ -81,44 +79,44 @@ def _pod(name: str, ip: str) -> dict:
 
 
 @pytest.fixture
-def reported(monkeypatch):
-    """Records the Events posted and the reconciles queued (they rewrite the status); starts with no memory."""
+def reported(janitor):
+    """A scraper of the test janitor that records the Events it posts and the deployments whose
+    status it asks to rewrite."""
+    port, _size = janitor
     calls = {"events": [], "status": []}
-    monkeypatch.setattr(controller, "_evictions", {})
-    monkeypatch.setattr(kopf, "warn", lambda body, *, reason, message: calls["events"].append((reason, message)))
-    monkeypatch.setattr(controller, "queue", lambda: types.SimpleNamespace(add=calls["status"].append))
+    calls["scraper"] = JanitorScraper(warn=lambda body, reason, message: calls["events"].append((reason, message)),
+                                      changed=calls["status"].append, port=port)
     return calls
 
 
-async def _scrape(port: int, pods: list[dict], deployments: dict) -> None:
-    async with aiohttp.ClientSession(timeout=controller.JANITOR_SCRAPE_TIMEOUT) as session:
-        await controller.scrape_janitors(session, deployments, {KEY: pods}, port=port)
+async def _scrape(reported: dict, pods: list[dict], deployments: dict) -> None:
+    scraper = reported["scraper"]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3, connect=1)) as session:
+        await scraper.scrape(session, deployments, {KEY: pods})
 
 
-async def test_the_operator_warns_and_rewrites_the_status_when_evictions_grow(janitor, reported):
-    port, _size = janitor
+async def test_the_operator_warns_and_rewrites_the_status_when_evictions_grow(reported):
     deployments = {KEY: [kopf.Body({"metadata": {"namespace": "ns", "name": "d"}, "status": {}})]}
     # 192.0.2.1 (TEST-NET-1) never answers, like kwok's simulated pods: skipped without error.
     pods = [_pod(UNIT, "127.0.0.1"), _pod("d-default-1", "192.0.2.1")]
-    await _scrape(port, pods, deployments)
+    await _scrape(reported, pods, deployments)
     assert reported["events"] == [("ECEvicted", reported["events"][0][1])]
     assert f"unit {UNIT}: 4 EC entries evicted for budget since its janitor started" in reported["events"][0][1]
     assert reported["status"] == [KEY]
-    assert controller._evictions == {KEY: {UNIT: 4}}
+    assert reported["scraper"].evictions(KEY) == {UNIT: 4}
 
     # Nothing new: neither an Event nor a status write.
-    await _scrape(port, pods, deployments)
+    await _scrape(reported, pods, deployments)
     assert len(reported["events"]) == 1 and reported["status"] == [KEY]
 
     # The pod is gone: forgotten, and the status is rewritten without its count.
-    await _scrape(port, [], deployments)
-    assert controller._evictions == {} and reported["status"] == [KEY, KEY]
+    await _scrape(reported, [], deployments)
+    assert reported["scraper"].evictions(KEY) == {} and reported["status"] == [KEY, KEY]
 
 
-async def test_after_an_operator_restart_the_status_is_the_baseline(janitor, reported):
-    port, _size = janitor
+async def test_after_an_operator_restart_the_status_is_the_baseline(reported):
     status = {"models": [{"name": "default", "units": [{"name": UNIT, "ecEvictions": 4}]}]}
     deployments = {KEY: [kopf.Body({"metadata": {"namespace": "ns", "name": "d"}, "status": status})]}
-    await _scrape(port, [_pod(UNIT, "127.0.0.1")], deployments)
+    await _scrape(reported, [_pod(UNIT, "127.0.0.1")], deployments)
     assert reported["events"] == []  # already reported by the previous process
-    assert controller._evictions == {KEY: {UNIT: 4}}
+    assert reported["scraper"].evictions(KEY) == {UNIT: 4}

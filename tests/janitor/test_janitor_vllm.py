@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from epd_operator.janitor import EMBEDDING_FILE, GRACE_SECONDS
+from epd_operator.ec.janitor import EMBEDDING_FILE, GRACE_SECONDS
 from epd_dev.vllm import tiny_model
 from tests.vllm import payloads
 from tests.vllm.conftest import (  # noqa: F401 - fixtures, reused

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from epd_operator import janitor
-from epd_operator.janitor import EMBEDDING_FILE, evict, scan_store, select_evictions
+from epd_operator.ec import janitor
+from epd_operator.ec.janitor import EMBEDDING_FILE, evict, scan_store, select_evictions
 
 from .store import load, miss, new_store, publish, writing
 

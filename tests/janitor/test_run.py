@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from epd_operator.janitor import run_janitor, scan_store
+from epd_operator.ec.janitor import run_janitor, scan_store
 
 from .store import miss, new_store, publish
 

@@ -10,29 +10,27 @@ import pytest
 import yaml
 
 from epd_operator.cli import build_parser
-from epd_operator.janitor import (
-    ASSUMED_EMBEDDING_BYTES,
-    budget_warning,
-    default_max_bytes,
-    parse_quantity,
-)
+from epd_operator.ec.budget import ASSUMED_EMBEDDING_BYTES, budget_warning, default_max_bytes
+from epd_operator.ec.quantity import parse_quantity
 from epd_operator.render import render
-from epd_operator.resources import JANITOR_METRICS_PORT, OPERATOR_IMAGE, desired_children
+from epd_operator.resources import JANITOR_METRICS_PORT, desired_children
 from epd_operator.validation import validate
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
+OPERATOR_IMAGE = "registry.example/epd-operator:1.2.3"
 
 
 def rendered(example: str, **spec_changes):
     """(spec, plans, {model: pod spec}) of an example, with top-level spec fields replaced."""
     manifest = yaml.safe_load((EXAMPLES / example).read_text())
     manifest["spec"].update(copy.deepcopy(spec_changes))
-    spec = validate(manifest["spec"])
+    checked = validate(manifest["spec"])
+    spec = checked.spec
     name = manifest["metadata"]["name"]
-    plans = render(spec, namespace="ns", name=name, uid="uid-1")
+    plans = render(checked, namespace="ns", name=name, uid="uid-1")
     pods = {
         child["metadata"]["labels"]["epd.vime.dev/model"]: child["spec"]["template"]["spec"]
-        for child in desired_children(spec, name, plans)
+        for child in desired_children(spec, name, plans, OPERATOR_IMAGE)
         if child["kind"] == "StatefulSet"
     }
     return spec, plans, pods

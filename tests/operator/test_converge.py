@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-
 import kopf
 import pytest
 import yaml
 
-from epd_operator import controller
+from epd_operator.reconciler import Indexes, Reconciler
 from epd_operator.resources import ANNOTATION_SPEC_HASH
+from epd_operator.settings import Settings
 
 from epd_dev.paths import REPO
 
@@ -28,10 +28,13 @@ class RecordingKube:
 
 
 @pytest.fixture
-def api(monkeypatch):
-    recording = RecordingKube()
-    monkeypatch.setattr(controller, "kube", lambda: recording)
-    return recording
+def api() -> RecordingKube:
+    return RecordingKube()
+
+
+@pytest.fixture
+def reconciler(api) -> Reconciler:
+    return Reconciler(Settings(janitor_image="epd-operator:test"), kube=api)
 
 
 def body(generation: int = 1, max_model_len: int | None = None) -> kopf.Body:
@@ -51,37 +54,42 @@ def indexes_after(children: list[dict]) -> tuple[dict, dict]:
     return {KEY: sets}, {KEY: services}
 
 
-async def converge(b: kopf.Body, sets: dict, services: dict) -> None:
-    await controller._converge(b, controller.plan(b), sets, services)
+async def converge(reconciler: Reconciler, b: kopf.Body, sets: dict, services: dict) -> None:
+    reconciler.watch(Indexes(deployments={}, unit_sets=sets, unit_services=services, unit_pods={}))
+    await reconciler.converge(b, reconciler.plan(b))
 
 
-async def test_first_pass_applies_every_child_then_nothing_while_they_match(api):
-    await converge(body(), {}, {})
+def desired(reconciler: Reconciler, b: kopf.Body) -> list[dict]:
+    return reconciler.desired(b, reconciler.plan(b))
+
+
+async def test_first_pass_applies_every_child_then_nothing_while_they_match(api, reconciler):
+    await converge(reconciler, body(), {}, {})
     assert sorted(api.applied) == [("Service", "qwen-vl-regular-default"), ("Service", "qwen-vl-regular-default-units"),
                                    ("StatefulSet", "qwen-vl-regular-default")]
-    sets, services = indexes_after(controller._desired(body(), controller.plan(body())))
+    sets, services = indexes_after(desired(reconciler, body()))
     api.applied.clear()
-    await converge(body(), sets, services)
+    await converge(reconciler, body(), sets, services)
     assert api.applied == [] and api.deleted == []
 
 
-async def test_a_deleted_child_and_only_it_is_applied_again(api):
-    sets, services = indexes_after(controller._desired(body(), controller.plan(body())))
+async def test_a_deleted_child_and_only_it_is_applied_again(api, reconciler):
+    sets, services = indexes_after(desired(reconciler, body()))
     # The StatefulSet shares its name with the front Service: the Service alone must not hide its loss.
-    await converge(body(), {KEY: []}, services)
+    await converge(reconciler, body(), {KEY: []}, services)
     assert api.applied == [("StatefulSet", "qwen-vl-regular-default")]
 
 
-async def test_a_spec_change_applies_the_statefulset_only(api):
-    sets, services = indexes_after(controller._desired(body(), controller.plan(body())))
-    await converge(body(generation=2, max_model_len=4096), sets, services)
+async def test_a_spec_change_applies_the_statefulset_only(api, reconciler):
+    sets, services = indexes_after(desired(reconciler, body()))
+    await converge(reconciler, body(generation=2, max_model_len=4096), sets, services)
     assert api.applied == [("StatefulSet", "qwen-vl-regular-default")]
 
 
-async def test_children_of_a_removed_model_are_deleted(api):
-    sets, services = indexes_after(controller._desired(body(), controller.plan(body())))
+async def test_children_of_a_removed_model_are_deleted(api, reconciler):
+    sets, services = indexes_after(desired(reconciler, body()))
     sets[KEY].append(("qwen-vl-regular-old", "hash", True))
     services[KEY].append(("qwen-vl-regular-old", "hash"))
-    await converge(body(), sets, services)
+    await converge(reconciler, body(), sets, services)
     assert api.applied == []
     assert sorted(api.deleted) == [("Service", "qwen-vl-regular-old"), ("StatefulSet", "qwen-vl-regular-old")]

@@ -9,14 +9,15 @@ from epd_operator.resources import child_name, desired_children
 from epd_operator.validation import validate
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
+IMAGE = "epd-operator:test"
 
 
 def children_of(example: str, **spec_changes):
     manifest = yaml.safe_load((EXAMPLES / example).read_text())
     manifest["spec"].update(spec_changes)
-    spec = validate(manifest["spec"])
+    checked = validate(manifest["spec"])
     name = manifest["metadata"]["name"]
-    return desired_children(spec, name, render(spec, namespace="ns", name=name, uid="uid-1"))
+    return desired_children(checked.spec, name, render(checked, namespace="ns", name=name, uid="uid-1"), IMAGE)
 
 
 def test_one_statefulset_and_two_services_per_model():
@@ -69,8 +70,8 @@ def test_user_env_replaces_rendered_env_of_the_same_name():
     manifest = yaml.safe_load((EXAMPLES / "encoder-prefill-decode.yaml").read_text())
     manifest["spec"]["env"] = [{"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "value": "0.0.0.0"},
                                {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}]
-    spec = validate(manifest["spec"])
-    sts = desired_children(spec, "pd", render(spec, namespace="ns", name="pd", uid="u"))[0]
+    checked = validate(manifest["spec"])
+    sts = desired_children(checked.spec, "pd", render(checked, namespace="ns", name="pd", uid="u"), IMAGE)[0]
     prefill = sts["spec"]["template"]["spec"]["containers"][0]
     hosts = [e for e in prefill["env"] if e["name"] == "VLLM_NIXL_SIDE_CHANNEL_HOST"]
     assert hosts == [{"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "value": "0.0.0.0"}]

@@ -16,8 +16,8 @@ def setup(replicas=1, **spec_changes):
     manifest = yaml.safe_load((EXAMPLES / "encoder-regular.yaml").read_text())
     manifest["spec"]["replicas"] = replicas
     manifest["spec"].update(spec_changes)
-    spec = validate(manifest["spec"])
-    return spec, render(spec, namespace="ns", name="d", uid="u")
+    checked = validate(manifest["spec"])
+    return checked.spec, render(checked, namespace="ns", name="d", uid="u")
 
 
 def pod(name, *, encoder_ready=True, encoder_started=True, consumer_ready=True, ready=None, ip="10.0.0.5"):

@@ -177,9 +177,9 @@ def test_every_list_flag_is_spelled_the_way_the_parser_reads_it(vllm_parser: Vll
 
 
 def test_flag_tables_list_exactly_the_parsers_exceptions(vllm_parser: VllmParser) -> None:
-    from epd_operator.render import _spelling
+    from epd_operator.render import flag_spelling
 
-    spelling = _spelling(vllm_parser.version)
+    spelling = flag_spelling(vllm_parser.version)
     actions = vllm_parser.actions()
     assert spelling.store_true == {a["dest"] for a in actions if a["kind"] == "_StoreTrueAction"}
     assert spelling.append == {a["dest"] for a in actions if a["kind"] == "_AppendAction"}

@@ -183,7 +183,7 @@ def test_ec_storage_path_is_isolated_per_object_and_model_and_stable() -> None:
 
 
 def test_ec_storage_path_is_one_readable_safe_component() -> None:
-    parsed = validate(spec(ENC_REG))
+    parsed = validate(spec(ENC_REG)).spec
     path = ec_storage_path(parsed, namespace="ns", name="My.Deploy/../x" + "y" * 300, uid="u", model="default")
     root, _, leaf = path.rpartition("/")
     assert root == "/dev/shm"
@@ -336,11 +336,9 @@ def test_version_from_vllm_version_field_selects_the_spelling() -> None:
     assert "--no-enable-prefix-caching" in by_type(plan)["encoder"].args
 
 
-def test_unsupported_version_is_a_spec_error() -> None:
-    parsed = validate(spec(ENC_REG))
-    parsed.vllm_version = "0.31.0"
+def test_unsupported_version_is_refused_before_rendering() -> None:
     with pytest.raises(SpecError, match="0.31 is not supported"):
-        render(parsed, **OBJECT)
+        validate(spec(ENC_REG, vllmVersion="0.31.0"))
 
 
 # --------------------------------------------------------------------------- router
@@ -356,7 +354,7 @@ def test_router_for_several_regular_engines() -> None:
                         router={"policy": "power_of_two", "requestTimeoutSeconds": 60, "extraArgs": ["--log-level", "debug"]},
                         ports={"router": 9999}))
     router = plan.router
-    assert (router.container_name, router.port, router.gpus, router.env) == ("router", 9999, 0, {})
+    assert (router.container_name, router.port) == ("router", 9999)
     assert router.args == [
         "vllm-router", "--host", "0.0.0.0", "--port", "9999", "--request-timeout-secs", "60",
         "--policy", "power_of_two", "--worker-urls", "http://127.0.0.1:8102", "http://127.0.0.1:8103",

@@ -19,7 +19,7 @@ import pytest
 
 from epd_dev.vllm import engines, envs, tiny_model, unit_runner
 
-# What serving on CPU needs (facts.md): every engine gets these group overrides. Encoders run
+# What serving on CPU needs (docs/testing.md, "Serving vLLM on CPU"): every engine gets these group overrides. Encoders run
 # eager already (a role default); consumers need it too (no CUDA graphs on CPU).
 CPU_OVERRIDES = {"max_model_len": 512, "dtype": "bfloat16"}
 EAGER = {"enforce_eager": True}

@@ -104,6 +104,12 @@ def _alive(proc: _Proc) -> bool:
     return fields[0] != "Z" and int(fields[19]) == proc.start_ticks
 
 
+def alive_components(state: dict[str, Any]) -> list[str]:
+    """The components of a `state.json` snapshot that still run (same pid, same start time)."""
+    return [name for name, rec in state.get("processes", {}).items()
+            if _alive(_Proc(name, rec["pid"], rec["start_ticks"]))]
+
+
 def _free_ports(n: int) -> list[int]:
     # Hold every socket until all are chosen so one call never returns duplicates.
     socks = []

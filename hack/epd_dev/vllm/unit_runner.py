@@ -80,10 +80,11 @@ class UnitRunner:
         """The unit pod the operator would create for `model` of an EPDDeployment manifest,
         without a cluster: `uid` stands for the object's uid (it names the EC store)."""
         meta = manifest["metadata"]
-        spec = validate(manifest["spec"])
-        plans = render(spec, namespace=meta.get("namespace", "default"), name=meta["name"], uid=uid)
+        checked = validate(manifest["spec"])
+        plans = render(checked, namespace=meta.get("namespace", "default"), name=meta["name"], uid=uid)
         plan = next(p for p in plans if p.name == model)
-        template = pod_template(spec, meta["name"], plan)
+        # The janitor container is not run here (see JANITOR), so its image does not matter.
+        template = pod_template(checked.spec, meta["name"], plan, operator_image="epd-operator:local")
         pod = {"metadata": {**copy.deepcopy(template["metadata"]), "name": f"{meta['name']}-{model}-0"},
                "spec": template["spec"]}
         return cls(pod, log_dir)

@@ -5,9 +5,9 @@ anything; in the unit's memory-backed /dev/shm the store would grow until the ku
 pod. `epd-operator janitor` runs as a container in every unit with encoders and removes whole
 `<mm_hash>` folders: abandoned ones, expired ones, then the oldest until the store fits.
 
-Pure: quantity parsing and budgets, the eviction policy (`select_evictions`), the spec check
-(`budget_warning`). Imperative: `scan_store`, `evict` and the loop `run_janitor` (Prometheus
-metrics, JSON log lines). docs/ec-storage.md explains the design and its limits.
+Pure: the eviction policy (`select_evictions`). Imperative: `scan_store`, `evict` and the loop
+`run_janitor` (Prometheus metrics, JSON log lines). The budget it enforces comes from
+`budget.py`; docs/ec-storage.md explains the design and its limits.
 """
 
 from __future__ import annotations
@@ -15,9 +15,7 @@ from __future__ import annotations
 import datetime
 import errno
 import json
-import math
 import os
-import re
 import signal
 import stat
 import sys
@@ -25,14 +23,9 @@ import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from decimal import Decimal
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
-
-if TYPE_CHECKING:
-    from .api import EPDDeploymentSpec
-    from .render import ModelPlan
 
 EMBEDDING_FILE = "encoder_cache.safetensors"
 # A folder changed this recently is never touched: a write may be in progress (safetensors
@@ -40,89 +33,6 @@ EMBEDDING_FILE = "encoder_cache.safetensors"
 # file in place), or a consumer is about to read what was just primed.
 GRACE_SECONDS = 10.0
 REASONS = ("empty", "ttl", "budget")
-DEFAULT_BUDGET_SHARE = Decimal("0.8")  # of shm.sizeLimit: /dev/shm also holds vLLM's own buffers
-
-# budget_warning's assumptions. One image embedding of a 7B-class VL model at about one
-# megapixel: ~1,344 tokens x hidden 3,584 x 2 bytes (bf16), ~9 MiB. The operator cannot know the
-# real size (it depends on the model and image sizes); the janitor's metrics show it.
-ASSUMED_EMBEDDING_BYTES = 1344 * 3584 * 2
-# vLLM's default max_num_seqs for an API server on most GPUs (H100-class and larger: 1024).
-VLLM_DEFAULT_MAX_NUM_SEQS = 256
-EC_CONSUMERS = ("regular", "prefill")
-
-
-# --------------------------------------------------------------------------- budgets (pure)
-
-_UNITS = {
-    "": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
-    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
-}
-_QUANTITY = re.compile(r"\+?(\d+(?:\.\d*)?|\.\d+)(?:[eE]([+-]?\d+)|(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E))?")
-
-
-def parse_quantity(quantity: str) -> int:
-    """Bytes in a Kubernetes quantity ("16Gi", "512M", "1e9", "1.5Gi", "1000"), rounded up as
-    Kubernetes rounds byte quantities. Raises ValueError for anything else (e.g. "100m")."""
-    match = _QUANTITY.fullmatch(quantity.strip())
-    if not match:
-        raise ValueError(f"not a byte quantity: {quantity!r}")
-    number, exponent, unit = match.groups()
-    scale = Decimal(10) ** int(exponent) if exponent else Decimal(_UNITS[unit or ""])
-    return math.ceil(Decimal(number) * scale)
-
-
-def default_max_bytes(size_limit: str) -> int:
-    """The default EC budget: 80% of the shm emptyDir's sizeLimit."""
-    return math.floor(parse_quantity(size_limit) * DEFAULT_BUDGET_SHARE)
-
-
-def effective_max_bytes(spec: EPDDeploymentSpec) -> int:
-    return spec.ec_storage.max_bytes or default_max_bytes(spec.shm.size_limit)
-
-
-def budget_warning(
-    spec: EPDDeploymentSpec, plan: ModelPlan, *, embedding_bytes: int = ASSUMED_EMBEDDING_BYTES
-) -> str | None:
-    """Why this model's EC budget is too small, or None (also for a text-only model).
-
-    Too small means: at least sizeLimit (the emptyDir fills before the janitor can act), or
-    fewer than one image embedding per sequence the unit's EC consumers run at once. Then
-    entries are evicted before the consumers read them and they silently encode the images
-    themselves, which EPD exists to avoid.
-    """
-    if plan.ec_storage_path is None:
-        return None
-    budget = effective_max_bytes(spec)
-    shm = parse_quantity(spec.shm.size_limit)
-    if budget >= shm:
-        return (
-            f"model {plan.name}: ecStorage.maxBytes ({_human(budget)}) is not below shm.sizeLimit "
-            f"({spec.shm.size_limit}); /dev/shm also holds vLLM's own shared memory, so it fills up "
-            "(and the unit is evicted) before the janitor evicts anything"
-        )
-    model = next(m for m in spec.models if m.name == plan.name)
-    sequences = 0
-    for engine in plan.engines:
-        if engine.worker_type in EC_CONSUMERS:
-            overrides = model.server_groups[engine.group_index].overrides
-            seqs = overrides.get("max_num_seqs", overrides.get("max-num-seqs"))
-            sequences += seqs if isinstance(seqs, int) and seqs > 0 else VLLM_DEFAULT_MAX_NUM_SEQS
-    needed = sequences * embedding_bytes
-    if budget < needed:
-        return (
-            f"model {plan.name}: EC budget {_human(budget)} holds fewer than one image per sequence its "
-            f"consumers run at once ({sequences} sequences x ~{_human(embedding_bytes)}, an assumed image "
-            f"embedding size, = {_human(needed)}); consumers will re-encode evicted images themselves. "
-            "Raise shm.sizeLimit or ecStorage.maxBytes, or lower max_num_seqs"
-        )
-    return None
-
-
-def _human(size: int) -> str:
-    for unit, scale in (("Gi", 2**30), ("Mi", 2**20), ("Ki", 2**10)):
-        if size >= scale:
-            return f"{size / scale:.1f}{unit}"
-    return f"{size}B"
 
 
 # --------------------------------------------------------------------------- policy (pure)
@@ -256,7 +166,7 @@ def evict(root: str, entry: Entry) -> bool:
 # --------------------------------------------------------------------------- loop
 
 
-class _Metrics:
+class StoreMetrics:
     def __init__(self, paths: Iterable[str], max_bytes: int) -> None:
         self.registry = CollectorRegistry()
         labels = ["path"]
@@ -286,7 +196,7 @@ def _log(event: str, level: str = "info", **fields: Any) -> None:
 
 def sweep(
     path: str,
-    metrics: _Metrics,
+    metrics: StoreMetrics,
     known: dict[str, Entry],
     *,
     max_bytes: int,
@@ -339,7 +249,7 @@ def run_janitor(
         # As a container's PID 1 the process ignores SIGTERM unless it handles it, and the pod's
         # shutdown would wait out its whole grace period.
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    metrics = _Metrics(paths, max_bytes)
+    metrics = StoreMetrics(paths, max_bytes)
     server = start_http_server(metrics_port, registry=metrics.registry)[0] if metrics_port else None
     _log("started", paths=list(paths), max_bytes=max_bytes, ttl_seconds=ttl_seconds,
          grace_seconds=grace_seconds, interval_seconds=interval_seconds)

@@ -1,0 +1,139 @@
+"""kopf registrations, nothing else: indexes of what the operator watches, and handlers that
+only queue the key of the EPDDeployment concerned. The Reconciler (in kopf's memo, made by
+runner.py) does the work.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import kopf
+
+from . import api
+from .reconciler import Indexes
+from .resources import ANNOTATION_SPEC_HASH, FIELD_MANAGER, LABEL_DEPLOYMENT, LABEL_MANAGED_BY
+
+EPD = (api.GROUP, api.VERSION, api.PLURAL)
+OURS = {LABEL_MANAGED_BY: FIELD_MANAGER}
+
+
+@kopf.on.login()
+def login(memo: kopf.Memo, **kwargs: Any) -> kopf.ConnectionInfo | None:
+    connection = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+    if connection is not None:
+        memo.reconciler.login(connection)
+    return connection
+
+
+class _NoDiffBase(kopf.AnnotationsDiffBaseStorage):
+    """The handlers are level-based (on.event, indexes): none reads kopf's old/new/diff, so skip
+    its diff base, a deep copy of every watched object on every event."""
+
+    def build(self, *, body: kopf.Body, extra_fields: Any = None) -> kopf.BodyEssence:
+        return kopf.BodyEssence()
+
+
+@kopf.on.startup()
+async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    settings.posting.level = logging.WARNING  # Events are for users: only warnings, not chatter.
+    settings.watching.server_timeout = 300
+    settings.persistence.diffbase_storage = _NoDiffBase()
+    # A worker holds its object's last event until it exits: at 1,000 EPDDeployments (5,000
+    # watched objects) kopf's default 5 s keeps most of them in memory at once.
+    settings.queueing.idle_timeout = 0.5
+
+
+@kopf.on.startup()
+async def keep_indexes(memo: kopf.Memo, deployments: kopf.Index, unit_sets: kopf.Index, unit_services: kopf.Index,
+                       unit_pods: kopf.Index, **_: Any) -> None:
+    memo.reconciler.watch(Indexes(deployments, unit_sets, unit_services, unit_pods))
+
+
+@kopf.on.cleanup()
+async def close(memo: kopf.Memo, **_: Any) -> None:
+    await memo.reconciler.aclose()
+
+
+# Indexes keep only what status and reconcile read: every unit's whole pod (managedFields,
+# container specs) and kubectl's last-applied copy of every spec would dominate memory at scale.
+_POD_CONDITION_FIELDS = ("type", "status", "reason", "message")
+_CONTAINER_FIELDS = ("name", "ready", "started")
+_EPD_METADATA_FIELDS = ("name", "namespace", "uid", "generation", "labels", "deletionTimestamp")
+
+
+def _pod_summary(body: kopf.Body) -> dict[str, Any]:
+    status = body.status
+
+    def pick(items: Any, fields: tuple[str, ...]) -> list[dict[str, Any]]:
+        return [{f: item[f] for f in fields if f in item} for item in items or []]
+
+    return {
+        "name": body.metadata.name,
+        "metadata": {"deletionTimestamp": body.metadata.get("deletionTimestamp")},
+        "spec": {"nodeName": body.spec.get("nodeName")},
+        "status": {
+            "phase": status.get("phase"),
+            "podIP": status.get("podIP"),
+            "conditions": pick(status.get("conditions"), _POD_CONDITION_FIELDS),
+            "initContainerStatuses": pick(status.get("initContainerStatuses"), _CONTAINER_FIELDS),
+            "containerStatuses": pick(status.get("containerStatuses"), _CONTAINER_FIELDS),
+        },
+    }
+
+
+# Indexers are coroutines: kopf runs plain functions in a thread pool, a thread hop per event.
+@kopf.index("pods", labels=OURS)
+async def unit_pods(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    return {(namespace, labels[LABEL_DEPLOYMENT]): _pod_summary(body)}
+
+
+@kopf.index("statefulsets", labels=OURS)
+async def unit_sets(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    status, spec, meta = body.status, body.spec, body.metadata
+    rolled_out = (
+        status.get("observedGeneration") == meta.get("generation")
+        and status.get("updatedReplicas", 0) == spec.get("replicas", 1)
+        and status.get("currentRevision") == status.get("updateRevision")
+    )
+    return {(namespace, labels[LABEL_DEPLOYMENT]): (meta.name, meta.annotations.get(ANNOTATION_SPEC_HASH), rolled_out)}
+
+
+@kopf.index("services", labels=OURS)
+async def unit_services(namespace: str, labels: kopf.Labels, meta: kopf.Meta, **_: Any) -> dict[Any, Any]:
+    return {(namespace, labels[LABEL_DEPLOYMENT]): (meta.name, meta.annotations.get(ANNOTATION_SPEC_HASH))}
+
+
+@kopf.index(*EPD)
+async def deployments(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    metadata = {f: body.metadata[f] for f in _EPD_METADATA_FIELDS if f in body.metadata}
+    trimmed = {"apiVersion": body["apiVersion"], "kind": body["kind"], "metadata": metadata,
+               "spec": body.get("spec", {}), "status": body.get("status", {})}
+    return {(namespace, name): kopf.Body(trimmed)}
+
+
+@kopf.on.event(*EPD)
+async def epd_changed(memo: kopf.Memo, type: str, namespace: str, name: str, body: kopf.Body, **_: Any) -> None:
+    if type == "DELETED":
+        memo.reconciler.forget((namespace, name))
+        return
+    # A spec not reconciled yet goes before status refreshes of objects already converged.
+    memo.reconciler.enqueue((namespace, name),
+                            urgent=body.status.get("observedGeneration") != body.metadata.get("generation"))
+
+
+@kopf.on.event("pods", labels=OURS)
+async def pod_changed(memo: kopf.Memo, namespace: str, labels: kopf.Labels, **_: Any) -> None:
+    memo.reconciler.enqueue_after((namespace, labels[LABEL_DEPLOYMENT]), memo.reconciler.settings.status_debounce_seconds)
+
+
+@kopf.on.event("statefulsets", labels=OURS)
+@kopf.on.event("services", labels=OURS)
+async def child_changed(memo: kopf.Memo, namespace: str, labels: kopf.Labels, **_: Any) -> None:
+    # Also when one was deleted: the reconcile finds it missing from the index and re-creates it.
+    memo.reconciler.enqueue((namespace, labels[LABEL_DEPLOYMENT]))
+
+
+@kopf.on.probe(id="deployments")
+def count_deployments(deployments: kopf.Index, **_: Any) -> int:
+    return len(deployments)

@@ -1,0 +1,275 @@
+"""The Reconciler: an EPDDeployment's key in; its children converged and its status written.
+
+Level-based, as controller-runtime: every EPDDeployment event (and every change of its children
+or pods) queues its key, and a worker computes the whole desired state from kopf's indexes;
+nothing depends on seeing a particular event, so a restarted operator converges without
+duplicates. One Reconciler is made at start (runner.py) and reaches the handlers through
+kopf's memo; it holds all the operator's state: API client, work queue, plan cache, janitor
+scraper.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import datetime
+import hashlib
+import json
+import time
+from collections.abc import Callable, Coroutine, Mapping
+from typing import Any
+
+import kopf
+
+from . import api
+from .ec.scrape import JanitorScraper
+from .kube import Kube, KubeError
+from .metrics import OperatorMetrics
+from .render import ModelPlan, render
+from .resources import ANNOTATION_SPEC_HASH, desired_children
+from .settings import Settings
+from .status import compute_status, invalid_status
+from .validation import SpecError, validate
+from .workqueue import WorkQueue
+
+Key = tuple[str, str]  # (namespace, EPDDeployment name)
+Warn = Callable[[Any, str, str], None]  # (body, reason, message)
+
+
+def post_warning(body: Any, reason: str, message: str) -> None:
+    """A Warning Event on `body` (kopf posts it in the background)."""
+    kopf.warn(body, reason=reason, message=message)
+
+
+@dataclasses.dataclass(frozen=True)
+class Indexes:
+    """kopf's live indexes, each keyed by (namespace, EPDDeployment name); see handlers.py."""
+
+    deployments: Mapping[Key, Any]  # slim EPDDeployment bodies
+    unit_sets: Mapping[Key, Any]  # (name, spec hash, rolled out) of each StatefulSet
+    unit_services: Mapping[Key, Any]  # (name, spec hash) of each Service
+    unit_pods: Mapping[Key, Any]  # slim pod summaries
+
+
+@dataclasses.dataclass(frozen=True)
+class Planned:
+    """What one generation of an EPDDeployment asks for."""
+
+    spec: api.EPDDeploymentSpec
+    plans: list[ModelPlan]
+    digests: dict[tuple[str, str], str]  # (kind, name) of each child -> hash of its desired state
+
+
+class Reconciler:
+    """`kube` and `warn` are injectable (tests record them); by default the API client is made
+    from kopf's credentials at login and Events are posted through kopf."""
+
+    def __init__(self, settings: Settings, *, kube: Kube | None = None, warn: Warn = post_warning) -> None:
+        self.settings = settings
+        self.metrics = OperatorMetrics()
+        self._kube = kube
+        self._owns_kube = kube is None
+        self._connection: kopf.ConnectionInfo | None = None
+        self._warn = warn
+        self._indexes: Indexes | None = None
+        self._queue: WorkQueue | None = None
+        self._plans: collections.OrderedDict[tuple[Any, ...], Planned | SpecError] = collections.OrderedDict()
+        self._background: set[asyncio.Task[None]] = set()
+        self.scraper = JanitorScraper(warn=warn, changed=self.enqueue)
+
+    # ------------------------------------------------------------------ wiring (handlers.py)
+
+    def login(self, connection: kopf.ConnectionInfo) -> None:
+        """Use kopf's (new) credentials for the operator's own API calls (from the next call on:
+        kopf runs login handlers in a thread, the API client needs the event loop)."""
+        self._connection = connection
+
+    def watch(self, indexes: Indexes) -> None:
+        self._indexes = indexes  # live: they fill as watching starts
+
+    def enqueue(self, key: Key, *, urgent: bool = False) -> None:
+        self._work_queue().add(key, urgent=urgent)
+
+    def enqueue_after(self, key: Key, delay: float) -> None:
+        self._work_queue().add_after(key, delay)
+
+    def forget(self, key: Key) -> None:
+        """The EPDDeployment is gone."""
+        self.metrics.forget(*key)
+        if self._queue is not None:
+            self._queue.forget(key)
+
+    async def aclose(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        if self._queue is not None:
+            await self._queue.aclose()
+        if self._kube is not None and self._owns_kube:
+            await self._kube.aclose()
+
+    def _work_queue(self) -> WorkQueue:
+        # The queue's workers (and the scrape loop) start with the first event: a task inherits
+        # its creator's context, and kopf sets what posting Events needs for handlers only.
+        if self._queue is None:
+            self._queue = WorkQueue(self._reconcile_key, workers=self.settings.max_concurrent_reconciles,
+                                    max_backoff=self.settings.retry_max_seconds)
+            if self.settings.janitor_scrape_interval > 0:
+                indexes = self._require_indexes()
+                self._spawn(self.scraper.run(self.settings.janitor_scrape_interval, indexes.deployments,
+                                             indexes.unit_pods))
+        return self._queue
+
+    def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coroutine)
+        self._background.add(task)  # keep a reference until done, or the task may be garbage-collected
+        task.add_done_callback(self._background.discard)
+
+    def _require_indexes(self) -> Indexes:
+        if self._indexes is None:
+            raise RuntimeError("Reconciler.watch(indexes) must be called before reconciling")
+        return self._indexes
+
+    @property
+    def kube(self) -> Kube:
+        if self._owns_kube and self._connection is not None and (
+                self._kube is None or self._kube.connection is not self._connection):
+            if self._kube is not None:  # kopf logged in again (credentials rotated): drop the old session
+                self._spawn(self._kube.aclose())
+            self._kube = Kube(self._connection)
+        if self._kube is None:
+            raise RuntimeError("no API client yet: kopf logs in before any handler runs")
+        return self._kube
+
+    # ------------------------------------------------------------------ reconcile
+
+    async def _reconcile_key(self, key: Key) -> None:
+        for body in self._require_indexes().deployments.get(key, []):  # the latest state; none if deleted
+            try:
+                await self.reconcile(body)
+            except KubeError as error:
+                if error.namespace_gone:
+                    return  # deleted with everything in it: nothing to converge
+                self._warn(body, "ReconcileFailed", str(error))
+                raise  # the queue retries it with backoff
+
+    async def reconcile(self, body: kopf.Body) -> None:
+        if body.metadata.get("deletionTimestamp"):
+            return  # children carry ownerReferences: the garbage collector removes them
+        namespace, name = body.metadata.namespace, body.metadata.name
+        started = time.perf_counter()
+        try:
+            planned = self.plan(body)
+        except SpecError as error:
+            await self._report_invalid(body, error)
+            self.metrics.observe_reconcile("invalid", time.perf_counter() - started)
+            return
+        self.metrics.forget_invalid(namespace, name)
+        try:
+            await self.converge(body, planned)
+            await self.write_status(body, planned)
+        except Exception:
+            self.metrics.observe_reconcile("error", time.perf_counter() - started)
+            raise
+        self.metrics.observe_reconcile("success", time.perf_counter() - started)
+
+    def plan(self, body: kopf.Body) -> Planned:
+        """validate() and render() of the body's spec, and its children's hashes; cached per
+        (uid, generation, labels), the only things they depend on (children carry the owner's
+        labels). Raises SpecError for an invalid spec."""
+        metadata = body.metadata
+        key = (metadata.uid, metadata.get("generation"), tuple(sorted((metadata.labels or {}).items())))
+        if key in self._plans:
+            self._plans.move_to_end(key)
+        else:
+            try:
+                checked = validate(dict(body.spec))
+                plans = render(checked, namespace=metadata.namespace, name=metadata.name, uid=metadata.uid)
+                digests = {_ref(c): c["metadata"]["annotations"][ANNOTATION_SPEC_HASH]
+                           for c in self._desired(body, checked.spec, plans)}
+                self._plans[key] = Planned(checked.spec, plans, digests)
+            except SpecError as error:
+                self._plans[key] = error
+            if len(self._plans) > self.settings.plan_cache_size:
+                self._plans.popitem(last=False)
+        cached = self._plans[key]
+        if isinstance(cached, SpecError):
+            raise SpecError(cached.errors)  # a fresh one: re-raising one object grows its traceback
+        return cached
+
+    def desired(self, body: kopf.Body, planned: Planned) -> list[dict[str, Any]]:
+        """The children, owned by `body`, each annotated with the hash of its desired state."""
+        return self._desired(body, planned.spec, planned.plans)
+
+    def _desired(self, body: kopf.Body, spec: api.EPDDeploymentSpec, plans: list[ModelPlan]) -> list[dict[str, Any]]:
+        children = desired_children(spec, body.metadata.name, plans, self.settings.janitor_image)
+        kopf.adopt(children, owner=body)
+        for child in children:
+            child["metadata"].setdefault("annotations", {})[ANNOTATION_SPEC_HASH] = _hash(child)
+        return children
+
+    async def converge(self, body: kopf.Body, planned: Planned) -> None:
+        """Apply the children not at their desired state; delete those of removed models."""
+        indexes = self._require_indexes()
+        key = (body.metadata.namespace, body.metadata.name)
+        existing = {
+            **{("StatefulSet", name): digest for name, digest, _rolled_out in indexes.unit_sets.get(key, [])},
+            **{("Service", name): digest for name, digest in indexes.unit_services.get(key, [])},
+        }
+        # Level-based, but cheap: children already carrying their exact desired state are left
+        # alone, and are not even built again when the remembered hashes show that.
+        stale = {ref for ref, digest in planned.digests.items() if existing.get(ref) != digest}
+        if stale:
+            await asyncio.gather(*(self.kube.apply(c) for c in self.desired(body, planned) if _ref(c) in stale))
+        for kind, name in existing.keys() - planned.digests.keys():  # a model removed from the spec
+            await self.kube.delete("apps/v1" if kind == "StatefulSet" else "v1", kind, key[0], name)
+
+    async def write_status(self, body: kopf.Body, planned: Planned) -> None:
+        indexes = self._require_indexes()
+        namespace, name = body.metadata.namespace, body.metadata.name
+        pods = {p["name"]: p for p in indexes.unit_pods.get((namespace, name), [])}
+        sets = list(indexes.unit_sets.get((namespace, name), []))
+        rolled_out = len(sets) >= len(planned.plans) and all(done for _n, _d, done in sets)
+        previous = dict(body.status)
+        status = compute_status(
+            deployment=name, spec=planned.spec, plans=planned.plans, pods=pods, rolled_out=rolled_out,
+            generation=body.metadata.get("generation"), previous=previous, now=_now(),
+            evictions=self.scraper.evictions((namespace, name)),
+        )
+        self.metrics.set_ready_units(namespace, name, sum(m["readyUnits"] for m in status["models"]))
+        if _same(status, previous):
+            return
+        budget = _condition(status, "ECBudgetSufficient")
+        if budget["status"] == "False" and _condition(previous, "ECBudgetSufficient").get("message") != budget["message"]:
+            self._warn(body, "ECBudgetTooSmall", budget["message"])
+        await self.kube.patch_status(namespace, name, status)
+
+    async def _report_invalid(self, body: kopf.Body, error: SpecError) -> None:
+        namespace, name = body.metadata.namespace, body.metadata.name
+        self.metrics.mark_invalid(namespace, name)
+        status = invalid_status(error.errors, body.metadata.get("generation"), dict(body.status), _now())
+        if _same(status, dict(body.status)):
+            return  # already reported for this generation
+        self._warn(body, "InvalidSpec", "; ".join(error.errors))
+        await self.kube.patch_status(namespace, name, status)
+
+
+def _ref(child: dict[str, Any]) -> tuple[str, str]:
+    return child["kind"], child["metadata"]["name"]  # a unit's StatefulSet and Service share a name
+
+
+def _hash(obj: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _same(new: dict[str, Any], old: dict[str, Any]) -> bool:
+    return {k: v for k, v in new.items() if k != "kopf"} == {k: v for k, v in old.items() if k != "kopf"}
+
+
+def _condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next((c for c in status.get("conditions") or [] if c.get("type") == kind), {})

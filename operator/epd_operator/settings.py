@@ -1,0 +1,33 @@
+"""The operator's settings, built once at start from the command line and the environment."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from importlib import metadata
+
+# The Helm chart sets this to the operator's own image; each unit's EC janitor runs from it.
+IMAGE_ENV = "EPD_OPERATOR_IMAGE"
+
+
+def own_image() -> str:
+    """The operator's image: $EPD_OPERATOR_IMAGE, else the name the project's own build gives it
+    (`make image`: epd-operator:<version>), never a guessed registry."""
+    return os.environ.get(IMAGE_ENV) or f"epd-operator:{metadata.version('epd-operator')}"
+
+
+@dataclass(frozen=True)
+class Settings:
+    janitor_image: str
+    """Image of each unit's EC janitor container (`epd-operator janitor`): the operator's own."""
+    janitor_scrape_interval: float = 30.0
+    """Seconds between scrapes of the units' janitors (0: off)."""
+    max_concurrent_reconciles: int = 16
+    """Reconciles at once, as controller-runtime's MaxConcurrentReconciles: enough to keep the
+    API client's 16 connections busy."""
+    retry_max_seconds: float = 60.0
+    """Longest backoff of a failing reconcile."""
+    status_debounce_seconds: float = 0.2
+    """Pod events come in bursts (all containers of a unit flip at once): coalesce them."""
+    plan_cache_size: int = 4096
+    """Validated and rendered specs kept (one per EPDDeployment generation)."""
