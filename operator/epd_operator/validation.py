@@ -13,6 +13,7 @@ from typing import Any
 import pydantic
 
 from .api import BYTE_QUANTITY, DNS1123_LABEL, JANITOR_METRICS_PORT, EPDDeploymentSpec, ModelSpec, WorkerType
+from .engine_args import override_errors
 
 SUPPORTED_VLLM_VERSIONS = ("0.32", "0.33")
 
@@ -73,10 +74,6 @@ class SpecError(ValueError):
     def __init__(self, errors: list[str]):
         self.errors = errors
         super().__init__("; ".join(errors))
-
-
-# vLLM engine arguments as Vime writes them: snake_case (dashes tolerated), never a raw flag.
-OVERRIDE_KEY = re.compile(r"^[a-z][a-z0-9_-]*$")
 
 
 def port_errors(spec: EPDDeploymentSpec, index: int, model: ModelSpec) -> list[str]:
@@ -169,6 +166,11 @@ def validate(spec: dict[str, Any]) -> EPDDeploymentSpec:
         parsed = EPDDeploymentSpec.model_validate(spec)
     except pydantic.ValidationError as error:
         raise SpecError(_pydantic_messages(error)) from None
+    # The version first: overrides are checked against its engine arguments (its errors still come last).
+    try:
+        minor, version_errors = vllm_minor(parsed), []
+    except SpecError as error:
+        minor, version_errors = None, error.errors
     errors: list[str] = []
     seen: set[str] = set()
     for index, model in enumerate(parsed.models):
@@ -178,12 +180,9 @@ def validate(spec: dict[str, Any]) -> EPDDeploymentSpec:
         errors += layout_errors(model)
         errors += port_errors(parsed, index, model)
         for g_index, group in enumerate(model.server_groups):
-            for key in group.overrides:
-                if not OVERRIDE_KEY.match(key):
-                    errors.append(
-                        f"spec.models[{index}].serverGroups[{g_index}].overrides: {key!r} is not a vLLM "
-                        "engine argument name: use snake_case such as max_model_len"
-                    )
+            if minor:
+                where = f"spec.models[{index}].serverGroups[{g_index}].overrides"
+                errors += override_errors(minor, group.overrides, where)
             if group.num_gpus % group.num_gpus_per_engine:
                 errors.append(
                     f"spec.models[{index}].serverGroups[{g_index}]: numGpus ({group.num_gpus}) must be "
@@ -194,10 +193,7 @@ def validate(spec: dict[str, Any]) -> EPDDeploymentSpec:
             errors.append(
                 f"spec.volumes: volume '{volume.get('name')}' uses hostPath: not allowed (use a PVC or emptyDir)"
             )
-    try:
-        vllm_minor(parsed)
-    except SpecError as error:
-        errors += error.errors
+    errors += version_errors
     if errors:
         raise SpecError(errors)
     return parsed
