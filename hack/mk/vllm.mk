@@ -3,7 +3,7 @@
 # args, and vllm-router; cached in $$EPD_CACHE/vllm.
 # Included from the main Makefile, which defines PY and `venv`.
 
-.PHONY: vllm-envs vllm-status test-vllm
+.PHONY: vllm-envs vllm-status test-vllm engine-args
 
 ## vllm-envs: install the vLLM venvs and vllm-router once (cold: about 2 min, 11 GB)
 vllm-envs: venv
@@ -16,3 +16,8 @@ vllm-status: venv
 ## test-vllm: the tests that run real vLLM engines
 test-vllm: vllm-envs
 	$(PY) -m pytest -q -m vllm tests/vllm
+
+## engine-args: regenerate templates/vllm-*/engine_args.txt from the real vLLM parsers
+engine-args: venv
+	$(PY) -m epd_dev.vllm.envs install parser-0.32 parser-0.33
+	$(PY) -m tests.render.engine_arg_names

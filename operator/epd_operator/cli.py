@@ -42,10 +42,19 @@ def _render(args: argparse.Namespace) -> None:
 def _convert(args: argparse.Namespace) -> None:
     from .convert import vime_to_manifest
 
-    manifest = vime_to_manifest(
-        _load_manifest(args.file), name=args.name, image=args.image, model=args.model, namespace=args.namespace
+    conversion = vime_to_manifest(
+        _load_manifest(args.file),
+        name=args.name,
+        image=args.image,
+        hf_checkpoint=args.hf_checkpoint,
+        num_gpus_per_engine=args.num_gpus_per_engine,
+        vllm_version=args.vllm_version,
+        namespace=args.namespace,
     )
-    print(yaml.safe_dump(manifest, sort_keys=False), end="")
+    # Notes on stderr: stdout stays a manifest to pipe into kubectl.
+    for note in conversion.notes:
+        print(f"note: {note}", file=sys.stderr)
+    print(yaml.safe_dump(conversion.manifest, sort_keys=False), end="")
 
 
 def _crds(args: argparse.Namespace) -> None:
@@ -130,7 +139,21 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("-f", "--file", required=True, help="Vime config YAML ('-' for stdin)")
     convert.add_argument("--name", default="vime", help="EPDDeployment name")
     convert.add_argument("--image", default="vllm/vllm-openai:v0.33.0", help="vLLM image")
-    convert.add_argument("--model", default=None, help="model path for entries that name none")
+    convert.add_argument(
+        "--hf-checkpoint",
+        "--model",
+        default=None,
+        help="Vime's --hf-checkpoint: the model path of entries without model_path, and of the models "
+        "that receive weight updates when update_weights is not set",
+    )
+    convert.add_argument(
+        "--num-gpus-per-engine",
+        "--rollout-num-gpus-per-engine",
+        type=int,
+        default=1,
+        help="Vime's --rollout-num-gpus-per-engine: GPUs per engine of groups whose group and model set none",
+    )
+    convert.add_argument("--vllm-version", default=None, help="spec.vllmVersion, when the image tag does not tell")
     convert.add_argument("--namespace", default=None)
     convert.set_defaults(func=_convert)
 
@@ -152,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.func(args)
     except SpecError as error:
-        print("error: invalid EPDDeployment:", file=sys.stderr)
+        print(f"error: invalid {'Vime config' if args.command == 'convert' else 'EPDDeployment'}:", file=sys.stderr)
         for message in error.errors:
             print(f"  - {message}", file=sys.stderr)
         return 1

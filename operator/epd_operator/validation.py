@@ -16,6 +16,7 @@ import pydantic
 
 from .api import DNS1123_LABEL, JANITOR_METRICS_PORT, EPDDeploymentSpec, ModelSpec, ServerGroup
 from .ec.quantity import BYTE_QUANTITY
+from .engine_args import override_errors
 
 SUPPORTED_VLLM_VERSIONS = ("0.32", "0.33")
 
@@ -98,10 +99,6 @@ class SpecError(ValueError):
         super().__init__("; ".join(errors))
 
 
-# vLLM engine arguments as Vime writes them: snake_case (dashes tolerated), never a raw flag.
-OVERRIDE_KEY = re.compile(r"^[a-z][a-z0-9_-]*$")
-
-
 def port_errors(spec: EPDDeploymentSpec, index: int, model: ModelSpec) -> list[str]:
     """Ports the model's unit would use twice, or past 65535: its engines could not all bind."""
     engines = sum(g.engines for g in model.server_groups)
@@ -130,14 +127,12 @@ def port_errors(spec: EPDDeploymentSpec, index: int, model: ModelSpec) -> list[s
     return errors
 
 
-def override_errors(group: ServerGroup, where: str) -> list[str]:
-    """Override keys that are not engine argument names, or set wiring the operator owns."""
+def owned_arg_errors(group: ServerGroup, where: str) -> list[str]:
+    """Override keys that set wiring the operator owns (engine_args.override_errors checks the rest)."""
     errors = []
     for key in group.overrides:
-        name = key.replace("-", "_")  # vLLM accepts both spellings; one key per argument
-        if not OVERRIDE_KEY.match(key):
-            errors.append(f"{where}: {key!r} is not a vLLM engine argument name: use snake_case such as max_model_len")
-        elif name in OWNED_ARGS:
+        name = str(key).replace("-", "_")  # vLLM accepts both spellings; one key per argument
+        if name in OWNED_ARGS:
             errors.append(f"{where}.{name}: set by the operator from spec.{OWNED_ARGS[name]}; change that instead")
     return errors
 
@@ -210,6 +205,11 @@ def validate(raw: dict[str, Any]) -> CheckedSpec:
         spec = EPDDeploymentSpec.model_validate(raw)
     except pydantic.ValidationError as error:
         raise SpecError(_pydantic_messages(error)) from None
+    # The version first: overrides are checked against its engine arguments (its errors still come last).
+    try:
+        minor, version_errors = vllm_minor(spec), []
+    except SpecError as error:
+        minor, version_errors = None, error.errors
     errors: list[str] = []
     seen: set[str] = set()
     for index, model in enumerate(spec.models):
@@ -220,7 +220,10 @@ def validate(raw: dict[str, Any]) -> CheckedSpec:
         errors += port_errors(spec, index, model)
         errors += router_errors(spec, model)
         for g_index, group in enumerate(model.server_groups):
-            errors += override_errors(group, f"spec.models[{index}].serverGroups[{g_index}].overrides")
+            where = f"spec.models[{index}].serverGroups[{g_index}].overrides"
+            errors += owned_arg_errors(group, where)
+            if minor:
+                errors += override_errors(minor, group.overrides, where)
             if group.num_gpus % group.num_gpus_per_engine:
                 errors.append(
                     f"spec.models[{index}].serverGroups[{g_index}]: numGpus ({group.num_gpus}) must be "
@@ -231,10 +234,7 @@ def validate(raw: dict[str, Any]) -> CheckedSpec:
             errors.append(
                 f"spec.volumes: volume '{volume.get('name')}' uses hostPath: not allowed (use a PVC or emptyDir)"
             )
-    try:
-        minor = vllm_minor(spec)
-    except SpecError as error:
-        errors += error.errors
+    errors += version_errors
     if errors:
         raise SpecError(errors)
     return CheckedSpec(spec, minor)

@@ -70,10 +70,10 @@ def test_num_gpus_must_be_a_multiple_of_gpus_per_engine():
         validate(spec)
 
 
-def test_unknown_fields_are_rejected_but_overrides_stay_open():
+def test_unknown_fields_are_rejected_but_override_values_stay_open():
     spec = spec_with("encoder", "regular")
-    spec["models"][0]["serverGroups"][0]["overrides"] = {"any_vllm_arg": {"nested": True}}
-    assert validate(spec).spec.models[0].server_groups[0].overrides == {"any_vllm_arg": {"nested": True}}
+    spec["models"][0]["serverGroups"][0]["overrides"] = {"hf_overrides": {"nested": True}}
+    assert validate(spec).spec.models[0].server_groups[0].overrides == {"hf_overrides": {"nested": True}}
     spec["models"][0]["servergroups"] = []
     with pytest.raises(SpecError, match=r"spec.models\[0\].servergroups: Extra inputs are not permitted"):
         validate(spec)

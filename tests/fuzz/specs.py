@@ -13,7 +13,8 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from epd_operator.validation import OWNED_ARGS, ROUTER_KV_CONNECTORS
+from epd_operator.engine_args import known_engine_args
+from epd_operator.validation import OWNED_ARGS, ROUTER_KV_CONNECTORS, SUPPORTED_VLLM_VERSIONS
 
 VALID_LAYOUTS = (("encoder", "regular"), ("encoder", "prefill", "decode"), ("regular",), ("prefill", "decode"))
 INVALID_LAYOUTS = (("encoder",), ("encoder", "prefill"), ("encoder", "decode"), ("prefill",), ("decode",),
@@ -39,7 +40,9 @@ class Case:
 
 
 dns_labels = st.from_regex(r"[a-z]([-a-z0-9]{0,14}[a-z0-9])?", fullmatch=True)
-arg_keys = st.from_regex(r"[a-z][a-z0-9_]{0,20}", fullmatch=True).filter(lambda k: k not in OWNED_ARGS)
+# Engine arguments every supported version accepts: validation refuses any other name.
+arg_keys = st.sampled_from(sorted(frozenset.intersection(*map(known_engine_args, SUPPORTED_VLLM_VERSIONS))
+                                  - OWNED_ARGS.keys()))
 json_leaves = (st.none() | st.booleans() | st.integers(-(2**31), 2**31)
                | st.floats(allow_nan=False, allow_infinity=False, width=32) | st.text(max_size=12))
 json_values = st.recursive(
