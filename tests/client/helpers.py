@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from epd_client import RetryPolicy, Unit
 
+from .httpkit import BackgroundServer, read_request, response_bytes
 from .standin_server import StandinServer
 
 # Quick retries so failure paths take milliseconds.
@@ -15,7 +19,7 @@ FAST = RetryPolicy(max_attempts=4, backoff=0.01, max_backoff=0.05, attempt_timeo
 
 def image_messages(count: int) -> list[dict[str, Any]]:
     """A system text, then ``count`` images spread over two user messages, with parts the
-    client must ignore (text, audio, a non-string image URL)."""
+    client must ignore (text, embeddings given inline, media without a string URL)."""
     images = [
         {"type": "image_url", "image_url": {"url": f"https://images.test/{i}.png"}}
         for i in range(count)
@@ -27,8 +31,10 @@ def image_messages(count: int) -> list[dict[str, Any]]:
         {
             "role": "user",
             "content": [
-                {"type": "input_audio", "input_audio": {"data": "...", "format": "wav"}},
+                {"type": "image_embeds", "image_embeds": "AAAA"},
                 {"type": "image_url", "image_url": {"url": None}},
+                {"type": "video_url", "video_url": {"url": 7}},
+                {"type": "input_audio", "input_audio": {"data": "AAAA"}},
                 *images[half:],
             ],
         },
@@ -62,3 +68,65 @@ class UnitServers:
     @property
     def prime_count(self) -> int:
         return sum(len(e.requests("/v1/chat/completions")) for e in self.encoders)
+
+
+@dataclass
+class ControlCall:
+    method: str
+    target: str  # path and query
+    started: float  # time.monotonic()
+    finished: float | None = None
+
+
+@dataclass
+class EngineControl:
+    """A STAND-IN for vLLM 0.32's weight-update endpoints (vllm/entrypoints/rl/online):
+    ``POST /pause?mode=..&clear_cache=..``, ``POST /resume``, ``GET /is_paused``, answered
+    after ``delay`` seconds. With ``dev_mode=False`` every path is a 404, as vLLM without
+    VLLM_SERVER_DEV_MODE=1. Use as a context manager."""
+
+    delay: float = 0.0
+    dev_mode: bool = True
+    paused: bool = False
+    calls: list[ControlCall] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._server = BackgroundServer(self._handle)
+
+    @property
+    def url(self) -> str:
+        return self._server.url
+
+    def __enter__(self) -> EngineControl:
+        self._server.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._server.stop()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while (request := await read_request(reader)) is not None:
+                call = ControlCall(request.method, request.target, time.monotonic())
+                self.calls.append(call)
+                await asyncio.sleep(self.delay)
+                status, payload = self._answer(request.method, request.target)
+                writer.write(response_bytes(status, json.dumps(payload).encode()))
+                await writer.drain()
+                call.finished = time.monotonic()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    def _answer(self, method: str, target: str) -> tuple[int, Any]:
+        path = target.split("?", 1)[0]
+        if self.dev_mode and (method, path) == ("POST", "/pause"):
+            self.paused = True
+            return 200, {"status": "paused"}
+        if self.dev_mode and (method, path) == ("POST", "/resume"):
+            self.paused = False
+            return 200, {"status": "resumed"}
+        if self.dev_mode and (method, path) == ("GET", "/is_paused"):
+            return 200, {"is_paused": self.paused}
+        return 404, {"detail": "Not Found"}
