@@ -56,7 +56,9 @@ class Unit:
     pod: str | None = None
     node: str | None = None
     engines: tuple[Engine, ...] = ()
-    """Every engine, encoders first; without it, derived from the encoder and consumer URLs."""
+    """Every engine as the status lists them, encoders first; empty for a status written
+    before the operator listed engines and for units built from URLs (``all_engines``
+    then derives them from the URLs)."""
 
     def __post_init__(self) -> None:
         # Accept any sequence and trailing slashes; paths are appended as "/v1/...".
@@ -64,12 +66,16 @@ class Unit:
         object.__setattr__(self, "consumer_urls", tuple(map(_base_url, self.consumer_urls)))
         if self.router_url is not None:
             object.__setattr__(self, "router_url", _base_url(self.router_url))
-        engines = tuple(self.engines) or tuple(
+        object.__setattr__(self, "engines", tuple(self.engines))
+
+    def all_engines(self) -> tuple[Engine, ...]:
+        """``engines``, else one per URL: role ``encoder`` or, as only the URL is known,
+        ``consumer``. Derived on each call, so a copy with other URLs lists those."""
+        return self.engines or tuple(
             Engine(self.name, f"{role}-{i}", role, url)
             for role, urls in ((ENCODER, self.encoder_urls), (CONSUMER, self.consumer_urls))
             for i, url in enumerate(urls)
         )
-        object.__setattr__(self, "engines", engines)
 
     @property
     def entry_url(self) -> str | None:
@@ -96,7 +102,7 @@ class ModelEndpoints:
     @property
     def has_encoders(self) -> bool:
         """Whether the model is served with encoder disaggregation (its images get primed)."""
-        return any(e.role == ENCODER for u in self.units for e in u.engines)
+        return any(e.role == ENCODER for u in self.units for e in u.all_engines())
 
     def ready_units(self) -> tuple[Unit, ...]:
         ready = tuple(u for u in self.units if u.ready)
@@ -106,7 +112,9 @@ class ModelEndpoints:
 
     def engines(self, role: str | None = None) -> tuple[Engine, ...]:
         """Every engine of every unit (ready or not), or only those of ``role``."""
-        return tuple(e for u in self.units for e in u.engines if role is None or e.role == role)
+        return tuple(
+            e for u in self.units for e in u.all_engines() if role is None or e.role == role
+        )
 
 
 @dataclass(frozen=True)
@@ -178,7 +186,7 @@ def _model_from_status(model: Mapping[str, Any]) -> ModelEndpoints:
             ready=unit.get("ready") is True,
             pod=unit.get("pod"),
             node=unit.get("node"),
-            # Older statuses have no engine list: Unit derives one from the URLs.
+            # Older statuses have no engine list: Unit.all_engines derives one from the URLs.
             engines=tuple(
                 Engine(unit["name"], e["name"], e["role"], e.get("url"))
                 for e in unit.get("engines") or ()

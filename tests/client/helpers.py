@@ -75,7 +75,7 @@ class ControlCall:
     method: str
     target: str  # path and query
     started: float  # time.monotonic()
-    finished: float | None = None
+    finished: float | None = None  # when the answer was ready
 
 
 @dataclass
@@ -111,9 +111,9 @@ class EngineControl:
                 self.calls.append(call)
                 await asyncio.sleep(self.delay)
                 status, payload = self._answer(request.method, request.target)
+                call.finished = time.monotonic()  # before the client can see the answer
                 writer.write(response_bytes(status, json.dumps(payload).encode()))
                 await writer.drain()
-                call.finished = time.monotonic()
         except ConnectionError:
             pass
         finally:

@@ -4,6 +4,7 @@ all at once (issue #15)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 from epd_client import (
@@ -106,11 +107,17 @@ def test_a_status_without_an_engine_list_falls_back_to_the_urls() -> None:
         Engine("demo-actor-0", "consumer-0", "consumer", "http://10.0.0.5:8101"),
         Engine("demo-actor-0", "consumer-1", "consumer", "http://10.0.0.5:8102"),
     )
-    # Units built from URLs get the same listing.
-    assert Endpoints.from_urls(["http://e:1"], "http://c:2").engines("default") == (
+    # Units built from URLs get the same listing, derived from their URLs when asked, so a
+    # copy with other URLs (e.g. mapped to localhost) lists those.
+    endpoints = Endpoints.from_urls(["http://e:1"], "http://c:2")
+    assert endpoints.engines("default") == (
         Engine("default", "encoder-0", "encoder", "http://e:1"),
         Engine("default", "consumer-0", "consumer", "http://c:2"),
     )
+    (unit,) = endpoints.model("default").units
+    assert unit.engines == ()
+    moved = dataclasses.replace(unit, encoder_urls=("http://127.0.0.1:1",))
+    assert moved.all_engines()[0] == Engine("default", "encoder-0", "encoder", "http://127.0.0.1:1")
 
 
 def control_endpoints(*units: list, router: EngineControl | None = None) -> Endpoints:
