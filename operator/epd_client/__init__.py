@@ -1,15 +1,17 @@
 """Client library for vLLM Encoder-Prefill Disaggregation (EPD) deployments.
 
-Primes images on a unit's encoders, then renders and generates on the same unit. Imports
-neither kopf nor kubernetes (``discover`` loads the latter when called).
+Primes images, videos and audio on a unit's encoders, then renders and generates on the same
+unit; lists, pauses and resumes a model's engines for weight updates; builds Vime's rollout
+arguments. Imports neither kopf nor kubernetes (``discover`` loads the latter when called).
 """
 
 from ._client import EPDClient, Session, prime_encoder
 from ._discovery import discover
-from ._endpoints import Endpoints, ModelEndpoints, Unit, VimeArgs
+from ._endpoints import Endpoints, Engine, ModelEndpoints, Unit, VimeArgs
 from ._errors import (
     DiscoveryError,
     EndpointsError,
+    EngineError,
     EPDClientError,
     ImageFailure,
     NoReadyUnitError,
@@ -18,6 +20,7 @@ from ._errors import (
 )
 from ._retry import RetryPolicy
 from ._sync import generate_sync, prime_encoder_sync
+from ._vime import VimeRolloutArgs, vime_args
 
 __all__ = [
     "DiscoveryError",
@@ -25,6 +28,8 @@ __all__ = [
     "EPDClientError",
     "Endpoints",
     "EndpointsError",
+    "Engine",
+    "EngineError",
     "ImageFailure",
     "ModelEndpoints",
     "NoReadyUnitError",
@@ -34,8 +39,10 @@ __all__ = [
     "Session",
     "Unit",
     "VimeArgs",
+    "VimeRolloutArgs",
     "discover",
     "generate_sync",
     "prime_encoder",
     "prime_encoder_sync",
+    "vime_args",
 ]

@@ -1,4 +1,4 @@
-"""The client: unit choice, priming, render and generate."""
+"""The client: unit choice, priming, render and generate; pausing a model's engines."""
 
 from __future__ import annotations
 
@@ -7,14 +7,15 @@ import itertools
 from collections import Counter
 from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Literal
+from urllib.parse import urlencode
 
-from ._endpoints import Endpoints, ModelEndpoints, Unit, VimeArgs, rendezvous
-from ._errors import EndpointsError, ImageFailure, PrimeError, RequestError
+from ._endpoints import Engine, Endpoints, ModelEndpoints, Unit, VimeArgs, rendezvous
+from ._errors import EndpointsError, EngineError, ImageFailure, PrimeError, RequestError
 from ._http import Transport
+from ._media import Message, MediaItem, copy_messages, media_items, write_keys
 from ._retry import RetryPolicy
 
-Message = Mapping[str, Any]
 _CHAT = "/v1/chat/completions"
 _RENDER = "/v1/chat/completions/render"
 _GENERATE = "/inference/v1/generate"
@@ -28,6 +29,10 @@ class EPDClient:
     ``Authorization`` for engines run with ``--api-key``). Use it as
     ``async with EPDClient(endpoints) as client:`` or call ``aclose()``. ``endpoints`` may
     be replaced at any time (e.g. after a new ``discover``); open sessions keep their unit.
+
+    ``weights_version`` (e.g. ``"step-42"``; set it again after each weight update) keys
+    every media part by its content and that version, so embeddings computed under other
+    weights are never read; None keeps vLLM's content-only keys.
     """
 
     def __init__(
@@ -37,8 +42,10 @@ class EPDClient:
         retry: RetryPolicy | None = None,
         max_concurrency: int = 64,
         headers: Mapping[str, str] | None = None,
+        weights_version: str | None = None,
     ) -> None:
         self.endpoints = endpoints
+        self.weights_version = weights_version
         self._transport = Transport(retry or RetryPolicy(), max_concurrency, headers)
         self._outstanding: Counter[tuple[str, str]] = Counter()
         self._rotation = itertools.count()
@@ -61,14 +68,15 @@ class EPDClient:
         With a ``key`` (sample or conversation id) the unit is a stable function of the key
         and the set of ready units; without one, the unit with the fewest open sessions.
         Priming and generation through the yielded Session always hit the same unit,
-        which they must: the EC store is node-local.
+        which they must: the EC store is node-local. The session keeps the client's
+        ``weights_version`` of this moment, so a request is keyed alike from prime to generate.
         """
         model = self.endpoints.model(model_name)
         unit = self._choose(model, key)
         slot = (model.name, unit.name)
         self._outstanding[slot] += 1
         try:
-            yield Session(self._transport, model, unit)
+            yield Session(self._transport, model, unit, self.weights_version)
         finally:
             self._outstanding[slot] -= 1
 
@@ -79,6 +87,58 @@ class EPDClient:
         generate response JSON."""
         async with self.session(key, model_name=model_name) as session:
             return await session.generate(request)
+
+    def engines(self, model: str, role: str | None = None) -> tuple[Engine, ...]:
+        """Every engine of ``model`` (encoders included, router excluded) in every unit, or
+        only those of ``role`` (encoder, regular, prefill, decode)."""
+        return self.endpoints.engines(model, role)
+
+    async def pause(
+        self,
+        model: str,
+        *,
+        mode: Literal["abort", "wait", "keep"] = "abort",
+        clear_cache: bool = True,
+    ) -> None:
+        """``POST /pause`` on every engine of ``model``, encoders included, all at once (e.g.
+        before a weight update). ``mode`` and ``clear_cache`` are vLLM's: in-flight requests
+        are aborted, waited for or kept; caches are cleared. Engines answer only when run
+        with VLLM_SERVER_DEV_MODE=1. Raises EngineError naming every engine that failed."""
+        query = urlencode({"mode": mode, "clear_cache": "true" if clear_cache else "false"})
+        await self._on_every_engine(model, f"/pause?{query}")
+
+    async def resume(self, model: str) -> None:
+        """``POST /resume`` on every engine of ``model``, as ``pause``."""
+        await self._on_every_engine(model, "/resume")
+
+    async def _on_every_engine(self, model: str, path: str) -> None:
+        engines = self.engines(model)
+        reachable = [(e, e.url) for e in engines if e.url is not None]
+        if len(reachable) < len(engines):
+            # Checked before any call, so no engine is left paused while another never was.
+            unreachable = ", ".join(f"{e.unit}/{e.name}" for e in engines if e.url is None)
+            raise EndpointsError(
+                f"engines of model {model!r} without a URL (their pod has no IP yet): "
+                f"{unreachable}; retry once the units are scheduled"
+            )
+
+        async def call(engine: Engine, url: str) -> tuple[Engine, RequestError] | None:
+            try:
+                await self._transport.post((url,), path, None)
+            except RequestError as exc:
+                return engine, exc
+            return None
+
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(call(e, url)) for e, url in reachable]
+        failures = [f for f in (t.result() for t in tasks) if f is not None]
+        if failures:
+            raise EngineError(f"POST {path}", model, len(engines), failures)
+
+    async def _prime_on(self, model: ModelEndpoints, items: list[MediaItem]) -> None:
+        """Prime on the model's chosen unit, items keyed already."""
+        async with self.session(model_name=model.name) as session:
+            await _prime(self._transport, model.served_name, session.unit, items)
 
     def _choose(self, model: ModelEndpoints, key: str | None) -> Unit:
         ready = model.ready_units()
@@ -93,24 +153,36 @@ class EPDClient:
 class Session:
     """A model's unit, chosen once. Obtained from ``EPDClient.session``."""
 
-    def __init__(self, transport: Transport, model: ModelEndpoints, unit: Unit) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        model: ModelEndpoints,
+        unit: Unit,
+        weights_version: str | None = None,
+    ) -> None:
         self._transport = transport
         self.model = model
         self.unit = unit
+        self.weights_version = weights_version
 
     async def prime(self, messages: Iterable[Message]) -> None:
-        """Encode every image of ``messages`` on this unit's encoders (see prime_encoder)."""
-        await self._prime_parts(_image_parts(messages))
-
-    async def _prime_parts(self, images: list[Message]) -> None:
-        await _prime(self._transport, self.model.served_name, self.unit, images)
+        """Encode every media item of ``messages`` on this unit's encoders (see
+        prime_encoder). With a weights version, writes each part's key into ``messages``:
+        render them as they are afterwards."""
+        items = media_items(messages)
+        if self.weights_version is not None:
+            write_keys(items, self.weights_version)
+        await _prime(self._transport, self.model.served_name, self.unit, items)
 
     async def generate(self, request: Mapping[str, Any]) -> Any:
         """Prime, then ``/v1/chat/completions/render`` and ``/inference/v1/generate``
-        through the unit's router (or consumer). Text-only requests skip priming."""
+        through the unit's router (or consumer). Text-only requests skip priming.
+        ``request`` is not modified (with a weights version, a keyed copy is sent)."""
         entry = self.unit.entry_url
         if entry is None:
             raise EndpointsError(f"unit {self.unit.name!r} has no router or consumer URL")
+        if self.weights_version is not None and request.get("messages"):
+            request = {**request, "messages": copy_messages(request["messages"])}
         await self.prime(request.get("messages") or ())
         body = {"model": self.model.served_name, **request}
         rendered = await self._transport.post((entry,), _RENDER, body)
@@ -123,91 +195,115 @@ async def prime_encoder(
     messages: Iterable[Message],
     *,
     model_name: str = "default",
+    weights_version: str | None = None,
 ) -> None:
-    """Encode every image of ``messages`` on the encoders before render/generate.
+    """Encode every media item of ``messages`` on the encoders before render/generate.
 
-    One image-only ``/v1/chat/completions`` request per ``image_url`` part, all at once,
-    spread round-robin over the unit's encoders by image index (a retry moves to the next
-    encoder). Raises PrimeError naming the failed images and encoders once retries run out.
-    A no-op for text-only messages and for models without encoders.
+    Media items are the content parts of type ``image_url``, ``video_url``, ``audio_url``
+    (with a string ``url``) and ``input_audio`` (string ``data`` and ``format``). One
+    single-part ``/v1/chat/completions`` request per item, all at once, spread round-robin
+    over the unit's encoders by item index (a retry moves to the next encoder). Raises
+    PrimeError naming the failed items and encoders once retries run out.
 
-    ``target`` is a Vime args object (a model missing from it is a no-op, as in Vime), an
-    Endpoints or an EPDClient. Endpoints and EPDClient must give the model exactly one
-    unit, or priming and generation could land on different units: with several, use
-    ``EPDClient.session`` or ``EPDClient.generate``. Endpoints and Vime args get a
-    client for this call only; pass an EPDClient to keep connections across calls.
+    The model is chosen as Vime's ``prime_encoder`` chooses it, among the models that have
+    encoders: the one named ``model_name``; else, for ``"default"``, the only one. With a
+    Vime args object that is all: anything else is a no-op, as in Vime. Endpoints and
+    EPDClient know every model of the deployment, so there a model without encoders is a
+    no-op and a name that is no model at all (``"default"`` included, when zero or several
+    models have encoders) raises EndpointsError. Text-only messages are always a no-op.
+
+    With ``weights_version`` (for an EPDClient, default: its ``weights_version``) each
+    media part gets a ``uuid`` derived from its content and the version, written into
+    ``messages`` in place: render those same messages afterwards, so the consumers read the
+    embeddings of this version. A ``uuid`` the caller set is kept.
+
+    Endpoints and EPDClient must give the model exactly one unit, or priming and generation
+    could land on different units: with several, use ``EPDClient.session`` or
+    ``EPDClient.generate``. Endpoints and Vime args get a client for this call only; pass
+    an EPDClient to keep connections across calls.
     """
-    images = _image_parts(messages)
-    if not images:
+    items = media_items(messages)
+    if not items:
         return
     if isinstance(target, EPDClient):
-        await _prime_single_unit(target, model_name, images)
-        return
-    if isinstance(target, Endpoints):
-        endpoints = target
+        if weights_version is None:
+            weights_version = target.weights_version
+        model = _primed_model(target.endpoints, model_name)
+    elif isinstance(target, Endpoints):
+        model = _primed_model(target, model_name)
     else:
-        entry = target.vllm_model_encoder_endpoints.get(model_name)
-        if not entry or not entry[1]:
-            return
-        endpoints = Endpoints.from_vime_args(target)
-    async with EPDClient(endpoints) as client:
-        await _prime_single_unit(client, model_name, images)
-
-
-async def _prime_single_unit(client: EPDClient, model_name: str, images: list[Message]) -> None:
-    model = client.endpoints.model(model_name)
-    if not any(unit.encoder_urls for unit in model.units):
-        return  # not an EPD model
+        model = _vime_model(target, model_name)
+    # Keys go on every media part, primed or not: a model without encoders caches
+    # embeddings by the same key in its own engines.
+    if weights_version is not None:
+        write_keys(items, weights_version)
+    if model is None:
+        return
     if len(model.units) > 1:
         raise EndpointsError(
-            f"model {model_name!r} has {len(model.units)} units; prime and generate inside "
+            f"model {model.name!r} has {len(model.units)} units; prime and generate inside "
             "`async with client.session(key) as s` so both use the same unit"
         )
-    async with client.session(model_name=model_name) as session:
-        await session._prime_parts(images)
+    if isinstance(target, EPDClient):
+        await target._prime_on(model, items)
+        return
+    async with EPDClient(Endpoints((model,))) as client:
+        await client._prime_on(model, items)
 
 
-def _image_parts(messages: Iterable[Message]) -> list[Message]:
-    """Vime's rule: content parts of type image_url whose image_url.url is a string."""
-    images: list[Message] = []
-    for message in messages:
-        content = message.get("content")
-        if not isinstance(content, list):
-            continue
-        for part in content:
-            if not isinstance(part, Mapping) or part.get("type") != "image_url":
-                continue
-            image_url = part.get("image_url")
-            if isinstance(image_url, Mapping) and isinstance(image_url.get("url"), str):
-                images.append(part)
-    return images
+def _vime_model(args: VimeArgs, model_name: str) -> ModelEndpoints | None:
+    """Vime's own choice (vime/rollout/vllm_rollout.py, prime_encoder): the named entry of
+    ``vllm_model_encoder_endpoints``, else for "default" its only entry, else nothing."""
+    configured = getattr(args, "vllm_model_encoder_endpoints", None) or {}
+    name, entry = model_name, configured.get(model_name)
+    if entry is None and model_name == "default" and len(configured) == 1:
+        ((name, entry),) = configured.items()
+    if entry is None or not entry[1]:
+        return None
+    served, urls = entry
+    # Vime runs a model's encoders on one node: they form a single unit.
+    return ModelEndpoints(name, (Unit(name=name, encoder_urls=tuple(urls)),), served)
 
 
-async def _prime(transport: Transport, served_name: str, unit: Unit, images: list[Message]) -> None:
+def _primed_model(endpoints: Endpoints, model_name: str) -> ModelEndpoints | None:
+    """Vime's choice over the models that have encoders; None: a model without encoders."""
+    with_encoders = [m for m in endpoints.models if m.has_encoders]
+    for model in with_encoders:
+        if model.name == model_name:
+            return model
+    if model_name == "default" and len(with_encoders) == 1:
+        return with_encoders[0]
+    endpoints.model(model_name)  # raises for a name that is no model of the deployment
+    return None
+
+
+async def _prime(
+    transport: Transport, served_name: str, unit: Unit, items: list[MediaItem]
+) -> None:
     encoders = unit.encoder_urls
-    if not images or not encoders:
+    if not items or not encoders:
         return
 
-    async def prime_one(index: int, part: Message) -> ImageFailure | None:
+    async def prime_one(index: int, item: MediaItem) -> ImageFailure | None:
         body = {
             "model": served_name,
-            "messages": [{"role": "user", "content": [part]}],
+            "messages": [{"role": "user", "content": [item.part]}],
             "max_tokens": 1,
             "stream": False,
         }
         try:
             await transport.post(encoders, _CHAT, body, first=index)
         except RequestError as exc:
-            return ImageFailure(index, _short(part["image_url"]["url"]), exc.urls, exc)
+            return ImageFailure(index, _short(item.source), exc.urls, exc, item.kind)
         return None
 
-    # A failing image does not cancel the others, so the error can name every failure;
+    # A failing item does not cancel the others, so the error can name every failure;
     # cancelling the caller cancels all requests before this returns (TaskGroup).
     async with asyncio.TaskGroup() as group:
-        tasks = [group.create_task(prime_one(i, part)) for i, part in enumerate(images)]
+        tasks = [group.create_task(prime_one(i, item)) for i, item in enumerate(items)]
     failures = [f for f in (t.result() for t in tasks) if f is not None]
     if failures:
-        raise PrimeError(unit.name, len(images), failures)
+        raise PrimeError(unit.name, len(items), failures)
 
 
 def _short(url: str, limit: int = 80) -> str:

@@ -1,5 +1,5 @@
-"""Where a model's EPD units are: plain, immutable data, parsed from explicit URLs, a Vime
-args object or an EPDDeployment status."""
+"""Where a model's EPD units and engines are: plain, immutable data, parsed from explicit
+URLs, a Vime args object or an EPDDeployment status."""
 
 from __future__ import annotations
 
@@ -11,14 +11,37 @@ from typing import Any, Protocol
 from ._errors import EndpointsError, NoReadyUnitError
 
 
+ENCODER = "encoder"
+CONSUMER = "consumer"
+
+
 class VimeArgs(Protocol):
     """What Vime's rollout passes around: ``{model_name: (served model, [encoder URLs])}``."""
 
-    vllm_model_encoder_endpoints: Mapping[str, tuple[str, Sequence[str]]]
+    @property
+    def vllm_model_encoder_endpoints(self) -> Mapping[str, tuple[str, Sequence[str]]]: ...
 
 
 def _base_url(url: str) -> str:
     return url.rstrip("/")
+
+
+@dataclass(frozen=True)
+class Engine:
+    """One vLLM engine of a unit. The unit's router is not an engine: it holds no weights."""
+
+    unit: str
+    name: str
+    """The engine's container name, e.g. ``encoder-0``, ``prefill-0``."""
+    role: str
+    """``encoder``, ``regular``, ``prefill`` or ``decode``; ``consumer`` when only its URL is
+    known (a Unit built from URLs, or a status written before the operator listed engines)."""
+    url: str | None
+    """Base URL; None while the unit's pod has no IP."""
+
+    def __post_init__(self) -> None:
+        if self.url is not None:
+            object.__setattr__(self, "url", _base_url(self.url))
 
 
 @dataclass(frozen=True)
@@ -32,6 +55,10 @@ class Unit:
     ready: bool = True
     pod: str | None = None
     node: str | None = None
+    engines: tuple[Engine, ...] = ()
+    """Every engine as the status lists them, encoders first; empty for a status written
+    before the operator listed engines and for units built from URLs (``all_engines``
+    then derives them from the URLs)."""
 
     def __post_init__(self) -> None:
         # Accept any sequence and trailing slashes; paths are appended as "/v1/...".
@@ -39,6 +66,16 @@ class Unit:
         object.__setattr__(self, "consumer_urls", tuple(map(_base_url, self.consumer_urls)))
         if self.router_url is not None:
             object.__setattr__(self, "router_url", _base_url(self.router_url))
+        object.__setattr__(self, "engines", tuple(self.engines))
+
+    def all_engines(self) -> tuple[Engine, ...]:
+        """``engines``, else one per URL: role ``encoder`` or, as only the URL is known,
+        ``consumer``. Derived on each call, so a copy with other URLs lists those."""
+        return self.engines or tuple(
+            Engine(self.name, f"{role}-{i}", role, url)
+            for role, urls in ((ENCODER, self.encoder_urls), (CONSUMER, self.consumer_urls))
+            for i, url in enumerate(urls)
+        )
 
     @property
     def entry_url(self) -> str | None:
@@ -62,11 +99,22 @@ class ModelEndpoints:
         """The ``model`` field of requests sent to the engines."""
         return self.served_model_name or self.name
 
+    @property
+    def has_encoders(self) -> bool:
+        """Whether the model is served with encoder disaggregation (its images get primed)."""
+        return any(e.role == ENCODER for u in self.units for e in u.all_engines())
+
     def ready_units(self) -> tuple[Unit, ...]:
         ready = tuple(u for u in self.units if u.ready)
         if not ready:
             raise NoReadyUnitError(f"model {self.name!r} has no ready unit (of {len(self.units)})")
         return ready
+
+    def engines(self, role: str | None = None) -> tuple[Engine, ...]:
+        """Every engine of every unit (ready or not), or only those of ``role``."""
+        return tuple(
+            e for u in self.units for e in u.all_engines() if role is None or e.role == role
+        )
 
 
 @dataclass(frozen=True)
@@ -84,6 +132,11 @@ class Endpoints:
                 return model
         known = ", ".join(repr(m.name) for m in self.models) or "none"
         raise EndpointsError(f"unknown model {name!r} (known: {known})")
+
+    def engines(self, model: str, role: str | None = None) -> tuple[Engine, ...]:
+        """Every engine of ``model``, or only those of ``role``, e.g. for a trainer's weight
+        sync: ``Endpoints.from_status(status).engines("actor")`` needs no cluster access."""
+        return self.model(model).engines(role)
 
     @classmethod
     def from_urls(
@@ -133,6 +186,11 @@ def _model_from_status(model: Mapping[str, Any]) -> ModelEndpoints:
             ready=unit.get("ready") is True,
             pod=unit.get("pod"),
             node=unit.get("node"),
+            # Older statuses have no engine list: Unit.all_engines derives one from the URLs.
+            engines=tuple(
+                Engine(unit["name"], e["name"], e["role"], e.get("url"))
+                for e in unit.get("engines") or ()
+            ),
         )
         for unit in model.get("units") or ()
     )

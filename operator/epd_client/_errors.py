@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ._media import KINDS
+
+if TYPE_CHECKING:
+    from ._endpoints import Engine
 
 
 class EPDClientError(Exception):
@@ -47,31 +53,61 @@ class RequestError(EPDClientError):
 
 @dataclass(frozen=True)
 class ImageFailure:
-    """One image that could not be primed."""
+    """One media item (image, video or audio part) that could not be primed."""
 
     index: int
-    """Position of the image among all image parts of the messages (0-based)."""
+    """Position of the item among all media parts of the messages (0-based)."""
     url: str
-    """The image URL, shortened when long (base64 data URLs are)."""
+    """The URL (for input_audio, the data URL), shortened when long (base64 data URLs are)."""
     encoders: tuple[str, ...]
     """Encoder base URLs tried, in order."""
     error: RequestError
+    kind: str = "image_url"
+    """The part's type: image_url, video_url, audio_url or input_audio."""
 
 
 class PrimeError(EPDClientError):
-    """Some images could not be primed on the unit's encoders.
+    """Some media items could not be primed on the unit's encoders.
 
-    Raised instead of letting the consumer encode the images itself: a silent fallback
-    would hide a broken encoder behind slower rollouts.
+    Raised instead of letting the consumer encode them itself: a silent fallback would hide
+    a broken encoder behind slower rollouts.
     """
 
     def __init__(self, unit: str, total: int, failures: Sequence[ImageFailure]) -> None:
         self.unit = unit
         self.failures = tuple(failures)
         details = "; ".join(
-            f"image {f.index} ({f.url}) via {', '.join(f.encoders)}: {f.error.reason}"
+            f"{KINDS.get(f.kind, f.kind)} {f.index} ({f.url}) via {', '.join(f.encoders)}: "
+            f"{f.error.reason}"
             for f in self.failures
         )
         super().__init__(
-            f"{len(self.failures)} of {total} image(s) failed to prime on unit {unit!r}: {details}"
+            f"{len(self.failures)} of {total} media item(s) failed to prime on unit {unit!r}: "
+            f"{details}"
+        )
+
+
+class EngineError(EPDClientError):
+    """A call that must reach every engine of a model (``EPDClient.pause``/``resume``)
+    failed on some of them; ``failures`` pairs each such engine with its RequestError."""
+
+    def __init__(
+        self, call: str, model: str, total: int, failures: Sequence[tuple[Engine, RequestError]]
+    ) -> None:
+        self.call = call
+        self.model = model
+        self.failures = tuple(failures)
+        details = "; ".join(
+            f"{engine.unit}/{engine.name} ({engine.url}): {error.reason}"
+            for engine, error in self.failures
+        )
+        hint = ""
+        if any(error.status_code == 404 for _, error in self.failures):
+            hint = (
+                " (vLLM serves /pause and /resume only with VLLM_SERVER_DEV_MODE=1 in the "
+                "engines' environment: set serverDevMode: true in the EPDDeployment's spec)"
+            )
+        super().__init__(
+            f"{call} failed on {len(self.failures)} of {total} engine(s) of model {model!r}: "
+            f"{details}{hint}"
         )

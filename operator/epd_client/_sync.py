@@ -7,8 +7,9 @@ import asyncio
 from collections.abc import Callable, Coroutine, Iterable, Mapping
 from typing import Any, TypeVar
 
-from ._client import EPDClient, Message, prime_encoder
+from ._client import EPDClient, prime_encoder
 from ._endpoints import Endpoints, VimeArgs
+from ._media import Message
 from ._retry import RetryPolicy
 
 T = TypeVar("T")
@@ -19,9 +20,14 @@ def prime_encoder_sync(
     messages: Iterable[Message],
     *,
     model_name: str = "default",
+    weights_version: str | None = None,
 ) -> None:
     """Blocking ``prime_encoder``."""
-    _run(lambda: prime_encoder(target, messages, model_name=model_name))
+    _run(
+        lambda: prime_encoder(
+            target, messages, model_name=model_name, weights_version=weights_version
+        )
+    )
 
 
 def generate_sync(

@@ -263,3 +263,59 @@ async def _until(condition, timeout: float = 5.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         await asyncio.sleep(0.01)
+
+
+def every_kind() -> list[dict]:
+    """One media part of each kind the encoders compute, between text parts."""
+    return [
+        {"role": "user", "content": [
+            {"type": "text", "text": "what happens here?"},
+            {"type": "image_url", "image_url": {"url": "https://media.test/a.png"}},
+            {"type": "video_url", "video_url": {"url": "https://media.test/b.mp4"}},
+        ]},
+        {"role": "user", "content": [
+            {"type": "audio_url", "audio_url": {"url": "https://media.test/c.wav"}},
+            {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
+            {"type": "image_url", "image_url": {"url": "https://media.test/e.png"}},
+        ]},
+    ]
+
+
+async def test_every_media_kind_is_primed_like_images(server) -> None:
+    encoders = [server(delay=0.3), server(delay=0.3)]
+    messages = every_kind()
+    parts = [p for m in messages for p in m["content"] if p["type"] != "text"]
+    async with client_for([e.url for e in encoders]) as client:
+        await prime_encoder(client, messages)
+
+    # One single-part request per item, round-robin by position across kinds and messages.
+    for i, part in enumerate(parts):
+        (record,) = [
+            r for r in encoders[i % 2].records if r.body["messages"][0]["content"] == [part]
+        ]
+        assert record.body == {
+            "model": "served",
+            "messages": [{"role": "user", "content": [part]}],
+            "max_tokens": 1,
+            "stream": False,
+        }
+    records = encoders[0].records + encoders[1].records
+    assert len(records) == 5
+    await _until(lambda: all(r.finished for r in records))  # stamped just after the answer
+    assert max(r.started for r in records) < min(r.finished for r in records)
+
+
+async def test_failed_media_are_named_by_kind(server, proxy) -> None:
+    fronts = [proxy(server().url), proxy(server().url)]
+    fronts[1].add(http_status(400), times=None)  # items 1 and 3: the video and input_audio
+    async with client_for([f.url for f in fronts]) as client:
+        with pytest.raises(PrimeError) as caught:
+            await prime_encoder(client, every_kind())
+    error = caught.value
+    assert [(f.index, f.kind, f.url) for f in error.failures] == [
+        (1, "video_url", "https://media.test/b.mp4"),
+        (3, "input_audio", "data:audio/wav;base64,UklGRg=="),
+    ]
+    assert "2 of 5 media item(s)" in str(error)
+    assert "video 1 (https://media.test/b.mp4)" in str(error)
+    assert "audio 3 (data:audio/wav;base64,UklGRg==)" in str(error)

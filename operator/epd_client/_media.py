@@ -1,0 +1,96 @@
+"""The media parts of chat messages that encoders compute, and their weight-version keys."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterable, Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+Message = Mapping[str, Any]
+
+# Part type -> the noun error messages use.
+KINDS = {"image_url": "image", "video_url": "video", "audio_url": "audio", "input_audio": "audio"}
+
+# Keys this library writes: recognised so that a reused message gets the key of the current
+# version, while a uuid the caller chose is left alone.
+_OWN_KEY = re.compile(r"epd-[0-9a-f]{32}")
+
+
+@dataclass(frozen=True)
+class MediaItem:
+    part: Message
+    kind: str
+    """The part's type: image_url, video_url, audio_url or input_audio."""
+    source: str
+    """The URL, or for input_audio the data URL vLLM builds from it."""
+
+
+def media_items(messages: Iterable[Message]) -> list[MediaItem]:
+    """Vime's image rule for every kind: a content part of that type whose ``<type>.url`` is a
+    string (input_audio: string ``data`` and ``format``), in message order."""
+    items: list[MediaItem] = []
+    for message in messages:
+        content = message.get("content")
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            if isinstance(part, Mapping) and (source := _source(part)) is not None:
+                items.append(MediaItem(part, part["type"], source))
+    return items
+
+
+def _source(part: Message) -> str | None:
+    kind = part.get("type")
+    if kind not in KINDS:
+        return None
+    value = part.get(kind)
+    if not isinstance(value, Mapping):
+        return None
+    if kind == "input_audio":
+        data, fmt = value.get("data"), value.get("format")
+        if isinstance(data, str) and isinstance(fmt, str):
+            return f"data:audio/{fmt};base64,{data}"
+        return None
+    url = value.get("url")
+    return url if isinstance(url, str) else None
+
+
+def media_key(item: MediaItem, weights_version: str) -> str:
+    """A store key stable for (content, kind, version) and different for any other: vLLM keys
+    the EC store and its caches by a part's ``uuid`` when one is given, instead of by the
+    content alone, which stays the same when the weights change."""
+    digest = hashlib.blake2b(digest_size=16)
+    for field in (weights_version, item.kind, item.source):
+        data = field.encode()
+        digest.update(len(data).to_bytes(8, "little") + data)  # unambiguous concatenation
+    return f"epd-{digest.hexdigest()}"
+
+
+def write_keys(items: Iterable[MediaItem], weights_version: str) -> None:
+    """Set each part's ``uuid`` in place to its key for ``weights_version``; a uuid that is
+    not one of ours (the caller's own) is kept."""
+    for item in items:
+        current = item.part.get("uuid")
+        if current is not None and not _OWN_KEY.fullmatch(str(current)):
+            continue
+        if not isinstance(item.part, MutableMapping):
+            raise TypeError(
+                f"cannot write the weights-version key into a {type(item.part).__name__} "
+                "content part: pass the messages as plain dicts"
+            )
+        item.part["uuid"] = media_key(item, weights_version)
+
+
+def copy_messages(messages: Iterable[Message]) -> list[dict[str, Any]]:
+    """Copies of the messages and of their content parts, so keys can be written into the
+    copy (the nested url/data objects are shared: keys never touch them)."""
+    copied = []
+    for message in messages:
+        message = dict(message)
+        content = message.get("content")
+        if isinstance(content, list):
+            message["content"] = [dict(p) if isinstance(p, Mapping) else p for p in content]
+        copied.append(message)
+    return copied

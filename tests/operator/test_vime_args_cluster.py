@@ -1,0 +1,101 @@
+"""The client reads Vime's rollout arguments and every engine of a model from the live status
+the operator wrote (issues #22 and #15)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from epd_client import (
+    Endpoints,
+    EndpointsError,
+    Engine,
+    EPDClient,
+    VimeRolloutArgs,
+    discover,
+    vime_args,
+)
+
+from .test_reconcile import EXAMPLES, apply, wait_condition
+
+pytestmark = pytest.mark.cluster
+
+NAME = "rl-rollout"
+
+
+def unit_pods(cluster, namespace: str) -> dict[str, dict]:
+    out = cluster.kubectl("get", "pods", "-n", namespace, "-l", f"epd.vime.dev/deployment={NAME}",
+                          "-o", "json")
+    return {p["metadata"]["name"]: p for p in json.loads(out.stdout)["items"]}
+
+
+def engine_containers(pod: dict) -> list[tuple[str, str]]:
+    """(container name, URL) of each vLLM engine of a unit pod, encoders (sidecars) first."""
+    ip, spec = pod["status"]["podIP"], pod["spec"]
+    return [(c["name"], f"http://{ip}:{c['ports'][0]['containerPort']}")
+            for c in [*spec.get("initContainers", []), *spec["containers"]]
+            if c.get("command") == ["vllm", "serve"]]
+
+
+def port_of(pod: dict, container: str) -> int:
+    (c,) = [c for c in pod["spec"]["containers"] if c["name"] == container]
+    return c["ports"][0]["containerPort"]
+
+
+@pytest.fixture
+def deployment(cluster, namespace, epd_operator) -> tuple[dict, dict[str, dict]]:
+    """multi-model-overrides.yaml, Ready: an actor (2 encoders, 2 regular engines, a router)
+    with two units and a text-only reward model (one engine, no router) with two."""
+    manifest = yaml.safe_load((EXAMPLES / "multi-model-overrides.yaml").read_text())
+    # The test cluster has no model-cache claim; the pods need only be scheduled.
+    del manifest["spec"]["volumes"], manifest["spec"]["volumeMounts"]
+    apply(cluster, namespace, manifest)
+    obj = wait_condition(cluster, namespace, NAME, "Ready", "True", timeout=120)
+    return obj["status"], unit_pods(cluster, namespace)
+
+
+def test_vime_args_from_the_live_status(cluster, namespace, deployment):
+    status, pods = deployment
+    actor, reward = pods[f"{NAME}-actor-1"], pods[f"{NAME}-reward-0"]
+    chosen = {"actor": f"{NAME}-actor-1", "reward": f"{NAME}-reward-0"}
+
+    args = vime_args(status, units=chosen)
+
+    actor_ip, reward_ip = actor["status"]["podIP"], reward["status"]["podIP"]
+    router = (actor_ip, port_of(actor, "router"))
+    assert args == VimeRolloutArgs(
+        vllm_model_encoder_endpoints={
+            "actor": ("actor", [url for name, url in engine_containers(actor) if name.startswith("encoder-")]),
+        },
+        vllm_model_routers={"actor": router, "reward": (reward_ip, port_of(reward, "regular-0"))},
+        vllm_router_ip=router[0],  # no model is named "default": the first model's router
+        vllm_router_port=router[1],
+    )
+    assert len(args.vllm_model_encoder_endpoints["actor"][1]) == 2
+    assert vime_args(discover(NAME, namespace, kubeconfig=str(cluster.kubeconfig)), units=chosen) == args
+    with pytest.raises(EndpointsError, match=rf"'actor' has 2 units \({NAME}-actor-0, {NAME}-actor-1\)"):
+        vime_args(status)
+
+
+def test_every_engine_of_a_model_from_the_live_status(deployment):
+    status, pods = deployment
+    endpoints = Endpoints.from_status(status)
+    # Statuses written before the operator listed engines give consumers as "consumer".
+    listed = all("engines" in u for m in status["models"] for u in m["units"])
+
+    for model in ("actor", "reward"):
+        expected = []
+        for unit in endpoints.model(model).units:
+            consumers = 0
+            for name, url in engine_containers(pods[unit.pod]):
+                role = name.rsplit("-", 1)[0]
+                if role != "encoder" and not listed:
+                    name, role, consumers = f"consumer-{consumers}", "consumer", consumers + 1
+                expected.append(Engine(unit.name, name, role, url))
+        assert endpoints.engines(model) == tuple(expected)
+
+    assert len(endpoints.engines("actor")) == 8  # 2 units x (2 encoders + 2 regular engines)
+    assert len(EPDClient(endpoints).engines("actor", "encoder")) == 4
+    assert EPDClient(endpoints).engines("reward", "encoder") == ()
