@@ -272,7 +272,19 @@ class EPDDeploymentSpec(Schema):
         pattern=r"^v?[0-9]+\.[0-9]+(\.[0-9]+)?([.+-].*)?$",
         description="vLLM version (selects argument templates); default: parsed from the image tag.",
     )
-    replicas: int = Field(default=1, ge=0, le=1000, description="EPD units per model (one pod each).")
+    replicas: int = Field(
+        default=1, ge=0, le=1000,
+        description="EPD units per model (one pod each). The scale subresource: `kubectl scale`, HPA, KEDA.",
+    )
+    max_unavailable: int | str = Field(
+        default=1,
+        description=(
+            "Units of a model that may be unavailable at once, as a number (1 or more) or a percentage "
+            "of replicas ('25%'): the PodDisruptionBudget of the model's units, and the StatefulSet's "
+            "rolling update (above 1 only where the MaxUnavailableStatefulSet feature gate is on; "
+            "elsewhere units roll one at a time)."
+        ),
+    )
     models: list[ModelSpec] = Field(min_length=1, max_length=16, description="Served models.")
     ec_connector: ECConnector = Field(default_factory=ECConnector, description="EC connector.")
     ec_storage: ECStorage = Field(default_factory=ECStorage, description="EC store bounds.")
@@ -351,6 +363,7 @@ class ModelStatus(Schema):
     ec_storage_path: str | None = None
     ec_storage_max_bytes: int | None = None
     ready_units: int = 0
+    updated_units: int = Field(default=0, description="Units running the current spec's pod template.")
     units: list[UnitStatus] = Field(default_factory=list)
 
 
@@ -360,6 +373,11 @@ class EPDDeploymentStatus(Schema):
     observed_generation: int | None = None
     phase: str | None = None
     ready: str | None = Field(default=None, description="Ready units / desired units, e.g. 2/2.")
+    updated: str | None = Field(default=None, description="Units on the current spec / desired units, e.g. 1/2.")
+    replicas: int | None = Field(
+        default=None, description="Units per model that exist (the fewest over the models): the scale subresource's."
+    )
+    selector: str | None = Field(default=None, description="Label selector of the unit pods (scale subresource).")
     model_count: int | None = None
     conditions: list[Condition] = Field(default_factory=list)
     models: list[ModelStatus] = Field(default_factory=list)

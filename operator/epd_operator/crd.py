@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 from . import api
-from .validation import LAYOUT_RULES, SUPPORTED_VLLM_VERSIONS
+from .validation import LAYOUT_RULES, MAX_UNAVAILABLE_PERCENT, SUPPORTED_VLLM_VERSIONS
 
 CRD_FILE = "crds/epddeployments.epd.vime.dev.yaml"
 
@@ -109,7 +109,13 @@ def _add_cel_rules(spec: dict[str, Any]) -> None:
             f": self.image.matches(':v?0\\\\.({minors})([.+-][^/:@]*)?(@.*)?$')",
             "message": f"unsupported or unknown vLLM version: set spec.vllmVersion to one of {supported}, "
             "or use an image tagged with one of them",
-        }
+        },
+        {
+            "rule": "!has(self.maxUnavailable) || (type(self.maxUnavailable) == int ? self.maxUnavailable >= 1 "
+            f": string(self.maxUnavailable).matches('{MAX_UNAVAILABLE_PERCENT}'))",
+            "message": "spec.maxUnavailable must be a unit count of 1 or more, or a percentage from 1% to 100%",
+            "fieldPath": ".maxUnavailable",
+        },
     ]
     models = spec["properties"]["models"]
     models["x-kubernetes-list-type"] = "map"
@@ -167,9 +173,18 @@ def build_crd() -> dict[str, Any]:
                     "name": api.VERSION,
                     "served": True,
                     "storage": True,
-                    "subresources": {"status": {}},
+                    "subresources": {
+                        "status": {},
+                        # kubectl scale, HorizontalPodAutoscaler and KEDA scale the units per model.
+                        "scale": {
+                            "specReplicasPath": ".spec.replicas",
+                            "statusReplicasPath": ".status.replicas",
+                            "labelSelectorPath": ".status.selector",
+                        },
+                    },
                     "additionalPrinterColumns": [
                         {"name": "Ready", "type": "string", "jsonPath": ".status.ready"},
+                        {"name": "Updated", "type": "string", "jsonPath": ".status.updated", "priority": 1},
                         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
                         {"name": "Models", "type": "integer", "jsonPath": ".status.modelCount"},
                         {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas"},

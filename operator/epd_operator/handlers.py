@@ -13,6 +13,7 @@ import kopf
 from . import api
 from .reconciler import Indexes
 from .resources import ANNOTATION_SPEC_HASH, FIELD_MANAGER, LABEL_DEPLOYMENT, LABEL_MANAGED_BY
+from .status import REVISION_LABEL, StatefulSetSummary
 
 EPD = (api.GROUP, api.VERSION, api.PLURAL)
 OURS = {LABEL_MANAGED_BY: FIELD_MANAGER}
@@ -46,8 +47,8 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 
 @kopf.on.startup()
 async def keep_indexes(memo: kopf.Memo, deployments: kopf.Index, unit_sets: kopf.Index, unit_services: kopf.Index,
-                       unit_pods: kopf.Index, **_: Any) -> None:
-    memo.reconciler.watch(Indexes(deployments, unit_sets, unit_services, unit_pods))
+                       unit_pods: kopf.Index, unit_budgets: kopf.Index, **_: Any) -> None:
+    memo.reconciler.watch(Indexes(deployments, unit_sets, unit_services, unit_pods, unit_budgets))
 
 
 @kopf.on.cleanup()
@@ -70,7 +71,8 @@ def _pod_summary(body: kopf.Body) -> dict[str, Any]:
 
     return {
         "name": body.metadata.name,
-        "metadata": {"deletionTimestamp": body.metadata.get("deletionTimestamp")},
+        "metadata": {"deletionTimestamp": body.metadata.get("deletionTimestamp"),
+                     "labels": {REVISION_LABEL: body.metadata.labels.get(REVISION_LABEL)}},
         "spec": {"nodeName": body.spec.get("nodeName")},
         "status": {
             "phase": status.get("phase"),
@@ -91,16 +93,25 @@ async def unit_pods(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: A
 @kopf.index("statefulsets", labels=OURS)
 async def unit_sets(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[Any, Any]:
     status, spec, meta = body.status, body.spec, body.metadata
-    rolled_out = (
-        status.get("observedGeneration") == meta.get("generation")
-        and status.get("updatedReplicas", 0) == spec.get("replicas", 1)
-        and status.get("currentRevision") == status.get("updateRevision")
+    summary = StatefulSetSummary(
+        name=meta.name,
+        spec_hash=meta.annotations.get(ANNOTATION_SPEC_HASH),
+        observed=status.get("observedGeneration") == meta.get("generation"),
+        replicas=spec.get("replicas", 1),
+        updated_replicas=status.get("updatedReplicas", 0),
+        current_revision=status.get("currentRevision"),
+        update_revision=status.get("updateRevision"),
     )
-    return {(namespace, labels[LABEL_DEPLOYMENT]): (meta.name, meta.annotations.get(ANNOTATION_SPEC_HASH), rolled_out)}
+    return {(namespace, labels[LABEL_DEPLOYMENT]): summary}
 
 
 @kopf.index("services", labels=OURS)
 async def unit_services(namespace: str, labels: kopf.Labels, meta: kopf.Meta, **_: Any) -> dict[Any, Any]:
+    return {(namespace, labels[LABEL_DEPLOYMENT]): (meta.name, meta.annotations.get(ANNOTATION_SPEC_HASH))}
+
+
+@kopf.index("policy", "v1", "poddisruptionbudgets", labels=OURS)
+async def unit_budgets(namespace: str, labels: kopf.Labels, meta: kopf.Meta, **_: Any) -> dict[Any, Any]:
     return {(namespace, labels[LABEL_DEPLOYMENT]): (meta.name, meta.annotations.get(ANNOTATION_SPEC_HASH))}
 
 
@@ -129,6 +140,7 @@ async def pod_changed(memo: kopf.Memo, namespace: str, labels: kopf.Labels, **_:
 
 @kopf.on.event("statefulsets", labels=OURS)
 @kopf.on.event("services", labels=OURS)
+@kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=OURS)
 async def child_changed(memo: kopf.Memo, namespace: str, labels: kopf.Labels, **_: Any) -> None:
     # Also when one was deleted: the reconcile finds it missing from the index and re-creates it.
     memo.reconciler.enqueue((namespace, labels[LABEL_DEPLOYMENT]))

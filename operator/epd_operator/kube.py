@@ -18,9 +18,11 @@ import kopf
 from . import api
 from .resources import FIELD_MANAGER
 
-_PATHS = {
-    ("apps/v1", "StatefulSet"): "/apis/apps/v1/namespaces/{ns}/statefulsets",
-    ("v1", "Service"): "/api/v1/namespaces/{ns}/services",
+# The kinds of children the operator writes: their collection paths.
+CHILD_KINDS = {
+    "StatefulSet": "/apis/apps/v1/namespaces/{ns}/statefulsets",
+    "Service": "/api/v1/namespaces/{ns}/services",
+    "PodDisruptionBudget": "/apis/policy/v1/namespaces/{ns}/poddisruptionbudgets",
 }
 
 
@@ -61,12 +63,12 @@ class Kube:
 
     async def apply(self, obj: dict[str, Any]) -> None:
         """Server-side apply with our field manager, forcing ownership of the fields we set."""
-        collection = _PATHS[(obj["apiVersion"], obj["kind"])].format(ns=obj["metadata"]["namespace"])
+        collection = CHILD_KINDS[obj["kind"]].format(ns=obj["metadata"]["namespace"])
         await self._call("PATCH", f"{collection}/{obj['metadata']['name']}", obj, "application/apply-patch+yaml",
                          params={"fieldManager": FIELD_MANAGER, "force": "true"})
 
-    async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
-        collection = _PATHS[(api_version, kind)].format(ns=namespace)
+    async def delete(self, kind: str, namespace: str, name: str) -> None:
+        collection = CHILD_KINDS[kind].format(ns=namespace)
         try:
             await self._call("DELETE", f"{collection}/{name}", {"propagationPolicy": "Background"},
                              "application/json")

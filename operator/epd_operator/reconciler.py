@@ -42,14 +42,20 @@ def post_warning(body: Any, reason: str, message: str) -> None:
     kopf.warn(body, reason=reason, message=message)
 
 
+def post_normal(body: Any, reason: str, message: str) -> None:
+    """A Normal Event on `body`: the milestones `kubectl describe` tells (rollouts)."""
+    kopf.event(body, type="Normal", reason=reason, message=message)
+
+
 @dataclasses.dataclass(frozen=True)
 class Indexes:
     """kopf's live indexes, each keyed by (namespace, EPDDeployment name); see handlers.py."""
 
     deployments: Mapping[Key, Any]  # slim EPDDeployment bodies
-    unit_sets: Mapping[Key, Any]  # (name, spec hash, rolled out) of each StatefulSet
+    unit_sets: Mapping[Key, Any]  # a StatefulSetSummary of each StatefulSet
     unit_services: Mapping[Key, Any]  # (name, spec hash) of each Service
     unit_pods: Mapping[Key, Any]  # slim pod summaries
+    unit_budgets: Mapping[Key, Any] = dataclasses.field(default_factory=dict)  # (name, spec hash) of each PDB
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,13 +71,15 @@ class Reconciler:
     """`kube` and `warn` are injectable (tests record them); by default the API client is made
     from kopf's credentials at login and Events are posted through kopf."""
 
-    def __init__(self, settings: Settings, *, kube: Kube | None = None, warn: Warn = post_warning) -> None:
+    def __init__(self, settings: Settings, *, kube: Kube | None = None, warn: Warn = post_warning,
+                 inform: Warn = post_normal) -> None:
         self.settings = settings
         self.metrics = OperatorMetrics()
         self._kube = kube
         self._owns_kube = kube is None
         self._connection: kopf.ConnectionInfo | None = None
         self._warn = warn
+        self._inform = inform
         self._indexes: Indexes | None = None
         self._queue: WorkQueue | None = None
         self._plans: collections.OrderedDict[tuple[Any, ...], Planned | SpecError] = collections.OrderedDict()
@@ -214,8 +222,9 @@ class Reconciler:
         indexes = self._require_indexes()
         key = (body.metadata.namespace, body.metadata.name)
         existing = {
-            **{("StatefulSet", name): digest for name, digest, _rolled_out in indexes.unit_sets.get(key, [])},
+            **{("StatefulSet", s.name): s.spec_hash for s in indexes.unit_sets.get(key, [])},
             **{("Service", name): digest for name, digest in indexes.unit_services.get(key, [])},
+            **{("PodDisruptionBudget", name): digest for name, digest in indexes.unit_budgets.get(key, [])},
         }
         # Level-based, but cheap: children already carrying their exact desired state are left
         # alone, and are not even built again when the remembered hashes show that.
@@ -223,17 +232,16 @@ class Reconciler:
         if stale:
             await asyncio.gather(*(self.kube.apply(c) for c in self.desired(body, planned) if _ref(c) in stale))
         for kind, name in existing.keys() - planned.digests.keys():  # a model removed from the spec
-            await self.kube.delete("apps/v1" if kind == "StatefulSet" else "v1", kind, key[0], name)
+            await self.kube.delete(kind, key[0], name)
 
     async def write_status(self, body: kopf.Body, planned: Planned) -> None:
         indexes = self._require_indexes()
         namespace, name = body.metadata.namespace, body.metadata.name
         pods = {p["name"]: p for p in indexes.unit_pods.get((namespace, name), [])}
-        sets = list(indexes.unit_sets.get((namespace, name), []))
-        rolled_out = len(sets) >= len(planned.plans) and all(done for _n, _d, done in sets)
+        sets = {s.name: s for s in indexes.unit_sets.get((namespace, name), [])}
         previous = dict(body.status)
         status = compute_status(
-            deployment=name, spec=planned.spec, plans=planned.plans, pods=pods, rolled_out=rolled_out,
+            deployment=name, spec=planned.spec, plans=planned.plans, pods=pods, unit_sets=sets,
             generation=body.metadata.get("generation"), previous=previous, now=_now(),
             evictions=self.scraper.evictions((namespace, name)),
         )
@@ -243,7 +251,20 @@ class Reconciler:
         budget = _condition(status, "ECBudgetSufficient")
         if budget["status"] == "False" and _condition(previous, "ECBudgetSufficient").get("message") != budget["message"]:
             self._warn(body, "ECBudgetTooSmall", budget["message"])
+        self._tell_the_rollout(body, previous, status)
         await self.kube.patch_status(namespace, name, status)
+
+    def _tell_the_rollout(self, body: kopf.Body, previous: dict[str, Any], status: dict[str, Any]) -> None:
+        """Events at a rollout's milestones, so `kubectl describe` tells its story."""
+        before, now = _condition(previous, "Progressing"), _condition(status, "Progressing")
+        generation = body.metadata.get("generation")
+        if now["reason"] == "RollingOut" and before.get("reason") != "RollingOut" and previous.get("models"):
+            self._inform(body, "RolloutStarted", f"rolling out generation {generation}: {now['message']}")
+        elif before.get("reason") == "RollingOut" and now["reason"] != "RollingOut":
+            self._inform(body, "RolloutComplete", f"generation {generation}: every unit runs the current spec")
+        degraded = _condition(status, "Degraded")
+        if degraded["reason"] == "RolloutStalled" and _condition(previous, "Degraded").get("reason") != "RolloutStalled":
+            self._warn(body, "RolloutStalled", degraded["message"])
 
     async def _report_invalid(self, body: kopf.Body, error: SpecError) -> None:
         namespace, name = body.metadata.namespace, body.metadata.name

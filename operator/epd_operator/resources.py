@@ -49,6 +49,11 @@ def selector_labels(deployment: str, model: str) -> dict[str, str]:
     return {LABEL_DEPLOYMENT: deployment, LABEL_MODEL: model}
 
 
+def unit_pod_selector(deployment: str) -> str:
+    """Every unit pod of the deployment, as a label selector string (the scale subresource's)."""
+    return f"{LABEL_DEPLOYMENT}={deployment},{LABEL_COMPONENT}=unit"
+
+
 def common_labels(deployment: str, model: str, role: str) -> dict[str, str]:
     return {
         LABEL_NAME: "epd",
@@ -219,7 +224,29 @@ def statefulset(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPlan, o
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": selector_labels(deployment, plan.name)},
             "template": pod_template(spec, deployment, plan, operator_image),
-            "updateStrategy": {"type": "RollingUpdate"},
+            # One unit at a time by default: an updated unit must be Ready before the next is
+            # replaced, so a bad revision stops after its first unit. maxUnavailable above 1 is
+            # honoured where the MaxUnavailableStatefulSet feature gate is on.
+            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": spec.max_unavailable}},
+        },
+    }
+
+
+def pod_disruption_budget(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPlan) -> dict[str, Any]:
+    """Voluntary disruptions (drains, evictions) take at most maxUnavailable of the model's units."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {
+            "name": child_name(deployment, plan.name, limit=63),
+            "labels": common_labels(deployment, plan.name, "unit"),
+        },
+        "spec": {
+            "maxUnavailable": spec.max_unavailable,
+            "selector": {"matchLabels": selector_labels(deployment, plan.name)},
+            # A unit that is not Ready (loading its model, or broken) may be evicted even when the
+            # budget is spent: waiting for it would block a drain for nothing.
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
         },
     }
 
@@ -265,9 +292,11 @@ def services(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPlan) -> l
 def desired_children(
     spec: api.EPDDeploymentSpec, deployment: str, plans: list[ModelPlan], operator_image: str
 ) -> list[dict[str, Any]]:
-    """Per model: its units' StatefulSet and two Services. `operator_image` runs the janitors."""
+    """Per model: its units' StatefulSet, two Services and a PodDisruptionBudget. `operator_image`
+    runs the janitors."""
     children = []
     for plan in plans:
         children.append(statefulset(spec, deployment, plan, operator_image))
         children.extend(services(spec, deployment, plan))
+        children.append(pod_disruption_budget(spec, deployment, plan))
     return children

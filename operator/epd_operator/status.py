@@ -14,9 +14,29 @@ from typing import Any
 from . import api
 from .ec.budget import budget_warning, effective_max_bytes
 from .render import ModelPlan
-from .resources import child_name
+from .resources import child_name, unit_pod_selector
 
 Pod = dict[str, Any]
+# The StatefulSet controller labels each pod with the revision of the template it was made from.
+REVISION_LABEL = "controller-revision-hash"
+
+
+@dataclass(frozen=True)
+class StatefulSetSummary:
+    """What status needs of a unit StatefulSet (the operator's index keeps only this)."""
+
+    name: str
+    spec_hash: str | None  # the operator's annotation: the desired state it was applied from
+    observed: bool  # status.observedGeneration == metadata.generation
+    replicas: int
+    updated_replicas: int
+    current_revision: str | None
+    update_revision: str | None
+
+    @property
+    def rolled_out(self) -> bool:
+        return (self.observed and self.updated_replicas == self.replicas
+                and self.current_revision == self.update_revision)
 
 
 @dataclass(frozen=True)
@@ -30,6 +50,7 @@ class Unit:
     reason: str
     message: str
     status: api.UnitStatus
+    revision: str | None = None  # of the pod's template (None while there is no pod)
 
 
 def _condition(pod: Pod, kind: str) -> dict[str, Any]:
@@ -96,10 +117,13 @@ def observe_unit(plan: ModelPlan, unit_name: str, pod: Pod | None, ec_evictions:
         engines=[api.EngineStatus(name=e.container_name, role=e.worker_type, url=url(e.port)) for e in plan.engines],
         ec_evictions=ec_evictions,
     )
-    starting = reason in ("EncoderStarting", "EngineStarting", "PodNotReady") or (
+    # A unit being replaced (Terminating) is progress too, as during every rollout.
+    starting = reason in ("EncoderStarting", "EngineStarting", "PodNotReady", "Terminating") or (
         scheduled.get("status") == "False" and reason != "Unschedulable"
     )
-    return Unit(unit_name, plan.name, True, is_ready, starting, not unready_encoders, reason, message, status)
+    revision = (pod.get("metadata", {}).get("labels") or {}).get(REVISION_LABEL)
+    return Unit(unit_name, plan.name, True, is_ready, starting, not unready_encoders, reason, message, status,
+                revision)
 
 
 def unit_names(deployment: str, plan: ModelPlan, replicas: int) -> list[str]:
@@ -146,21 +170,36 @@ def compute_status(
     spec: api.EPDDeploymentSpec,
     plans: list[ModelPlan],
     pods: dict[str, Pod],
-    rolled_out: bool,
+    unit_sets: Mapping[str, StatefulSetSummary],
     generation: int | None,
     previous: dict[str, Any] | None,
     now: str,
     evictions: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
-    """The full status from the pods of this deployment (by name) and whether every
-    StatefulSet has finished rolling out its current revision; `evictions`: budget evictions
-    by unit name, for the units whose janitor the operator scraped."""
+    """The full status from the pods of this deployment and its unit StatefulSets (each by
+    name); `evictions`: budget evictions by unit name, for the units whose janitor the operator
+    scraped."""
     models: list[api.ModelStatus] = []
     units: list[Unit] = []
+    stalled: list[Unit] = []  # updated units that will not become Ready: their rollout waits on them
+    updated_total = 0
+    rolled_out = True
+    existing_per_model = []
     for plan in plans:
         observed = [observe_unit(plan, n, pods.get(n), (evictions or {}).get(n))
                     for n in unit_names(deployment, plan, spec.replicas)]
         units += observed
+        existing_per_model.append(sum(u.exists for u in observed))
+        unit_set = unit_sets.get(child_name(deployment, plan.name))
+        # Until the StatefulSet controller has seen the current template, its counts are the old one's.
+        current = unit_set if unit_set and unit_set.observed else None
+        updated = current.updated_replicas if current else 0
+        updated_total += min(updated, spec.replicas)
+        if current is None or not current.rolled_out:
+            rolled_out = False
+        if current and current.update_revision != current.current_revision:
+            stalled += [u for u in observed
+                        if u.revision == current.update_revision and not u.ready and not u.starting]
         models.append(
             api.ModelStatus(
                 name=plan.name,
@@ -168,6 +207,7 @@ def compute_status(
                 ec_storage_path=plan.ec_storage_path,
                 ec_storage_max_bytes=effective_max_bytes(spec) if plan.ec_storage_path else None,
                 ready_units=sum(u.ready for u in observed),
+                updated_units=updated,
                 units=[u.status for u in observed],
             )
         )
@@ -192,13 +232,24 @@ def compute_status(
 
     starting = [u for u in unready if u.starting]
     progressing = not rolled_out or bool(starting)
-    _set(conditions, before, now, generation, "Progressing", progressing,
-         ("RollingOut" if not rolled_out else "UnitsStarting") if progressing else "Complete",
-         _describe(starting) if starting else "")
+    updated = f"{updated_total}/{len(units)} units updated"
+    if not rolled_out:
+        progress_reason, progress_message = "RollingOut", updated + (f"; {_describe(starting)}" if starting else "")
+    elif starting:
+        progress_reason, progress_message = "UnitsStarting", _describe(starting)
+    else:
+        progress_reason, progress_message = "Complete", ""
+    _set(conditions, before, now, generation, "Progressing", progressing, progress_reason, progress_message)
 
     broken = [u for u in unready if not u.starting]
-    _set(conditions, before, now, generation, "Degraded", bool(broken),
-         broken[0].reason if broken else "AsExpected", _describe(broken))
+    if stalled:
+        # The StatefulSet replaces no further unit while one is unavailable: say which and why.
+        _set(conditions, before, now, generation, "Degraded", True, "RolloutStalled",
+             f"rollout stopped at {updated}: {_describe(stalled)}; no further unit is replaced until it is "
+             "Ready: fix the spec (or revert it) to go on")
+    else:
+        _set(conditions, before, now, generation, "Degraded", bool(broken),
+             broken[0].reason if broken else "AsExpected", _describe(broken))
 
     warnings = [w for p in plans if (w := budget_warning(spec, p))]
     _set(conditions, before, now, generation, "ECBudgetSufficient", not warnings,
@@ -216,6 +267,9 @@ def compute_status(
         observed_generation=generation,
         phase=phase,
         ready=f"{ready_count}/{len(units)}",
+        updated=f"{updated_total}/{len(units)}",
+        replicas=min(existing_per_model, default=0),
+        selector=unit_pod_selector(deployment),
         model_count=len(plans),
         conditions=conditions,
         models=models,

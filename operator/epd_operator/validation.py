@@ -137,6 +137,17 @@ def owned_arg_errors(group: ServerGroup, where: str) -> list[str]:
     return errors
 
 
+# At least one unit: a StatefulSet cannot roll with 0, and a budget of 0 blocks every drain.
+MAX_UNAVAILABLE_PERCENT = r"^([1-9][0-9]?|100)%$"
+
+
+def max_unavailable_errors(spec: EPDDeploymentSpec) -> list[str]:
+    value = spec.max_unavailable
+    if isinstance(value, int) and value >= 1 or isinstance(value, str) and re.match(MAX_UNAVAILABLE_PERCENT, value):
+        return []
+    return [f"spec.maxUnavailable: {value!r} is not a unit count of 1 or more, nor a percentage from 1% to 100%"]
+
+
 def router_errors(spec: EPDDeploymentSpec, model: ModelSpec) -> list[str]:
     if model.is_pd and spec.kv_connector.name not in ROUTER_KV_CONNECTORS:
         return [
@@ -229,6 +240,7 @@ def validate(raw: dict[str, Any]) -> CheckedSpec:
                     f"spec.models[{index}].serverGroups[{g_index}]: numGpus ({group.num_gpus}) must be "
                     f"a multiple of numGpusPerEngine ({group.num_gpus_per_engine})"
                 )
+    errors += max_unavailable_errors(spec)
     for volume in spec.volumes:
         if "hostPath" in volume:
             errors.append(

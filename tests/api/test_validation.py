@@ -138,3 +138,14 @@ def test_shm_size_must_be_bytes(size):
     with pytest.raises(SpecError) as error:
         validate(spec_with("encoder", "regular", shm={"sizeLimit": size}))
     assert error.value.errors == [f"spec.shm.sizeLimit: {size!r} is not a byte quantity such as 16Gi, 512Mi or 1e9"]
+
+
+@pytest.mark.parametrize("value", [1, 3, "1%", "25%", "100%"])
+def test_max_unavailable_accepts_counts_and_percentages(value):
+    assert validate(spec_with("encoder", "regular", maxUnavailable=value)).spec.max_unavailable == value
+
+
+@pytest.mark.parametrize("value", [0, -1, "0%", "101%", "25", "1.5%"])
+def test_max_unavailable_refuses_what_could_not_roll_or_drain(value):
+    with pytest.raises(SpecError, match=r"spec.maxUnavailable: .* is not a unit count of 1 or more"):
+        validate(spec_with("encoder", "regular", maxUnavailable=value))

@@ -86,6 +86,7 @@ def test_operator_reconciles_with_only_the_charts_namespaced_rbac(cluster, kubec
         ("delete", "epddeployments.epd.vime.dev", ["-n", namespace]),
         ("list", "epddeployments.epd.vime.dev", ["--all-namespaces"]),  # namespaced mode
         ("patch", "statefulsets.apps", ["-n", "default"]),
+        ("update", "poddisruptionbudgets.policy", ["-n", namespace]),  # server-side apply is a patch
         ("create", "clusterroles.rbac.authorization.k8s.io", []),
     ]:
         answer = as_operator("auth", "can-i", verb, resource, *where).stdout.strip()
@@ -93,6 +94,6 @@ def test_operator_reconciles_with_only_the_charts_namespaced_rbac(cluster, kubec
     for verb, resource, *extra in [("list", "epddeployments.epd.vime.dev"),
                                    ("patch", "epddeployments.epd.vime.dev", "--subresource=status"),
                                    ("patch", "statefulsets.apps"), ("delete", "services"), ("watch", "pods"),
-                                   ("create", "events")]:
+                                   ("patch", "poddisruptionbudgets.policy"), ("create", "events")]:
         answer = as_operator("auth", "can-i", verb, resource, *extra, "-n", namespace).stdout.strip()
         assert answer == "yes", f"the operator may not {verb} {resource} {' '.join(extra)}"

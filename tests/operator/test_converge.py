@@ -9,6 +9,7 @@ import yaml
 from epd_operator.reconciler import Indexes, Reconciler
 from epd_operator.resources import ANNOTATION_SPEC_HASH
 from epd_operator.settings import Settings
+from epd_operator.status import StatefulSetSummary
 
 from epd_dev.paths import REPO
 
@@ -19,12 +20,16 @@ class RecordingKube:
     def __init__(self) -> None:
         self.applied: list[tuple[str, str]] = []
         self.deleted: list[tuple[str, str]] = []
+        self.statuses: list[dict] = []
 
     async def apply(self, obj):
         self.applied.append((obj["kind"], obj["metadata"]["name"]))
 
-    async def delete(self, _api_version, kind, _namespace, name):
+    async def delete(self, kind, _namespace, name):
         self.deleted.append((kind, name))
+
+    async def patch_status(self, _namespace, _name, status):
+        self.statuses.append(status)
 
 
 @pytest.fixture
@@ -49,13 +54,15 @@ def indexes_after(children: list[dict]) -> tuple[dict, dict]:
     """The StatefulSet and Service indexes as the operator's watches would fill them."""
     def entry(child):
         return child["metadata"]["name"], child["metadata"]["annotations"][ANNOTATION_SPEC_HASH]
-    sets = [(*entry(c), True) for c in children if c["kind"] == "StatefulSet"]
+    sets = [StatefulSetSummary(*entry(c), True, 1, 1, "r", "r") for c in children if c["kind"] == "StatefulSet"]
     services = [entry(c) for c in children if c["kind"] == "Service"]
-    return {KEY: sets}, {KEY: services}
+    budgets = [entry(c) for c in children if c["kind"] == "PodDisruptionBudget"]
+    return {KEY: sets}, {KEY: services}, {KEY: budgets}
 
 
-async def converge(reconciler: Reconciler, b: kopf.Body, sets: dict, services: dict) -> None:
-    reconciler.watch(Indexes(deployments={}, unit_sets=sets, unit_services=services, unit_pods={}))
+async def converge(reconciler: Reconciler, b: kopf.Body, sets: dict, services: dict, budgets: dict | None = None) -> None:
+    reconciler.watch(Indexes(deployments={}, unit_sets=sets, unit_services=services, unit_pods={},
+                             unit_budgets=budgets or {}))
     await reconciler.converge(b, reconciler.plan(b))
 
 
@@ -65,31 +72,67 @@ def desired(reconciler: Reconciler, b: kopf.Body) -> list[dict]:
 
 async def test_first_pass_applies_every_child_then_nothing_while_they_match(api, reconciler):
     await converge(reconciler, body(), {}, {})
-    assert sorted(api.applied) == [("Service", "qwen-vl-regular-default"), ("Service", "qwen-vl-regular-default-units"),
+    assert sorted(api.applied) == [("PodDisruptionBudget", "qwen-vl-regular-default"),
+                                   ("Service", "qwen-vl-regular-default"), ("Service", "qwen-vl-regular-default-units"),
                                    ("StatefulSet", "qwen-vl-regular-default")]
-    sets, services = indexes_after(desired(reconciler, body()))
+    indexes = indexes_after(desired(reconciler, body()))
     api.applied.clear()
-    await converge(reconciler, body(), sets, services)
+    await converge(reconciler, body(), *indexes)
     assert api.applied == [] and api.deleted == []
 
 
 async def test_a_deleted_child_and_only_it_is_applied_again(api, reconciler):
-    sets, services = indexes_after(desired(reconciler, body()))
+    sets, services, budgets = indexes_after(desired(reconciler, body()))
     # The StatefulSet shares its name with the front Service: the Service alone must not hide its loss.
-    await converge(reconciler, body(), {KEY: []}, services)
+    await converge(reconciler, body(), {KEY: []}, services, budgets)
     assert api.applied == [("StatefulSet", "qwen-vl-regular-default")]
 
 
 async def test_a_spec_change_applies_the_statefulset_only(api, reconciler):
-    sets, services = indexes_after(desired(reconciler, body()))
-    await converge(reconciler, body(generation=2, max_model_len=4096), sets, services)
+    indexes = indexes_after(desired(reconciler, body()))
+    await converge(reconciler, body(generation=2, max_model_len=4096), *indexes)
     assert api.applied == [("StatefulSet", "qwen-vl-regular-default")]
 
 
 async def test_children_of_a_removed_model_are_deleted(api, reconciler):
-    sets, services = indexes_after(desired(reconciler, body()))
-    sets[KEY].append(("qwen-vl-regular-old", "hash", True))
+    sets, services, budgets = indexes_after(desired(reconciler, body()))
+    sets[KEY].append(StatefulSetSummary("qwen-vl-regular-old", "hash", True, 1, 1, "r", "r"))
     services[KEY].append(("qwen-vl-regular-old", "hash"))
-    await converge(reconciler, body(), sets, services)
+    budgets[KEY].append(("qwen-vl-regular-old", "hash"))
+    await converge(reconciler, body(), sets, services, budgets)
     assert api.applied == []
-    assert sorted(api.deleted) == [("Service", "qwen-vl-regular-old"), ("StatefulSet", "qwen-vl-regular-old")]
+    assert sorted(api.deleted) == [("PodDisruptionBudget", "qwen-vl-regular-old"), ("Service", "qwen-vl-regular-old"),
+                                   ("StatefulSet", "qwen-vl-regular-old")]
+
+
+async def test_the_events_tell_a_rollouts_story(api):
+    events: list[tuple[str, str]] = []
+    reconciler = Reconciler(Settings(janitor_image="epd-operator:test"), kube=api,
+                            warn=lambda _b, reason, message: events.append((reason, message)),
+                            inform=lambda _b, reason, message: events.append((reason, message)))
+    name = "qwen-vl-regular-default"
+
+    def pod(revision: str, ready: bool) -> dict:
+        containers = [{"name": "regular-0", "ready": ready, "started": True}]
+        return {"name": f"{name}-0", "metadata": {"labels": {"controller-revision-hash": revision}},
+                "spec": {"nodeName": "n"},
+                "status": {"podIP": "10.0.0.1", "conditions": [{"type": "Ready", "status": str(ready)}],
+                           "initContainerStatuses": [{"name": "encoder-0", "ready": True, "started": True}],
+                           "containerStatuses": containers}}
+
+    async def write(b: kopf.Body, sets: list, pods: list) -> dict:
+        reconciler.watch(Indexes(deployments={}, unit_sets={KEY: sets}, unit_services={}, unit_pods={KEY: pods}))
+        await reconciler.write_status(b, reconciler.plan(b))
+        return api.statuses[-1]
+
+    done = await write(body(), [StatefulSetSummary(name, "h", True, 1, 1, "r1", "r1")], [pod("r1", True)])
+    assert events == []  # the first rollout of a new object is its creation, not news
+    changed = kopf.Body({**body(generation=2, max_model_len=4096), "status": done})
+    stalled = await write(changed, [StatefulSetSummary(name, "h", True, 1, 0, "r1", "r2")], [pod("r2", False)])
+    assert [reason for reason, _ in events] == ["RolloutStarted", "RolloutStalled"]
+    assert events[0][1] == "rolling out generation 2: 0/1 units updated"
+    assert "unit qwen-vl-regular-default-0: EngineUnready" in events[1][1]
+    events.clear()
+    fixed = kopf.Body({**body(generation=3), "status": stalled})
+    await write(fixed, [StatefulSetSummary(name, "h", True, 1, 1, "r3", "r3")], [pod("r3", True)])
+    assert [reason for reason, _ in events] == ["RolloutComplete"]

@@ -20,12 +20,23 @@ def children_of(example: str, **spec_changes):
     return desired_children(checked.spec, name, render(checked, namespace="ns", name=name, uid="uid-1"), IMAGE)
 
 
-def test_one_statefulset_and_two_services_per_model():
+def test_a_statefulset_two_services_and_a_disruption_budget_per_model():
     kinds = [(c["kind"], c["metadata"]["name"]) for c in children_of("multi-model-overrides.yaml")]
     assert kinds == [
         ("StatefulSet", "rl-rollout-actor"), ("Service", "rl-rollout-actor-units"), ("Service", "rl-rollout-actor"),
+        ("PodDisruptionBudget", "rl-rollout-actor"),
         ("StatefulSet", "rl-rollout-reward"), ("Service", "rl-rollout-reward-units"), ("Service", "rl-rollout-reward"),
+        ("PodDisruptionBudget", "rl-rollout-reward"),
     ]
+
+
+def test_max_unavailable_bounds_disruptions_and_rollouts():
+    children = children_of("encoder-regular.yaml", maxUnavailable="50%")
+    sts, budget = children[0], children[3]
+    assert budget["spec"]["maxUnavailable"] == "50%"
+    assert budget["spec"]["selector"] == sts["spec"]["selector"], "the budget covers exactly the model's units"
+    assert sts["spec"]["updateStrategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": "50%"}}
+    assert children_of("encoder-regular.yaml")[3]["spec"]["maxUnavailable"] == 1  # the default
 
 
 def test_encoders_are_sidecars_started_before_consumers():
@@ -54,7 +65,7 @@ def test_every_engine_shares_one_memory_backed_shm_and_gets_its_gpus():
 
 
 def test_router_only_with_several_consumers_and_front_service_targets_it():
-    actor, _, actor_front, reward, _, reward_front = children_of("multi-model-overrides.yaml")
+    actor, _, actor_front, _, reward, _, reward_front, _ = children_of("multi-model-overrides.yaml")
     actor_names = [c["name"] for c in actor["spec"]["template"]["spec"]["containers"]]
     assert actor_names == ["regular-0", "regular-1", "router", "janitor"]
     router = actor["spec"]["template"]["spec"]["containers"][2]

@@ -5,7 +5,7 @@ from pathlib import Path
 import yaml
 
 from epd_operator.render import render
-from epd_operator.status import compute_status
+from epd_operator.status import StatefulSetSummary, compute_status
 from epd_operator.validation import validate
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
@@ -20,25 +20,38 @@ def setup(replicas=1, **spec_changes):
     return checked.spec, render(checked, namespace="ns", name="d", uid="u")
 
 
-def pod(name, *, encoder_ready=True, encoder_started=True, consumer_ready=True, ready=None, ip="10.0.0.5"):
+def unit_set(replicas=1, *, updated=None, current="rev-1", update="rev-1"):
+    """The unit StatefulSet's summary: rolled out unless told otherwise."""
+    return {"d-default": StatefulSetSummary("d-default", "hash", True, replicas,
+                                           replicas if updated is None else updated, current, update)}
+
+
+def rolling(replicas, updated):
+    return unit_set(replicas, updated=updated, current="rev-1", update="rev-2")
+
+
+def pod(name, *, encoder_ready=True, encoder_started=True, consumer_ready=True, consumer_started=None, ready=None,
+        ip="10.0.0.5", revision="rev-1"):
     ready = encoder_ready and consumer_ready if ready is None else ready
+    consumer_started = consumer_ready if consumer_started is None else consumer_started
     return {
         "name": name,
-        "metadata": {},
+        "metadata": {"labels": {"controller-revision-hash": revision}},
         "spec": {"nodeName": "node-a"},
         "status": {
             "podIP": ip,
             "conditions": [{"type": "PodScheduled", "status": "True"}, {"type": "Ready", "status": str(ready)}],
             "initContainerStatuses": [{"name": "encoder-0", "ready": encoder_ready, "started": encoder_started}],
-            "containerStatuses": [{"name": "regular-0", "ready": consumer_ready, "started": consumer_ready}],
+            "containerStatuses": [{"name": "regular-0", "ready": consumer_ready, "started": consumer_started}],
         },
     }
 
 
-def status_of(pods, replicas=1, rolled_out=True, previous=None):
+def status_of(pods, replicas=1, sets=None, previous=None):
     spec, plans = setup(replicas)
     return compute_status(deployment="d", spec=spec, plans=plans, pods={p["name"]: p for p in pods},
-                          rolled_out=rolled_out, generation=3, previous=previous, now=NOW)
+                          unit_sets=unit_set(replicas) if sets is None else sets, generation=3, previous=previous,
+                          now=NOW)
 
 
 def conditions(status):
@@ -72,7 +85,7 @@ def test_loading_encoder_is_progress_not_degradation():
 
 
 def test_missing_pods_are_pending_units():
-    status = status_of([], replicas=2, rolled_out=False)
+    status = status_of([], replicas=2, sets={})
     assert status["phase"] == "Pending" and status["ready"] == "0/2"
     assert [u["reason"] for u in status["models"][0]["units"]] == ["PodMissing", "PodMissing"]
 
@@ -89,18 +102,18 @@ def test_unschedulable_unit_is_degraded_with_the_scheduler_message():
 def test_transition_time_is_kept_while_a_condition_holds():
     first = status_of([pod("d-default-0")])
     later = compute_status(deployment="d", spec=setup()[0], plans=setup()[1], pods={"d-default-0": pod("d-default-0")},
-                           rolled_out=True, generation=3, previous=first, now="2026-11-29T13:00:00Z")
+                           unit_sets=unit_set(), generation=3, previous=first, now="2026-11-29T13:00:00Z")
     assert conditions(later)["Ready"]["lastTransitionTime"] == NOW
     flipped = compute_status(deployment="d", spec=setup()[0], plans=setup()[1],
                              pods={"d-default-0": pod("d-default-0", consumer_ready=False)},
-                             rolled_out=True, generation=3, previous=first, now="2026-11-29T13:00:00Z")
+                             unit_sets=unit_set(), generation=3, previous=first, now="2026-11-29T13:00:00Z")
     assert conditions(flipped)["Ready"]["lastTransitionTime"] == "2026-11-29T13:00:00Z"
 
 
 def test_too_small_ec_budget_is_a_warning_condition():
     spec, plans = setup(shm={"sizeLimit": "1Gi"})
     status = compute_status(deployment="d", spec=spec, plans=plans, pods={"d-default-0": pod("d-default-0")},
-                            rolled_out=True, generation=3, previous=None, now=NOW)
+                            unit_sets=unit_set(), generation=3, previous=None, now=NOW)
     budget = conditions(status)["ECBudgetSufficient"]
     assert budget["status"] == "False" and budget["reason"] == "BudgetTooSmall"
     assert "model default: EC budget" in budget["message"] and "Raise shm.sizeLimit" in budget["message"]
@@ -111,8 +124,39 @@ def test_too_small_ec_budget_is_a_warning_condition():
 def test_scraped_ec_evictions_show_per_unit():
     spec, plans = setup(replicas=2)
     pods = {p["name"]: p for p in [pod("d-default-0"), pod("d-default-1")]}
-    status = compute_status(deployment="d", spec=spec, plans=plans, pods=pods, rolled_out=True, generation=3,
+    status = compute_status(deployment="d", spec=spec, plans=plans, pods=pods, unit_sets=unit_set(), generation=3,
                             previous=None, now=NOW, evictions={"d-default-0": 12})
     units = status["models"][0]["units"]
     assert units[0]["ecEvictions"] == 12
     assert "ecEvictions" not in units[1]  # not scraped (yet): no note rather than a made-up 0
+
+
+def test_scale_subresource_fields():
+    status = status_of([pod("d-default-0"), pod("d-default-1")], replicas=3, sets=unit_set(3))
+    assert status["replicas"] == 2  # units that exist: the third pod is not there yet
+    assert status["selector"] == "epd.vime.dev/deployment=d,app.kubernetes.io/component=unit"
+    assert status["updated"] == "3/3" and status["models"][0]["updatedUnits"] == 3
+
+
+def test_a_rollout_reports_updated_units():
+    pods = [pod("d-default-0"), pod("d-default-1"), pod("d-default-2", revision="rev-2")]
+    status = status_of(pods, replicas=3, sets=rolling(3, updated=1))
+    c = conditions(status)
+    assert c["Progressing"]["status"] == "True" and c["Progressing"]["reason"] == "RollingOut"
+    assert c["Progressing"]["message"] == "1/3 units updated"
+    assert status["updated"] == "1/3" and c["Degraded"]["status"] == "False"
+
+
+def test_a_new_revision_that_never_becomes_ready_stalls_the_rollout_as_degraded():
+    broken = pod("d-default-2", revision="rev-2", consumer_ready=False, consumer_started=True)
+    status = status_of([pod("d-default-0"), pod("d-default-1"), broken], replicas=3, sets=rolling(3, updated=1))
+    c = conditions(status)
+    assert c["Degraded"]["status"] == "True" and c["Degraded"]["reason"] == "RolloutStalled"
+    assert c["Degraded"]["message"].startswith("rollout stopped at 1/3 units updated: unit d-default-2: EngineUnready")
+    assert status["phase"] == "Degraded" and c["Progressing"]["reason"] == "RollingOut"
+
+
+def test_an_old_unit_unready_during_a_rollout_is_not_the_rollouts_fault():
+    old = pod("d-default-0", consumer_ready=False, consumer_started=True)
+    status = status_of([old, pod("d-default-1", revision="rev-2")], replicas=2, sets=rolling(2, updated=1))
+    assert conditions(status)["Degraded"]["reason"] == "EngineUnready"

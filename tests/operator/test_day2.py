@@ -1,0 +1,141 @@
+"""Day-2 operations on the real control plane: scale (kubectl, HPA), disruption budgets through the
+real Eviction API, and rollouts that stop at a revision that never becomes Ready."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import yaml
+
+from epd_dev.operator_process import get_json, wait_for
+from epd_dev.paths import REPO
+
+from .test_reconcile import condition, epd, wait_condition
+
+pytestmark = pytest.mark.cluster
+
+EXAMPLE = REPO / "docs" / "examples" / "encoder-regular.yaml"
+NAME = "qwen-vl-regular"
+STS = f"{NAME}-default"
+# kwok's Stage epd-revision-never-ready (hack/epd_dev/localcluster/stages) plays a kubelet whose
+# engines of this image fail their readiness probes.
+NEVER_READY_IMAGE = "vllm/vllm-openai:v0.33.0-kwok-unready"
+
+
+def apply(cluster, namespace: str, **spec) -> None:
+    manifest = yaml.safe_load(EXAMPLE.read_text())
+    manifest["spec"].update(spec)
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest))
+
+
+def ready_units(cluster, namespace: str, count: int, timeout: float = 120) -> dict:
+    def check():
+        obj = epd(cluster, namespace, NAME)
+        fresh = obj and obj.get("status", {}).get("observedGeneration") == obj["metadata"]["generation"]
+        return obj if fresh and obj["status"].get("ready") == f"{count}/{count}" else None
+
+    return wait_for(check, timeout, f"{count} ready units",
+                    lambda: json.dumps((epd(cluster, namespace, NAME) or {}).get("status"), indent=1))
+
+
+def pods(cluster, namespace: str) -> list[dict]:
+    return get_json(cluster, "pods", "-n", namespace, "-l", f"epd.vime.dev/deployment={NAME}")["items"]
+
+
+def test_kubectl_scale_and_an_hpa_drive_the_units(cluster, namespace, epd_operator):
+    apply(cluster, namespace)
+    ready_units(cluster, namespace, 1)
+    cluster.kubectl("scale", f"epd/{NAME}", "-n", namespace, "--replicas", "3")
+    obj = ready_units(cluster, namespace, 3)
+    assert get_json(cluster, "statefulset", STS, "-n", namespace)["spec"]["replicas"] == 3
+    assert obj["status"]["replicas"] == 3 and len(pods(cluster, namespace)) == 3
+    scale = json.loads(cluster.kubectl(
+        "get", "--raw", f"/apis/epd.vime.dev/v1alpha1/namespaces/{namespace}/epddeployments/{NAME}/scale").stdout)
+    assert scale["spec"]["replicas"] == 3 and scale["status"]["replicas"] == 3
+    # The HPA controller finds the unit pods through the selector the scale subresource reports.
+    selector = scale["status"]["selector"]
+    assert {p["metadata"]["name"] for p in pods(cluster, namespace)} == {
+        p["metadata"]["name"] for p in get_json(cluster, "pods", "-n", namespace, "-l", selector)["items"]}
+
+    hpa = {
+        "apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+        "metadata": {"name": NAME},
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "epd.vime.dev/v1alpha1", "kind": "EPDDeployment", "name": NAME},
+            "minReplicas": 1, "maxReplicas": 4,
+            "metrics": [{"type": "Resource", "resource": {"name": "cpu",
+                                                           "target": {"type": "Utilization", "averageUtilization": 70}}}],
+        },
+    }
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(hpa))
+
+    def able_to_scale():
+        obj = get_json(cluster, "hpa", NAME, "-n", namespace) or {}
+        found = {c["type"]: c for c in obj.get("status", {}).get("conditions", [])}.get("AbleToScale", {})
+        return found if found.get("status") == "True" else None
+
+    # No metrics server here, so the HPA cannot compute a recommendation; it resolved its target.
+    able = wait_for(able_to_scale, 90, "the HPA to resolve its scale target",
+                    lambda: cluster.kubectl("describe", "hpa", NAME, "-n", namespace, check=False).stdout)
+    assert able["reason"] == "SucceededGetScale"
+
+
+def test_the_disruption_budget_refuses_a_second_eviction(cluster, namespace, epd_operator, k8s_api):
+    from kubernetes import client
+
+    apply(cluster, namespace, replicas=2)
+    ready_units(cluster, namespace, 2)
+    budget = get_json(cluster, "pdb", STS, "-n", namespace)
+    assert budget["spec"]["maxUnavailable"] == 1
+    assert budget["metadata"]["ownerReferences"][0]["name"] == NAME
+    wait_for(lambda: (get_json(cluster, "pdb", STS, "-n", namespace) or {}).get("status", {})
+             .get("disruptionsAllowed") == 1, 60, "the disruption controller to allow one disruption")
+
+    core = client.CoreV1Api(k8s_api)
+
+    def evict(pod: str) -> int:
+        body = client.V1Eviction(metadata=client.V1ObjectMeta(name=pod, namespace=namespace))
+        try:
+            core.create_namespaced_pod_eviction(pod, namespace, body)
+            return 201
+        except client.ApiException as error:
+            return error.status
+
+    first, second = evict(f"{STS}-0"), evict(f"{STS}-1")
+    assert (first, second) == (201, 429), "one unit may go; the second would break maxUnavailable: 1"
+    ready_units(cluster, namespace, 2)  # the evicted unit comes back; the budget is whole again
+    cluster.kubectl("delete", "epd", NAME, "-n", namespace)
+    wait_for(lambda: get_json(cluster, "pdb", STS, "-n", namespace) is None, 60, "the budget garbage-collected")
+
+
+def test_a_rollout_stops_at_a_revision_that_never_becomes_ready(cluster, namespace, epd_operator):
+    apply(cluster, namespace, replicas=3)
+    ready_units(cluster, namespace, 3)
+    apply(cluster, namespace, replicas=3, image=NEVER_READY_IMAGE)
+    stalled = wait_condition(cluster, namespace, NAME, "Degraded", "True", timeout=120)
+    degraded = condition(stalled, "Degraded")
+    assert degraded["reason"] == "RolloutStalled"
+    assert degraded["message"].startswith(f"rollout stopped at 1/3 units updated: unit {STS}-2: EngineUnready")
+    assert condition(stalled, "Progressing")["reason"] == "RollingOut"
+    assert stalled["status"]["updated"] == "1/3" and stalled["status"]["phase"] == "Degraded"
+
+    time.sleep(5)  # longer than kwok takes to make a pod Ready: nothing else may move meanwhile
+    images = sorted(p["spec"]["containers"][0]["image"] for p in pods(cluster, namespace))
+    assert images == sorted([NEVER_READY_IMAGE, "vllm/vllm-openai:v0.33.0", "vllm/vllm-openai:v0.33.0"])
+    assert sum(not condition(p, "Ready").get("status") == "True" for p in pods(cluster, namespace)) == 1
+
+    apply(cluster, namespace, replicas=3, image="vllm/vllm-openai:v0.33.1")  # the fix
+    fixed = ready_units(cluster, namespace, 3, timeout=180)
+    assert condition(fixed, "Degraded")["status"] == "False" and fixed["status"]["updated"] == "3/3"
+
+    def reasons() -> set[str]:
+        events = get_json(cluster, "events", "-n", namespace, "--field-selector", f"involvedObject.name={NAME}")
+        return {e["reason"] for e in events["items"]}
+
+    # kopf posts Events in the background.
+    wait_for(lambda: {"RolloutStarted", "RolloutStalled", "RolloutComplete"} <= reasons(), 30,
+             "the rollout's Events", lambda: str(reasons()))
+    wide = cluster.kubectl("get", "epd", NAME, "-n", namespace, "-o", "wide").stdout
+    assert "UPDATED" in wide.splitlines()[0] and "3/3" in wide.splitlines()[1]
