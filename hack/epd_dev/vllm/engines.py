@@ -48,8 +48,9 @@ class Engine:
     """One server process: `argv` is run as is, with `env` added to os.environ."""
 
     def __init__(self, name: str, argv: list[str], *, port: int, log_dir: Path,
-                 env: dict[str, str] | None = None, health_path: str = "/health") -> None:
-        self.name, self.argv, self.port = name, [str(a) for a in argv], port
+                 env: dict[str, str] | None = None, health_path: str = "/health",
+                 host: str = "127.0.0.1") -> None:
+        self.name, self.argv, self.port, self.host = name, [str(a) for a in argv], port, host
         self.env = {**os.environ, **(env or {})}
         self.log_path = Path(log_dir) / f"{name}.log"
         self.health_path = health_path
@@ -59,7 +60,7 @@ class Engine:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def start(self) -> "Engine":
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,14 @@ run as they are, except for what only a container runtime provides:
 - the env gets CPU_ENV (VLLM_TARGET_DEVICE=cpu, a 1 GiB KV cache, offline hub);
 - /dev/shm is the host's, not a per-pod emptyDir: the unit's EC store
   (`/dev/shm/vime-ec-<name>-<model>-<hash of the object's uid>`) must not exist before the
-  start, and is removed on stop.
+  start, and is removed on stop;
+- the pod IP (status URLs, the downward API's `status.podIP`) is 127.0.0.1.
+
+Given a `Node` (nodes.py), the pod runs on it instead, as on a node of its own: the pod IP is
+the node's loopback alias, where its engines listen (`--host 0.0.0.0`, the pod's every
+address, and the pod-local `http://127.0.0.1:` of the router's worker URLs become that
+address), and every container runs in the node's namespaces with the pod's own /dev/shm
+folder, made on start and removed on stop like an emptyDir.
 
 Only the EC-store janitor container is not run (see JANITOR).
 
@@ -39,6 +46,7 @@ from epd_operator.resources import pod_template
 from epd_operator.validation import validate
 
 from . import engines, envs
+from .nodes import Node
 
 EC_STORAGE_ANNOTATION = "epd.vime.dev/ec-storage-path"
 LOCALHOST = "127.0.0.1"
@@ -52,13 +60,17 @@ class UnitRunner:
     (`kubectl get pod -o json`), or from `from_manifest`. Use as a context manager.
 
     `ready_timeout` bounds each engine's start: ~40 s on an idle 2-core machine, ~150 s on a
-    busy one.
+    busy one. `node`: the pod's node (module docstring); none runs it on this host as is.
     """
 
-    def __init__(self, pod: dict[str, Any], log_dir: Path, *, ready_timeout: float = 600.0) -> None:
+    def __init__(self, pod: dict[str, Any], log_dir: Path, *, ready_timeout: float = 600.0,
+                 node: Node | None = None) -> None:
         self.pod = pod
         self.name = pod["metadata"].get("name", "unit")
         self.pod_ip = pod.get("status", {}).get("podIP")
+        self.node = node
+        # The pod IP as reachable here.
+        self.address = node.address if node else LOCALHOST
         self.ec_storage_path = pod["metadata"].get("annotations", {}).get(EC_STORAGE_ANNOTATION)
         self.log_dir = Path(log_dir)
         self.ready_timeout = ready_timeout
@@ -76,7 +88,7 @@ class UnitRunner:
 
     @classmethod
     def from_manifest(cls, manifest: dict[str, Any], log_dir: Path, *, uid: str,
-                      model: str = "default") -> "UnitRunner":
+                      model: str = "default", node: Node | None = None) -> "UnitRunner":
         """The unit pod the operator would create for `model` of an EPDDeployment manifest,
         without a cluster: `uid` stands for the object's uid (it names the EC store)."""
         meta = manifest["metadata"]
@@ -87,15 +99,15 @@ class UnitRunner:
         template = pod_template(checked.spec, meta["name"], plan, operator_image="epd-operator:local")
         pod = {"metadata": {**copy.deepcopy(template["metadata"]), "name": f"{meta['name']}-{model}-0"},
                "spec": template["spec"]}
-        return cls(pod, log_dir)
+        return cls(pod, log_dir, node=node)
 
     def _engine(self, container: dict[str, Any]) -> engines.Engine:
         command = [*container.get("command", []), *container.get("args", [])]
+        if self.node:
+            command = self._on_node(command)
         env = {}
         for var in container.get("env", []):
-            if "value" not in var:
-                raise ValueError(f"{container['name']}: env {var['name']} has no literal value")
-            env[var["name"]] = var["value"]
+            env[var["name"]] = self._env_value(container["name"], var)
         if command[:2] == ["vllm", "serve"]:
             argv = [str(envs.serving_python()), "-m", "vllm.entrypoints.openai.api_server",
                     "--model", *command[2:]]
@@ -106,8 +118,31 @@ class UnitRunner:
             raise ValueError(f"{container['name']}: no local stand-in for the image of {command[:2]}")
         # What the kubelet waits for: the startupProbe, else (the router) the readinessProbe.
         probe = (container.get("startupProbe") or container["readinessProbe"])["httpGet"]
+        if self.node:
+            argv = self.node.wrap(argv)
         return engines.Engine(container["name"], argv, port=probe["port"], log_dir=self.log_dir,
-                              env=env, health_path=probe["path"])
+                              env=env, health_path=probe["path"], host=self.address)
+
+    def _env_value(self, container: str, var: dict[str, Any]) -> str:
+        if "value" in var:
+            return var["value"]
+        # The downward API: of the pod's fields only its IP is needed (ECCPUConnector's side
+        # channel host), and only it has a meaning here.
+        field = var.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+        if field == "status.podIP":
+            return self.address
+        raise ValueError(f"{container}: env {var['name']} has no value this runner can give")
+
+    def _on_node(self, command: list[str]) -> list[str]:
+        """The pod's addresses (all of them, and its own localhost) as its node's address."""
+        out = []
+        for i, arg in enumerate(command):
+            if i and command[i - 1] == "--host" and arg == "0.0.0.0":
+                arg = self.node.address
+            elif arg.startswith(f"http://{LOCALHOST}:"):
+                arg = arg.replace(LOCALHOST, self.node.address, 1)
+            out.append(arg)
+        return out
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -117,7 +152,9 @@ class UnitRunner:
         return [*self.sidecars, *self.consumers, *([self.router] if self.router else [])]
 
     def start(self) -> "UnitRunner":
-        if self.ec_storage_path and Path(self.ec_storage_path).exists():
+        if self.node:
+            self.node.prepare()  # an EC store is inside the node's fresh /dev/shm
+        elif self.ec_storage_path and Path(self.ec_storage_path).exists():
             raise RuntimeError(f"EC store {self.ec_storage_path} exists already: not this unit's")
         try:
             for sidecar in self.sidecars:  # one at a time, as the kubelet starts init containers
@@ -141,7 +178,9 @@ class UnitRunner:
     def stop(self) -> None:
         for engine in reversed(self.engines):
             engine.stop()
-        if self.ec_storage_path:
+        if self.node:
+            self.node.clean()
+        elif self.ec_storage_path:
             shutil.rmtree(self.ec_storage_path, ignore_errors=True)
 
     def __enter__(self) -> "UnitRunner":
@@ -157,7 +196,7 @@ class UnitRunner:
         parts = urlsplit(url)
         if parts.hostname != self.pod_ip:
             raise ValueError(f"{url} is not an address of pod {self.name} ({self.pod_ip})")
-        return urlunsplit(parts._replace(netloc=f"{LOCALHOST}:{parts.port}"))
+        return urlunsplit(parts._replace(netloc=f"{self.address}:{parts.port}"))
 
 
 def free_port_range(count: int, start: int = 20000, stop: int = 32000) -> int:
