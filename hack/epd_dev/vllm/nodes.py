@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,8 +60,9 @@ def check_available() -> None:
     """Raise NodeUnavailable, saying why, unless namespaces can be made here."""
     if shutil.which("unshare") is None:
         raise NodeUnavailable("util-linux `unshare` is not installed (apt-get install util-linux)")
-    probe = subprocess.run(["unshare", "--mount", "--uts", "--ipc", "--pid", "--fork", "true"],
-                           capture_output=True, text=True)
+    with tempfile.TemporaryDirectory() as shm:
+        probe = subprocess.run(Node("probe", "127.0.0.2", Path(shm)).wrap(["true"]),
+                               capture_output=True, text=True)
     if probe.returncode != 0:
         raise NodeUnavailable(
-            f"cannot make mount/UTS/IPC/PID namespaces here (run as root): {probe.stderr.strip()}")
+            f"cannot make a node's namespaces here (run as root): {probe.stderr.strip()}")
