@@ -31,7 +31,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from .httpkit import BackgroundServer, read_request, response_bytes
+from .httpkit import BackgroundServer, Served, read_request, response_bytes
 
 
 def mm_hash(url: str) -> str:
@@ -50,7 +50,7 @@ class Record:
     aborted: bool = False  # the client went away before the answer
 
 
-class StandinServer:
+class StandinServer(Served):
     """In-process use: ``with StandinServer(delay=0.2) as server: ... server.url``."""
 
     def __init__(
@@ -64,17 +64,6 @@ class StandinServer:
         self.ec_misses = 0
         self._connection_ids = itertools.count()
         self._server = BackgroundServer(self.handle, port=port)
-
-    @property
-    def url(self) -> str:
-        return self._server.url
-
-    def __enter__(self) -> StandinServer:
-        self._server.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._server.stop()
 
     def requests(self, path: str) -> list[Record]:
         return [r for r in self.records if r.path == path]
