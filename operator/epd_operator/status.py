@@ -7,6 +7,7 @@ containers too so that a consumer is never reported Ready while its encoders are
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 from . import api
 from .ec.budget import budget_warning, effective_max_bytes
 from .render import ModelPlan
-from .resources import child_name
+from .resources import ENCODERS_READY_GATE, child_name, pool_name
 
 Pod = dict[str, Any]
 
@@ -30,6 +31,7 @@ class Unit:
     reason: str
     message: str
     status: api.UnitStatus
+    kind: str = "unit"  # "encoder pod" for a pod of an encoder pool
 
 
 def _condition(pod: Pod, kind: str) -> dict[str, Any]:
@@ -44,15 +46,17 @@ def _containers(pod: Pod) -> dict[str, dict[str, Any]]:
     return {c["name"]: c for c in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]}
 
 
-def observe_unit(plan: ModelPlan, unit_name: str, pod: Pod | None, ec_evictions: int | None = None) -> Unit:
+def observe_unit(plan: ModelPlan, unit_name: str, pod: Pod | None, ec_evictions: int | None = None,
+                 pool: Pool | None = None) -> Unit:
     """What one unit's pod says about it; `pod` is None while it does not exist yet.
-    `ec_evictions`: its janitor's budget evictions, as the operator last scraped them."""
+    `ec_evictions`: its janitor's budget evictions, as the operator last scraped them.
+    `pool`: the model's encoder pool (placement Pools), whose encoders the unit's consumers need."""
     if pod is None:
         status = api.UnitStatus(name=unit_name, pod=unit_name, reason="PodMissing", message="pod not created yet")
         return Unit(unit_name, plan.name, False, False, True, False, "PodMissing", status.message or "", status)
     ip = pod.get("status", {}).get("podIP")
     containers = _containers(pod)
-    encoders, consumers = plan.encoders, plan.consumers
+    encoders, consumers = plan.unit_encoders, plan.consumers
     routed = [*consumers, *([plan.router] if plan.router else [])]
 
     def ready(name: str) -> bool:
@@ -70,10 +74,12 @@ def observe_unit(plan: ModelPlan, unit_name: str, pod: Pod | None, ec_evictions:
         reason, message = scheduled.get("reason") or "Unschedulable", scheduled.get("message") or "pod not scheduled"
     elif unready_encoders:
         reason = "EncoderStarting" if set(unready_encoders) <= set(not_started) else "EncoderUnready"
-        message = f"encoder {', '.join(unready_encoders)} not ready: consumers get no traffic"
+        message = f"encoder {', '.join(unready_encoders)} not ready" + (": consumers get no traffic" if routed else "")
     elif unready_consumers:
         reason = "EngineStarting" if set(unready_consumers) <= set(not_started) else "EngineUnready"
         message = f"{', '.join(unready_consumers)} not ready"
+    elif pool is not None and not pool.ready_urls:
+        reason, message = "NoReadyEncoder", f"encoder pool {pool.name} has no ready encoder: its readiness gate is closed"
     elif not pod_ready:
         reason, message = "PodNotReady", _condition(pod, "Ready").get("message") or "pod is not Ready"
     else:
@@ -93,18 +99,91 @@ def observe_unit(plan: ModelPlan, unit_name: str, pod: Pod | None, ec_evictions:
         encoder_urls=[u for e in encoders if (u := url(e.port))],
         consumer_urls=[u for c in consumers if (u := url(c.port))],
         router_url=url(plan.router.port) if plan.router else None,
-        engines=[api.EngineStatus(name=e.container_name, role=e.worker_type, url=url(e.port)) for e in plan.engines],
+        engines=[api.EngineStatus(name=e.container_name, role=e.worker_type, url=url(e.port))
+                 for e in plan.unit_engines],
         ec_evictions=ec_evictions,
     )
     starting = reason in ("EncoderStarting", "EngineStarting", "PodNotReady") or (
         scheduled.get("status") == "False" and reason != "Unschedulable"
-    )
-    return Unit(unit_name, plan.name, True, is_ready, starting, not unready_encoders, reason, message, status)
+    ) or (reason == "NoReadyEncoder" and pool is not None and pool.starting)
+    encoders_ready = not unready_encoders and (pool is None or bool(pool.ready_urls))
+    return Unit(unit_name, plan.name, True, is_ready, starting, encoders_ready, reason, message, status)
 
 
 def unit_names(deployment: str, plan: ModelPlan, replicas: int) -> list[str]:
     """Unit pod names are the StatefulSet's ordinal pod names."""
     return [f"{child_name(deployment, plan.name)}-{i}" for i in range(replicas)]
+
+
+# --------------------------------------------------------------------------- encoder pools
+
+
+@dataclass(frozen=True)
+class Pool:
+    """A Pools model's encoder pool, observed: each pod is a Unit of encoders only."""
+
+    name: str  # its StatefulSet
+    model: str
+    members: list[Unit]
+
+    @property
+    def ready_urls(self) -> list[str]:
+        """The ready encoders' URLs: where the model's images are primed."""
+        return [url for m in self.members if m.ready for url in m.status.encoder_urls]
+
+    @property
+    def starting(self) -> bool:
+        """Every pod not ready yet is still starting (or there is none yet): nothing is broken."""
+        return all(m.starting for m in self.members if not m.ready)
+
+    def status(self, replicas: int) -> api.EncoderPoolStatus:
+        pods = [
+            api.EncoderPodStatus(name=m.name, pod=m.status.pod, node=m.status.node, ready=m.ready,
+                                 reason=m.status.reason, message=m.status.message,
+                                 encoder_urls=m.status.encoder_urls, engines=m.status.engines)
+            for m in self.members
+        ]
+        return api.EncoderPoolStatus(name=self.name, service=self.name, replicas=replicas,
+                                     ready_pods=sum(m.ready for m in self.members), pods=pods)
+
+
+def observe_pool(deployment: str, spec: api.EPDDeploymentSpec, plan: ModelPlan, pods: Mapping[str, Pod]) -> Pool:
+    """The encoder pool of a Pools model from its pods (by name)."""
+    name = pool_name(deployment, plan.name)
+    # A pool pod holds the model's encoders and nothing else: observed as a unit of that shape.
+    encoders_only = dataclasses.replace(plan, engines=plan.encoders, router=None,
+                                        placement=api.Placement.unit.value)
+    members = [
+        dataclasses.replace(observe_unit(encoders_only, pod_name, pods.get(pod_name)), kind="encoder pod")
+        for pod_name in (f"{name}-{i}" for i in range(spec.model(plan.name).encoder_replicas))
+    ]
+    return Pool(name, plan.name, members)
+
+
+def encoder_gates(deployment: str, spec: api.EPDDeploymentSpec, plans: list[ModelPlan],
+                  pods: Mapping[str, Pod], now: str) -> dict[str, dict[str, Any]]:
+    """The readiness-gate condition to write on each unit pod of a Pools model whose condition
+    does not say yet what its pool says: True while the pool has a ready encoder, else False."""
+    gates = {}
+    for plan in plans:
+        if not plan.pooled:
+            continue
+        pool = observe_pool(deployment, spec, plan, pods)
+        ready = bool(pool.ready_urls)
+        want = {
+            "type": ENCODERS_READY_GATE,
+            "status": "True" if ready else "False",
+            "reason": "EncodersReady" if ready else "NoReadyEncoder",
+            "message": f"encoder pool {pool.name} has {'a' if ready else 'no'} ready encoder",
+        }
+        for pod_name in unit_names(deployment, plan, spec.replicas):
+            pod = pods.get(pod_name)
+            if pod is None or pod.get("metadata", {}).get("deletionTimestamp"):
+                continue
+            current = _condition(pod, ENCODERS_READY_GATE)
+            if any(current.get(k) != v for k, v in want.items()):
+                gates[pod_name] = {**want, "lastTransitionTime": now}
+    return gates
 
 
 def _set(conditions: list[api.Condition], previous: dict[str, api.Condition], now: str, generation: int | None,
@@ -157,8 +236,11 @@ def compute_status(
     by unit name, for the units whose janitor the operator scraped."""
     models: list[api.ModelStatus] = []
     units: list[Unit] = []
+    pools: list[Pool] = []
     for plan in plans:
-        observed = [observe_unit(plan, n, pods.get(n), (evictions or {}).get(n))
+        pool = observe_pool(deployment, spec, plan, pods) if plan.pooled else None
+        pools += [pool] if pool else []
+        observed = [observe_unit(plan, n, pods.get(n), (evictions or {}).get(n), pool)
                     for n in unit_names(deployment, plan, spec.replicas)]
         units += observed
         models.append(
@@ -169,23 +251,31 @@ def compute_status(
                 ec_storage_max_bytes=effective_max_bytes(spec) if plan.ec_storage_path else None,
                 ready_units=sum(u.ready for u in observed),
                 units=[u.status for u in observed],
+                placement=plan.placement,
+                encoder_urls=pool.ready_urls if pool else None,
+                encoder_pool=pool.status(spec.model(plan.name).encoder_replicas) if pool else None,
             )
         )
+    pool_members = [m for pool in pools for m in pool.members]
     before = _previous(previous)
     conditions: list[api.Condition] = []
     _set(conditions, before, now, generation, "Validated", True, "Valid")
 
-    encoder_models = {p.name for p in plans if p.encoders}
-    has_encoders = [u for u in units if u.model in encoder_models]
+    encoder_models = {p.name for p in plans if p.unit_encoders}
+    has_encoders = [u for u in units if u.model in encoder_models] + pool_members
     unready_encoders = [u for u in has_encoders if not u.encoders_ready]
-    if not has_encoders:
+    # Pools: the condition names every pool left without a ready encoder first.
+    empty = [f"encoder pool {p.name} of model {p.model} has no ready encoder" for p in pools if not p.ready_urls]
+    if not has_encoders and not pools:
         _set(conditions, before, now, generation, "EncodersReady", True, "NoEncoders", "text-only models")
     else:
-        _set(conditions, before, now, generation, "EncodersReady", not unready_encoders,
-             "EncodersReady" if not unready_encoders else "EncoderUnready", _describe(unready_encoders))
+        _set(conditions, before, now, generation, "EncodersReady", not unready_encoders and not empty,
+             "NoReadyEncoder" if empty else "EncoderUnready" if unready_encoders else "EncodersReady",
+             "; ".join([*empty, *([_describe(unready_encoders)] if unready_encoders else [])]))
 
-    unready = [u for u in units if not u.ready]
-    ready_count = len(units) - len(unready)
+    # A deployment is Ready only with every unit and every encoder pool pod ready.
+    unready = [u for u in [*units, *pool_members] if not u.ready]
+    ready_count = sum(u.ready for u in units)
     _set(conditions, before, now, generation, "Ready", not unready,
          "AllUnitsReady" if not unready else "UnitsNotReady",
          f"{ready_count}/{len(units)} units ready" + (f": {_describe(unready)}" if unready else ""))
@@ -224,4 +314,4 @@ def compute_status(
 
 
 def _describe(units: list[Unit]) -> str:
-    return "; ".join(f"unit {u.name}: {u.reason}" + (f" ({u.message})" if u.message else "") for u in units)
+    return "; ".join(f"{u.kind} {u.name}: {u.reason}" + (f" ({u.message})" if u.message else "") for u in units)
