@@ -26,6 +26,8 @@ NAMESPACED_RULES = [
     {"apiGroups": [""], "resources": ["services"], "verbs": ["list", "watch", "create", "patch", "delete"]},
     # Unit pods: read for the status.
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
+    # A Pools model's unit pods: the encoders-ready readiness gate's condition, nothing else.
+    {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch"]},
     # kopf posts Warning events (InvalidSpec).
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
 ]
