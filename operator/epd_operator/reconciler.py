@@ -168,8 +168,9 @@ class Reconciler:
         self.metrics.forget_invalid(namespace, name)
         try:
             await self.converge(body, planned)
-            await self.open_gates(body, planned)
             await self.write_status(body, planned)
+            # After the status: a refused pod patch (an older chart's RBAC) must not hide it.
+            await self.open_gates(body, planned)
         except Exception:
             self.metrics.observe_reconcile("error", time.perf_counter() - started)
             raise

@@ -251,3 +251,14 @@ def test_pool_pods_and_units_are_checked_for_ports_separately():
     ]
     # Consumers start at engineBase in their own pod, so a Unit's janitor port is no concern either.
     validate(pools_spec({"placement": "Pools"}) | {"ports": {"engineBase": 9400}})
+
+
+def test_a_tiny_shm_leaves_no_room_for_a_region():
+    spec = pools_spec({"placement": "Pools", "encoderPool": {"shm": {"sizeLimit": "1Mi"}}})
+    with pytest.raises(SpecError) as error:
+        validate(spec)
+    assert error.value.errors == [
+        "spec.models[0]: an ECCPUConnector region of an encoder pool pod of model 'actor' would be 838860 bytes, "
+        "below 1Mi: too small for any image embedding; raise spec.models[0].encoderPool.shm.sizeLimit or set "
+        "ec_cpu_bytes"
+    ]

@@ -19,6 +19,9 @@ if TYPE_CHECKING:
 
 CPU_CONNECTOR = "ECCPUConnector"
 CPU_BYTES = "ec_cpu_bytes"
+# Smaller than any image embedding (a 7B-class VL model's is ~9 MiB, budget.py): a region this
+# small, or 0 from a tiny /dev/shm, makes every save fail.
+MIN_REGION_BYTES = 2**20
 
 
 def uses_cpu_regions(model: ModelSpec) -> bool:
@@ -97,7 +100,13 @@ def region_errors(spec: EPDDeploymentSpec, index: int, model: ModelSpec) -> list
         total = sum(g.engines * cpu_bytes(spec, model, g) for g in groups)
         limit = pod_shm_limit(spec, model, pool=pool)
         room = math.floor(parse_quantity(limit) * DEFAULT_BUDGET_SHARE)
-        if total > room:
+        smallest = min((cpu_bytes(spec, model, g) for g in groups), default=MIN_REGION_BYTES)
+        if smallest < MIN_REGION_BYTES:
+            errors.append(
+                f"{where}: an ECCPUConnector region of {pod} of model '{model.name}' would be {smallest} bytes, "
+                f"below 1Mi: too small for any image embedding; raise {field} or set ec_cpu_bytes"
+            )
+        elif total > room:
             errors.append(
                 f"{where}: the ECCPUConnector regions of {pod} of model '{model.name}' take "
                 f"{human_bytes(total)} of /dev/shm ({sum(g.engines for g in groups)} engines), more than 80% of "
