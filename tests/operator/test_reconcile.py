@@ -282,9 +282,11 @@ def test_pools_put_encoders_and_consumer_units_on_different_nodes(cluster, names
     # Each Service holds its own kind of pod only.
     unit_names = {p["metadata"]["name"] for p in units}
     pool_names = {p["metadata"]["name"] for p in pool}
-    assert ready_endpoints(cluster, namespace, "qwen-vl-pools-default") == unit_names
+    # (The endpoint slice controller follows pod readiness a moment later than the status.)
+    wait_for(lambda: ready_endpoints(cluster, namespace, "qwen-vl-pools-default") == unit_names, 30,
+             "the model's Service to list the units, and only them")
     wait_for(lambda: ready_endpoints(cluster, namespace, "qwen-vl-pools-default-encoders") == pool_names, 30,
-             "the encoder pool Service to list the pool's pods")
+             "the encoder pool Service to list the pool's pods, and only them")
 
 
 def test_the_readiness_gate_closes_when_every_encoder_is_unready_and_opens_when_one_recovers(
