@@ -343,6 +343,11 @@ class UnitStatus(Schema):
     ec_evictions: int | None = Field(
         default=None, description="EC entries its janitor evicted for budget since it started (scraped)."
     )
+    fallback_encodes: int | None = Field(
+        default=None,
+        description="Images its consumers encoded themselves, not finding them in the EC store (cache misses), "
+        "since its janitor started (scraped).",
+    )
 
 
 class ModelStatus(Schema):
@@ -351,6 +356,9 @@ class ModelStatus(Schema):
     ec_storage_path: str | None = None
     ec_storage_max_bytes: int | None = None
     ready_units: int = 0
+    fallback_encodes: int | None = Field(
+        default=None, description="Sum of its units' fallbackEncodes (unset until a janitor was scraped)."
+    )
     units: list[UnitStatus] = Field(default_factory=list)
 
 
@@ -361,5 +369,8 @@ class EPDDeploymentStatus(Schema):
     phase: str | None = None
     ready: str | None = Field(default=None, description="Ready units / desired units, e.g. 2/2.")
     model_count: int | None = None
+    fallback_encodes: int | None = Field(
+        default=None, description="Sum of every unit's fallbackEncodes (unset until a janitor was scraped)."
+    )
     conditions: list[Condition] = Field(default_factory=list)
     models: list[ModelStatus] = Field(default_factory=list)

@@ -7,7 +7,7 @@ containers too so that a consumer is never reported Ready while its encoders are
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,9 +44,10 @@ def _containers(pod: Pod) -> dict[str, dict[str, Any]]:
     return {c["name"]: c for c in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]}
 
 
-def observe_unit(plan: ModelPlan, unit_name: str, pod: Pod | None, ec_evictions: int | None = None) -> Unit:
+def observe_unit(plan: ModelPlan, unit_name: str, pod: Pod | None, ec_evictions: int | None = None,
+                 fallback_encodes: int | None = None) -> Unit:
     """What one unit's pod says about it; `pod` is None while it does not exist yet.
-    `ec_evictions`: its janitor's budget evictions, as the operator last scraped them."""
+    `ec_evictions`, `fallback_encodes`: its janitor's counters, as the operator last scraped them."""
     if pod is None:
         status = api.UnitStatus(name=unit_name, pod=unit_name, reason="PodMissing", message="pod not created yet")
         return Unit(unit_name, plan.name, False, False, True, False, "PodMissing", status.message or "", status)
@@ -95,6 +96,7 @@ def observe_unit(plan: ModelPlan, unit_name: str, pod: Pod | None, ec_evictions:
         router_url=url(plan.router.port) if plan.router else None,
         engines=[api.EngineStatus(name=e.container_name, role=e.worker_type, url=url(e.port)) for e in plan.engines],
         ec_evictions=ec_evictions,
+        fallback_encodes=fallback_encodes,
     )
     starting = reason in ("EncoderStarting", "EngineStarting", "PodNotReady") or (
         scheduled.get("status") == "False" and reason != "Unschedulable"
@@ -134,6 +136,7 @@ def invalid_status(errors: list[str], generation: int | None, previous: dict[str
         phase="Invalid",
         ready=(previous or {}).get("ready"),
         model_count=(previous or {}).get("modelCount"),
+        fallback_encodes=(previous or {}).get("fallbackEncodes"),
         conditions=conditions + kept,
         models=[api.ModelStatus.model_validate(m) for m in (previous or {}).get("models") or []],
     )
@@ -151,14 +154,16 @@ def compute_status(
     previous: dict[str, Any] | None,
     now: str,
     evictions: Mapping[str, int] | None = None,
+    fallback_encodes: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """The full status from the pods of this deployment (by name) and whether every
-    StatefulSet has finished rolling out its current revision; `evictions`: budget evictions
-    by unit name, for the units whose janitor the operator scraped."""
+    StatefulSet has finished rolling out its current revision; `evictions`, `fallback_encodes`:
+    budget evictions and consumers' fallback encodes by unit name, for the units whose janitor
+    the operator scraped."""
     models: list[api.ModelStatus] = []
     units: list[Unit] = []
     for plan in plans:
-        observed = [observe_unit(plan, n, pods.get(n), (evictions or {}).get(n))
+        observed = [observe_unit(plan, n, pods.get(n), (evictions or {}).get(n), (fallback_encodes or {}).get(n))
                     for n in unit_names(deployment, plan, spec.replicas)]
         units += observed
         models.append(
@@ -168,6 +173,7 @@ def compute_status(
                 ec_storage_path=plan.ec_storage_path,
                 ec_storage_max_bytes=effective_max_bytes(spec) if plan.ec_storage_path else None,
                 ready_units=sum(u.ready for u in observed),
+                fallback_encodes=_sum_known(u.status.fallback_encodes for u in observed),
                 units=[u.status for u in observed],
             )
         )
@@ -217,6 +223,7 @@ def compute_status(
         phase=phase,
         ready=f"{ready_count}/{len(units)}",
         model_count=len(plans),
+        fallback_encodes=_sum_known(m.fallback_encodes for m in models),
         conditions=conditions,
         models=models,
     )
@@ -225,3 +232,9 @@ def compute_status(
 
 def _describe(units: list[Unit]) -> str:
     return "; ".join(f"unit {u.name}: {u.reason}" + (f" ({u.message})" if u.message else "") for u in units)
+
+
+def _sum_known(counts: Iterable[int | None]) -> int | None:
+    """The sum of the counts known; None (unset in the status) when none is."""
+    known = [c for c in counts if c is not None]
+    return sum(known) if known else None

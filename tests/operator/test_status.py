@@ -116,3 +116,17 @@ def test_scraped_ec_evictions_show_per_unit():
     units = status["models"][0]["units"]
     assert units[0]["ecEvictions"] == 12
     assert "ecEvictions" not in units[1]  # not scraped (yet): no note rather than a made-up 0
+
+
+def test_scraped_fallback_encodes_show_per_unit_per_model_and_in_all():
+    spec, plans = setup(replicas=3)
+    pods = {p["name"]: p for p in [pod("d-default-0"), pod("d-default-1"), pod("d-default-2")]}
+    status = compute_status(deployment="d", spec=spec, plans=plans, pods=pods, rolled_out=True, generation=3,
+                            previous=None, now=NOW, fallback_encodes={"d-default-0": 2, "d-default-1": 0})
+    (model,) = status["models"]
+    assert [u.get("fallbackEncodes") for u in model["units"]] == [2, 0, None]
+    assert model["fallbackEncodes"] == 2 and status["fallbackEncodes"] == 2
+
+    nothing_scraped = compute_status(deployment="d", spec=spec, plans=plans, pods=pods, rolled_out=True,
+                                     generation=3, previous=None, now=NOW)
+    assert "fallbackEncodes" not in nothing_scraped and "fallbackEncodes" not in nothing_scraped["models"][0]
