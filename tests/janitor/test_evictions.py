@@ -83,7 +83,7 @@ def test_fallback_encodes_report_only_growth_and_say_what_to_do():
     assert fallback_report(UNIT, 5, metrics) is None
     assert "5 images encoded by its consumers themselves since its janitor started" in fallback_report(
         UNIT, None, metrics)
-    assert "1 images" in fallback_report(UNIT, 7, JanitorMetrics(0, 0, 100, fallback_encodes=1))  # a new janitor
+    assert ": 1 image encoded" in fallback_report(UNIT, 7, JanitorMetrics(0, 0, 100, fallback_encodes=1))  # new janitor
     # A janitor older than this count exports none: nothing to report, nothing made up.
     assert fallback_report(UNIT, None, JanitorMetrics(0, 0, 100)) is None
 
@@ -129,7 +129,7 @@ async def test_the_operator_warns_and_rewrites_the_status_when_evictions_grow(re
     events = dict(reported["events"])
     assert [reason for reason, _ in reported["events"]] == ["ECEvicted", "ECFallbackEncodes"]
     assert f"unit {UNIT}: 4 EC entries evicted for budget since its janitor started" in events["ECEvicted"]
-    assert f"unit {UNIT}: 1 images encoded by its consumers themselves" in events["ECFallbackEncodes"]
+    assert f"unit {UNIT}: 1 image encoded by its consumers themselves" in events["ECFallbackEncodes"]
     assert reported["status"] == [KEY]
     assert reported["scraper"].evictions(KEY) == {UNIT: 4}
     assert reported["scraper"].fallback_encodes(KEY) == {UNIT: 1}

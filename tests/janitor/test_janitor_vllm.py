@@ -184,7 +184,7 @@ def test_a_request_whose_image_was_not_primed_counts_one_fallback_encode_and_a_p
 
     asyncio.run(scrape_once())
     (message,) = [m for reason, m in events if reason == "ECFallbackEncodes"]
-    assert message.startswith(f"unit {unit.name}: 1 images encoded by its consumers themselves")
+    assert message.startswith(f"unit {unit.name}: 1 image encoded by its consumers themselves")
 
 
 def test_the_engines_export_the_metrics_the_dashboard_may_name(unit):

@@ -98,7 +98,7 @@ def is_cache_miss(entry: Entry) -> bool:
     since. Only meaningful for a settled entry: a fresh one may be an encoder's that is about
     to write. An abandoned temp file is an encoder's failed write, not a consumer's miss.
     """
-    return not entry.complete and not entry.files
+    return not entry.files
 
 
 # --------------------------------------------------------------------------- filesystem

@@ -94,10 +94,10 @@ def fallback_report(unit: str, previous: int | None, current: JanitorMetrics) ->
     if new <= 0:
         return None
     return (
-        f"unit {unit}: {new} images encoded by its consumers themselves {since}: their embeddings were not in "
-        "the EC store (vLLM falls back silently, only slower). Prime each image on this unit's encoder before "
-        "sending the request to the same unit, with the same model and processor kwargs; the janitor's "
-        "fallback_encodes log lines name the mm_hashes (docs/operations.md)"
+        f"unit {unit}: {new} {'image' if new == 1 else 'images'} encoded by its consumers themselves {since}: "
+        "their embeddings were not in the EC store (vLLM falls back silently, only slower). Prime each image on "
+        "this unit's encoder before sending the request to the same unit, with the same model and processor "
+        "kwargs; the janitor's fallback_encodes log lines name the mm_hashes (docs/operations.md)"
     )
 
 
