@@ -43,21 +43,21 @@ def operator_metric_names() -> set[str]:
 
 
 def queries(dashboard: dict[str, Any]) -> Iterator[tuple[str, str]]:
-    """(where, PromQL) of every panel target and every query variable, with Grafana's variables
-    replaced as Grafana does before sending a query."""
+    """(where, PromQL) of every panel target and every query variable, as Grafana sends them."""
     for panel in dashboard["panels"]:
         for target in panel.get("targets", []):
-            yield f"panel {panel['title']!r}", _substitute(target["expr"])
+            yield f"panel {panel['title']!r}", grafana_to_promql(target["expr"])
     for variable in dashboard["templating"]["list"]:
         if variable["type"] == "query":
             match = LABEL_VALUES.match(variable["query"]["query"])
             assert match, f"variable {variable['name']}: not a label_values() query"
-            yield f"variable {variable['name']}", _substitute(match["selector"])
+            yield f"variable {variable['name']}", grafana_to_promql(match["selector"])
 
 
-def _substitute(expr: str) -> str:
+def grafana_to_promql(expr: str) -> str:
+    """The query Grafana sends: its interval and the dashboard's variables (as with "All") filled in."""
     expr = re.sub(r"\$__(rate_)?interval", "1m", expr)
-    return re.sub(r"\$\{?\w+\}?", ".*", expr)  # the dashboard's variables, as with "All" selected
+    return re.sub(r"\$\{?\w+\}?", ".*", expr)
 
 
 def metric_names(expr: str) -> set[str]:

@@ -24,6 +24,7 @@ from epd_operator.validation import validate
 from .chart import documents, find, template
 from .dashboard import (
     ENGINE_METRICS,
+    grafana_to_promql,
     janitor_metric_names,
     metric_names,
     operator_metric_names,
@@ -76,13 +77,9 @@ def test_every_dashboard_query_names_only_metrics_that_are_exported(rendered):
 def test_engine_panels_are_per_role(rendered):
     for panel in dashboard_of(rendered)["panels"]:
         for target in panel.get("targets", []):
-            if any(name.startswith("vllm:") for name in metric_names(_plain(target["expr"]))):
+            if any(name.startswith("vllm:") for name in metric_names(grafana_to_promql(target["expr"]))):
                 assert "by (worker_type)" in target["expr"] or "by (le, worker_type)" in target["expr"], panel["title"]
                 assert "{{worker_type}}" in target["legendFormat"], panel["title"]
-
-
-def _plain(expr: str) -> str:
-    return re.sub(r"\$\{?\w+\}?", ".*", re.sub(r"\$__rate_interval", "1m", expr))
 
 
 def test_the_dashboard_configmap_is_labelled_for_grafanas_sidecar(rendered):
