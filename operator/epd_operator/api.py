@@ -446,6 +446,11 @@ class UnitStatus(Schema):
     ec_evictions: int | None = Field(
         default=None, description="EC entries its janitor evicted for budget since it started (scraped)."
     )
+    fallback_encodes: int | None = Field(
+        default=None,
+        description="Images its consumers encoded themselves, not finding them in the EC store (cache misses), "
+        "since its janitor started (scraped).",
+    )
 
 
 class EncoderPodStatus(Schema):
@@ -478,6 +483,9 @@ class ModelStatus(Schema):
     ec_storage_max_bytes: int | None = None
     ready_units: int = 0
     updated_units: int = Field(default=0, description="Units running the current spec's pod template.")
+    fallback_encodes: int | None = Field(
+        default=None, description="Sum of its units' fallbackEncodes (unset until a janitor was scraped)."
+    )
     units: list[UnitStatus] = Field(default_factory=list)
     placement: Placement | None = None
     encoder_urls: list[str] | None = Field(
@@ -498,5 +506,8 @@ class EPDDeploymentStatus(Schema):
     )
     selector: str | None = Field(default=None, description="Label selector of the unit pods (scale subresource).")
     model_count: int | None = None
+    fallback_encodes: int | None = Field(
+        default=None, description="Sum of every unit's fallbackEncodes (unset until a janitor was scraped)."
+    )
     conditions: list[Condition] = Field(default_factory=list)
     models: list[ModelStatus] = Field(default_factory=list)

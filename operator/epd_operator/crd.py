@@ -196,6 +196,8 @@ def build_crd() -> dict[str, Any]:
                     "additionalPrinterColumns": [
                         {"name": "Ready", "type": "string", "jsonPath": ".status.ready"},
                         {"name": "Updated", "type": "string", "jsonPath": ".status.updated", "priority": 1},
+                        {"name": "Fallback-Encodes", "type": "integer", "jsonPath": ".status.fallbackEncodes",
+                         "priority": 1},
                         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
                         {"name": "Models", "type": "integer", "jsonPath": ".status.modelCount"},
                         {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas"},

@@ -257,6 +257,7 @@ class Reconciler:
             deployment=name, spec=planned.spec, plans=planned.plans, pods=pods, stateful_sets=sets,
             generation=body.metadata.get("generation"), previous=previous, now=_now(),
             evictions=self.scraper.evictions((namespace, name)),
+            fallback_encodes=self.scraper.fallback_encodes((namespace, name)),
         )
         self.metrics.set_ready_units(namespace, name, sum(m["readyUnits"] for m in status["models"]))
         if _same(status, previous):

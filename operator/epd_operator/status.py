@@ -8,7 +8,7 @@ containers too so that a consumer is never reported Ready while its encoders are
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,9 +68,9 @@ def _containers(pod: Pod) -> dict[str, dict[str, Any]]:
 
 
 def observe_unit(plan: ModelPlan, unit_name: str, pod: Pod | None, ec_evictions: int | None = None,
-                 pool: Pool | None = None) -> Unit:
+                 pool: Pool | None = None, fallback_encodes: int | None = None) -> Unit:
     """What one unit's pod says about it; `pod` is None while it does not exist yet.
-    `ec_evictions`: its janitor's budget evictions, as the operator last scraped them.
+    `ec_evictions`, `fallback_encodes`: its janitor's counters, as the operator last scraped them.
     `pool`: the model's encoder pool (placement Pools), whose encoders the unit's consumers need."""
     if pod is None:
         status = api.UnitStatus(name=unit_name, pod=unit_name, reason="PodMissing", message="pod not created yet")
@@ -123,6 +123,7 @@ def observe_unit(plan: ModelPlan, unit_name: str, pod: Pod | None, ec_evictions:
         engines=[api.EngineStatus(name=e.container_name, role=e.worker_type, url=url(e.port))
                  for e in plan.unit_engines],
         ec_evictions=ec_evictions,
+        fallback_encodes=fallback_encodes,
     )
     # A unit being replaced (Terminating) is progress too, as during every rollout.
     starting = reason in ("EncoderStarting", "EngineStarting", "PodNotReady", "Terminating") or (
@@ -237,6 +238,7 @@ def invalid_status(errors: list[str], generation: int | None, previous: dict[str
         phase="Invalid",
         ready=(previous or {}).get("ready"),
         model_count=(previous or {}).get("modelCount"),
+        fallback_encodes=(previous or {}).get("fallbackEncodes"),
         conditions=conditions + kept,
         models=[api.ModelStatus.model_validate(m) for m in (previous or {}).get("models") or []],
     )
@@ -254,10 +256,11 @@ def compute_status(
     previous: dict[str, Any] | None,
     now: str,
     evictions: Mapping[str, int] | None = None,
+    fallback_encodes: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """The full status from the pods and StatefulSets of this deployment (each by name);
-    `evictions`: budget evictions by unit name, for the units whose janitor the operator
-    scraped."""
+    `evictions`, `fallback_encodes`: budget evictions and consumers' fallback encodes by unit
+    name, for the units whose janitor the operator scraped."""
     models: list[api.ModelStatus] = []
     units: list[Unit] = []
     pools: list[Pool] = []
@@ -268,7 +271,7 @@ def compute_status(
     for plan in plans:
         pool = observe_pool(deployment, spec, plan, pods) if plan.pooled else None
         pools += [pool] if pool else []
-        observed = [observe_unit(plan, n, pods.get(n), (evictions or {}).get(n), pool)
+        observed = [observe_unit(plan, n, pods.get(n), (evictions or {}).get(n), pool, (fallback_encodes or {}).get(n))
                     for n in unit_names(deployment, plan, spec.replicas)]
         units += observed
         existing_per_model.append(sum(u.exists for u in observed))
@@ -291,6 +294,7 @@ def compute_status(
                 ec_storage_max_bytes=effective_max_bytes(spec) if plan.ec_storage_path else None,
                 ready_units=sum(u.ready for u in observed),
                 updated_units=updated,
+                fallback_encodes=_sum_known(u.status.fallback_encodes for u in observed),
                 units=[u.status for u in observed],
                 placement=plan.placement,
                 encoder_urls=pool.ready_urls if pool else None,
@@ -362,6 +366,7 @@ def compute_status(
         replicas=min(existing_per_model, default=0),
         selector=unit_pod_selector(deployment),
         model_count=len(plans),
+        fallback_encodes=_sum_known(m.fallback_encodes for m in models),
         conditions=conditions,
         models=models,
     )
@@ -374,3 +379,9 @@ def _current(stateful_set: StatefulSetSummary | None) -> StatefulSetSummary | No
 
 def _describe(units: list[Unit]) -> str:
     return "; ".join(f"{u.kind} {u.name}: {u.reason}" + (f" ({u.message})" if u.message else "") for u in units)
+
+
+def _sum_known(counts: Iterable[int | None]) -> int | None:
+    """The sum of the counts known; None (unset in the status) when none is."""
+    known = [c for c in counts if c is not None]
+    return sum(known) if known else None

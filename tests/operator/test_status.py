@@ -284,3 +284,17 @@ def test_only_pods_whose_gate_differs_are_patched():
 def test_unit_models_have_no_gates():
     spec, plans = setup()
     assert encoder_gates("d", spec, plans, {"d-default-0": pod("d-default-0")}, NOW) == {}
+
+
+def test_scraped_fallback_encodes_show_per_unit_per_model_and_in_all():
+    spec, plans = setup(replicas=3)
+    pods = {p["name"]: p for p in [pod("d-default-0"), pod("d-default-1"), pod("d-default-2")]}
+    status = compute_status(deployment="d", spec=spec, plans=plans, pods=pods, stateful_sets=unit_set(2), generation=3,
+                            previous=None, now=NOW, fallback_encodes={"d-default-0": 2, "d-default-1": 0})
+    (model,) = status["models"]
+    assert [u.get("fallbackEncodes") for u in model["units"]] == [2, 0, None]
+    assert model["fallbackEncodes"] == 2 and status["fallbackEncodes"] == 2
+
+    nothing_scraped = compute_status(deployment="d", spec=spec, plans=plans, pods=pods, stateful_sets=unit_set(2),
+                                     generation=3, previous=None, now=NOW)
+    assert "fallbackEncodes" not in nothing_scraped and "fallbackEncodes" not in nothing_scraped["models"][0]
