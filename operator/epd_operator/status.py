@@ -266,7 +266,8 @@ def compute_status(
     pools: list[Pool] = []
     stalled: list[Unit] = []  # updated pods that will not become Ready: their rollout waits on them
     updated_total = 0
-    rolled_out = True
+    rolled_out = True  # every StatefulSet observed, all its pods on its current template
+    new_revision = False  # a template change in flight (a scale changes no revision)
     existing_per_model = []
     for plan in plans:
         pool = observe_pool(deployment, spec, plan, pods) if plan.pooled else None
@@ -284,6 +285,7 @@ def compute_status(
             if current is None or not current.rolled_out:
                 rolled_out = False
             if current and current.update_revision != current.current_revision:
+                new_revision = True
                 stalled += [u for u in members
                             if u.revision == current.update_revision and not u.ready and not u.starting]
         models.append(
@@ -328,9 +330,9 @@ def compute_status(
     starting = [u for u in unready if u.starting]
     progressing = not rolled_out or bool(starting)
     updated = f"{updated_total}/{len(units)} units updated"
-    if not rolled_out:
+    if new_revision:
         progress_reason, progress_message = "RollingOut", updated + (f"; {_describe(starting)}" if starting else "")
-    elif starting:
+    elif starting or not rolled_out:
         progress_reason, progress_message = "UnitsStarting", _describe(starting)
     else:
         progress_reason, progress_message = "Complete", ""
