@@ -430,8 +430,8 @@ class EngineStatus(Schema):
     url: str | None = Field(default=None, description="http://<pod IP>:<port>; unset while the pod has no IP.")
 
 
-class UnitStatus(Schema):
-    """One EPD unit: a pod holding every engine of a model on one node."""
+class PodStatus(Schema):
+    """What the status says of one pod: a unit, or a pod of an encoder pool."""
 
     name: str
     pod: str
@@ -440,9 +440,14 @@ class UnitStatus(Schema):
     reason: str | None = None
     message: str | None = None
     encoder_urls: list[str] = Field(default_factory=list)
+    engines: list[EngineStatus] = Field(default_factory=list, description="Every engine of the pod, by role.")
+
+
+class UnitStatus(PodStatus):
+    """One EPD unit: a pod holding every engine of a model on one node (with Pools, its consumers)."""
+
     consumer_urls: list[str] = Field(default_factory=list)
     router_url: str | None = None
-    engines: list[EngineStatus] = Field(default_factory=list, description="Every engine of the unit, by role.")
     ec_evictions: int | None = Field(
         default=None, description="EC entries its janitor evicted for budget since it started (scraped)."
     )
@@ -453,17 +458,8 @@ class UnitStatus(Schema):
     )
 
 
-class EncoderPodStatus(Schema):
+class EncoderPodStatus(PodStatus):
     """One pod of a model's encoder pool (placement Pools)."""
-
-    name: str
-    pod: str
-    node: str | None = None
-    ready: bool = False
-    reason: str | None = None
-    message: str | None = None
-    encoder_urls: list[str] = Field(default_factory=list)
-    engines: list[EngineStatus] = Field(default_factory=list, description="The pod's encoder engines.")
 
 
 class EncoderPoolStatus(Schema):

@@ -154,18 +154,27 @@ class SpecError(ValueError):
 def port_errors(spec: EPDDeploymentSpec, index: int, model: ModelSpec) -> list[str]:
     """Ports the model's unit would use twice, or past 65535: its engines could not all bind."""
     if model.pooled:
+        # A Pools model's unit holds its consumers only, numbered from ports.engineBase; no janitor.
+        consumers = sum(g.engines for g in model.server_groups if not g.worker_type.is_encoder)
         return [*_range_errors(model, _pool_port_ranges(spec, model)),
-                *_range_errors(model, _pooled_unit_port_ranges(spec, model))]
+                *_range_errors(model, _unit_port_ranges(spec, model, consumers, janitor=False))]
     engines = sum(g.engines for g in model.server_groups)
+    return _range_errors(model, _unit_port_ranges(spec, model, engines, janitor=model.has_encoders))
+
+
+def _unit_port_ranges(spec: EPDDeploymentSpec, model: ModelSpec, engines: int, *,
+                      janitor: bool) -> dict[str, tuple[int, int]]:
+    """A unit pod with `engines` engines: their HTTP ports, the router's, prefill/decode NIXL side
+    channels, and the janitor's metrics port."""
     ranges = {"ports.engineBase": (spec.ports.engine_base, spec.ports.engine_base + engines - 1)}
     if model.needs_router:
         ranges["ports.router"] = (spec.ports.router, spec.ports.router)
     if model.is_pd:
         base = spec.ports.nixl_side_channel_base
         ranges["ports.nixlSideChannelBase"] = (base, base + engines - 1)
-    if model.has_encoders:
+    if janitor:
         ranges["the EC janitor's metrics port"] = (JANITOR_METRICS_PORT, JANITOR_METRICS_PORT)
-    return _range_errors(model, ranges)
+    return ranges
 
 
 def _pool_port_ranges(spec: EPDDeploymentSpec, model: ModelSpec) -> dict[str, tuple[int, int]]:
@@ -175,18 +184,6 @@ def _pool_port_ranges(spec: EPDDeploymentSpec, model: ModelSpec) -> dict[str, tu
     if uses_cpu_regions(model):
         base = spec.ports.ec_side_channel_base
         ranges["ports.ecSideChannelBase"] = (base, base + encoders - 1)
-    return ranges
-
-
-def _pooled_unit_port_ranges(spec: EPDDeploymentSpec, model: ModelSpec) -> dict[str, tuple[int, int]]:
-    """A Pools model's unit: its consumers, numbered from ports.engineBase; no janitor."""
-    consumers = sum(g.engines for g in model.server_groups if not g.worker_type.is_encoder)
-    ranges = {"ports.engineBase": (spec.ports.engine_base, spec.ports.engine_base + consumers - 1)}
-    if model.needs_router:
-        ranges["ports.router"] = (spec.ports.router, spec.ports.router)
-    if model.is_pd:
-        base = spec.ports.nixl_side_channel_base
-        ranges["ports.nixlSideChannelBase"] = (base, base + consumers - 1)
     return ranges
 
 
