@@ -11,7 +11,7 @@ from typing import Any, Literal
 from urllib.parse import urlencode
 
 from ._endpoints import Engine, Endpoints, ModelEndpoints, Unit, VimeArgs, rendezvous
-from ._errors import EndpointsError, EngineError, ImageFailure, PrimeError, RequestError
+from ._errors import EndpointsError, EngineError, ImageFailure, NoReadyUnitError, PrimeError, RequestError
 from ._http import Transport
 from ._media import Message, MediaItem, copy_messages, media_items, write_keys
 from ._retry import RetryPolicy
@@ -19,6 +19,9 @@ from ._retry import RetryPolicy
 _CHAT = "/v1/chat/completions"
 _RENDER = "/v1/chat/completions/render"
 _GENERATE = "/inference/v1/generate"
+
+# vLLM's ec_transfer_params: per item hash, where a consumer pulls that item's embedding.
+TransferParams = dict[str, Any]
 
 
 class EPDClient:
@@ -135,10 +138,10 @@ class EPDClient:
         if failures:
             raise EngineError(f"POST {path}", model, len(engines), failures)
 
-    async def _prime_on(self, model: ModelEndpoints, items: list[MediaItem]) -> None:
+    async def _prime_on(self, model: ModelEndpoints, items: list[MediaItem]) -> TransferParams:
         """Prime on the model's chosen unit, items keyed already."""
         async with self.session(model_name=model.name) as session:
-            await _prime(self._transport, model.served_name, session.unit, items)
+            return await _prime(self._transport, model, session.unit, items)
 
     def _choose(self, model: ModelEndpoints, key: str | None) -> Unit:
         ready = model.ready_units()
@@ -165,28 +168,37 @@ class Session:
         self.unit = unit
         self.weights_version = weights_version
 
-    async def prime(self, messages: Iterable[Message]) -> None:
+    async def prime(self, messages: Iterable[Message]) -> TransferParams:
         """Encode every media item of ``messages`` on this unit's encoders (see
         prime_encoder). With a weights version, writes each part's key into ``messages``:
-        render them as they are afterwards."""
+        render them as they are afterwards. Returns the ``ec_transfer_params`` to send with
+        render (a ``Pools`` model's; empty otherwise)."""
         items = media_items(messages)
         if self.weights_version is not None:
             write_keys(items, self.weights_version)
-        await _prime(self._transport, self.model.served_name, self.unit, items)
+        return await _prime(self._transport, self.model, self.unit, items)
 
     async def generate(self, request: Mapping[str, Any]) -> Any:
         """Prime, then ``/v1/chat/completions/render`` and ``/inference/v1/generate``
         through the unit's router (or consumer). Text-only requests skip priming.
-        ``request`` is not modified (with a weights version, a keyed copy is sent)."""
+        ``request`` is not modified (with a weights version, a keyed copy is sent).
+
+        For a ``Pools`` model both calls carry the primed items' ``ec_transfer_params``, so the
+        consumer pulls each embedding from its encoder, and generate sends those items
+        metadata-only (no image tensors) where the render response offers that."""
         entry = self.unit.entry_url
         if entry is None:
             raise EndpointsError(f"unit {self.unit.name!r} has no router or consumer URL")
         if self.weights_version is not None and request.get("messages"):
             request = {**request, "messages": copy_messages(request["messages"])}
-        await self.prime(request.get("messages") or ())
+        params = await self.prime(request.get("messages") or ())
         body = {"model": self.model.served_name, **request}
-        rendered = await self._transport.post((entry,), _RENDER, body)
-        generated = await self._transport.post((entry,), _GENERATE, rendered.json())
+        if params:
+            body["ec_transfer_params"] = {**params, **(request.get("ec_transfer_params") or {})}
+        rendered = (await self._transport.post((entry,), _RENDER, body)).json()
+        if params:
+            rendered = _carry_transfer_params(rendered, body["ec_transfer_params"])
+        generated = await self._transport.post((entry,), _GENERATE, rendered)
         return generated.json()
 
 
@@ -196,7 +208,7 @@ async def prime_encoder(
     *,
     model_name: str = "default",
     weights_version: str | None = None,
-) -> None:
+) -> TransferParams:
     """Encode every media item of ``messages`` on the encoders before render/generate.
 
     Media items are the content parts of type ``image_url``, ``video_url``, ``audio_url``
@@ -221,10 +233,16 @@ async def prime_encoder(
     could land on different units: with several, use ``EPDClient.session`` or
     ``EPDClient.generate``. Endpoints and Vime args get a client for this call only; pass
     an EPDClient to keep connections across calls.
+
+    Returns the ``ec_transfer_params`` to send with render for a ``Pools`` model (its encoders
+    run on other nodes: the consumer pulls each embedding from the address its encoder
+    announced); for any other model an empty dict, which Vime ignores as it ignores None.
+    For a ``Pools`` model an encoder answer without transfer params for its item is a
+    PrimeError naming the item and the encoder, never a silent local encode.
     """
     items = media_items(messages)
     if not items:
-        return
+        return {}
     if isinstance(target, EPDClient):
         if weights_version is None:
             weights_version = target.weights_version
@@ -238,17 +256,16 @@ async def prime_encoder(
     if weights_version is not None:
         write_keys(items, weights_version)
     if model is None:
-        return
+        return {}
     if len(model.units) > 1:
         raise EndpointsError(
             f"model {model.name!r} has {len(model.units)} units; prime and generate inside "
             "`async with client.session(key) as s` so both use the same unit"
         )
     if isinstance(target, EPDClient):
-        await target._prime_on(model, items)
-        return
+        return await target._prime_on(model, items)
     async with EPDClient(Endpoints((model,))) as client:
-        await client._prime_on(model, items)
+        return await client._prime_on(model, items)
 
 
 def _vime_model(args: VimeArgs, model_name: str) -> ModelEndpoints | None:
@@ -278,32 +295,89 @@ def _primed_model(endpoints: Endpoints, model_name: str) -> ModelEndpoints | Non
 
 
 async def _prime(
-    transport: Transport, served_name: str, unit: Unit, items: list[MediaItem]
-) -> None:
+    transport: Transport, model: ModelEndpoints, unit: Unit, items: list[MediaItem]
+) -> TransferParams:
+    """Prime the items on the unit's encoders; for a Pools model, return every item's
+    ``ec_transfer_params`` entries (keyed by vLLM's item hash) merged into one dict."""
     encoders = unit.encoder_urls
+    if items and not encoders and model.pooled:
+        raise NoReadyUnitError(
+            f"model {model.name!r}: its encoder pool has no ready encoder to prime on"
+        )
     if not items or not encoders:
-        return
+        return {}
 
-    async def prime_one(index: int, item: MediaItem) -> ImageFailure | None:
+    async def prime_one(index: int, item: MediaItem) -> TransferParams | ImageFailure:
         body = {
-            "model": served_name,
+            "model": model.served_name,
             "messages": [{"role": "user", "content": [item.part]}],
             "max_tokens": 1,
             "stream": False,
         }
         try:
-            await transport.post(encoders, _CHAT, body, first=index)
+            response = await transport.post(encoders, _CHAT, body, first=index)
         except RequestError as exc:
             return ImageFailure(index, _short(item.source), exc.urls, exc, item.kind)
-        return None
+        if not model.pooled:
+            return {}
+        params, missing = _announced(response.json())
+        if missing:
+            encoder = str(response.request.url).removesuffix(_CHAT)
+            error = RequestError(_CHAT, (encoder,), attempts=1, reason=missing)
+            return ImageFailure(index, _short(item.source), (encoder,), error, item.kind)
+        return params
 
     # A failing item does not cancel the others, so the error can name every failure;
     # cancelling the caller cancels all requests before this returns (TaskGroup).
     async with asyncio.TaskGroup() as group:
         tasks = [group.create_task(prime_one(i, item)) for i, item in enumerate(items)]
-    failures = [f for f in (t.result() for t in tasks) if f is not None]
+    results = [t.result() for t in tasks]
+    failures = [r for r in results if isinstance(r, ImageFailure)]
     if failures:
         raise PrimeError(unit.name, len(items), failures)
+    merged: TransferParams = {}
+    for result in results:
+        merged.update(result)  # type: ignore[arg-type]
+    return merged
+
+
+def _announced(answer: Any) -> tuple[TransferParams, str]:
+    """An encoder answer's ``ec_transfer_params`` and, if they cannot carry the embedding to
+    a consumer on another node, why: absent, or an entry without the encoder's address (vLLM
+    announces none for an embedding it did not keep, and the consumer would encode locally)."""
+    params = answer.get("ec_transfer_params") if isinstance(answer, Mapping) else None
+    if not isinstance(params, Mapping) or not params:
+        return {}, "answered without ec_transfer_params (is its EC connector ECCPUConnector with NIXL?)"
+    unaddressed = [key for key, entry in params.items()
+                   if not (isinstance(entry, Mapping) and entry.get("peer_host") and entry.get("peer_port"))]
+    if unaddressed:
+        return {}, f"announced no peer address for {', '.join(map(str, unaddressed))} (not saved, or evicted)"
+    return dict(params), ""
+
+
+def _carry_transfer_params(rendered: Any, params: TransferParams) -> Any:
+    """The render response as generate's body: with the transfer params (vLLM's render copies
+    them; set them if it did not), and every announced item metadata-only where the response
+    carries its metadata, so the image tensors are not sent again."""
+    if not isinstance(rendered, dict):
+        return rendered
+    rendered = {**rendered, "ec_transfer_params": rendered.get("ec_transfer_params") or params}
+    features = rendered.get("features")
+    if not isinstance(features, Mapping):
+        return rendered
+    hashes, kwargs, metadata = (features.get(k) for k in ("mm_hashes", "kwargs_data", "mm_metadata"))
+    if not (isinstance(hashes, Mapping) and isinstance(kwargs, Mapping) and isinstance(metadata, Mapping)):
+        return rendered
+    announced = rendered["ec_transfer_params"]
+    slim = {}
+    for modality, items in kwargs.items():
+        names = hashes.get(modality) or ()
+        metas = metadata.get(modality) or ()
+        if not (isinstance(items, list) and len(names) == len(items) == len(metas)):
+            return rendered  # not vLLM's parallel lists: send the response as it came
+        slim[modality] = [None if name in announced and meta is not None else item
+                          for name, item, meta in zip(names, items, metas)]
+    return {**rendered, "features": {**features, "kwargs_data": slim}}
 
 
 def _short(url: str, limit: int = 80) -> str:

@@ -13,6 +13,7 @@ from ._errors import EndpointsError, NoReadyUnitError
 
 ENCODER = "encoder"
 CONSUMER = "consumer"
+POOLS = "Pools"
 
 
 class VimeArgs(Protocol):
@@ -90,9 +91,20 @@ class ModelEndpoints:
     name: str
     units: tuple[Unit, ...]
     served_model_name: str | None = None
+    placement: str = "Unit"
+    """``Unit`` (each unit holds its encoders) or ``Pools``: the encoders form one encoder pool
+    that primes for every unit, whose consumers pull each embedding from the encoder that
+    computed it (so priming collects ``ec_transfer_params`` for render and generate)."""
+    pool_engines: tuple[Engine, ...] = ()
+    """With ``Pools``: the encoder pool's engines, ready or not (``Engine.unit`` is their pod)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "units", tuple(self.units))
+        object.__setattr__(self, "pool_engines", tuple(self.pool_engines))
+
+    @property
+    def pooled(self) -> bool:
+        return self.placement == POOLS
 
     @property
     def served_name(self) -> str:
@@ -102,7 +114,7 @@ class ModelEndpoints:
     @property
     def has_encoders(self) -> bool:
         """Whether the model is served with encoder disaggregation (its images get primed)."""
-        return any(e.role == ENCODER for u in self.units for e in u.all_engines())
+        return self.pooled or any(e.role == ENCODER for u in self.units for e in u.all_engines())
 
     def ready_units(self) -> tuple[Unit, ...]:
         ready = tuple(u for u in self.units if u.ready)
@@ -111,10 +123,10 @@ class ModelEndpoints:
         return ready
 
     def engines(self, role: str | None = None) -> tuple[Engine, ...]:
-        """Every engine of every unit (ready or not), or only those of ``role``."""
-        return tuple(
-            e for u in self.units for e in u.all_engines() if role is None or e.role == role
-        )
+        """Every engine of every unit (ready or not), or only those of ``role``; with
+        ``Pools`` the encoder pool's engines first (a unit's encoder URLs are the pool's)."""
+        units = (e for u in self.units for e in u.all_engines() if not (self.pooled and e.role == ENCODER))
+        return tuple(e for e in (*self.pool_engines, *units) if role is None or e.role == role)
 
 
 @dataclass(frozen=True)
@@ -176,10 +188,13 @@ class Endpoints:
 
 
 def _model_from_status(model: Mapping[str, Any]) -> ModelEndpoints:
+    pooled = model.get("placement") == POOLS
+    # Pools: every unit primes on the pool's ready encoders, which the operator lists per model.
+    pool_urls = tuple(model.get("encoderUrls") or ())
     units = tuple(
         Unit(
             name=unit["name"],
-            encoder_urls=tuple(unit.get("encoderUrls") or ()),
+            encoder_urls=pool_urls if pooled else tuple(unit.get("encoderUrls") or ()),
             router_url=unit.get("routerUrl"),
             consumer_urls=tuple(unit.get("consumerUrls") or ()),
             # A unit the operator has not yet called ready must not receive traffic.
@@ -194,7 +209,13 @@ def _model_from_status(model: Mapping[str, Any]) -> ModelEndpoints:
         )
         for unit in model.get("units") or ()
     )
-    return ModelEndpoints(model["name"], units, model.get("servedModelName"))
+    pool_engines = tuple(
+        Engine(pod["name"], e["name"], e["role"], e.get("url"))
+        for pod in (model.get("encoderPool") or {}).get("pods") or ()
+        for e in pod.get("engines") or ()
+    )
+    return ModelEndpoints(model["name"], units, model.get("servedModelName"),
+                          model.get("placement") or "Unit", pool_engines)
 
 
 def rendezvous(units: Sequence[Unit], key: str) -> Unit:

@@ -21,9 +21,9 @@ def prime_encoder_sync(
     *,
     model_name: str = "default",
     weights_version: str | None = None,
-) -> None:
+) -> dict[str, Any]:
     """Blocking ``prime_encoder``."""
-    _run(
+    return _run(
         lambda: prime_encoder(
             target, messages, model_name=model_name, weights_version=weights_version
         )

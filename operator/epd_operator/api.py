@@ -75,6 +75,13 @@ class WorkerType(str, enum.Enum):
         return self.kv_role is not None
 
 
+class Placement(str, enum.Enum):
+    """Where a model's encoders run (docs/architecture.md, "Placements")."""
+
+    unit = "Unit"  # every engine of the model in one pod: the seed's single-node EPD unit
+    pools = "Pools"  # an encoder pool of its own pods, and consumer units on any node
+
+
 class EnvVar(Schema):
     """A container environment variable, as in a Pod spec."""
 
@@ -130,6 +137,45 @@ class ServerGroup(Schema):
         return self.num_gpus // self.num_gpus_per_engine
 
 
+class PoolsECConnector(Schema):
+    """The EC connector between a Pools model's encoder pool and its consumer units."""
+
+    name: str = Field(
+        default="ECCPUConnector",
+        min_length=1,
+        description=(
+            "vLLM EC connector class that reaches other nodes: ECCPUConnector (each engine's pinned "
+            "/dev/shm region, read over NIXL) or a custom one. ECExampleConnector cannot: its files "
+            "live in one node's /dev/shm."
+        ),
+    )
+    module_path: str | None = Field(default=None, description="Python module of a custom connector.")
+    extra_config: OpenObject = Field(
+        default_factory=dict,
+        description=(
+            "Merged into ec_connector_extra_config of the model's engines. For ECCPUConnector: "
+            "ec_cpu_bytes (each engine's region; default: an equal share of 80% of its pod's "
+            "/dev/shm) and ec_enable_nixl (default true)."
+        ),
+    )
+
+
+class EncoderPool(Schema):
+    """The encoder pool's pods (placement Pools); unset fields take the spec-wide value."""
+
+    shm: Shm | None = Field(default=None, description="The pool pods' /dev/shm; default: spec.shm.")
+    node_selector: dict[str, str] | None = Field(
+        default=None, description="The pool pods' nodeSelector; default: spec.nodeSelector."
+    )
+    tolerations: list[OpenObject] | None = Field(
+        default=None, description="The pool pods' tolerations; default: spec.tolerations."
+    )
+    affinity: OpenObject | None = Field(
+        default=None,
+        description="The pool pods' affinity (e.g. anti-affinity to the consumer units); default: spec.affinity.",
+    )
+
+
 class ModelSpec(Schema):
     """One served model and its server groups; each EPD unit of it is one pod on one node."""
 
@@ -149,6 +195,36 @@ class ModelSpec(Schema):
             "Valid layouts: {encoder, regular}, {encoder, prefill, decode}, and text-only "
             "{regular} or {prefill, decode}. Several groups of one type are allowed."
         ),
+    )
+
+    # Placement (issue #16): the encoders of a model in their own pool, consumers on any node.
+    placement: Placement = Field(
+        default=Placement.unit,
+        description=(
+            "Unit: every engine of the model in one pod (an EPD unit) sharing a node-local EC store. "
+            "Pools: the encoders form an encoder pool (its own StatefulSet of encoderReplicas pods, on any "
+            "node) and the consumers form the units (replicas of them), which read embeddings over the "
+            "network (ECCPUConnector with NIXL by default). Pools needs an encoder group."
+        ),
+    )
+    encoder_replicas: int = Field(
+        default=1,
+        ge=0,
+        le=1000,
+        description=(
+            "Pods in the encoder pool (placement Pools), each holding the encoder groups' engines; "
+            "independent of spec.replicas. 0 stops the pool: its consumers leave their Services."
+        ),
+    )
+    ec_connector: PoolsECConnector | None = Field(
+        default=None,
+        description=(
+            "The model's EC connector (placement Pools only; a Unit model uses spec.ecConnector). "
+            "Default: ECCPUConnector over NIXL."
+        ),
+    )
+    encoder_pool: EncoderPool | None = Field(
+        default=None, description="The encoder pool's pods (placement Pools): /dev/shm and scheduling."
     )
 
     @property
@@ -173,6 +249,15 @@ class ModelSpec(Schema):
         more than one consumer engine. Encoders are never behind it."""
         consumers = sum(g.engines for g in self.server_groups if not g.worker_type.is_encoder)
         return self.is_pd or consumers > 1
+
+    @property
+    def pooled(self) -> bool:
+        """Placement Pools: the encoders run in their own pool, not in the units."""
+        return self.placement == Placement.pools
+
+    @property
+    def pools_connector(self) -> PoolsECConnector:
+        return self.ec_connector or PoolsECConnector()
 
 
 class ECConnector(Schema):
@@ -249,6 +334,12 @@ class Ports(Schema):
     engine_base: int = Field(default=8100, ge=1, le=65000, description="First engine HTTP port.")
     nixl_side_channel_base: int = Field(
         default=5600, ge=1, le=65000, description="First NIXL side-channel port (prefill/decode)."
+    )
+    ec_side_channel_base: int = Field(
+        default=5700,
+        ge=1,
+        le=65000,
+        description="First ECCPUConnector side-channel port (VLLM_EC_SIDE_CHANNEL_PORT of a Pools model's encoders).",
     )
 
 
@@ -339,8 +430,8 @@ class EngineStatus(Schema):
     url: str | None = Field(default=None, description="http://<pod IP>:<port>; unset while the pod has no IP.")
 
 
-class UnitStatus(Schema):
-    """One EPD unit: a pod holding every engine of a model on one node."""
+class PodStatus(Schema):
+    """What the status says of one pod: a unit, or a pod of an encoder pool."""
 
     name: str
     pod: str
@@ -349,12 +440,36 @@ class UnitStatus(Schema):
     reason: str | None = None
     message: str | None = None
     encoder_urls: list[str] = Field(default_factory=list)
+    engines: list[EngineStatus] = Field(default_factory=list, description="Every engine of the pod, by role.")
+
+
+class UnitStatus(PodStatus):
+    """One EPD unit: a pod holding every engine of a model on one node (with Pools, its consumers)."""
+
     consumer_urls: list[str] = Field(default_factory=list)
     router_url: str | None = None
-    engines: list[EngineStatus] = Field(default_factory=list, description="Every engine of the unit, by role.")
     ec_evictions: int | None = Field(
         default=None, description="EC entries its janitor evicted for budget since it started (scraped)."
     )
+    fallback_encodes: int | None = Field(
+        default=None,
+        description="Images its consumers encoded themselves, not finding them in the EC store (cache misses), "
+        "since its janitor started (scraped).",
+    )
+
+
+class EncoderPodStatus(PodStatus):
+    """One pod of a model's encoder pool (placement Pools)."""
+
+
+class EncoderPoolStatus(Schema):
+    """A Pools model's encoder pool: its StatefulSet, Service and pods."""
+
+    name: str = Field(description="The pool's StatefulSet.")
+    service: str = Field(description="Its headless Service, listing the ready encoder pods.")
+    replicas: int
+    ready_pods: int = 0
+    pods: list[EncoderPodStatus] = Field(default_factory=list)
 
 
 class ModelStatus(Schema):
@@ -364,7 +479,15 @@ class ModelStatus(Schema):
     ec_storage_max_bytes: int | None = None
     ready_units: int = 0
     updated_units: int = Field(default=0, description="Units running the current spec's pod template.")
+    fallback_encodes: int | None = Field(
+        default=None, description="Sum of its units' fallbackEncodes (unset until a janitor was scraped)."
+    )
     units: list[UnitStatus] = Field(default_factory=list)
+    placement: Placement | None = None
+    encoder_urls: list[str] | None = Field(
+        default=None, description="Placement Pools: the URLs of the pool's ready encoders, which prime for every unit."
+    )
+    encoder_pool: EncoderPoolStatus | None = None
 
 
 class EPDDeploymentStatus(Schema):
@@ -379,5 +502,8 @@ class EPDDeploymentStatus(Schema):
     )
     selector: str | None = Field(default=None, description="Label selector of the unit pods (scale subresource).")
     model_count: int | None = None
+    fallback_encodes: int | None = Field(
+        default=None, description="Sum of every unit's fallbackEncodes (unset until a janitor was scraped)."
+    )
     conditions: list[Condition] = Field(default_factory=list)
     models: list[ModelStatus] = Field(default_factory=list)

@@ -115,8 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--janitor-scrape-interval",
         type=float,
         default=30.0,
-        help="seconds between scrapes of the units' EC janitors, which turn budget evictions into "
-        "ECEvicted Events and status.models[].units[].ecEvictions (0: off)",
+        help="seconds between scrapes of the units' EC janitors, which turn budget evictions and "
+        "consumers' fallback encodes into ECEvicted and ECFallbackEncodes Events and "
+        "status.models[].units[].ecEvictions and .fallbackEncodes (0: off)",
     )
     run.add_argument(
         "--janitor-image",

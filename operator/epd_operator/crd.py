@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 from . import api
-from .validation import LAYOUT_RULES, MAX_UNAVAILABLE_PERCENT, SUPPORTED_VLLM_VERSIONS
+from .validation import LAYOUT_RULES, MAX_UNAVAILABLE_PERCENT, PLACEMENT_RULES, SUPPORTED_VLLM_VERSIONS
 
 CRD_FILE = "crds/epddeployments.epd.vime.dev.yaml"
 
@@ -99,6 +99,17 @@ def _layout_cel_rules() -> list[dict[str, str]]:
     return rules
 
 
+def _placement_cel_rules() -> list[dict[str, str]]:
+    return [
+        {
+            "rule": rule.cel,
+            "messageExpression": f"\"model '\" + self.name + \"': {rule.message}\"",
+            "reason": "FieldValueInvalid",
+        }
+        for rule in PLACEMENT_RULES
+    ]
+
+
 def _add_cel_rules(spec: dict[str, Any]) -> None:
     supported = ", ".join(SUPPORTED_VLLM_VERSIONS)
     # Majors are all 0 today; the alternation lists the supported minors, e.g. (32|33).
@@ -120,7 +131,7 @@ def _add_cel_rules(spec: dict[str, Any]) -> None:
     models = spec["properties"]["models"]
     models["x-kubernetes-list-type"] = "map"
     models["x-kubernetes-list-map-keys"] = ["name"]
-    models["items"]["x-kubernetes-validations"] = _layout_cel_rules()
+    models["items"]["x-kubernetes-validations"] = _layout_cel_rules() + _placement_cel_rules()
     groups = models["items"]["properties"]["serverGroups"]["items"]
     groups["x-kubernetes-validations"] = [
         {
@@ -185,6 +196,8 @@ def build_crd() -> dict[str, Any]:
                     "additionalPrinterColumns": [
                         {"name": "Ready", "type": "string", "jsonPath": ".status.ready"},
                         {"name": "Updated", "type": "string", "jsonPath": ".status.updated", "priority": 1},
+                        {"name": "Fallback-Encodes", "type": "integer", "jsonPath": ".status.fallbackEncodes",
+                         "priority": 1},
                         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
                         {"name": "Models", "type": "integer", "jsonPath": ".status.modelCount"},
                         {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas"},

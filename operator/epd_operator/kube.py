@@ -1,10 +1,11 @@
 """The few Kubernetes API calls the operator makes, over one pooled aiohttp session.
 
 kopf watches and indexes; this module writes: server-side apply of children, status patches,
-deletes. It reuses kopf's credentials and kopf's own HTTP library (aiohttp), so the heavy
-`kubernetes` client is never imported by the operator (kopf's docs found it dominates a small
-operator's memory). aiohttp rather than httpx: profiling 1,000 EPDDeployments showed httpcore's
-pool spending a third of the operator's CPU re-scanning its queue of waiting requests.
+deletes (and the readiness-gate condition of Pools units' pods). It reuses kopf's credentials
+and kopf's own HTTP library (aiohttp), so the heavy `kubernetes` client is never imported by
+the operator (kopf's docs found it dominates a small operator's memory). aiohttp rather than
+httpx: profiling 1,000 EPDDeployments showed httpcore's pool spending a third of the
+operator's CPU re-scanning its queue of waiting requests.
 """
 
 from __future__ import annotations
@@ -74,6 +75,17 @@ class Kube:
                              "application/json")
         except KubeError as error:
             if error.status_code != 404:
+                raise
+
+    async def patch_pod_condition(self, namespace: str, name: str, condition: dict[str, Any]) -> None:
+        """Set one condition of a pod's status (a readiness gate's): a strategic merge patch
+        merges conditions by type, so the kubelet's own conditions stay as they are."""
+        path = f"/api/v1/namespaces/{namespace}/pods/{name}/status"
+        try:
+            await self._call("PATCH", path, {"status": {"conditions": [condition]}},
+                             "application/strategic-merge-patch+json")
+        except KubeError as error:
+            if error.status_code != 404:  # the pod is gone: its replacement gets its own patch
                 raise
 
     async def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:

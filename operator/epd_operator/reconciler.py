@@ -29,7 +29,7 @@ from .metrics import OperatorMetrics
 from .render import ModelPlan, render
 from .resources import ANNOTATION_SPEC_HASH, desired_children
 from .settings import Settings
-from .status import compute_status, invalid_status
+from .status import compute_status, encoder_gates, invalid_status
 from .validation import SpecError, validate
 from .workqueue import WorkQueue
 
@@ -177,6 +177,8 @@ class Reconciler:
         try:
             await self.converge(body, planned)
             await self.write_status(body, planned)
+            # After the status: a refused pod patch (an older chart's RBAC) must not hide it.
+            await self.open_gates(body, planned)
         except Exception:
             self.metrics.observe_reconcile("error", time.perf_counter() - started)
             raise
@@ -234,6 +236,17 @@ class Reconciler:
         for kind, name in existing.keys() - planned.digests.keys():  # a model removed from the spec
             await self.kube.delete(kind, key[0], name)
 
+    async def open_gates(self, body: kopf.Body, planned: Planned) -> None:
+        """Pools: set the encoders-ready readiness gate of each unit pod whose condition is not
+        yet what its encoder pool says (only those: an unchanged pool writes nothing)."""
+        if not any(plan.pooled for plan in planned.plans):
+            return
+        namespace, name = body.metadata.namespace, body.metadata.name
+        pods = {p["name"]: p for p in self._require_indexes().unit_pods.get((namespace, name), [])}
+        gates = encoder_gates(name, planned.spec, planned.plans, pods, _now())
+        await asyncio.gather(*(self.kube.patch_pod_condition(namespace, pod, condition)
+                               for pod, condition in gates.items()))
+
     async def write_status(self, body: kopf.Body, planned: Planned) -> None:
         indexes = self._require_indexes()
         namespace, name = body.metadata.namespace, body.metadata.name
@@ -241,9 +254,10 @@ class Reconciler:
         sets = {s.name: s for s in indexes.unit_sets.get((namespace, name), [])}
         previous = dict(body.status)
         status = compute_status(
-            deployment=name, spec=planned.spec, plans=planned.plans, pods=pods, unit_sets=sets,
+            deployment=name, spec=planned.spec, plans=planned.plans, pods=pods, stateful_sets=sets,
             generation=body.metadata.get("generation"), previous=previous, now=_now(),
             evictions=self.scraper.evictions((namespace, name)),
+            fallback_encodes=self.scraper.fallback_encodes((namespace, name)),
         )
         self.metrics.set_ready_units(namespace, name, sum(m["readyUnits"] for m in status["models"]))
         if _same(status, previous):

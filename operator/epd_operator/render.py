@@ -18,14 +18,15 @@ import json
 import re
 import shlex
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, Mapping
 
 import jinja2
 import yaml
 
-from .api import EPDDeploymentSpec, ModelSpec, WorkerType
+from .api import EPDDeploymentSpec, ModelSpec, Placement, WorkerType
+from .ec.regions import cpu_bytes, uses_cpu_regions
 from .validation import ROUTER_KV_CONNECTORS, CheckedSpec
 
 ROUTER = "router"
@@ -64,6 +65,8 @@ class EngineCommand:
     gpus: int  # numGpusPerEngine
     args: list[str]  # full argv
     env: dict[str, str]  # env the role needs; the caller adds the user's env lists
+    ec_side_channel_port: int | None = None  # ECCPUConnector producer's side channel (Pools encoders)
+    field_env: dict[str, str] = field(default_factory=dict)  # env from the pod's own fields: name -> fieldPath
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,7 @@ class ModelPlan:
     ec_storage_path: str | None  # None for text-only models
     engines: list[EngineCommand]  # encoders first, then consumers in group order
     router: RouterCommand | None
+    placement: str = Placement.unit.value
 
     @property
     def encoders(self) -> list[EngineCommand]:
@@ -93,14 +97,29 @@ class ModelPlan:
         """The engines behind the router (or the unit's single entry): every non-encoder."""
         return [e for e in self.engines if not e.worker_type.is_encoder]
 
+    @property
+    def pooled(self) -> bool:
+        """Placement Pools: the encoders run in the model's encoder pool, not in its units."""
+        return self.placement == Placement.pools.value
+
+    @property
+    def unit_engines(self) -> list[EngineCommand]:
+        """The engines in each unit pod: all of them, or with Pools only the consumers."""
+        return self.consumers if self.pooled else self.engines
+
+    @property
+    def unit_encoders(self) -> list[EngineCommand]:
+        return [] if self.pooled else self.encoders
+
 
 def render(checked: CheckedSpec, *, namespace: str, name: str, uid: str) -> list[ModelPlan]:
     """The commands of every model's EPD unit (pure; a checked spec always renders)."""
     spec = checked.spec
     plans = []
     for index, model in enumerate(spec.models):
+        # Pools: no EC store; the embeddings stay in each encoder's own region until read.
         path = ec_storage_path(spec, namespace=namespace, name=name, uid=uid, model=model.name) \
-            if model.has_encoders else None
+            if model.has_encoders and not model.pooled else None
         plans.append(_model_plan(spec, checked.vllm_minor, index, model, path))
     return plans
 
@@ -153,6 +172,7 @@ def format_commands(plans: list[ModelPlan]) -> str:
     for plan in plans:
         for cmd in plan.engines:
             env = [f"{key}={value}" for key, value in sorted(cmd.env.items())]
+            env += [f"{key}=<{path}>" for key, path in sorted(cmd.field_env.items())]
             where = f"{plan.name} group={cmd.group_index} engine={cmd.engine_index} {cmd.container_name}"
             lines.append(f"[{where}] " + shlex.join([*env, *cmd.args]))
         if plan.router:
@@ -165,11 +185,11 @@ def commands_json(plans: list[ModelPlan]) -> list[dict[str, Any]]:
     for plan in plans:
         for cmd in plan.engines:
             commands.append({"model": cmd.model, "workerType": cmd.worker_type.value, "engineIndex": cmd.engine_index,
-                             "args": list(cmd.args), "env": dict(cmd.env)})
+                             "args": list(cmd.args), "env": dict(cmd.env), "fieldEnv": dict(cmd.field_env)})
         if plan.router:
             # The router's entry keeps the engines' shape for tools reading the list.
             commands.append({"model": plan.name, "workerType": ROUTER, "engineIndex": -1,
-                             "args": list(plan.router.args), "env": {}})
+                             "args": list(plan.router.args), "env": {}, "fieldEnv": {}})
     return commands
 
 
@@ -185,12 +205,17 @@ def _model_plan(
     ordered = [g for g in groups if g[1].worker_type.is_encoder] + [g for g in groups if not g[1].worker_type.is_encoder]
     engines: list[EngineCommand] = []
     numbers: Counter[str] = Counter()
+    # With Pools the encoders and the consumers live in different pods, each numbered from 0.
+    pool_size = sum(g.engines for _, g in ordered if g.worker_type.is_encoder) if model.pooled else 0
+    cpu_regions = uses_cpu_regions(model)
     for g_index, group in ordered:
         worker_type = group.worker_type
         for _ in range(group.engines):
-            engine_index = len(engines)
+            engine_index = len(engines) - (0 if worker_type.is_encoder else pool_size)
             port = spec.ports.engine_base + engine_index
             nixl_port = spec.ports.nixl_side_channel_base + engine_index if worker_type.is_pd else None
+            side_port = spec.ports.ec_side_channel_base + engine_index \
+                if cpu_regions and worker_type.is_encoder else None
             defaults = _load_yaml(
                 _templates.get_template("engine.yaml.j2").render(
                     worker_type=worker_type.value,
@@ -204,6 +229,10 @@ def _model_plan(
                     ec=spec.ec_connector,
                     kv=spec.kv_connector,
                     server_dev_mode=spec.server_dev_mode,
+                    pools_ec=model.pools_connector if model.pooled else None,
+                    ec_cpu_bytes=cpu_bytes(spec, model, group) if cpu_regions and worker_type.ec_role else None,
+                    ec_side_channel_port=side_port,
+                    v2_model_runner=cpu_regions,
                 )
             )
             args = _apply_overrides(defaults["args"], group.overrides)
@@ -219,10 +248,12 @@ def _model_plan(
                     gpus=group.num_gpus_per_engine,
                     args=["vllm", "serve", model.model, *engine_flags(minor, args)],
                     env=defaults["env"] or {},
+                    ec_side_channel_port=side_port,
+                    field_env=defaults.get("field_env") or {},
                 )
             )
             numbers[worker_type] += 1
-    return ModelPlan(model.name, served, ec_path, engines, _router(spec, model, engines))
+    return ModelPlan(model.name, served, ec_path, engines, _router(spec, model, engines), model.placement)
 
 
 def _apply_overrides(defaults: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

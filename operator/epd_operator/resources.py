@@ -30,6 +30,11 @@ LABEL_UNIT = f"{api.GROUP}/unit"
 LABEL_ROLE = f"{api.GROUP}/role"
 ANNOTATION_SPEC_HASH = f"{api.GROUP}/spec-hash"
 ANNOTATION_EC_STORAGE_PATH = f"{api.GROUP}/ec-storage-path"
+# Placement Pools: the encoder pool's pods carry this label (the model's name) instead of
+# LABEL_MODEL, so no Service or StatefulSet of the model's units ever selects them.
+LABEL_ENCODER_POOL = f"{api.GROUP}/encoder-pool"
+# The readiness gate of a Pools model's units: True while its encoder pool has a ready encoder.
+ENCODERS_READY_GATE = f"{api.GROUP}/encoders-ready"
 JANITOR_METRICS_PORT = api.JANITOR_METRICS_PORT
 
 
@@ -69,7 +74,9 @@ def _env(command: EngineCommand, extra: list[api.EnvVar]) -> list[dict[str, Any]
     """Rendered env, then the user's; a user variable of the same name replaces the rendered one."""
     user = [e.model_dump(by_alias=True, exclude_none=True) for e in extra]
     overridden = {u["name"] for u in user}
-    return [{"name": k, "value": v} for k, v in command.env.items() if k not in overridden] + user
+    fields = [{"name": k, "valueFrom": {"fieldRef": {"fieldPath": path}}} for k, path in command.field_env.items()]
+    rendered = [{"name": k, "value": v} for k, v in command.env.items()] + fields
+    return [e for e in rendered if e["name"] not in overridden] + user
 
 
 def _probe(port: int, probes: api.Probes, *, startup: bool) -> dict[str, Any]:
@@ -97,12 +104,14 @@ def _resources(gpus: int, extra: api.ResourceRequirements | None) -> dict[str, A
 
 
 def _engine_container(
-    spec: api.EPDDeploymentSpec, model: api.ModelSpec, command: EngineCommand, front: bool
+    spec: api.EPDDeploymentSpec, model: api.ModelSpec, command: EngineCommand, front: bool, sidecar: bool = True
 ) -> dict[str, Any]:
     group = model.server_groups[command.group_index]
     ports = [{"name": FRONT_PORT_NAME if front else command.container_name, "containerPort": command.port}]
     if command.nixl_port is not None:
         ports.append({"name": f"nixl-{command.engine_index}", "containerPort": command.nixl_port})
+    if command.ec_side_channel_port is not None:
+        ports.append({"name": f"ec-side-{command.engine_index}", "containerPort": command.ec_side_channel_port})
     container = {
         "name": command.container_name,
         "image": spec.image,
@@ -116,7 +125,7 @@ def _engine_container(
         "readinessProbe": _probe(command.port, spec.probes, startup=False),
         "livenessProbe": _probe(command.port, spec.probes, startup=False),
     }
-    if command.worker_type.is_encoder:
+    if command.worker_type.is_encoder and sidecar:
         # A native sidecar: the kubelet starts the consumers only after every encoder's
         # startupProbe passed, and an unready encoder makes the whole pod unready.
         container["restartPolicy"] = "Always"
@@ -180,7 +189,7 @@ def pod_template(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPlan, 
     model = spec.model(plan.name)
     consumers = plan.consumers
     front_is_engine = plan.router is None and len(consumers) == 1
-    init = [_engine_container(spec, model, c, False) for c in plan.encoders]
+    init = [_engine_container(spec, model, c, False) for c in plan.unit_encoders]
     main = [_engine_container(spec, model, c, front_is_engine) for c in consumers]
     if plan.router is not None:
         main.append(_router_container(spec, plan.router))
@@ -202,6 +211,10 @@ def pod_template(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPlan, 
         "imagePullSecrets": spec.image_pull_secrets or None,
     }
     pod_spec.update({k: v for k, v in optional.items() if v is not None})
+    if plan.pooled:
+        # Sidecars cannot order containers of other pods: the operator opens this gate while the
+        # model's encoder pool has a ready encoder (status.encoder_gates).
+        pod_spec["readinessGates"] = [{"conditionType": ENCODERS_READY_GATE}]
     labels = common_labels(deployment, plan.name, "unit")
     annotations = {}
     if plan.ec_storage_path:
@@ -232,19 +245,17 @@ def statefulset(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPlan, o
     }
 
 
-def pod_disruption_budget(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPlan) -> dict[str, Any]:
-    """Voluntary disruptions (drains, evictions) take at most maxUnavailable of the model's units."""
+def pod_disruption_budget(spec: api.EPDDeploymentSpec, stateful_set: dict[str, Any]) -> dict[str, Any]:
+    """Voluntary disruptions (drains, evictions) take at most maxUnavailable of the pods of a
+    StatefulSet of units or of an encoder pool: the budget covers exactly its pods."""
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": {
-            "name": child_name(deployment, plan.name, limit=63),
-            "labels": common_labels(deployment, plan.name, "unit"),
-        },
+        "metadata": {"name": stateful_set["metadata"]["name"], "labels": stateful_set["metadata"]["labels"]},
         "spec": {
             "maxUnavailable": spec.max_unavailable,
-            "selector": {"matchLabels": selector_labels(deployment, plan.name)},
-            # A unit that is not Ready (loading its model, or broken) may be evicted even when the
+            "selector": stateful_set["spec"]["selector"],
+            # A pod that is not Ready (loading its model, or broken) may be evicted even when the
             # budget is spent: waiting for it would block a drain for nothing.
             "unhealthyPodEvictionPolicy": "AlwaysAllow",
         },
@@ -289,14 +300,94 @@ def services(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPlan) -> l
     return [headless, front]
 
 
+# --------------------------------------------------------------------------- encoder pools
+
+
+def pool_name(deployment: str, model: str) -> str:
+    """The encoder pool's StatefulSet and Service (validation refuses a model of this name)."""
+    return child_name(deployment, model, "encoders")
+
+
+def pool_selector_labels(deployment: str, model: str) -> dict[str, str]:
+    return {LABEL_DEPLOYMENT: deployment, LABEL_ENCODER_POOL: model}
+
+
+def pool_labels(deployment: str, model: str) -> dict[str, str]:
+    return {
+        LABEL_NAME: "epd",
+        LABEL_INSTANCE: deployment,
+        LABEL_COMPONENT: "encoder-pool",
+        LABEL_MANAGED_BY: FIELD_MANAGER,
+        LABEL_ROLE: "encoder-pool",
+        **pool_selector_labels(deployment, model),
+    }
+
+
+def pool_pod_template(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPlan) -> dict[str, Any]:
+    """A pod of the encoder pool: the model's encoder engines (plain containers: nothing in this
+    pod waits for them), its own /dev/shm (their ECCPUConnector regions) and scheduling."""
+    model = spec.model(plan.name)
+    pool = model.encoder_pool or api.EncoderPool()
+    shm = {"medium": "Memory", "sizeLimit": (pool.shm or spec.shm).size_limit}
+    pod_spec: dict[str, Any] = {
+        "containers": [_engine_container(spec, model, c, False, sidecar=False) for c in plan.encoders],
+        "volumes": [{"name": SHM_VOLUME, "emptyDir": shm}, *spec.volumes],
+        "enableServiceLinks": False,
+    }
+    optional = {
+        "nodeSelector": (spec.node_selector if pool.node_selector is None else pool.node_selector) or None,
+        "tolerations": (spec.tolerations if pool.tolerations is None else pool.tolerations) or None,
+        "affinity": spec.affinity if pool.affinity is None else pool.affinity,
+        "priorityClassName": spec.priority_class_name,
+        "serviceAccountName": spec.service_account_name,
+        "imagePullSecrets": spec.image_pull_secrets or None,
+    }
+    pod_spec.update({k: v for k, v in optional.items() if v is not None})
+    return {"metadata": {"labels": pool_labels(deployment, plan.name)}, "spec": pod_spec}
+
+
+def pool_statefulset(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPlan) -> dict[str, Any]:
+    """The encoder pool: `encoderReplicas` pods, scaled independently of the units."""
+    name = pool_name(deployment, plan.name)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": {"name": name, "labels": pool_labels(deployment, plan.name)},
+        "spec": {
+            "replicas": spec.model(plan.name).encoder_replicas,
+            "serviceName": name,
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": pool_selector_labels(deployment, plan.name)},
+            "template": pool_pod_template(spec, deployment, plan),
+            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": spec.max_unavailable}},
+        },
+    }
+
+
+def pool_service(deployment: str, plan: ModelPlan) -> dict[str, Any]:
+    """Headless, listing the pool's ready encoder pods (and governing their StatefulSet). It
+    selects by LABEL_ENCODER_POOL, which unit pods never carry, as the units' Services select by
+    LABEL_MODEL, which pool pods never carry."""
+    ports = [{"name": e.container_name, "port": e.port, "targetPort": e.port, "protocol": "TCP"}
+             for e in plan.encoders]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": pool_name(deployment, plan.name), "labels": pool_labels(deployment, plan.name)},
+        "spec": {"clusterIP": "None", "selector": pool_selector_labels(deployment, plan.name), "ports": ports},
+    }
+
+
 def desired_children(
     spec: api.EPDDeploymentSpec, deployment: str, plans: list[ModelPlan], operator_image: str
 ) -> list[dict[str, Any]]:
-    """Per model: its units' StatefulSet, two Services and a PodDisruptionBudget. `operator_image`
-    runs the janitors."""
+    """Per model: its units' StatefulSet, two Services and a PodDisruptionBudget (with Pools also
+    its encoder pool's StatefulSet, Service and budget). `operator_image` runs the janitors."""
     children = []
     for plan in plans:
-        children.append(statefulset(spec, deployment, plan, operator_image))
-        children.extend(services(spec, deployment, plan))
-        children.append(pod_disruption_budget(spec, deployment, plan))
+        units = statefulset(spec, deployment, plan, operator_image)
+        children += [units, *services(spec, deployment, plan), pod_disruption_budget(spec, units)]
+        if plan.pooled:
+            pool = pool_statefulset(spec, deployment, plan)
+            children += [pool, pool_service(deployment, plan), pod_disruption_budget(spec, pool)]
     return children

@@ -7,14 +7,15 @@ containers too so that a consumer is never reported Ready while its encoders are
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from . import api
 from .ec.budget import budget_warning, effective_max_bytes
 from .render import ModelPlan
-from .resources import child_name, unit_pod_selector
+from .resources import ENCODERS_READY_GATE, child_name, pool_name, unit_pod_selector
 
 Pod = dict[str, Any]
 # The StatefulSet controller labels each pod with the revision of the template it was made from.
@@ -23,7 +24,7 @@ REVISION_LABEL = "controller-revision-hash"
 
 @dataclass(frozen=True)
 class StatefulSetSummary:
-    """What status needs of a unit StatefulSet (the operator's index keeps only this)."""
+    """What status needs of a StatefulSet of units or encoders (the operator's index keeps only this)."""
 
     name: str
     spec_hash: str | None  # the operator's annotation: the desired state it was applied from
@@ -50,6 +51,7 @@ class Unit:
     reason: str
     message: str
     status: api.UnitStatus
+    kind: str = "unit"  # "encoder pod" for a pod of an encoder pool
     revision: str | None = None  # of the pod's template (None while there is no pod)
 
 
@@ -65,15 +67,17 @@ def _containers(pod: Pod) -> dict[str, dict[str, Any]]:
     return {c["name"]: c for c in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]}
 
 
-def observe_unit(plan: ModelPlan, unit_name: str, pod: Pod | None, ec_evictions: int | None = None) -> Unit:
+def observe_unit(plan: ModelPlan, unit_name: str, pod: Pod | None, ec_evictions: int | None = None,
+                 pool: Pool | None = None, fallback_encodes: int | None = None) -> Unit:
     """What one unit's pod says about it; `pod` is None while it does not exist yet.
-    `ec_evictions`: its janitor's budget evictions, as the operator last scraped them."""
+    `ec_evictions`, `fallback_encodes`: its janitor's counters, as the operator last scraped them.
+    `pool`: the model's encoder pool (placement Pools), whose encoders the unit's consumers need."""
     if pod is None:
         status = api.UnitStatus(name=unit_name, pod=unit_name, reason="PodMissing", message="pod not created yet")
         return Unit(unit_name, plan.name, False, False, True, False, "PodMissing", status.message or "", status)
     ip = pod.get("status", {}).get("podIP")
     containers = _containers(pod)
-    encoders, consumers = plan.encoders, plan.consumers
+    encoders, consumers = plan.unit_encoders, plan.consumers
     routed = [*consumers, *([plan.router] if plan.router else [])]
 
     def ready(name: str) -> bool:
@@ -91,10 +95,12 @@ def observe_unit(plan: ModelPlan, unit_name: str, pod: Pod | None, ec_evictions:
         reason, message = scheduled.get("reason") or "Unschedulable", scheduled.get("message") or "pod not scheduled"
     elif unready_encoders:
         reason = "EncoderStarting" if set(unready_encoders) <= set(not_started) else "EncoderUnready"
-        message = f"encoder {', '.join(unready_encoders)} not ready: consumers get no traffic"
+        message = f"encoder {', '.join(unready_encoders)} not ready" + (": consumers get no traffic" if routed else "")
     elif unready_consumers:
         reason = "EngineStarting" if set(unready_consumers) <= set(not_started) else "EngineUnready"
         message = f"{', '.join(unready_consumers)} not ready"
+    elif pool is not None and not pool.ready_urls:
+        reason, message = "NoReadyEncoder", f"encoder pool {pool.name} has no ready encoder: its readiness gate is closed"
     elif not pod_ready:
         reason, message = "PodNotReady", _condition(pod, "Ready").get("message") or "pod is not Ready"
     else:
@@ -114,21 +120,95 @@ def observe_unit(plan: ModelPlan, unit_name: str, pod: Pod | None, ec_evictions:
         encoder_urls=[u for e in encoders if (u := url(e.port))],
         consumer_urls=[u for c in consumers if (u := url(c.port))],
         router_url=url(plan.router.port) if plan.router else None,
-        engines=[api.EngineStatus(name=e.container_name, role=e.worker_type, url=url(e.port)) for e in plan.engines],
+        engines=[api.EngineStatus(name=e.container_name, role=e.worker_type, url=url(e.port))
+                 for e in plan.unit_engines],
         ec_evictions=ec_evictions,
+        fallback_encodes=fallback_encodes,
     )
     # A unit being replaced (Terminating) is progress too, as during every rollout.
     starting = reason in ("EncoderStarting", "EngineStarting", "PodNotReady", "Terminating") or (
         scheduled.get("status") == "False" and reason != "Unschedulable"
-    )
+    ) or (reason == "NoReadyEncoder" and pool is not None and pool.starting)
+    encoders_ready = not unready_encoders and (pool is None or bool(pool.ready_urls))
     revision = (pod.get("metadata", {}).get("labels") or {}).get(REVISION_LABEL)
-    return Unit(unit_name, plan.name, True, is_ready, starting, not unready_encoders, reason, message, status,
-                revision)
+    return Unit(unit_name, plan.name, True, is_ready, starting, encoders_ready, reason, message, status,
+                revision=revision)
 
 
 def unit_names(deployment: str, plan: ModelPlan, replicas: int) -> list[str]:
     """Unit pod names are the StatefulSet's ordinal pod names."""
     return [f"{child_name(deployment, plan.name)}-{i}" for i in range(replicas)]
+
+
+# --------------------------------------------------------------------------- encoder pools
+
+
+@dataclass(frozen=True)
+class Pool:
+    """A Pools model's encoder pool, observed: each pod is a Unit of encoders only."""
+
+    name: str  # its StatefulSet
+    model: str
+    members: list[Unit]
+
+    @property
+    def ready_urls(self) -> list[str]:
+        """The ready encoders' URLs: where the model's images are primed."""
+        return [url for m in self.members if m.ready for url in m.status.encoder_urls]
+
+    @property
+    def starting(self) -> bool:
+        """Every pod not ready yet is still starting (or there is none yet): nothing is broken."""
+        return all(m.starting for m in self.members if not m.ready)
+
+    def status(self, replicas: int) -> api.EncoderPoolStatus:
+        pods = [
+            api.EncoderPodStatus(name=m.name, pod=m.status.pod, node=m.status.node, ready=m.ready,
+                                 reason=m.status.reason, message=m.status.message,
+                                 encoder_urls=m.status.encoder_urls, engines=m.status.engines)
+            for m in self.members
+        ]
+        return api.EncoderPoolStatus(name=self.name, service=self.name, replicas=replicas,
+                                     ready_pods=sum(m.ready for m in self.members), pods=pods)
+
+
+def observe_pool(deployment: str, spec: api.EPDDeploymentSpec, plan: ModelPlan, pods: Mapping[str, Pod]) -> Pool:
+    """The encoder pool of a Pools model from its pods (by name)."""
+    name = pool_name(deployment, plan.name)
+    # A pool pod holds the model's encoders and nothing else: observed as a unit of that shape.
+    encoders_only = dataclasses.replace(plan, engines=plan.encoders, router=None,
+                                        placement=api.Placement.unit.value)
+    members = [
+        dataclasses.replace(observe_unit(encoders_only, pod_name, pods.get(pod_name)), kind="encoder pod")
+        for pod_name in (f"{name}-{i}" for i in range(spec.model(plan.name).encoder_replicas))
+    ]
+    return Pool(name, plan.name, members)
+
+
+def encoder_gates(deployment: str, spec: api.EPDDeploymentSpec, plans: list[ModelPlan],
+                  pods: Mapping[str, Pod], now: str) -> dict[str, dict[str, Any]]:
+    """The readiness-gate condition to write on each unit pod of a Pools model whose condition
+    does not say yet what its pool says: True while the pool has a ready encoder, else False."""
+    gates = {}
+    for plan in plans:
+        if not plan.pooled:
+            continue
+        pool = observe_pool(deployment, spec, plan, pods)
+        ready = bool(pool.ready_urls)
+        want = {
+            "type": ENCODERS_READY_GATE,
+            "status": "True" if ready else "False",
+            "reason": "EncodersReady" if ready else "NoReadyEncoder",
+            "message": f"encoder pool {pool.name} has {'a' if ready else 'no'} ready encoder",
+        }
+        for pod_name in unit_names(deployment, plan, spec.replicas):
+            pod = pods.get(pod_name)
+            if pod is None or pod.get("metadata", {}).get("deletionTimestamp"):
+                continue
+            current = _condition(pod, ENCODERS_READY_GATE)
+            if any(current.get(k) != v for k, v in want.items()):
+                gates[pod_name] = {**want, "lastTransitionTime": now}
+    return gates
 
 
 def _set(conditions: list[api.Condition], previous: dict[str, api.Condition], now: str, generation: int | None,
@@ -158,6 +238,7 @@ def invalid_status(errors: list[str], generation: int | None, previous: dict[str
         phase="Invalid",
         ready=(previous or {}).get("ready"),
         model_count=(previous or {}).get("modelCount"),
+        fallback_encodes=(previous or {}).get("fallbackEncodes"),
         conditions=conditions + kept,
         models=[api.ModelStatus.model_validate(m) for m in (previous or {}).get("models") or []],
     )
@@ -170,36 +251,43 @@ def compute_status(
     spec: api.EPDDeploymentSpec,
     plans: list[ModelPlan],
     pods: dict[str, Pod],
-    unit_sets: Mapping[str, StatefulSetSummary],
+    stateful_sets: Mapping[str, StatefulSetSummary],
     generation: int | None,
     previous: dict[str, Any] | None,
     now: str,
     evictions: Mapping[str, int] | None = None,
+    fallback_encodes: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
-    """The full status from the pods of this deployment and its unit StatefulSets (each by
-    name); `evictions`: budget evictions by unit name, for the units whose janitor the operator
-    scraped."""
+    """The full status from the pods and StatefulSets of this deployment (each by name);
+    `evictions`, `fallback_encodes`: budget evictions and consumers' fallback encodes by unit
+    name, for the units whose janitor the operator scraped."""
     models: list[api.ModelStatus] = []
     units: list[Unit] = []
-    stalled: list[Unit] = []  # updated units that will not become Ready: their rollout waits on them
+    pools: list[Pool] = []
+    stalled: list[Unit] = []  # updated pods that will not become Ready: their rollout waits on them
     updated_total = 0
-    rolled_out = True
+    rolled_out = True  # every StatefulSet observed, all its pods on its current template
+    new_revision = False  # a template change in flight (a scale changes no revision)
     existing_per_model = []
     for plan in plans:
-        observed = [observe_unit(plan, n, pods.get(n), (evictions or {}).get(n))
+        pool = observe_pool(deployment, spec, plan, pods) if plan.pooled else None
+        pools += [pool] if pool else []
+        observed = [observe_unit(plan, n, pods.get(n), (evictions or {}).get(n), pool, (fallback_encodes or {}).get(n))
                     for n in unit_names(deployment, plan, spec.replicas)]
         units += observed
         existing_per_model.append(sum(u.exists for u in observed))
-        unit_set = unit_sets.get(child_name(deployment, plan.name))
         # Until the StatefulSet controller has seen the current template, its counts are the old one's.
-        current = unit_set if unit_set and unit_set.observed else None
-        updated = current.updated_replicas if current else 0
+        unit_set = _current(stateful_sets.get(child_name(deployment, plan.name)))
+        updated = unit_set.updated_replicas if unit_set else 0
         updated_total += min(updated, spec.replicas)
-        if current is None or not current.rolled_out:
-            rolled_out = False
-        if current and current.update_revision != current.current_revision:
-            stalled += [u for u in observed
-                        if u.revision == current.update_revision and not u.ready and not u.starting]
+        sets = [(unit_set, observed)] + ([(_current(stateful_sets.get(pool.name)), pool.members)] if pool else [])
+        for current, members in sets:
+            if current is None or not current.rolled_out:
+                rolled_out = False
+            if current and current.update_revision != current.current_revision:
+                new_revision = True
+                stalled += [u for u in members
+                            if u.revision == current.update_revision and not u.ready and not u.starting]
         models.append(
             api.ModelStatus(
                 name=plan.name,
@@ -208,24 +296,33 @@ def compute_status(
                 ec_storage_max_bytes=effective_max_bytes(spec) if plan.ec_storage_path else None,
                 ready_units=sum(u.ready for u in observed),
                 updated_units=updated,
+                fallback_encodes=_sum_known(u.status.fallback_encodes for u in observed),
                 units=[u.status for u in observed],
+                placement=plan.placement,
+                encoder_urls=pool.ready_urls if pool else None,
+                encoder_pool=pool.status(spec.model(plan.name).encoder_replicas) if pool else None,
             )
         )
+    pool_members = [m for pool in pools for m in pool.members]
     before = _previous(previous)
     conditions: list[api.Condition] = []
     _set(conditions, before, now, generation, "Validated", True, "Valid")
 
-    encoder_models = {p.name for p in plans if p.encoders}
-    has_encoders = [u for u in units if u.model in encoder_models]
+    encoder_models = {p.name for p in plans if p.unit_encoders}
+    has_encoders = [u for u in units if u.model in encoder_models] + pool_members
     unready_encoders = [u for u in has_encoders if not u.encoders_ready]
-    if not has_encoders:
+    # Pools: the condition names every pool left without a ready encoder first.
+    empty = [f"encoder pool {p.name} of model {p.model} has no ready encoder" for p in pools if not p.ready_urls]
+    if not has_encoders and not pools:
         _set(conditions, before, now, generation, "EncodersReady", True, "NoEncoders", "text-only models")
     else:
-        _set(conditions, before, now, generation, "EncodersReady", not unready_encoders,
-             "EncodersReady" if not unready_encoders else "EncoderUnready", _describe(unready_encoders))
+        _set(conditions, before, now, generation, "EncodersReady", not unready_encoders and not empty,
+             "NoReadyEncoder" if empty else "EncoderUnready" if unready_encoders else "EncodersReady",
+             "; ".join([*empty, *([_describe(unready_encoders)] if unready_encoders else [])]))
 
-    unready = [u for u in units if not u.ready]
-    ready_count = len(units) - len(unready)
+    # A deployment is Ready only with every unit and every encoder pool pod ready.
+    unready = [u for u in [*units, *pool_members] if not u.ready]
+    ready_count = sum(u.ready for u in units)
     _set(conditions, before, now, generation, "Ready", not unready,
          "AllUnitsReady" if not unready else "UnitsNotReady",
          f"{ready_count}/{len(units)} units ready" + (f": {_describe(unready)}" if unready else ""))
@@ -233,9 +330,9 @@ def compute_status(
     starting = [u for u in unready if u.starting]
     progressing = not rolled_out or bool(starting)
     updated = f"{updated_total}/{len(units)} units updated"
-    if not rolled_out:
+    if new_revision:
         progress_reason, progress_message = "RollingOut", updated + (f"; {_describe(starting)}" if starting else "")
-    elif starting:
+    elif starting or not rolled_out:
         progress_reason, progress_message = "UnitsStarting", _describe(starting)
     else:
         progress_reason, progress_message = "Complete", ""
@@ -243,9 +340,9 @@ def compute_status(
 
     broken = [u for u in unready if not u.starting]
     if stalled:
-        # The StatefulSet replaces no further unit while one is unavailable: say which and why.
+        # The StatefulSet replaces no further pod while one is unavailable: say which and why.
         _set(conditions, before, now, generation, "Degraded", True, "RolloutStalled",
-             f"rollout stopped at {updated}: {_describe(stalled)}; no further unit is replaced until it is "
+             f"rollout stopped at {updated}: {_describe(stalled)}; no further pod is replaced until it is "
              "Ready: fix the spec (or revert it) to go on")
     else:
         _set(conditions, before, now, generation, "Degraded", bool(broken),
@@ -271,11 +368,22 @@ def compute_status(
         replicas=min(existing_per_model, default=0),
         selector=unit_pod_selector(deployment),
         model_count=len(plans),
+        fallback_encodes=_sum_known(m.fallback_encodes for m in models),
         conditions=conditions,
         models=models,
     )
     return status.model_dump(by_alias=True, exclude_none=True)
 
 
+def _current(stateful_set: StatefulSetSummary | None) -> StatefulSetSummary | None:
+    return stateful_set if stateful_set and stateful_set.observed else None
+
+
 def _describe(units: list[Unit]) -> str:
-    return "; ".join(f"unit {u.name}: {u.reason}" + (f" ({u.message})" if u.message else "") for u in units)
+    return "; ".join(f"{u.kind} {u.name}: {u.reason}" + (f" ({u.message})" if u.message else "") for u in units)
+
+
+def _sum_known(counts: Iterable[int | None]) -> int | None:
+    """The sum of the counts known; None (unset in the status) when none is."""
+    known = [c for c in counts if c is not None]
+    return sum(known) if known else None

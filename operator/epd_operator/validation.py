@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import pydantic
 
 from .api import DNS1123_LABEL, JANITOR_METRICS_PORT, EPDDeploymentSpec, ModelSpec, ServerGroup
 from .ec.quantity import BYTE_QUANTITY
+from .ec.regions import region_errors, uses_cpu_regions
 from .engine_args import override_errors
 
 SUPPORTED_VLLM_VERSIONS = ("0.32", "0.33")
@@ -85,10 +86,61 @@ LAYOUT_RULES: tuple[LayoutRule, ...] = (
 )
 
 
+@dataclass(frozen=True)
+class ModelRule:
+    """A rule on one model, stated twice: `cel` (the CRD's rule on a model, true when valid) and
+    `violated_by` (Python), so the API server and the operator agree (tests/api check both)."""
+
+    cel: str
+    message: str
+    violated_by: Callable[[ModelSpec], bool]
+
+
+# Placement rules (issue #16). The CRD defaults placement to Unit, so CEL always sees it.
+PLACEMENT_RULES: tuple[ModelRule, ...] = (
+    ModelRule(
+        "!(self.placement == 'Pools' && !self.serverGroups.exists(g, g.workerType == 'encoder'))",
+        "placement Pools needs an encoder group: a model without encoders has nothing to pool (use placement Unit)",
+        lambda m: m.pooled and not m.has_encoders,
+    ),
+    ModelRule(
+        "!(self.placement == 'Pools' && has(self.ecConnector) && self.ecConnector.name == 'ECExampleConnector')",
+        "placement Pools cannot use ECExampleConnector: it exchanges embeddings as files in a node-local "
+        "/dev/shm, which cannot span nodes; use ECCPUConnector (the default for Pools: leave ecConnector.name unset)",
+        lambda m: m.pooled and m.ec_connector is not None and m.ec_connector.name == "ECExampleConnector",
+    ),
+    ModelRule(
+        "!(self.placement != 'Pools' && has(self.ecConnector))",
+        "ecConnector is for placement Pools: a Unit model uses spec.ecConnector",
+        lambda m: not m.pooled and m.ec_connector is not None,
+    ),
+)
+
+
 def layout_errors(model: ModelSpec) -> list[str]:
     """Messages for every layout rule this model breaks (empty when the layout is valid)."""
     types = {t.value for t in model.worker_types}
     return [f"model '{model.name}': {r.message}" for r in LAYOUT_RULES if r.violated_by(types)]
+
+
+def placement_errors(spec: EPDDeploymentSpec, index: int, model: ModelSpec) -> list[str]:
+    """Placement rules, and for Pools: names, NIXL and the ECCPUConnector regions."""
+    errors = [f"model '{model.name}': {r.message}" for r in PLACEMENT_RULES if r.violated_by(model)]
+    if not model.pooled:
+        return errors
+    pool = f"{model.name}-encoders"
+    if any(other.name == pool for other in spec.models):
+        errors.append(
+            f"spec.models[{index}].name: model '{model.name}' has placement Pools, whose encoder pool is named "
+            f"like model '{pool}': rename one"
+        )
+    nixl = model.pools_connector.extra_config.get("ec_enable_nixl")
+    if uses_cpu_regions(model) and nixl is not None and str(nixl).strip().lower() not in ("true", "1", "yes"):
+        errors.append(
+            f"spec.models[{index}].ecConnector.extraConfig.ec_enable_nixl: without NIXL ECCPUConnector reads only "
+            "its own pod's region, and a Pools model's encoders run in other pods: remove it"
+        )
+    return errors + region_errors(spec, index, model)
 
 
 class SpecError(ValueError):
@@ -101,15 +153,41 @@ class SpecError(ValueError):
 
 def port_errors(spec: EPDDeploymentSpec, index: int, model: ModelSpec) -> list[str]:
     """Ports the model's unit would use twice, or past 65535: its engines could not all bind."""
+    if model.pooled:
+        # A Pools model's unit holds its consumers only, numbered from ports.engineBase; no janitor.
+        consumers = sum(g.engines for g in model.server_groups if not g.worker_type.is_encoder)
+        return [*_range_errors(model, _pool_port_ranges(spec, model)),
+                *_range_errors(model, _unit_port_ranges(spec, model, consumers, janitor=False))]
     engines = sum(g.engines for g in model.server_groups)
+    return _range_errors(model, _unit_port_ranges(spec, model, engines, janitor=model.has_encoders))
+
+
+def _unit_port_ranges(spec: EPDDeploymentSpec, model: ModelSpec, engines: int, *,
+                      janitor: bool) -> dict[str, tuple[int, int]]:
+    """A unit pod with `engines` engines: their HTTP ports, the router's, prefill/decode NIXL side
+    channels, and the janitor's metrics port."""
     ranges = {"ports.engineBase": (spec.ports.engine_base, spec.ports.engine_base + engines - 1)}
     if model.needs_router:
         ranges["ports.router"] = (spec.ports.router, spec.ports.router)
     if model.is_pd:
         base = spec.ports.nixl_side_channel_base
         ranges["ports.nixlSideChannelBase"] = (base, base + engines - 1)
-    if model.has_encoders:
+    if janitor:
         ranges["the EC janitor's metrics port"] = (JANITOR_METRICS_PORT, JANITOR_METRICS_PORT)
+    return ranges
+
+
+def _pool_port_ranges(spec: EPDDeploymentSpec, model: ModelSpec) -> dict[str, tuple[int, int]]:
+    """An encoder pool pod: its encoders' HTTP ports, and their EC side channels (ECCPUConnector)."""
+    encoders = sum(g.engines for g in model.server_groups if g.worker_type.is_encoder)
+    ranges = {"ports.engineBase": (spec.ports.engine_base, spec.ports.engine_base + encoders - 1)}
+    if uses_cpu_regions(model):
+        base = spec.ports.ec_side_channel_base
+        ranges["ports.ecSideChannelBase"] = (base, base + encoders - 1)
+    return ranges
+
+
+def _range_errors(model: ModelSpec, ranges: dict[str, tuple[int, int]]) -> list[str]:
     errors = []
     for name, (low, high) in ranges.items():
         if high > 65535 and name.startswith("ports."):
@@ -228,6 +306,7 @@ def validate(raw: dict[str, Any]) -> CheckedSpec:
             errors.append(f"spec.models[{index}].name: model name '{model.name}' is used twice: names must be unique")
         seen.add(model.name)
         errors += layout_errors(model)
+        errors += placement_errors(spec, index, model)
         errors += port_errors(spec, index, model)
         errors += router_errors(spec, model)
         for g_index, group in enumerate(model.server_groups):

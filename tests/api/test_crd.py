@@ -52,6 +52,8 @@ def test_open_maps_are_only_where_intended():
         "$.models[].serverGroups[].overrides", "$.models[].serverGroups[].env[]",
         "$.models[].serverGroups[].env[].valueFrom", "$.tolerations[]", "$.affinity",
         "$.imagePullSecrets[]", "$.volumes[]", "$.volumes[].hostPath", "$.volumeMounts[]",
+        "$.models[].ecConnector.extraConfig", "$.models[].encoderPool.tolerations[]",
+        "$.models[].encoderPool.affinity",
     }
 
 
@@ -62,10 +64,22 @@ def test_nested_objects_default_so_the_api_server_fills_their_fields():
     assert spec["replicas"]["default"] == 1
 
 
-def test_layout_rules_are_cel_on_each_model():
+def test_layout_and_placement_rules_are_cel_on_each_model():
+    from epd_operator.validation import LAYOUT_RULES, PLACEMENT_RULES
+
     models = _schema()["properties"]["spec"]["properties"]["models"]
     assert models["x-kubernetes-list-map-keys"] == ["name"]
-    assert len(models["items"]["x-kubernetes-validations"]) == 6
+    rules = [r["rule"] for r in models["items"]["x-kubernetes-validations"]]
+    assert len(rules) == len(LAYOUT_RULES) + len(PLACEMENT_RULES)
+    assert rules[len(LAYOUT_RULES):] == [r.cel for r in PLACEMENT_RULES]
+
+
+def test_placement_defaults_to_unit_and_the_pools_connector_to_eccpuconnector():
+    model = _schema()["properties"]["spec"]["properties"]["models"]["items"]["properties"]
+    assert model["placement"]["default"] == "Unit" and model["placement"]["enum"] == ["Unit", "Pools"]
+    assert model["encoderReplicas"]["default"] == 1 and model["encoderReplicas"]["minimum"] == 0
+    assert "default" not in model["ecConnector"]  # absent unless set: CEL tells a Unit model's apart
+    assert model["ecConnector"]["properties"]["name"]["default"] == "ECCPUConnector"
 
 
 def test_yaml_round_trips():

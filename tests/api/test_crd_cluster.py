@@ -96,3 +96,26 @@ def test_kubectl_explain_shows_the_field_descriptions(cluster, crd):
     out = cluster.kubectl("explain", "epd.spec.models.serverGroups").stdout
     assert "workerType" in out and "encoder (EC producer, never behind the router)" in out
     assert "numGpusPerEngine" in out and "numGpus must be a multiple of it" in out
+
+
+def test_cel_and_python_agree_on_the_placement_rules(cluster, crd, namespace):
+    from .test_validation import POOLS_CASES, pools_spec
+
+    documents = [manifest(f"placement-{name}", pools_spec(changes)) for name, (changes, _m) in POOLS_CASES.items()]
+    cel = server_dry_run(cluster, namespace, documents)
+    for name, (changes, message) in POOLS_CASES.items():
+        python = python_verdict(pools_spec(changes))
+        api_error = cel[f"placement-{name}"]
+        assert bool(api_error) == bool(python), f"{name}: API server said {api_error!r}, Python {python}"
+        if message:
+            assert message in api_error, f"{name}: {message!r} not in {api_error!r}"
+
+
+def test_pools_with_ecexampleconnector_is_refused_at_apply_time(cluster, crd, namespace):
+    spec = spec_with("encoder", "regular")
+    spec["models"][0].update(placement="Pools", ecConnector={"name": "ECExampleConnector"})
+    out = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest("pools-example", spec)),
+                          check=False)
+    assert out.returncode != 0
+    assert ("model 'actor': placement Pools cannot use ECExampleConnector: it exchanges embeddings as files in a "
+            "node-local /dev/shm, which cannot span nodes; use ECCPUConnector") in out.stderr

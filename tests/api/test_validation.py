@@ -149,3 +149,127 @@ def test_max_unavailable_accepts_counts_and_percentages(value):
 def test_max_unavailable_refuses_what_could_not_roll_or_drain(value):
     with pytest.raises(SpecError, match=r"spec.maxUnavailable: .* is not a unit count of 1 or more"):
         validate(spec_with("encoder", "regular", maxUnavailable=value))
+
+
+# --------------------------------------------------------------------------- placement Pools (issue #16)
+
+POOLS_CASES = {
+    # name: (model changes, message that must be among the errors, or None when valid)
+    "pools": ({"placement": "Pools"}, None),
+    "pools-cpu": ({"placement": "Pools", "ecConnector": {"name": "ECCPUConnector"}}, None),
+    "pools-example": (
+        {"placement": "Pools", "ecConnector": {"name": "ECExampleConnector"}},
+        "model 'actor': placement Pools cannot use ECExampleConnector: it exchanges embeddings as files in a "
+        "node-local /dev/shm, which cannot span nodes; use ECCPUConnector",
+    ),
+    "unit-connector": (
+        {"ecConnector": {"name": "ECCPUConnector"}},
+        "model 'actor': ecConnector is for placement Pools: a Unit model uses spec.ecConnector",
+    ),
+    "pools-text-only": (
+        {"placement": "Pools", "serverGroups": [{"workerType": "regular", "numGpus": 1}]},
+        "model 'actor': placement Pools needs an encoder group",
+    ),
+}
+
+
+def pools_spec(changes: dict) -> dict:
+    spec = spec_with("encoder", "regular")
+    spec["models"][0].update(changes)
+    return spec
+
+
+@pytest.mark.parametrize("case", POOLS_CASES)
+def test_placement_rules(case):
+    changes, message = POOLS_CASES[case]
+    if message is None:
+        validate(pools_spec(changes))
+        return
+    with pytest.raises(SpecError) as error:
+        validate(pools_spec(changes))
+    assert any(m.startswith(message) for m in error.value.errors), error.value.errors
+
+
+def test_every_placement_rule_is_reachable():
+    from epd_operator.validation import PLACEMENT_RULES
+
+    fired = set()
+    for changes, _message in POOLS_CASES.values():
+        try:
+            validate(pools_spec(changes))
+        except SpecError as error:
+            fired |= {r.message for r in PLACEMENT_RULES for m in error.errors if r.message in m}
+    assert fired == {r.message for r in PLACEMENT_RULES}
+
+
+def test_placement_defaults_to_unit_and_pools_to_eccpuconnector():
+    unit = validate(spec_with("encoder", "regular")).spec.models[0]
+    assert unit.placement == "Unit" and not unit.pooled and unit.encoder_replicas == 1
+    pools = validate(pools_spec({"placement": "Pools"})).spec.models[0]
+    assert pools.pooled and pools.pools_connector.name == "ECCPUConnector"
+
+
+def test_eccpuconnector_regions_must_fit_in_their_pods_shm():
+    # Two encoders of 8Gi each in a pool pod whose /dev/shm is 16Gi: 80% of it is 12.8Gi.
+    spec = pools_spec({"placement": "Pools", "ecConnector": {"extraConfig": {"ec_cpu_bytes": 8 * 2**30}}})
+    spec["models"][0]["serverGroups"][0]["numGpus"] = 2
+    with pytest.raises(SpecError) as error:
+        validate(spec)
+    assert error.value.errors == [
+        "spec.models[0]: the ECCPUConnector regions of an encoder pool pod of model 'actor' take 16.0Gi of /dev/shm "
+        "(2 engines), more than 80% of its sizeLimit 16Gi (12.8Gi; vLLM needs the rest): lower ec_cpu_bytes or "
+        "raise spec.models[0].encoderPool.shm.sizeLimit"
+    ]
+    spec["models"][0]["encoderPool"] = {"shm": {"sizeLimit": "24Gi"}}
+    validate(spec)  # the pool's own /dev/shm: the units keep spec.shm
+    # A group's overrides win over the model's connector, and are checked against the unit's /dev/shm.
+    spec["models"][0]["serverGroups"][1]["overrides"] = {
+        "ec_transfer_config": {"ec_connector_extra_config": {"ec_cpu_bytes": 14 * 2**30}}}
+    with pytest.raises(SpecError, match="regions of a unit of model 'actor' take 14.0Gi.*raise spec.shm.sizeLimit"):
+        validate(spec)
+
+
+@pytest.mark.parametrize("value", ["8Gi", -1, 0, True, 1.5])
+def test_ec_cpu_bytes_must_be_what_vllm_can_read(value):
+    spec = pools_spec({"placement": "Pools", "ecConnector": {"extraConfig": {"ec_cpu_bytes": value}}})
+    with pytest.raises(SpecError, match="is not a positive whole number of bytes: vLLM reads it with int"):
+        validate(spec)
+
+
+def test_pools_refuses_eccpuconnector_without_nixl():
+    spec = pools_spec({"placement": "Pools", "ecConnector": {"extraConfig": {"ec_enable_nixl": False}}})
+    with pytest.raises(SpecError, match=r"ecConnector.extraConfig.ec_enable_nixl: without NIXL ECCPUConnector"):
+        validate(spec)
+
+
+def test_a_model_cannot_take_the_name_of_another_models_encoder_pool():
+    spec = pools_spec({"placement": "Pools"})
+    spec["models"].append({"name": "actor-encoders", "model": "m", "serverGroups": [{"workerType": "regular",
+                                                                                     "numGpus": 1}]})
+    with pytest.raises(SpecError, match="whose encoder pool is named like model 'actor-encoders': rename one"):
+        validate(spec)
+
+
+def test_pool_pods_and_units_are_checked_for_ports_separately():
+    # The pool's side channels would overlap its second encoder's HTTP port; the unit has none.
+    spec = pools_spec({"placement": "Pools"}) | {"ports": {"ecSideChannelBase": 8101}}
+    spec["models"][0]["serverGroups"][0]["numGpus"] = 2
+    with pytest.raises(SpecError) as error:
+        validate(spec)
+    assert error.value.errors == [
+        "spec.ports.engineBase: model 'actor' would use ports 8100-8101 for ports.engineBase and 8101-8102 "
+        "for ports.ecSideChannelBase: move one range"
+    ]
+    # Consumers start at engineBase in their own pod, so a Unit's janitor port is no concern either.
+    validate(pools_spec({"placement": "Pools"}) | {"ports": {"engineBase": 9400}})
+
+
+def test_a_tiny_shm_leaves_no_room_for_a_region():
+    spec = pools_spec({"placement": "Pools", "encoderPool": {"shm": {"sizeLimit": "1Mi"}}})
+    with pytest.raises(SpecError) as error:
+        validate(spec)
+    assert error.value.errors == [
+        "spec.models[0]: an ECCPUConnector region of an encoder pool pod of model 'actor' would be 838860 bytes, "
+        "below 1Mi: too small for any image embedding; raise spec.models[0].encoderPool.shm.sizeLimit or set "
+        "ec_cpu_bytes"
+    ]

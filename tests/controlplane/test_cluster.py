@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -27,21 +26,15 @@ from epd_dev.localcluster import (
 )
 from epd_dev.localcluster.cluster import alive_components
 
+from epd_dev.operator_process import wait_for
+
 from .fixtures import require_binaries
 
 pytestmark = pytest.mark.cluster
 
 
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 60, interval: float = 0.5) -> Any:
-    """Poll ``check`` until it returns something truthy; fail with ``what`` on timeout."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
+def wait(what: str, check: Callable[[], Any], timeout: float = 60) -> Any:
+    return wait_for(check, timeout, what)
 
 
 def get(kubectl, *args: str) -> dict:
@@ -105,7 +98,7 @@ def test_deployment_gets_replicaset_and_running_pods(cluster, kubectl, namespace
     kubectl("apply", "-n", namespace, "-f", "-", input=DEPLOYMENT)
 
     # kube-controller-manager: Deployment -> ReplicaSet -> Pods, linked by ownerReferences.
-    rs = wait_for("a ReplicaSet", lambda: get(kubectl, "rs", "-n", namespace)["items"])
+    rs = wait("a ReplicaSet", lambda: get(kubectl, "rs", "-n", namespace)["items"])
     assert rs[0]["metadata"]["ownerReferences"][0]["kind"] == "Deployment"
 
     def ready_pods():
@@ -115,7 +108,7 @@ def test_deployment_gets_replicaset_and_running_pods(cluster, kubectl, namespace
         return ready if len(ready) == 3 else None
 
     # kube-scheduler binds them to kwok nodes; kwok marks them Running and Ready.
-    pods = wait_for("3 Running and Ready pods", ready_pods)
+    pods = wait("3 Running and Ready pods", ready_pods)
     for pod in pods:
         assert pod["metadata"]["ownerReferences"][0]["kind"] == "ReplicaSet"
         assert pod["spec"]["nodeName"] in cluster.node_names
@@ -127,7 +120,7 @@ def test_deployment_gets_replicaset_and_running_pods(cluster, kubectl, namespace
     assert max(per_node.values()) <= 2
 
     # And the Deployment controller sees them available.
-    wait_for("Deployment available", lambda: get(kubectl, "deploy", "gpu-app", "-n", namespace)
+    wait("Deployment available", lambda: get(kubectl, "deploy", "gpu-app", "-n", namespace)
              ["status"].get("availableReplicas") == 3)
 
 
@@ -151,7 +144,7 @@ def test_pod_asking_for_more_gpus_than_a_node_has_stays_pending(kubectl, namespa
         cond = condition(get(kubectl, "pod", "greedy", "-n", namespace), "PodScheduled")
         return cond if cond.get("reason") == "Unschedulable" else None
 
-    cond = wait_for("PodScheduled=False/Unschedulable", unschedulable)
+    cond = wait("PodScheduled=False/Unschedulable", unschedulable)
     assert cond["status"] == "False"
     assert "Insufficient nvidia.com/gpu" in cond["message"]
     events = get(kubectl, "events", "-n", namespace,
@@ -224,7 +217,7 @@ def test_deleting_owner_garbage_collects_dependent(kubectl, namespace) -> None:
     kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(dependent))
 
     kubectl("delete", "configmap", "owner", "-n", namespace)
-    wait_for("the dependent to be garbage-collected",
+    wait("the dependent to be garbage-collected",
              lambda: kubectl("get", "configmap", "dependent", "-n", namespace,
                              check=False).returncode != 0)
 
@@ -258,7 +251,7 @@ def test_native_sidecar_and_memory_shm_are_accepted(kubectl, namespace) -> None:
         pod = get(kubectl, "pod", "with-sidecar", "-n", namespace)
         return pod if pod["status"].get("phase") == "Running" else None
 
-    pod = wait_for("the sidecar pod Running", running)
+    pod = wait("the sidecar pod Running", running)
     assert pod["spec"]["initContainers"][0]["restartPolicy"] == "Always"
     assert pod["spec"]["volumes"][0]["emptyDir"] == {"medium": "Memory", "sizeLimit": "1Gi"}
     sidecar = pod["status"]["initContainerStatuses"][0]

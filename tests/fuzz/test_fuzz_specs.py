@@ -72,7 +72,8 @@ def test_valid_specs_are_accepted(spec: dict[str, Any]) -> None:
     errors, children = python_verdict(spec)
     assert errors == []
     kinds = collections.Counter(c["kind"] for c in children)
-    assert kinds == {"StatefulSet": len(spec["models"]), "Service": 2 * len(spec["models"])}
+    assert kinds == {"StatefulSet": len(spec["models"]), "Service": 2 * len(spec["models"]),
+                     "PodDisruptionBudget": len(spec["models"])}
 
 
 # ------------------------------------------------------------------------- on the cluster

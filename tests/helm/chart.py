@@ -71,6 +71,8 @@ GOLDEN_CASES: dict[str, dict[str, Any]] = {
         "watchNamespaces": ["team-a", "team-b"],
         "peering.enabled": True,
         "metrics.serviceMonitor.enabled": True,
+        "monitoring.podMonitor.enabled": True,
+        "monitoring.grafanaDashboard.enabled": True,
     },
 }
 

@@ -49,6 +49,9 @@ def test_template_matches_golden(case):
         ({"metrics.port": 70000}, "port"),
         ({"metrics.enabled": False, "metrics.serviceMonitor.enabled": True}, "needs metrics.enabled=true"),
         ({"unknownKey": 1}, "unknownKey"),
+        ({"monitoring.podMonitor.interval": "soon"}, "interval"),
+        ({"monitoring.grafanaDashboard.namespace": "Grafana_NS"}, "namespace"),
+        ({"monitoring.dashboards": True}, "dashboards"),
     ],
     ids=lambda v: str(v)[:40],
 )

@@ -21,6 +21,8 @@ from .chart import ROOT
 pytestmark = pytest.mark.cluster
 
 EXAMPLE = ROOT / "docs" / "examples" / "encoder-regular.yaml"
+POOLS_EXAMPLE = ROOT / "docs" / "examples" / "encoder-pools.yaml"
+GATE = "epd.vime.dev/encoders-ready"
 
 
 def token_kubeconfig(cluster, namespace: str, service_account: str, path: Path) -> Path:
@@ -63,8 +65,13 @@ def test_operator_reconciles_with_only_the_charts_namespaced_rbac(cluster, kubec
     operator = OperatorProcess(kubeconfig, tmp_path, extra_args=args[1:]).start()
     try:
         kubectl("apply", "-n", namespace, "-f", str(EXAMPLE))
-        kubectl("wait", "--for=condition=Ready", "epd/qwen-vl-regular", "-n", namespace, "--timeout=120s",
-                timeout=130)
+        kubectl("apply", "-n", namespace, "-f", str(POOLS_EXAMPLE))
+        kubectl("wait", "--for=condition=Ready", "epd/qwen-vl-regular", "epd/qwen-vl-pools", "-n", namespace,
+                "--timeout=120s", timeout=130)
+        # The Pools units' readiness gate was written by this operator (kwok's pod-ready writes no reason).
+        unit = json.loads(kubectl("get", "pod", "qwen-vl-pools-default-0", "-n", namespace, "-o", "json").stdout)
+        gate = next(c for c in unit["status"]["conditions"] if c["type"] == GATE)
+        assert (gate["status"], gate.get("reason")) == ("True", "EncodersReady"), gate
         # It was this operator: its own metrics count the ready unit.
         metrics = operator.metrics()
         assert any(line.startswith("epd_ready_units{") and f'namespace="{namespace}"' in line
@@ -88,12 +95,19 @@ def test_operator_reconciles_with_only_the_charts_namespaced_rbac(cluster, kubec
         ("patch", "statefulsets.apps", ["-n", "default"]),
         ("update", "poddisruptionbudgets.policy", ["-n", namespace]),  # server-side apply is a patch
         ("create", "clusterroles.rbac.authorization.k8s.io", []),
+        # Pod status: patch only, and nothing else of pods.
+        ("patch", "pods", ["-n", namespace]),
+        ("update", "pods", ["--subresource=status", "-n", namespace]),
+        ("get", "pods", ["--subresource=status", "-n", namespace]),
+        ("delete", "pods", ["-n", namespace]),
+        ("patch", "pods", ["--subresource=status", "-n", "default"]),
     ]:
         answer = as_operator("auth", "can-i", verb, resource, *where).stdout.strip()
         assert answer == "no", f"the operator may {verb} {resource} {' '.join(where)}"
     for verb, resource, *extra in [("list", "epddeployments.epd.vime.dev"),
                                    ("patch", "epddeployments.epd.vime.dev", "--subresource=status"),
                                    ("patch", "statefulsets.apps"), ("delete", "services"), ("watch", "pods"),
-                                   ("patch", "poddisruptionbudgets.policy"), ("create", "events")]:
+                                   ("patch", "poddisruptionbudgets.policy"),
+                                   ("patch", "pods", "--subresource=status"), ("create", "events")]:
         answer = as_operator("auth", "can-i", verb, resource, *extra, "-n", namespace).stdout.strip()
         assert answer == "yes", f"the operator may not {verb} {resource} {' '.join(extra)}"

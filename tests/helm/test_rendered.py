@@ -24,8 +24,13 @@ NAMESPACED_RULES = [
     # create), deleted when a model leaves the spec.
     {"apiGroups": ["apps"], "resources": ["statefulsets"], "verbs": ["list", "watch", "create", "patch", "delete"]},
     {"apiGroups": [""], "resources": ["services"], "verbs": ["list", "watch", "create", "patch", "delete"]},
+    # Each model's (and encoder pool's) PodDisruptionBudget, the same way.
+    {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"],
+     "verbs": ["list", "watch", "create", "patch", "delete"]},
     # Unit pods: read for the status.
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
+    # A Pools model's unit pods: the encoders-ready readiness gate's condition, nothing else.
+    {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch"]},
     # kopf posts Warning events (InvalidSpec).
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
 ]

@@ -1,5 +1,5 @@
-"""Budget evictions reported to the EPDDeployment: a real janitor's metrics, parsed, judged and
-scraped by the operator's coroutine (no cluster: the indexes are plain dicts)."""
+"""Budget evictions and fallback encodes reported to the EPDDeployment: a real janitor's metrics,
+parsed, judged and scraped by the operator's coroutine (no cluster: the indexes are plain dicts)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,20 @@ import urllib.request
 import aiohttp
 import kopf
 import pytest
+import yaml
 
-from epd_operator.ec.scrape import JanitorMetrics, JanitorScraper, eviction_report, parse_metrics
+from epd_dev.paths import REPO
+from epd_operator.ec.scrape import JanitorMetrics, JanitorScraper, eviction_report, fallback_report, parse_metrics
 from epd_operator.ec.janitor import scan_store
+from epd_operator.reconciler import Indexes, Reconciler
+from epd_operator.settings import Settings
 
-from .store import new_store, publish
+from .store import miss, new_store, publish
 from .test_run import free_port, janitor_thread, wait_for
 
 UNIT = "d-default-0"
 KEY = ("ns", "d")
+EXAMPLES = REPO / "docs" / "examples"
 
 
 @pytest.fixture
@@ -29,13 +34,15 @@ def store():
 
 @pytest.fixture
 def janitor(store):
-    """A real janitor over a store of 6 embeddings with room for 2: it evicts 4 for budget."""
+    """A real janitor over a store of 6 embeddings with room for 2 and a consumer's cache miss: it
+    evicts 4 for budget and counts 1 fallback encode."""
     for i in range(6):
         publish(store, f"h{i}", age=100 - i)
     size = scan_store(str(store))[0].bytes
+    miss(store, "missed", age=50)
     port = free_port()
     with janitor_thread([store], max_bytes=2 * size, interval_seconds=0.05, grace_seconds=0.3, metrics_port=port):
-        wait_for(lambda: (m := _metrics(port)) and m.budget_evictions == 4)
+        wait_for(lambda: (m := _metrics(port)) and m.budget_evictions == 4 and m.fallback_encodes == 1)
         yield port, size
 
 
@@ -46,7 +53,8 @@ def _metrics(port: int) -> JanitorMetrics | None:
 
 def test_parses_a_real_janitors_metrics(janitor):
     port, size = janitor
-    assert _metrics(port) == JanitorMetrics(budget_evictions=4, store_bytes=2 * size, budget_bytes=2 * size)
+    assert _metrics(port) == JanitorMetrics(budget_evictions=4, store_bytes=2 * size, budget_bytes=2 * size,
+                                            fallback_encodes=1)
 
 
 def test_text_without_janitor_metrics_is_none():
@@ -65,6 +73,24 @@ def test_first_sight_reports_what_the_janitor_counted_if_anything():
     assert eviction_report(UNIT, None, JanitorMetrics(0, 0, 100)) is None
     assert "2 EC entries evicted for budget since its janitor started" in eviction_report(
         UNIT, None, JanitorMetrics(2, 0, 100))
+
+
+def test_fallback_encodes_report_only_growth_and_say_what_to_do():
+    metrics = JanitorMetrics(budget_evictions=0, store_bytes=0, budget_bytes=100, fallback_encodes=5)
+    message = fallback_report(UNIT, 2, metrics)
+    assert message.startswith(f"unit {UNIT}: 3 images encoded by its consumers themselves since the last report")
+    assert "Prime each image on this unit's encoder" in message and "docs/operations.md" in message
+    assert fallback_report(UNIT, 5, metrics) is None
+    assert "5 images encoded by its consumers themselves since its janitor started" in fallback_report(
+        UNIT, None, metrics)
+    assert ": 1 image encoded" in fallback_report(UNIT, 7, JanitorMetrics(0, 0, 100, fallback_encodes=1))  # new janitor
+    # A janitor older than this count exports none: nothing to report, nothing made up.
+    assert fallback_report(UNIT, None, JanitorMetrics(0, 0, 100)) is None
+
+
+def test_a_janitor_without_the_fallback_counter_parses_with_none():
+    text = "# TYPE epd_ec_evictions_total counter\nepd_ec_evictions_total{path=\"/s\",reason=\"budget\"} 3\n"
+    assert parse_metrics(text) == JanitorMetrics(budget_evictions=3, store_bytes=0, budget_bytes=0)
 
 
 def test_a_counter_below_the_last_report_is_a_new_janitor():
@@ -100,23 +126,65 @@ async def test_the_operator_warns_and_rewrites_the_status_when_evictions_grow(re
     # 192.0.2.1 (TEST-NET-1) never answers, like kwok's simulated pods: skipped without error.
     pods = [_pod(UNIT, "127.0.0.1"), _pod("d-default-1", "192.0.2.1")]
     await _scrape(reported, pods, deployments)
-    assert reported["events"] == [("ECEvicted", reported["events"][0][1])]
-    assert f"unit {UNIT}: 4 EC entries evicted for budget since its janitor started" in reported["events"][0][1]
+    events = dict(reported["events"])
+    assert [reason for reason, _ in reported["events"]] == ["ECEvicted", "ECFallbackEncodes"]
+    assert f"unit {UNIT}: 4 EC entries evicted for budget since its janitor started" in events["ECEvicted"]
+    assert f"unit {UNIT}: 1 image encoded by its consumers themselves" in events["ECFallbackEncodes"]
     assert reported["status"] == [KEY]
     assert reported["scraper"].evictions(KEY) == {UNIT: 4}
+    assert reported["scraper"].fallback_encodes(KEY) == {UNIT: 1}
 
     # Nothing new: neither an Event nor a status write.
     await _scrape(reported, pods, deployments)
-    assert len(reported["events"]) == 1 and reported["status"] == [KEY]
+    assert len(reported["events"]) == 2 and reported["status"] == [KEY]
 
-    # The pod is gone: forgotten, and the status is rewritten without its count.
+    # The pod is gone: forgotten, and the status is rewritten without its counts.
     await _scrape(reported, [], deployments)
-    assert reported["scraper"].evictions(KEY) == {} and reported["status"] == [KEY, KEY]
+    assert reported["scraper"].evictions(KEY) == {} and reported["scraper"].fallback_encodes(KEY) == {}
+    assert reported["status"] == [KEY, KEY]
 
 
 async def test_after_an_operator_restart_the_status_is_the_baseline(reported):
-    status = {"models": [{"name": "default", "units": [{"name": UNIT, "ecEvictions": 4}]}]}
+    status = {"models": [{"name": "default", "units": [{"name": UNIT, "ecEvictions": 4, "fallbackEncodes": 1}]}]}
     deployments = {KEY: [kopf.Body({"metadata": {"namespace": "ns", "name": "d"}, "status": status})]}
     await _scrape(reported, [_pod(UNIT, "127.0.0.1")], deployments)
     assert reported["events"] == []  # already reported by the previous process
     assert reported["scraper"].evictions(KEY) == {UNIT: 4}
+    assert reported["scraper"].fallback_encodes(KEY) == {UNIT: 1}
+
+
+async def test_a_status_written_before_fallbacks_were_counted_reports_them_once(reported):
+    """An operator upgraded from a version without the count: the status has ecEvictions only."""
+    status = {"models": [{"name": "default", "units": [{"name": UNIT, "ecEvictions": 4}]}]}
+    deployments = {KEY: [kopf.Body({"metadata": {"namespace": "ns", "name": "d"}, "status": status})]}
+    await _scrape(reported, [_pod(UNIT, "127.0.0.1")], deployments)
+    assert [reason for reason, _ in reported["events"]] == ["ECFallbackEncodes"]
+
+
+async def test_the_counts_reach_the_status_the_reconciler_writes(janitor):
+    """The real janitor's counts, scraped, in the status a reconcile writes: per unit, per model
+    and in all (where `kubectl get` can show them)."""
+    port, _size = janitor
+    manifest = yaml.safe_load((EXAMPLES / "encoder-regular.yaml").read_text())
+    manifest["metadata"].update(namespace="ns", uid="uid-1", generation=1)
+    body = kopf.Body(manifest)
+    key, unit = ("ns", "qwen-vl-regular"), "qwen-vl-regular-default-0"
+    patched = []
+
+    class Kube:  # records the status patch instead of sending it
+        async def patch_status(self, namespace, name, status):
+            patched.append(status)
+
+    reconciler = Reconciler(Settings(janitor_image="epd-operator:test"), kube=Kube(), warn=lambda *_: None)
+    reconciler.scraper = JanitorScraper(warn=lambda *_: None, changed=lambda _key: None, port=port)
+    pods = {key: [_pod(unit, "127.0.0.1")]}
+    reconciler.watch(Indexes(deployments={key: [body]}, unit_sets={}, unit_services={}, unit_pods=pods))
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3, connect=1)) as session:
+        await reconciler.scraper.scrape(session, {key: [body]}, pods)
+    await reconciler.write_status(body, reconciler.plan(body))
+
+    (status,) = patched
+    (model,) = status["models"]
+    (unit_status,) = model["units"]
+    assert (unit_status["ecEvictions"], unit_status["fallbackEncodes"]) == (4, 1)
+    assert model["fallbackEncodes"] == 1 and status["fallbackEncodes"] == 1

@@ -1,14 +1,19 @@
-"""The janitor against a real vLLM EPD unit: a small budget while a real encoder primes images.
+"""The janitor against a real vLLM EPD unit: a small budget while a real encoder primes images,
+and the consumer's silent fallback encodes counted.
 
 The unit is the operator's pod for the tiny model (one encoder, one regular engine) run by
 tests/vllm/unit_runner.py; its janitor container, which the runner leaves out, is run here as
 rendered (its real `epd-operator janitor` command), only on a free metrics port. The budget is
-a few embeddings, so evictions start as soon as entries leave the grace period.
+a few embeddings, so evictions start as soon as entries leave the grace period. The same unit's
+engines also give the list of metrics a real vLLM engine exports (the chart's dashboard is
+checked against it).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import socket
 import struct
 import subprocess
@@ -19,10 +24,12 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from epd_operator.ec.janitor import EMBEDDING_FILE, GRACE_SECONDS
+from epd_operator.ec.scrape import JanitorScraper
 from epd_dev.vllm import tiny_model
 from tests.vllm import payloads
 from tests.vllm.conftest import (  # noqa: F401 - fixtures, reused
@@ -33,6 +40,7 @@ from tests.vllm.conftest import (  # noqa: F401 - fixtures, reused
     vllm_timings,
 )
 from epd_dev.vllm.unit_runner import UnitRunner
+from tests.helm.dashboard import ENGINE_METRICS, read_metric_names
 
 pytestmark = pytest.mark.vllm
 
@@ -131,6 +139,74 @@ def test_a_small_budget_holds_while_a_real_encoder_primes_and_the_consumer_keeps
     assert lines[0]["event"] == "started" and lines[0]["max_bytes"] == BUDGET
     budget_lines = [line for line in lines if line["event"] == "evicted" and line["reason"] == "budget"]
     assert budget_lines and all(line["youngest_age_seconds"] >= GRACE_SECONDS for line in budget_lines)
+
+
+def test_a_request_whose_image_was_not_primed_counts_one_fallback_encode_and_a_primed_one_none(
+    unit, janitor, vllm_timings
+):
+    """vLLM 0.32 answers both; only the unprimed one leaves the empty folder the janitor counts,
+    and the operator's scraper turns the count into an ECFallbackEncodes Event."""
+    port, log = janitor
+    store = Path(unit.ec_storage_path)
+    encoder, consumer = unit.sidecars[0], unit.consumers[0]
+    started = time.monotonic()
+    primed, unprimed = payloads.image_part((10, 200, 30)), payloads.image_part((200, 10, 30))
+    prime(encoder, primed)
+    hashes = {}
+    for label, part in (("primed", primed), ("unprimed", unprimed)):
+        rendered = consumer.post("/v1/chat/completions/render", payloads.greedy(payloads.messages(part)))
+        tokens, _ = payloads.output(consumer.post("/inference/v1/generate", rendered))
+        assert len(tokens) == 6  # both answered: the fallback is silent
+        (hashes[label],) = payloads.image_hashes(rendered)
+    assert payloads.ec_entries(store)[hashes["primed"]] == [EMBEDDING_FILE]
+    assert payloads.ec_entries(store)[hashes["unprimed"]] == []
+
+    deadline = time.monotonic() + SETTLED_AFTER + 5
+    while (store / hashes["unprimed"]).exists():
+        assert time.monotonic() < deadline, "the unprimed image's empty folder was not judged"
+        time.sleep(0.5)
+    time.sleep(3)  # at least one more sweep: the primed entry has settled too, and was judged
+    vllm_timings["janitor: primed + unprimed request, judged"] = time.monotonic() - started
+    metrics = scrape(port)
+    assert metrics["epd_ec_fallback_encodes_total"] == 1
+    reported = [json.loads(line) for line in log.read_text().splitlines() if '"fallback_encodes"' in line]
+    assert [h for line in reported for h in line["mm_hashes"]] == [hashes["unprimed"]]
+
+    events = []
+    scraper = JanitorScraper(warn=lambda _body, reason, message: events.append((reason, message)),
+                             changed=lambda _key: None, port=port)
+    pod = {"name": unit.name, "status": {"phase": "Running", "podIP": "127.0.0.1",
+                                         "containerStatuses": [{"name": "janitor", "ready": True}]}}
+
+    async def scrape_once():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3, connect=1)) as session:
+            await scraper.scrape(session, {("ns", "janitor"): [{}]}, {("ns", "janitor"): [pod]})
+
+    asyncio.run(scrape_once())
+    (message,) = [m for reason, m in events if reason == "ECFallbackEncodes"]
+    assert message.startswith(f"unit {unit.name}: 1 image encoded by its consumers themselves")
+
+
+def test_the_engines_export_the_metrics_the_dashboard_may_name(unit):
+    """Every metric name recorded in tests/helm (which the chart's dashboard is checked against)
+    is one the real engines export; UPDATE_GOLDEN=1 records what they export now."""
+    encoder, consumer = unit.sidecars[0], unit.consumers[0]
+    part = payloads.image_part((5, 6, 7))
+    prime(encoder, part)  # every engine has served a request: its request metrics have samples
+    consumer.post("/inference/v1/generate",
+                  consumer.post("/v1/chat/completions/render", payloads.greedy(payloads.messages(part))))
+    exported = set()
+    for engine in (encoder, consumer):
+        with urllib.request.urlopen(engine.url + "/metrics", timeout=10) as response:
+            text = response.read().decode()
+        exported |= {s.name for family in text_string_to_metric_families(text) for s in family.samples}
+    assert {"vllm:time_to_first_token_seconds_bucket", "vllm:num_requests_running"} <= exported
+    if os.environ.get("UPDATE_GOLDEN") == "1":
+        ENGINE_METRICS.write_text("".join(f"{name}\n" for name in sorted(exported)))
+    recorded = read_metric_names(ENGINE_METRICS)
+    assert recorded <= exported, (
+        f"{sorted(recorded - exported)} are recorded in {ENGINE_METRICS.name} but not exported by vLLM now: "
+        "rerun with UPDATE_GOLDEN=1 and fix the dashboard panels that name them")
 
 
 def prime(encoder, part: dict) -> None:

@@ -13,7 +13,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from epd_operator.ec import janitor
-from epd_operator.ec.janitor import EMBEDDING_FILE, evict, scan_store, select_evictions
+from epd_operator.ec.janitor import EMBEDDING_FILE, evict, is_cache_miss, scan_store, select_evictions
 
 from .store import load, miss, new_store, publish, writing
 
@@ -102,6 +102,14 @@ def test_cache_miss_folders_and_abandoned_writes_are_removed_after_the_grace_per
     assert sorted(plan(store, max_bytes=10**12, grace_seconds=10)) == [("abandoned", "empty"), ("miss-old", "empty")]
     evict_all(store, max_bytes=10**12, grace_seconds=10)
     assert sorted(os.listdir(store)) == ["kept", "miss-new"]
+
+
+def test_only_a_folder_without_any_file_is_a_consumers_cache_miss(store):
+    miss(store, "miss", age=30)
+    writing(store, "abandoned", age=30)  # an encoder's failed write: not a consumer's fallback
+    publish(store, "primed", age=30)
+    assert {e.name: is_cache_miss(e) for e in scan_store(str(store))} == {
+        "miss": True, "abandoned": False, "primed": False}
 
 
 def test_a_missing_store_is_empty_and_never_created(store):

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from epd_operator.ec.janitor import run_janitor, scan_store
 
-from .store import miss, new_store, publish
+from .store import miss, new_store, publish, writing
 
 
 @pytest.fixture
@@ -145,6 +145,47 @@ def test_failed_evictions_are_counted_and_logged_and_the_loop_goes_on(store, mon
     failures = [json.loads(line) for line in capsys.readouterr().out.splitlines() if '"eviction_failed"' in line]
     assert failures[0]["level"] == "error" and failures[0]["first"] == "locked"
     assert "Permission denied" in failures[0]["error"]
+
+
+FALLBACKS = ("epd_ec_fallback_encodes_total", ())
+EMPTY = ("epd_ec_evictions_total", (("reason", "empty"),))
+
+
+def test_each_cache_miss_is_counted_once_as_a_fallback_encode(store, monkeypatch, capsys):
+    """A consumer's cache miss leaves an empty folder: counted once when it has settled, whether
+    its removal works at once, fails and is retried, or the folder comes back as a new miss."""
+    port = free_port()
+    real_rmdir = os.rmdir
+    stuck = {"fail": True}
+
+    def rmdir(path, *args, **kwargs):
+        if path.endswith("/stuck") and stuck["fail"]:
+            raise PermissionError(13, "Permission denied", path)
+        return real_rmdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rmdir", rmdir)
+    with janitor_thread([store], max_bytes=10**12, interval_seconds=0.05, grace_seconds=0.3, metrics_port=port):
+        wait_for(lambda: scrape(port))
+        miss(store, "a")
+        miss(store, "stuck")
+        writing(store, "abandoned")  # an encoder died mid-write: removed, but not a consumer's miss
+        publish(store, "primed")
+        wait_for(lambda: scrape(port)[EMPTY] == 2 and scrape(port)[("epd_ec_eviction_failures_total", ())] >= 3)
+        metrics = scrape(port)
+        assert metrics[FALLBACKS] == 2  # a and stuck, though stuck failed on every sweep since
+        assert sorted(os.listdir(store)) == ["primed", "stuck"]
+
+        stuck["fail"] = False  # its removal works now: still the same miss
+        wait_for(lambda: not (store / "stuck").exists())
+        miss(store, "a")  # the same image missed again later: another fallback encode
+        wait_for(lambda: scrape(port)[EMPTY] == 4)
+        assert scrape(port)[FALLBACKS] == 3
+
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    reported = [line for line in lines if line["event"] == "fallback_encodes"]
+    assert all(line["level"] == "warning" and line["path"] == str(store) for line in reported)
+    assert sorted(h for line in reported for h in line["mm_hashes"]) == ["a", "a", "stuck"]
+    assert sum(line["entries"] for line in reported) == 3
 
 
 def test_the_cli_stops_promptly_on_sigterm(store):

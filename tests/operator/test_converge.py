@@ -136,3 +136,68 @@ async def test_the_events_tell_a_rollouts_story(api):
     fixed = kopf.Body({**body(generation=3), "status": stalled})
     await write(fixed, [StatefulSetSummary(name, "h", True, 1, 1, "r3", "r3")], [pod("r3", True)])
     assert [reason for reason, _ in events] == ["RolloutComplete"]
+
+
+
+
+# --------------------------------------------------------------------------- placement Pools (issue #16)
+
+
+def pools_body(generation: int, placement: str) -> kopf.Body:
+    b = body(generation)
+    b["spec"]["models"][0]["placement"] = placement
+    return b
+
+
+async def test_switching_to_pools_adds_the_pool_and_back_deletes_it(api, reconciler):
+    unit_indexes = indexes_after(desired(reconciler, body()))
+    await converge(reconciler, pools_body(2, "Pools"), *unit_indexes)
+    assert sorted(api.applied) == [("PodDisruptionBudget", "qwen-vl-regular-default-encoders"),
+                                   ("Service", "qwen-vl-regular-default-encoders"),
+                                   ("StatefulSet", "qwen-vl-regular-default"),
+                                   ("StatefulSet", "qwen-vl-regular-default-encoders")]
+    assert api.deleted == []
+    pool_indexes = indexes_after(desired(reconciler, pools_body(2, "Pools")))
+    api.applied.clear()
+    await converge(reconciler, pools_body(3, "Unit"), *pool_indexes)
+    assert api.applied == [("StatefulSet", "qwen-vl-regular-default")]
+    assert sorted(api.deleted) == [("PodDisruptionBudget", "qwen-vl-regular-default-encoders"),
+                                   ("Service", "qwen-vl-regular-default-encoders"),
+                                   ("StatefulSet", "qwen-vl-regular-default-encoders")]
+
+
+class GateRecordingKube(RecordingKube):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conditions: list[tuple[str, str, str]] = []
+
+    async def patch_pod_condition(self, _namespace, name, condition):
+        self.conditions.append((name, condition["type"], condition["status"]))
+
+
+def summary(name: str, ready: bool, containers: list[str]) -> dict:
+    """A pod as handlers._pod_summary keeps it in the index."""
+    return {"name": name, "metadata": {}, "spec": {"nodeName": "n"},
+            "status": {"phase": "Running", "podIP": "10.0.0.1",
+                       "conditions": [{"type": "Ready", "status": str(ready)}], "initContainerStatuses": [],
+                       "containerStatuses": [{"name": c, "ready": ready, "started": True} for c in containers]}}
+
+
+async def test_the_gate_is_patched_once_per_change_of_the_pool():
+    api = GateRecordingKube()
+    reconciler = Reconciler(Settings(janitor_image="epd-operator:test"), kube=api)
+    b = pools_body(2, "Pools")
+    pods = [summary("qwen-vl-regular-default-encoders-0", True, ["encoder-0"]),
+            summary("qwen-vl-regular-default-0", False, ["regular-0"])]
+    reconciler.watch(Indexes(deployments={}, unit_sets={}, unit_services={}, unit_pods={KEY: pods}))
+    await reconciler.open_gates(b, reconciler.plan(b))
+    assert api.conditions == [("qwen-vl-regular-default-0", "epd.vime.dev/encoders-ready", "True")]
+    # The pod now carries that condition: nothing to write again.
+    pods[1]["status"]["conditions"].append({"type": "epd.vime.dev/encoders-ready", "status": "True",
+                                            "reason": "EncodersReady",
+                                            "message": "encoder pool qwen-vl-regular-default-encoders has a ready encoder"})
+    await reconciler.open_gates(b, reconciler.plan(b))
+    assert len(api.conditions) == 1
+    pods[0]["status"]["containerStatuses"][0]["ready"] = False  # the pool's only encoder fails
+    await reconciler.open_gates(b, reconciler.plan(b))
+    assert api.conditions[1:] == [("qwen-vl-regular-default-0", "epd.vime.dev/encoders-ready", "False")]

@@ -30,13 +30,17 @@ def apply(cluster, namespace: str, **spec) -> None:
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest))
 
 
-def ready_units(cluster, namespace: str, count: int, timeout: float = 120) -> dict:
+def ready_units(cluster, namespace: str, count: int, timeout: float = 120, *, updated: bool = False) -> dict:
+    """Until `count` units are Ready (and, with `updated`, all of them run the current spec)."""
     def check():
         obj = epd(cluster, namespace, NAME)
         fresh = obj and obj.get("status", {}).get("observedGeneration") == obj["metadata"]["generation"]
-        return obj if fresh and obj["status"].get("ready") == f"{count}/{count}" else None
+        done = fresh and obj["status"].get("ready") == f"{count}/{count}"
+        rolled = done and obj["status"].get("updated") == f"{count}/{count}" \
+            and condition(obj, "Progressing").get("reason") == "Complete"
+        return obj if done and (not updated or rolled) else None
 
-    return wait_for(check, timeout, f"{count} ready units",
+    return wait_for(check, timeout, f"{count} ready units" + (" on the current spec" if updated else ""),
                     lambda: json.dumps((epd(cluster, namespace, NAME) or {}).get("status"), indent=1))
 
 
@@ -127,8 +131,8 @@ def test_a_rollout_stops_at_a_revision_that_never_becomes_ready(cluster, namespa
     assert sum(not condition(p, "Ready").get("status") == "True" for p in pods(cluster, namespace)) == 1
 
     apply(cluster, namespace, replicas=3, image="vllm/vllm-openai:v0.33.1")  # the fix
-    fixed = ready_units(cluster, namespace, 3, timeout=180)
-    assert condition(fixed, "Degraded")["status"] == "False" and fixed["status"]["updated"] == "3/3"
+    fixed = ready_units(cluster, namespace, 3, timeout=180, updated=True)
+    assert condition(fixed, "Degraded")["status"] == "False" and condition(fixed, "Progressing")["reason"] == "Complete"
 
     def reasons() -> set[str]:
         events = get_json(cluster, "events", "-n", namespace, "--field-selector", f"involvedObject.name={NAME}")

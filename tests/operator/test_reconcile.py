@@ -234,3 +234,179 @@ def test_killed_operator_converges_without_duplicates(cluster, namespace, epd_op
     for name in names:
         kids = children(cluster, namespace, name)
         assert len(kids["statefulsets"]) == 1 and len(kids["services"]) == 2 and len(kids["pods"]) == 1
+
+
+# --------------------------------------------------------------------------- placement Pools (issue #16)
+
+POOLS = "qwen-vl-pools"
+GATE = "epd.vime.dev/encoders-ready"
+
+
+def pool_and_unit_pods(cluster, namespace: str, name: str) -> tuple[list[dict], list[dict]]:
+    """(encoder pool pods, unit pods) of the deployment's only model, terminating ones left out."""
+    pods = [p for p in children(cluster, namespace, name)["pods"] if not p["metadata"].get("deletionTimestamp")]
+    pool = [p for p in pods if "epd.vime.dev/encoder-pool" in p["metadata"]["labels"]]
+    units = [p for p in pods if "epd.vime.dev/model" in p["metadata"]["labels"]]
+    assert len(pool) + len(units) == len(pods)
+    return pool, units
+
+
+def pod_condition(pod: dict, kind: str) -> dict:
+    return next((c for c in pod.get("status", {}).get("conditions") or [] if c["type"] == kind), {})
+
+
+def ready_endpoints(cluster, namespace: str, service: str) -> set[str]:
+    slices = get_json(cluster, "endpointslices", "-n", namespace, "-l", f"kubernetes.io/service-name={service}")["items"]
+    return {e["targetRef"]["name"] for s in slices for e in s.get("endpoints") or [] if e["conditions"].get("ready")}
+
+
+def test_pools_put_encoders_and_consumer_units_on_different_nodes(cluster, namespace, epd_operator):
+    apply(cluster, namespace, EXAMPLES / "encoder-pools.yaml")  # 2 encoder pool pods, 3 units
+    obj = wait_condition(cluster, namespace, POOLS, "Ready", "True", timeout=120)
+    pool, units = pool_and_unit_pods(cluster, namespace, POOLS)
+    assert sorted(p["metadata"]["name"] for p in pool) == ["qwen-vl-pools-default-encoders-0",
+                                                           "qwen-vl-pools-default-encoders-1"]
+    assert sorted(p["metadata"]["name"] for p in units) == [f"qwen-vl-pools-default-{i}" for i in range(3)]
+    encoder_nodes = {p["spec"]["nodeName"] for p in pool}
+    unit_nodes = {p["spec"]["nodeName"] for p in units}
+    assert encoder_nodes and unit_nodes and not encoder_nodes & unit_nodes, (encoder_nodes, unit_nodes)
+    for unit in units:
+        assert [c["name"] for c in unit["spec"]["containers"]] == ["regular-0"] and not unit["spec"].get("initContainers")
+        gate = pod_condition(unit, GATE)
+        assert (gate["status"], gate["reason"]) == ("True", "EncodersReady"), gate
+    (model,) = obj["status"]["models"]
+    assert model["placement"] == "Pools" and model["readyUnits"] == 3
+    assert sorted(model["encoderUrls"]) == sorted(f"http://{p['status']['podIP']}:8100" for p in pool)
+    assert model["encoderPool"]["readyPods"] == 2
+    assert condition(obj, "EncodersReady")["status"] == "True"
+    # Each Service holds its own kind of pod only.
+    unit_names = {p["metadata"]["name"] for p in units}
+    pool_names = {p["metadata"]["name"] for p in pool}
+    # (The endpoint slice controller follows pod readiness a moment later than the status.)
+    wait_for(lambda: ready_endpoints(cluster, namespace, "qwen-vl-pools-default") == unit_names, 30,
+             "the model's Service to list the units, and only them")
+    wait_for(lambda: ready_endpoints(cluster, namespace, "qwen-vl-pools-default-encoders") == pool_names, 30,
+             "the encoder pool Service to list the pool's pods, and only them")
+
+
+def test_the_readiness_gate_closes_when_every_encoder_is_unready_and_opens_when_one_recovers(
+        cluster, namespace, epd_operator):
+    apply(cluster, namespace, EXAMPLES / "encoder-pools.yaml")
+    wait_condition(cluster, namespace, POOLS, "Ready", "True", timeout=120)
+    encoders = ["qwen-vl-pools-default-encoders-0", "qwen-vl-pools-default-encoders-1"]
+    for pod in encoders:
+        cluster.kubectl("annotate", "pod", pod, "-n", namespace, f"{SIMULATE_ENCODER_UNREADY}=true", "--overwrite")
+
+    obj = wait_condition(cluster, namespace, POOLS, "EncodersReady", "False")
+    wait_for(lambda: condition(epd(cluster, namespace, POOLS), "EncodersReady").get("reason") == "NoReadyEncoder", 30,
+             "EncodersReady reason NoReadyEncoder")
+    obj = epd(cluster, namespace, POOLS)
+    assert "encoder pool qwen-vl-pools-default-encoders of model default has no ready encoder" in \
+        condition(obj, "EncodersReady")["message"]
+
+    def gates_closed():
+        _pool, units = pool_and_unit_pods(cluster, namespace, POOLS)
+        closed = [u for u in units if pod_condition(u, GATE).get("status") == "False"
+                  and pod_condition(u, "Ready").get("status") == "False"]
+        return units if len(closed) == len(units) == 3 else None
+
+    for unit in wait_for(gates_closed, 60, "every unit's gate closed and the unit unready"):
+        gate = pod_condition(unit, GATE)
+        assert gate["reason"] == "NoReadyEncoder"
+        assert gate["message"] == "encoder pool qwen-vl-pools-default-encoders has no ready encoder"
+    wait_for(lambda: not ready_endpoints(cluster, namespace, "qwen-vl-pools-default"), 30,
+             "no unit left in the model's Service")
+    obj = wait_condition(cluster, namespace, POOLS, "Ready", "False")
+    assert all(u["reason"] == "NoReadyEncoder" for u in obj["status"]["models"][0]["units"])
+    assert obj["status"]["models"][0]["encoderUrls"] == []
+
+    cluster.kubectl("annotate", "pod", encoders[1], "-n", namespace, f"{SIMULATE_ENCODER_UNREADY}=false", "--overwrite")
+
+    def gates_open():
+        _pool, units = pool_and_unit_pods(cluster, namespace, POOLS)
+        return all(pod_condition(u, GATE).get("status") == "True" and pod_condition(u, "Ready").get("status") == "True"
+                   for u in units) and len(units) == 3
+
+    wait_for(gates_open, 60, "every unit's gate open again with one encoder back")
+    wait_for(lambda: len(ready_endpoints(cluster, namespace, "qwen-vl-pools-default")) == 3, 30,
+             "the units back in the model's Service")
+    obj = wait_for(lambda: (o := epd(cluster, namespace, POOLS))["status"]["models"][0]["readyUnits"] == 3 and o, 30,
+                   "3 ready units in the status")
+    (model,) = obj["status"]["models"]
+    assert len(model["encoderUrls"]) == 1 and model["encoderPool"]["readyPods"] == 1
+    # One encoder is still down: the deployment says so, but every unit serves.
+    assert condition(obj, "EncodersReady")["reason"] == "EncoderUnready"
+
+
+def test_scaling_one_pool_leaves_the_others_pods_alone(cluster, namespace, epd_operator):
+    manifest = yaml.safe_load((EXAMPLES / "encoder-pools.yaml").read_text())
+    manifest["spec"]["models"][0]["encoderPool"].pop("affinity")  # 4 nodes: room for every shape below
+    apply(cluster, namespace, manifest)
+    wait_condition(cluster, namespace, POOLS, "Ready", "True", timeout=120)
+    wait_for(lambda: condition(epd(cluster, namespace, POOLS), "Progressing").get("status") == "False", 60,
+             "the rollout to finish")
+
+    def uids() -> tuple[dict[str, str], dict[str, str]]:
+        pool, units = pool_and_unit_pods(cluster, namespace, POOLS)
+        return ({p["metadata"]["name"]: p["metadata"]["uid"] for p in pool},
+                {p["metadata"]["name"]: p["metadata"]["uid"] for p in units})
+
+    def ready_counts(pool_pods: int, units: int):
+        def check():
+            obj = epd(cluster, namespace, POOLS)
+            model = obj["status"]["models"][0]
+            fresh = obj["status"].get("observedGeneration") == obj["metadata"]["generation"]
+            return fresh and model["encoderPool"]["readyPods"] == pool_pods and model["readyUnits"] == units \
+                and condition(obj, "Ready")["status"] == "True"
+        return check
+
+    pool_before, units_before = uids()
+    manifest["spec"]["models"][0]["encoderReplicas"] = 3
+    apply(cluster, namespace, manifest)
+    wait_for(ready_counts(3, 3), 90, "3 ready encoder pool pods")
+    pool_after, units_after = uids()
+    assert units_after == units_before, "scaling the encoder pool touched a unit"
+    assert {k: pool_after[k] for k in pool_before} == pool_before and len(pool_after) == 3
+
+    manifest["spec"]["replicas"] = 4
+    apply(cluster, namespace, manifest)
+    wait_for(ready_counts(3, 4), 90, "4 ready units")
+    pool_last, units_last = uids()
+    assert pool_last == pool_after, "scaling the units touched the encoder pool"
+    assert {k: units_last[k] for k in units_after} == units_after and len(units_last) == 4
+
+
+def test_switching_unit_to_pools_and_back_converges_with_no_orphan(cluster, namespace, epd_operator):
+    manifest = apply(cluster, namespace, EXAMPLES / "encoder-regular.yaml")
+    name = manifest["metadata"]["name"]
+    wait_condition(cluster, namespace, name, "Ready", "True", timeout=120)
+
+    def names(kind: str) -> list[str]:
+        return sorted(o["metadata"]["name"] for o in children(cluster, namespace, name)[kind])
+
+    manifest["spec"]["models"][0].update(placement="Pools", encoderReplicas=2)
+    apply(cluster, namespace, manifest)
+    obj = wait_condition(cluster, namespace, name, "Ready", "True", timeout=120)
+    assert obj["status"]["models"][0]["placement"] == "Pools"
+    assert names("statefulsets") == ["qwen-vl-regular-default", "qwen-vl-regular-default-encoders"]
+    assert names("services") == ["qwen-vl-regular-default", "qwen-vl-regular-default-encoders",
+                                 "qwen-vl-regular-default-units"]
+
+    def pods_are(pool_count: int):
+        def check():
+            pods = children(cluster, namespace, name)["pods"]
+            pool, units = pool_and_unit_pods(cluster, namespace, name)
+            shaped = all(bool(u["spec"].get("initContainers")) == (pool_count == 0) for u in units)
+            return len(pods) == pool_count + 1 and len(pool) == pool_count and len(units) == 1 and shaped
+        return check
+
+    wait_for(pods_are(2), 90, "the unit without encoders and 2 encoder pool pods")
+
+    manifest["spec"]["models"][0]["placement"] = "Unit"
+    del manifest["spec"]["models"][0]["encoderReplicas"]
+    apply(cluster, namespace, manifest)
+    obj = wait_condition(cluster, namespace, name, "Ready", "True", timeout=120)
+    assert obj["status"]["models"][0]["placement"] == "Unit" and "encoderPool" not in obj["status"]["models"][0]
+    assert names("statefulsets") == ["qwen-vl-regular-default"]
+    assert names("services") == ["qwen-vl-regular-default", "qwen-vl-regular-default-units"]
+    wait_for(pods_are(0), 90, "the pool's pods gone (garbage collected) and the unit whole again")

@@ -109,3 +109,101 @@ def test_long_names_are_shortened_stably_within_limits():
     name = child_name("a" * 60, "actor")
     assert len(name) <= 52 and name == child_name("a" * 60, "actor") and name != child_name("a" * 60, "critic")
     assert child_name("short", "actor") == "short-actor"
+
+
+# --------------------------------------------------------------------------- placement Pools (issue #16)
+
+
+def pools_children(**model_changes):
+    manifest = yaml.safe_load((EXAMPLES / "encoder-pools.yaml").read_text())
+    manifest["spec"]["models"][0].update(model_changes)
+    checked = validate(manifest["spec"])
+    name = manifest["metadata"]["name"]
+    children = desired_children(checked.spec, name, render(checked, namespace="ns", name=name, uid="uid-1"), IMAGE)
+    return {(c["kind"], c["metadata"]["name"]): c for c in children}
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def test_pools_model_gets_an_encoder_pool_of_its_own():
+    children = pools_children()
+    assert list(children) == [
+        ("StatefulSet", "qwen-vl-pools-default"), ("Service", "qwen-vl-pools-default-units"),
+        ("Service", "qwen-vl-pools-default"), ("PodDisruptionBudget", "qwen-vl-pools-default"),
+        ("StatefulSet", "qwen-vl-pools-default-encoders"), ("Service", "qwen-vl-pools-default-encoders"),
+        ("PodDisruptionBudget", "qwen-vl-pools-default-encoders"),
+    ]
+    budget = children[("PodDisruptionBudget", "qwen-vl-pools-default-encoders")]
+    assert budget["spec"]["selector"] == children[("StatefulSet", "qwen-vl-pools-default-encoders")]["spec"]["selector"]
+    units, pool = children[("StatefulSet", "qwen-vl-pools-default")], children[("StatefulSet", "qwen-vl-pools-default-encoders")]
+    assert units["spec"]["replicas"] == 3 and pool["spec"]["replicas"] == 2
+    assert pool["spec"]["serviceName"] == "qwen-vl-pools-default-encoders"
+    unit_pod, pool_pod = units["spec"]["template"], pool["spec"]["template"]
+    # The unit: today's pod minus the encoders and the janitor, behind the readiness gate.
+    assert not unit_pod["spec"]["initContainers"] and [c["name"] for c in unit_pod["spec"]["containers"]] == ["regular-0"]
+    assert unit_pod["spec"]["readinessGates"] == [{"conditionType": "epd.vime.dev/encoders-ready"}]
+    assert "epd.vime.dev/ec-storage-path" not in unit_pod["metadata"]["annotations"]
+    # The pool pod: the encoders as plain containers (nothing in it waits for them), no gate, its own shm.
+    (encoder,) = pool_pod["spec"]["containers"]
+    assert encoder["name"] == "encoder-0" and "restartPolicy" not in encoder and "initContainers" not in pool_pod["spec"]
+    assert "readinessGates" not in pool_pod["spec"]
+    assert pool_pod["spec"]["volumes"][0] == {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}
+    assert pool_pod["spec"]["affinity"]["podAntiAffinity"]  # encoderPool.affinity, not spec.affinity
+    assert encoder["readinessProbe"]["httpGet"] == {"path": "/health", "port": 8100}
+
+
+def test_no_service_of_the_units_selects_a_pool_pod_and_the_pool_service_only_pool_pods():
+    children = pools_children()
+    unit_labels = children[("StatefulSet", "qwen-vl-pools-default")]["spec"]["template"]["metadata"]["labels"]
+    pool_labels = children[("StatefulSet", "qwen-vl-pools-default-encoders")]["spec"]["template"]["metadata"]["labels"]
+    for name in ("qwen-vl-pools-default", "qwen-vl-pools-default-units"):
+        selector = children[("Service", name)]["spec"]["selector"]
+        assert _selects(selector, unit_labels) and not _selects(selector, pool_labels), name
+    units_sts = children[("StatefulSet", "qwen-vl-pools-default")]["spec"]["selector"]["matchLabels"]
+    assert not _selects(units_sts, pool_labels)
+    pool_service = children[("Service", "qwen-vl-pools-default-encoders")]
+    assert _selects(pool_service["spec"]["selector"], pool_labels)
+    assert not _selects(pool_service["spec"]["selector"], unit_labels)
+    assert pool_service["spec"]["clusterIP"] == "None" and "publishNotReadyAddresses" not in pool_service["spec"]
+    assert pool_service["spec"]["ports"] == [{"name": "encoder-0", "port": 8100, "targetPort": 8100, "protocol": "TCP"}]
+
+
+def test_pool_encoders_announce_their_pod_ip_and_a_declared_side_channel_port():
+    pool = pools_children(serverGroups=[{"workerType": "encoder", "numGpus": 2},
+                                        {"workerType": "regular", "numGpus": 1}])
+    containers = pool[("StatefulSet", "qwen-vl-pools-default-encoders")]["spec"]["template"]["spec"]["containers"]
+    sides = []
+    for container in containers:
+        env = {e["name"]: e for e in container["env"]}
+        assert env["VLLM_EC_SIDE_CHANNEL_HOST"] == {"name": "VLLM_EC_SIDE_CHANNEL_HOST",
+                                                   "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+        assert env["VLLM_USE_V2_MODEL_RUNNER"]["value"] == "1"
+        side = next(p for p in container["ports"] if p["name"].startswith("ec-side-"))
+        assert env["VLLM_EC_SIDE_CHANNEL_PORT"]["value"] == str(side["containerPort"])
+        sides.append(side["containerPort"])
+    assert sides == [5700, 5701]
+
+
+def test_user_env_still_wins_over_the_side_channel_host():
+    manifest = yaml.safe_load((EXAMPLES / "encoder-pools.yaml").read_text())
+    manifest["spec"]["models"][0]["serverGroups"][0]["env"] = [{"name": "VLLM_EC_SIDE_CHANNEL_HOST", "value": "enc.example"}]
+    checked = validate(manifest["spec"])
+    children = desired_children(checked.spec, "p", render(checked, namespace="ns", name="p", uid="u"), IMAGE)
+    (encoder,) = next(c for c in children if c["metadata"]["name"] == "p-default-encoders"
+                      and c["kind"] == "StatefulSet")["spec"]["template"]["spec"]["containers"]
+    assert [e for e in encoder["env"] if e["name"] == "VLLM_EC_SIDE_CHANNEL_HOST"] == [
+        {"name": "VLLM_EC_SIDE_CHANNEL_HOST", "value": "enc.example"}]
+
+
+def test_encoder_pool_scheduling_falls_back_to_the_spec():
+    manifest = yaml.safe_load((EXAMPLES / "encoder-pools.yaml").read_text())
+    del manifest["spec"]["models"][0]["encoderPool"]
+    manifest["spec"].update(nodeSelector={"gpu": "h100"}, tolerations=[{"key": "gpu", "operator": "Exists"}])
+    checked = validate(manifest["spec"])
+    children = desired_children(checked.spec, "p", render(checked, namespace="ns", name="p", uid="u"), IMAGE)
+    pool = next(c for c in children if c["kind"] == "StatefulSet" and c["metadata"]["name"] == "p-default-encoders")
+    pod = pool["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"gpu": "h100"} and pod["tolerations"] == [{"key": "gpu", "operator": "Exists"}]
+    assert "affinity" not in pod and pod["volumes"][0]["emptyDir"]["sizeLimit"] == "16Gi"

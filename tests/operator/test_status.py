@@ -5,7 +5,7 @@ from pathlib import Path
 import yaml
 
 from epd_operator.render import render
-from epd_operator.status import StatefulSetSummary, compute_status
+from epd_operator.status import StatefulSetSummary, compute_status, encoder_gates
 from epd_operator.validation import validate
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
@@ -50,7 +50,7 @@ def pod(name, *, encoder_ready=True, encoder_started=True, consumer_ready=True, 
 def status_of(pods, replicas=1, sets=None, previous=None):
     spec, plans = setup(replicas)
     return compute_status(deployment="d", spec=spec, plans=plans, pods={p["name"]: p for p in pods},
-                          unit_sets=unit_set(replicas) if sets is None else sets, generation=3, previous=previous,
+                          stateful_sets=unit_set(replicas) if sets is None else sets, generation=3, previous=previous,
                           now=NOW)
 
 
@@ -102,18 +102,18 @@ def test_unschedulable_unit_is_degraded_with_the_scheduler_message():
 def test_transition_time_is_kept_while_a_condition_holds():
     first = status_of([pod("d-default-0")])
     later = compute_status(deployment="d", spec=setup()[0], plans=setup()[1], pods={"d-default-0": pod("d-default-0")},
-                           unit_sets=unit_set(), generation=3, previous=first, now="2026-11-29T13:00:00Z")
+                           stateful_sets=unit_set(), generation=3, previous=first, now="2026-11-29T13:00:00Z")
     assert conditions(later)["Ready"]["lastTransitionTime"] == NOW
     flipped = compute_status(deployment="d", spec=setup()[0], plans=setup()[1],
                              pods={"d-default-0": pod("d-default-0", consumer_ready=False)},
-                             unit_sets=unit_set(), generation=3, previous=first, now="2026-11-29T13:00:00Z")
+                             stateful_sets=unit_set(), generation=3, previous=first, now="2026-11-29T13:00:00Z")
     assert conditions(flipped)["Ready"]["lastTransitionTime"] == "2026-11-29T13:00:00Z"
 
 
 def test_too_small_ec_budget_is_a_warning_condition():
     spec, plans = setup(shm={"sizeLimit": "1Gi"})
     status = compute_status(deployment="d", spec=spec, plans=plans, pods={"d-default-0": pod("d-default-0")},
-                            unit_sets=unit_set(), generation=3, previous=None, now=NOW)
+                            stateful_sets=unit_set(), generation=3, previous=None, now=NOW)
     budget = conditions(status)["ECBudgetSufficient"]
     assert budget["status"] == "False" and budget["reason"] == "BudgetTooSmall"
     assert "model default: EC budget" in budget["message"] and "Raise shm.sizeLimit" in budget["message"]
@@ -124,7 +124,7 @@ def test_too_small_ec_budget_is_a_warning_condition():
 def test_scraped_ec_evictions_show_per_unit():
     spec, plans = setup(replicas=2)
     pods = {p["name"]: p for p in [pod("d-default-0"), pod("d-default-1")]}
-    status = compute_status(deployment="d", spec=spec, plans=plans, pods=pods, unit_sets=unit_set(), generation=3,
+    status = compute_status(deployment="d", spec=spec, plans=plans, pods=pods, stateful_sets=unit_set(), generation=3,
                             previous=None, now=NOW, evictions={"d-default-0": 12})
     units = status["models"][0]["units"]
     assert units[0]["ecEvictions"] == 12
@@ -160,3 +160,141 @@ def test_an_old_unit_unready_during_a_rollout_is_not_the_rollouts_fault():
     old = pod("d-default-0", consumer_ready=False, consumer_started=True)
     status = status_of([old, pod("d-default-1", revision="rev-2")], replicas=2, sets=rolling(2, updated=1))
     assert conditions(status)["Degraded"]["reason"] == "EngineUnready"
+
+
+# --------------------------------------------------------------------------- placement Pools (issue #16)
+
+GATE = "epd.vime.dev/encoders-ready"
+
+
+def pools_setup(replicas=2, encoder_replicas=2):
+    manifest = yaml.safe_load((EXAMPLES / "encoder-pools.yaml").read_text())
+    manifest["spec"]["replicas"] = replicas
+    manifest["spec"]["models"][0]["encoderReplicas"] = encoder_replicas
+    checked = validate(manifest["spec"])
+    return checked.spec, render(checked, namespace="ns", name="d", uid="u")
+
+
+def pool_pod(name, *, ready=True, started=True, ip="10.0.1.1"):
+    return {
+        "name": name, "metadata": {}, "spec": {"nodeName": "node-e"},
+        "status": {
+            "podIP": ip,
+            "conditions": [{"type": "PodScheduled", "status": "True"}, {"type": "Ready", "status": str(ready)}],
+            "containerStatuses": [{"name": "encoder-0", "ready": ready, "started": started}],
+        },
+    }
+
+
+def unit_pod(name, *, gate=None, ready=True, ip="10.0.2.1"):
+    conditions = [{"type": "PodScheduled", "status": "True"}, {"type": "Ready", "status": str(ready)}]
+    if gate is not None:
+        conditions.append({"type": GATE, **gate})
+    return {
+        "name": name, "metadata": {}, "spec": {"nodeName": "node-u"},
+        "status": {"podIP": ip, "conditions": conditions,
+                   "containerStatuses": [{"name": "regular-0", "ready": True, "started": True}]},
+    }
+
+
+def pools_status(pods):
+    spec, plans = pools_setup()
+    sets = {**unit_set(2), "d-default-encoders": StatefulSetSummary("d-default-encoders", "h", True, 2, 2, "e", "e")}
+    return compute_status(deployment="d", spec=spec, plans=plans, pods={p["name"]: p for p in pods},
+                          stateful_sets=sets, generation=3, previous=None, now=NOW)
+
+
+def test_pools_status_lists_the_pools_ready_encoders_and_the_units_consumers():
+    status = pools_status([pool_pod("d-default-encoders-0"), pool_pod("d-default-encoders-1", ready=False),
+                           unit_pod("d-default-0"), unit_pod("d-default-1", ip="10.0.2.2")])
+    (model,) = status["models"]
+    assert model["placement"] == "Pools" and "ecStoragePath" not in model
+    assert model["encoderUrls"] == ["http://10.0.1.1:8100"]  # ready encoders only: where priming goes
+    pool = model["encoderPool"]
+    assert (pool["name"], pool["service"], pool["replicas"], pool["readyPods"]) == (
+        "d-default-encoders", "d-default-encoders", 2, 1)
+    assert [(p["pod"], p["ready"], p.get("reason")) for p in pool["pods"]] == [
+        ("d-default-encoders-0", True, None), ("d-default-encoders-1", False, "EncoderUnready")]
+    assert pool["pods"][0]["engines"] == [{"name": "encoder-0", "role": "encoder", "url": "http://10.0.1.1:8100"}]
+    # Units hold the consumers only: their engines and URLs.
+    assert model["readyUnits"] == 2 and status["ready"] == "2/2"
+    unit = model["units"][0]
+    assert unit["encoderUrls"] == [] and unit["consumerUrls"] == ["http://10.0.2.1:8100"]
+    assert [e["role"] for e in unit["engines"]] == ["regular"]
+    c = conditions(status)
+    # One encoder down: the units still serve, but the deployment is not fully Ready.
+    assert c["EncodersReady"]["status"] == "False" and c["EncodersReady"]["reason"] == "EncoderUnready"
+    assert "encoder pod d-default-encoders-1: EncoderUnready" in c["EncodersReady"]["message"]
+    assert c["Ready"]["status"] == "False" and c["Degraded"]["status"] == "True"
+
+
+def test_a_pool_without_a_ready_encoder_takes_every_unit_out_and_is_named():
+    status = pools_status([pool_pod("d-default-encoders-0", ready=False), pool_pod("d-default-encoders-1", ready=False),
+                           unit_pod("d-default-0", ready=False), unit_pod("d-default-1", ready=False)])
+    c = conditions(status)
+    assert c["EncodersReady"]["status"] == "False" and c["EncodersReady"]["reason"] == "NoReadyEncoder"
+    assert c["EncodersReady"]["message"].startswith("encoder pool d-default-encoders of model default has no ready encoder")
+    units = status["models"][0]["units"]
+    assert [(u["ready"], u["reason"]) for u in units] == [(False, "NoReadyEncoder")] * 2
+    assert "encoder pool d-default-encoders has no ready encoder" in units[0]["message"]
+    assert status["models"][0]["encoderUrls"] == [] and status["phase"] == "Degraded"
+
+
+def test_a_unit_is_not_ready_while_its_pool_has_no_ready_encoder_even_if_its_pod_says_so():
+    status = pools_status([unit_pod("d-default-0"), unit_pod("d-default-1")])  # pool pods not created yet
+    units = status["models"][0]["units"]
+    assert [u["ready"] for u in units] == [False, False]
+    # The pool is starting: that is progress, not damage.
+    assert status["phase"] == "Progressing" and conditions(status)["Degraded"]["status"] == "False"
+
+
+def test_every_encoder_ready_makes_everything_ready():
+    status = pools_status([pool_pod("d-default-encoders-0"), pool_pod("d-default-encoders-1", ip="10.0.1.2"),
+                           unit_pod("d-default-0"), unit_pod("d-default-1")])
+    assert status["phase"] == "Ready"
+    assert conditions(status)["EncodersReady"]["reason"] == "EncodersReady"
+    assert status["models"][0]["encoderUrls"] == ["http://10.0.1.1:8100", "http://10.0.1.2:8100"]
+
+
+def gates(pods):
+    spec, plans = pools_setup()
+    return encoder_gates("d", spec, plans, {p["name"]: p for p in pods}, NOW)
+
+
+def test_the_gate_opens_while_one_encoder_is_ready_and_closes_when_none_is():
+    units = [unit_pod("d-default-0"), unit_pod("d-default-1")]
+    opened = gates([pool_pod("d-default-encoders-0", ready=False), pool_pod("d-default-encoders-1"), *units])
+    assert opened == {name: {"type": GATE, "status": "True", "reason": "EncodersReady",
+                             "message": "encoder pool d-default-encoders has a ready encoder", "lastTransitionTime": NOW}
+                      for name in ("d-default-0", "d-default-1")}
+    closed = gates([pool_pod("d-default-encoders-0", ready=False), *units])
+    assert {n: (g["status"], g["reason"]) for n, g in closed.items()} == {
+        "d-default-0": ("False", "NoReadyEncoder"), "d-default-1": ("False", "NoReadyEncoder")}
+    assert closed["d-default-0"]["message"] == "encoder pool d-default-encoders has no ready encoder"
+
+
+def test_only_pods_whose_gate_differs_are_patched():
+    current = {k: v for k, v in gates([pool_pod("d-default-encoders-0"), unit_pod("d-default-0")])["d-default-0"].items()
+               if k != "lastTransitionTime"}
+    pods = [pool_pod("d-default-encoders-0"), unit_pod("d-default-0", gate=current), unit_pod("d-default-1"),
+            {**unit_pod("d-default-2"), "metadata": {"deletionTimestamp": "x"}}]
+    assert list(gates(pods)) == ["d-default-1"]  # -0 already says so, -2 is beyond replicas (and terminating)
+
+
+def test_unit_models_have_no_gates():
+    spec, plans = setup()
+    assert encoder_gates("d", spec, plans, {"d-default-0": pod("d-default-0")}, NOW) == {}
+
+
+def test_scraped_fallback_encodes_show_per_unit_per_model_and_in_all():
+    spec, plans = setup(replicas=3)
+    pods = {p["name"]: p for p in [pod("d-default-0"), pod("d-default-1"), pod("d-default-2")]}
+    status = compute_status(deployment="d", spec=spec, plans=plans, pods=pods, stateful_sets=unit_set(2), generation=3,
+                            previous=None, now=NOW, fallback_encodes={"d-default-0": 2, "d-default-1": 0})
+    (model,) = status["models"]
+    assert [u.get("fallbackEncodes") for u in model["units"]] == [2, 0, None]
+    assert model["fallbackEncodes"] == 2 and status["fallbackEncodes"] == 2
+
+    nothing_scraped = compute_status(deployment="d", spec=spec, plans=plans, pods=pods, stateful_sets=unit_set(2),
+                                     generation=3, previous=None, now=NOW)
+    assert "fallbackEncodes" not in nothing_scraped and "fallbackEncodes" not in nothing_scraped["models"][0]

@@ -1,5 +1,5 @@
-"""The specs the golden and contract tests render: the seed's two topologies, override cases and
-text-only models, each for every supported vLLM version."""
+"""The specs the golden and contract tests render: the seed's two topologies, override cases,
+encoder pools and text-only models, each for every supported vLLM version."""
 
 from __future__ import annotations
 
@@ -78,6 +78,41 @@ CASES: dict[str, dict[str, Any]] = {
                                                           "kv_connector_extra_config": {"num_threads": 4}}}},
                     {"workerType": "decode", "numGpus": 1},
                     {"workerType": "prefill", "numGpus": 1},
+                ],
+            }
+        ],
+    },
+    # Placement Pools: encoders in their own pool pods, consumers read over NIXL (ECCPUConnector);
+    # each pod's regions share 80% of its /dev/shm, the pool's own size here.
+    "pools-regular": {
+        "shm": {"sizeLimit": "8Gi"},
+        "models": [
+            {
+                "name": "default",
+                "model": MODEL,
+                "placement": "Pools",
+                "encoderReplicas": 2,
+                "encoderPool": {"shm": {"sizeLimit": "4Gi"}},
+                "serverGroups": [
+                    {"workerType": "encoder", "numGpus": 2},
+                    {"workerType": "regular", "numGpus": 2},
+                ],
+            }
+        ],
+    },
+    # The user's ec_cpu_bytes and extra config: the model's connector, then a group's overrides.
+    "pools-prefill-decode": {
+        "models": [
+            {
+                "name": "default",
+                "model": MODEL,
+                "placement": "Pools",
+                "ecConnector": {"extraConfig": {"ec_cpu_bytes": 2147483648, "consumer_ack_timeout_s": 30}},
+                "serverGroups": [
+                    {"workerType": "encoder", "numGpus": 1},
+                    {"workerType": "prefill", "numGpus": 1,
+                     "overrides": {"ec_transfer_config": {"ec_connector_extra_config": {"ec_cpu_bytes": "1073741824"}}}},
+                    {"workerType": "decode", "numGpus": 1},
                 ],
             }
         ],

@@ -4,6 +4,7 @@ Protocol: one JSON request per stdin line, one JSON answer per stdout line.
 
 - `{"op": "actions"}` -> `{"actions": [{"dest", "options", "kind", "nargs", "type"}, ...]}`: every
   argument of the `vllm serve` parser (hidden spellings included).
+- `{"op": "envs"}` -> `{"envs": [...]}`: every environment variable vllm.envs reads.
 - `{"op": "parse", "commands": [{"id", "argv", "full": bool}, ...]}` -> `{"results": {id: ...}}`:
   argv is the whole command (`["vllm", "serve", ...]`). Each result is `{"ok": true, "namespace":
   {...}}`, plus `"engine": {...}` when `full` (the EngineArgs `vllm serve` builds), or
@@ -75,6 +76,9 @@ def _engine(args) -> dict:
             "ec_buffer_device": ec.ec_buffer_device,
             "ec_connector_module_path": ec.ec_connector_module_path,
             "ec_connector_extra_config": ec.ec_connector_extra_config,
+            "is_ec_producer": ec.is_ec_producer,
+            "is_ec_consumer": ec.is_ec_consumer,
+            "connector_class": _connector_class(ec.ec_connector),
         },
         "kv_transfer_config": None
         if kv is None
@@ -87,6 +91,14 @@ def _engine(args) -> dict:
             "kv_connector_extra_config": kv.kv_connector_extra_config,
         },
     }
+
+
+def _connector_class(name: str | None) -> str | None:
+    """The class vLLM's EC connector factory loads for `name` (None when it has no such entry)."""
+    from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+
+    loader = ECConnectorFactory._registry.get(name)
+    return loader().__name__ if loader else None
 
 
 def _parse(top, serve, command: dict) -> dict:
@@ -121,6 +133,10 @@ def main() -> None:
         request = json.loads(line)
         if request["op"] == "actions":
             answer = {"actions": _actions(serve_parser)}
+        elif request["op"] == "envs":
+            import vllm.envs
+
+            answer = {"envs": sorted(vllm.envs.environment_variables)}
         else:
             answer = {"results": {c["id"]: _parse(top, serve, c) for c in request["commands"]}}
         out.write(json.dumps(answer, default=repr) + "\n")

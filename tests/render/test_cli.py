@@ -27,7 +27,7 @@ def test_render_json_has_the_documented_keys():
     out = run("-f", str(EXAMPLE), "-o", "json")
     entries = json.loads(out.stdout)
     assert [e["workerType"] for e in entries] == ["encoder", "prefill", "decode", "router"]
-    assert all(set(e) == {"model", "workerType", "engineIndex", "args", "env"} for e in entries)
+    assert all(set(e) == {"model", "workerType", "engineIndex", "args", "env", "fieldEnv"} for e in entries)
     assert entries[1]["env"]["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5601"
 
 

@@ -43,6 +43,15 @@ OVERRIDDEN: dict[tuple[str, int], dict[str, Any]] = {
 }
 EC_EXTRA = {"overrides-regular": {"flush_interval_s": 5}}
 EC_EXTRA_OVERRIDDEN = {("overrides-regular", 1): {"shm_budget": "4Gi"}}
+# Placement Pools: ECCPUConnector's extra config of each group, worked out by hand. pools-regular:
+# 2 encoders share 80% of the pool pod's 4Gi, 2 regular engines 80% of the unit's 8Gi.
+# pools-prefill-decode: the model's connector sets 2Gi, the prefill group's overrides 1Gi.
+POOLS_EC_EXTRA: dict[tuple[str, int], dict[str, Any]] = {
+    ("pools-regular", 0): {"ec_cpu_bytes": 1717986918, "ec_enable_nixl": True},
+    ("pools-regular", 1): {"ec_cpu_bytes": 3435973836, "ec_enable_nixl": True},
+    ("pools-prefill-decode", 0): {"ec_cpu_bytes": 2147483648, "ec_enable_nixl": True, "consumer_ack_timeout_s": 30},
+    ("pools-prefill-decode", 1): {"ec_cpu_bytes": "1073741824", "ec_enable_nixl": True, "consumer_ack_timeout_s": 30},
+}
 
 
 def _understood(result: dict[str, Any]) -> dict[str, Any]:
@@ -61,7 +70,7 @@ def _understood(result: dict[str, Any]) -> dict[str, Any]:
 
 def _expected(case: str, plan, cmd) -> dict[str, Any]:
     encoder = cmd.worker_type == "encoder"
-    ec_role = EC_ROLE[cmd.worker_type] if plan.ec_storage_path else None
+    ec_role = EC_ROLE[cmd.worker_type] if plan.ec_storage_path or plan.pooled else None
     want: dict[str, Any] = {
         "model": cmd.args[2],
         "served_model_name": [plan.served_model_name],
@@ -75,8 +84,12 @@ def _expected(case: str, plan, cmd) -> dict[str, Any]:
         "ec_role": ec_role,
         "kv_role": KV_ROLE[cmd.worker_type],
     }
-    if ec_role:
-        want["ec_connector"] = "ECExampleConnector"
+    if ec_role and plan.pooled:
+        want["ec_connector"] = want["connector_class"] = "ECCPUConnector"
+        want["ec_connector_extra_config"] = POOLS_EC_EXTRA[(case, cmd.group_index)]
+        want["is_ec_producer"], want["is_ec_consumer"] = encoder, not encoder
+    elif ec_role:
+        want["ec_connector"] = want["connector_class"] = "ECExampleConnector"
         want["ec_connector_extra_config"] = {
             **EC_EXTRA.get(case, {}),
             **EC_EXTRA_OVERRIDDEN.get((case, cmd.group_index), {}),
@@ -109,6 +122,31 @@ def test_every_rendered_engine_command_means_what_the_rules_say(vllm_parser: Vll
         if got != want:
             mismatches[key] = {n: {"want": want[n], "got": got[n]} for n in want if got[n] != want[n]}
     assert not mismatches, json.dumps(mismatches, indent=1)
+
+
+def test_every_rendered_environment_variable_is_one_vllm_reads(vllm_parser: VllmParser) -> None:
+    known = vllm_parser.envs()
+    rendered = {name for case in CASES for plan in plans(case, vllm_parser.version) for cmd in plan.engines
+                for name in [*cmd.env, *cmd.field_env]}
+    assert {"VLLM_USE_V2_MODEL_RUNNER", "VLLM_EC_SIDE_CHANNEL_HOST", "VLLM_EC_SIDE_CHANNEL_PORT"} <= rendered
+    assert rendered - known == set(), f"vLLM {vllm_parser.version} reads no such variables"
+
+
+def test_pools_engines_run_eccpuconnector_over_nixl_with_their_own_side_channel(vllm_parser: VllmParser) -> None:
+    for case in ("pools-regular", "pools-prefill-decode"):
+        (plan,) = plans(case, vllm_parser.version)
+        for cmd in plan.engines:
+            ec = cmd.worker_type.ec_role is not None
+            # ECCPUConnector raises without the V2 runner; decode shares it to exchange KV alike.
+            assert cmd.env.get("VLLM_USE_V2_MODEL_RUNNER") == "1", cmd.container_name
+            if cmd.worker_type == "encoder":
+                assert cmd.env["VLLM_EC_SIDE_CHANNEL_PORT"] == str(cmd.ec_side_channel_port)
+                assert cmd.field_env == {"VLLM_EC_SIDE_CHANNEL_HOST": "status.podIP"}
+            else:
+                assert cmd.ec_side_channel_port is None and not cmd.field_env, "consumers only dial out"
+            assert ("--ec-transfer-config" in cmd.args) == ec
+        ports = [c.ec_side_channel_port for c in plan.encoders]
+        assert len(set(ports)) == len(ports), "one side channel per encoder of a pool pod"
 
 
 def test_a_wrong_ec_role_is_rejected(vllm_parser: VllmParser) -> None:

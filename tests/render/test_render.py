@@ -409,7 +409,7 @@ def test_commands_json() -> None:
         ("default", "encoder", 0), ("default", "prefill", 1), ("default", "decode", 2), ("default", "router", -1)
     ]
     assert entries[1]["args"] == plan.engines[1].args and entries[1]["env"] == plan.engines[1].env
-    assert set(entries[0]) == {"model", "workerType", "engineIndex", "args", "env"}
+    assert set(entries[0]) == {"model", "workerType", "engineIndex", "args", "env", "fieldEnv"}
     json.dumps(entries)
 
 

@@ -47,7 +47,8 @@ def test_every_rendered_router_command_is_read_as_intended(router_binary: Path) 
         if plan.router
     }
     assert {key.split("/")[0] for key in routers} == {
-        "encoder-prefill-decode", "overrides-regular", "overrides-prefill-decode", "text-only"
+        "encoder-prefill-decode", "overrides-regular", "overrides-prefill-decode", "text-only",
+        "pools-regular", "pools-prefill-decode",
     }
     results = _launcher_parse(router_binary, {key: plan.router.args for key, (plan, _) in routers.items()})
     for key, (plan, version) in routers.items():

@@ -47,6 +47,10 @@ class VllmParser:
             self._actions = self._ask({"op": "actions"})["actions"]
         return self._actions
 
+    def envs(self) -> set[str]:
+        """Every environment variable this vLLM reads (vllm.envs)."""
+        return set(self._ask({"op": "envs"})["envs"])
+
     def parse(self, argvs: dict[str, list[str]], *, full: bool = True) -> dict[str, dict[str, Any]]:
         """Parse each argv (`["vllm", "serve", ...]`); see parse_with_vllm.py for the answer."""
         commands = [{"id": key, "argv": argv, "full": full} for key, argv in argvs.items()]

@@ -98,3 +98,13 @@ peers that share the top priority). */}}
 - --log-level={{ .Values.logLevel }}
 - --log-format={{ .Values.logFormat }}
 {{- end }}
+
+{{/* The PodMonitor's labels of every EPD series, from its pod (resources.py labels every unit pod). */}}
+{{- define "epd-operator.podTargetRelabelings" -}}
+- sourceLabels: [__meta_kubernetes_pod_label_epd_vime_dev_role]
+  targetLabel: role
+- sourceLabels: [__meta_kubernetes_pod_label_epd_vime_dev_deployment]
+  targetLabel: deployment
+- sourceLabels: [__meta_kubernetes_pod_label_epd_vime_dev_model]
+  targetLabel: model
+{{- end }}

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .httpkit import BackgroundServer, read_request, response_bytes
+from .httpkit import BackgroundServer, Served, read_request, response_bytes
 
 
 @dataclass
@@ -21,7 +21,7 @@ class ControlCall:
 
 
 @dataclass
-class EngineControl:
+class EngineControl(Served):
     """A STAND-IN for vLLM 0.32's weight-update endpoints (vllm/entrypoints/rl/online):
     ``POST /pause?mode=..&clear_cache=..``, ``POST /resume``, ``GET /is_paused``, answered
     after ``delay`` seconds. With ``dev_mode=False`` every path is a 404, as vLLM without
@@ -34,17 +34,6 @@ class EngineControl:
 
     def __post_init__(self) -> None:
         self._server = BackgroundServer(self._handle)
-
-    @property
-    def url(self) -> str:
-        return self._server.url
-
-    def __enter__(self) -> EngineControl:
-        self._server.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._server.stop()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:

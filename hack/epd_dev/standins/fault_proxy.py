@@ -25,7 +25,7 @@ import threading
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from .httpkit import BackgroundServer, Request, read_request, response_bytes
+from .httpkit import BackgroundServer, Request, Served, read_request, response_bytes
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class LogEntry:
     status: int | None = None  # for forwarded requests: the status passed back
 
 
-class FaultProxy:
+class FaultProxy(Served):
     def __init__(self, upstream: str, *, port: int = 0) -> None:
         parts = urlsplit(upstream)
         if parts.scheme != "http" or not parts.hostname:
@@ -74,17 +74,6 @@ class FaultProxy:
         self._rules: list[_Rule] = []
         self._lock = threading.Lock()  # rules are added from the test's thread
         self._server = BackgroundServer(self._handle, port=port)
-
-    @property
-    def url(self) -> str:
-        return self._server.url
-
-    def __enter__(self) -> FaultProxy:
-        self._server.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._server.stop()
 
     def add(self, fault: Fault, *, path: str | None = None, times: int | None = 1) -> None:
         """Apply ``fault`` to the next ``times`` requests to ``path`` (None: any path;

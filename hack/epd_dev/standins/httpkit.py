@@ -7,6 +7,7 @@ import asyncio
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Self
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -108,3 +109,20 @@ class BackgroundServer:
         # Not `async with server`: from 3.12 it waits for idle keep-alive connections.
         # asyncio.run cancels the connection handlers still running.
         server.close()
+
+
+class Served:
+    """Base of the stand-ins: their BackgroundServer (`self._server`), run for a `with` block."""
+
+    _server: BackgroundServer
+
+    @property
+    def url(self) -> str:
+        return self._server.url
+
+    def __enter__(self) -> Self:
+        self._server.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._server.stop()

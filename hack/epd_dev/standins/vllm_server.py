@@ -6,15 +6,23 @@ counted, be run by the dozen in a unit test) and for the client benchmark. Tests
 need vLLM's real behaviour belong with the real engines (tests/vllm).
 
 - ``POST /v1/chat/completions``: a chat completion; every image URL in it is added to
-  ``ec_store``, as an encoder publishing embeddings through its EC connector would.
-- ``POST /v1/chat/completions/render``: ``{"token_ids": [...], "features": {"mm_hashes":
-  [...]}, ...}``; the hash of an image here is the hash of its URL.
-- ``POST /inference/v1/generate``: takes the render response; counts each mm_hash found
-  in ``ec_store`` as a hit, else a miss (real vLLM would encode the image itself, silently).
+  ``ec_store``, as an encoder publishing embeddings through its EC connector would. With
+  ``ec_transfer=True`` (an encoder of a ``Pools`` model, ECCPUConnector over NIXL) the answer
+  also carries ``ec_transfer_params``: per image, this server's host and port as the peer a
+  consumer pulls from, as vLLM's producer announces them.
+- ``POST /v1/chat/completions/render``: vLLM's shape, ``{"token_ids": [...], "features":
+  {"mm_hashes": {"image": [...]}, "mm_placeholders", "kwargs_data", "mm_metadata"}, ...}``
+  (the hash of an image here is the hash of its URL), with the request's
+  ``ec_transfer_params`` copied in, as vLLM's render does.
+- ``POST /inference/v1/generate``: takes the render response; refuses metadata-only items
+  (``kwargs_data`` null) without ``ec_transfer_params``, as vLLM does; counts each mm_hash
+  announced in ``ec_transfer_params`` as a pull (``ec_pulls``, peers in ``pulled``), else one
+  found in ``ec_store`` as a hit, else a miss (real vLLM would encode the image itself,
+  silently).
 - ``GET /health``: 200.
 
 Give the encoders and the consumer of one unit the same ``ec_store`` set to model the
-node-local EC directory. For a separate process run
+node-local EC directory; give a pool's encoders none of the consumers' stores. For a separate process run
 ``python -m epd_dev.standins.vllm_server --port 0``: it prints its URL on the first line.
 """
 
@@ -31,7 +39,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from .httpkit import BackgroundServer, read_request, response_bytes
+from .httpkit import BackgroundServer, Served, read_request, response_bytes
 
 
 def mm_hash(url: str) -> str:
@@ -50,31 +58,25 @@ class Record:
     aborted: bool = False  # the client went away before the answer
 
 
-class StandinServer:
+class StandinServer(Served):
     """In-process use: ``with StandinServer(delay=0.2) as server: ... server.url``."""
 
     def __init__(
-        self, *, delay: float = 0.0, ec_store: set[str] | None = None, port: int = 0
+        self, *, delay: float = 0.0, ec_store: set[str] | None = None, port: int = 0,
+        ec_transfer: bool = False,
     ) -> None:
         self.delay = delay
         self.ec_store = ec_store if ec_store is not None else set()
+        self.ec_transfer = ec_transfer
         self.records: list[Record] = []
         self.open_connections = 0
         self.ec_hits = 0
         self.ec_misses = 0
+        self.ec_pulls = 0
+        self.pulled: list[tuple[str, str]] = []  # (mm_hash, "host:port" of the peer it came from)
+        self.metadata_only = 0  # generate items that came without their tensors
         self._connection_ids = itertools.count()
         self._server = BackgroundServer(self.handle, port=port)
-
-    @property
-    def url(self) -> str:
-        return self._server.url
-
-    def __enter__(self) -> StandinServer:
-        self._server.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._server.stop()
 
     def requests(self, path: str) -> list[Record]:
         return [r for r in self.records if r.path == path]
@@ -116,18 +118,41 @@ class StandinServer:
             return 400, {"error": "body must be a JSON object"}
         if path == "/v1/chat/completions":
             self.ec_store.update(mm_hash(u) for u in _image_urls(body))
-            return 200, _chat_completion(body)
+            answer = _chat_completion(body)
+            if self.ec_transfer and _image_urls(body):
+                answer["ec_transfer_params"] = self._announce(_image_urls(body))
+            return 200, answer
         if path == "/v1/chat/completions/render":
             return 200, _render(body)
         if path == "/inference/v1/generate":
             return self._generate(body)
         return 404, {"error": "not found"}
 
+    def _announce(self, urls: list[str]) -> dict[str, Any]:
+        """What vLLM's ECCPUConnector producer puts in ec_transfer_params: per item, where to
+        pull it (its side channel; here this server's own address) and how big it is."""
+        host, port = self.url.removeprefix("http://").rsplit(":", 1)
+        return {
+            mm_hash(url): {"item_indices": [i], "metadata": {}, "peer_host": host, "peer_port": int(port),
+                           "size_bytes": 4096, "shape": [4, 512]}
+            for i, url in enumerate(urls)
+        }
+
     def _generate(self, body: dict[str, Any]) -> tuple[int, Any]:
         if not isinstance(body.get("token_ids"), list):
             return 400, {"error": "token_ids required (send the render response)"}
-        for h in (body.get("features") or {}).get("mm_hashes", []):
-            if h in self.ec_store:
+        features = body.get("features") or {}
+        announced = body.get("ec_transfer_params") or {}
+        items = _feature_items(features)
+        if any(tensors is None and meta is not None for _h, tensors, meta in items) and not announced:
+            return 400, {"error": "metadata-only multimodal items require ec_transfer_params"}
+        for h, tensors, _meta in items:
+            self.metadata_only += tensors is None
+            peer = announced.get(h)
+            if isinstance(peer, dict) and peer.get("peer_host"):
+                self.ec_pulls += 1
+                self.pulled.append((h, f"{peer['peer_host']}:{peer['peer_port']}"))
+            elif h in self.ec_store:
                 self.ec_hits += 1
             else:
                 self.ec_misses += 1
@@ -187,18 +212,33 @@ def _chat_completion(body: dict[str, Any]) -> dict[str, Any]:
 
 def _render(body: dict[str, Any]) -> dict[str, Any]:
     hashes = [mm_hash(u) for u in _image_urls(body)]
-    return {
+    rendered = {
         "request_id": f"render-{uuid.uuid4().hex}",
         "model": body.get("model"),
         "token_ids": [1, 2, 3, 4],
         "features": {
-            "mm_hashes": hashes,
-            "mm_placeholders": [{"offset": 1, "length": 1} for _ in hashes],
+            "mm_hashes": {"image": hashes},
+            "mm_placeholders": {"image": [{"offset": 1 + i, "length": 1} for i in range(len(hashes))]},
+            "kwargs_data": {"image": [f"tensors-{h[:8]}" for h in hashes]},
+            "mm_metadata": {"image": [f"metadata-{h[:8]}" for h in hashes]},
         }
         if hashes
         else None,
         "sampling_params": {"max_tokens": body.get("max_tokens", 16)},
     }
+    if body.get("ec_transfer_params"):
+        rendered["ec_transfer_params"] = body["ec_transfer_params"]
+    return rendered
+
+
+def _feature_items(features: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(mm_hash, tensors, metadata) of every item of a render response's features."""
+    kwargs, metadata = features.get("kwargs_data") or {}, features.get("mm_metadata") or {}
+    return [
+        (h, (kwargs.get(modality) or [None] * len(hashes))[i], (metadata.get(modality) or [None] * len(hashes))[i])
+        for modality, hashes in (features.get("mm_hashes") or {}).items()
+        for i, h in enumerate(hashes)
+    ]
 
 
 async def _serve_forever(port: int, delay: float) -> None:

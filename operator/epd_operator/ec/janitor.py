@@ -3,11 +3,13 @@
 vLLM's ECExampleConnector writes `<store>/<mm_hash>/encoder_cache.safetensors` and never deletes
 anything; in the unit's memory-backed /dev/shm the store would grow until the kubelet evicts the
 pod. `epd-operator janitor` runs as a container in every unit with encoders and removes whole
-`<mm_hash>` folders: abandoned ones, expired ones, then the oldest until the store fits.
+`<mm_hash>` folders: abandoned ones, expired ones, then the oldest until the store fits. It also
+counts the consumers' silent fallback encodes (`is_cache_miss`): vLLM 0.32 answers a request
+whose embedding is not in the store by encoding the image itself, leaving an empty folder.
 
-Pure: the eviction policy (`select_evictions`). Imperative: `scan_store`, `evict` and the loop
-`run_janitor` (Prometheus metrics, JSON log lines). The budget it enforces comes from
-`budget.py`; docs/ec-storage.md explains the design and its limits.
+Pure: the eviction policy (`select_evictions`, `is_cache_miss`). Imperative: `scan_store`,
+`evict` and the loop `run_janitor` (Prometheus metrics, JSON log lines). The budget it enforces
+comes from `budget.py`; docs/ec-storage.md explains the design and its limits.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
@@ -88,6 +90,15 @@ def select_evictions(
             evictions.append(Eviction(entry, "budget"))
             left -= entry.bytes
     return evictions
+
+
+def is_cache_miss(entry: Entry) -> bool:
+    """A folder holding no file at all: a vLLM 0.32 consumer's existence check created it, found
+    no embedding and encoded the image itself (a fallback encode), and no encoder wrote into it
+    since. Only meaningful for a settled entry: a fresh one may be an encoder's that is about
+    to write. An abandoned temp file is an encoder's failed write, not a consumer's miss.
+    """
+    return not entry.files
 
 
 # --------------------------------------------------------------------------- filesystem
@@ -179,11 +190,15 @@ class StoreMetrics:
                                  registry=self.registry)
         self.failures = Counter("epd_ec_eviction_failures", "Evictions that failed (see the logs).", labels,
                                 registry=self.registry)
+        self.fallbacks = Counter("epd_ec_fallback_encodes",
+                                 "Images a consumer encoded itself: EC cache misses (empty <mm_hash> folders).",
+                                 labels, registry=self.registry)
         for path in paths:  # every series exists from the start, so rate() and alerts see the first one
             self.budget.labels(path).set(max_bytes)
             self.bytes.labels(path)
             self.entries.labels(path)
             self.failures.labels(path)
+            self.fallbacks.labels(path)
             for reason in REASONS:
                 self.evictions.labels(path, reason)
 
@@ -194,23 +209,38 @@ def _log(event: str, level: str = "info", **fields: Any) -> None:
     sys.stdout.flush()
 
 
+@dataclass
+class StoreState:
+    """What one store's sweep hands to the next."""
+
+    known: dict[str, Entry] = field(default_factory=dict)  # the last snapshot, by folder name
+    # Cache-miss folders already counted and still there (a removal that failed is retried on
+    # the next sweep, and must not count the same miss again).
+    counted_misses: set[str] = field(default_factory=set)
+
+
 def sweep(
     path: str,
     metrics: StoreMetrics,
-    known: dict[str, Entry],
+    state: StoreState,
     *,
     max_bytes: int,
     ttl_seconds: float | None,
     grace_seconds: float,
 ) -> None:
-    """One scan-and-evict pass over one store; `known` carries its snapshot to the next pass."""
+    """One scan-and-evict pass over one store."""
     now = time.time()
-    entries = scan_store(path, known, settled_before=now - grace_seconds)
+    entries = scan_store(path, state.known, settled_before=now - grace_seconds)
     evicted: dict[str, list[Entry]] = {}
     failed: list[tuple[str, str]] = []
+    misses: list[str] = []
     for entry, reason in select_evictions(
         entries, now=now, max_bytes=max_bytes, ttl_seconds=ttl_seconds, grace_seconds=grace_seconds
     ):
+        # Counted when judged, not when removed: the consumer encoded the image either way.
+        if is_cache_miss(entry) and entry.name not in state.counted_misses:
+            misses.append(entry.name)
+            state.counted_misses.add(entry.name)
         try:
             if evict(path, entry):
                 evicted.setdefault(reason, []).append(entry)
@@ -218,8 +248,9 @@ def sweep(
             failed.append((entry.name, str(error)))
     gone = {e.name for group in evicted.values() for e in group}
     kept = [e for e in entries if e.name not in gone]
-    known.clear()
-    known.update((e.name, e) for e in kept)
+    state.known = {e.name: e for e in kept}
+    # A folder of the same name made later is another miss: forget the ones that are gone.
+    state.counted_misses.intersection_update(state.known)
     metrics.bytes.labels(path).set(sum(e.bytes for e in kept))
     metrics.entries.labels(path).set(len(kept))
     for reason, group in evicted.items():
@@ -227,6 +258,10 @@ def sweep(
         # The youngest age tells whether budget evictions come close to what consumers still read.
         _log("evicted", path=path, reason=reason, entries=len(group), bytes=sum(e.bytes for e in group),
              youngest_age_seconds=round(now - max(e.newest_mtime for e in group), 1))
+    if misses:
+        metrics.fallbacks.labels(path).inc(len(misses))
+        # The mm_hashes let a client find which requests were not primed (docs/operations.md).
+        _log("fallback_encodes", "warning", path=path, entries=len(misses), mm_hashes=misses[:10])
     if failed:
         metrics.failures.labels(path).inc(len(failed))
         _log("eviction_failed", "error", path=path, entries=len(failed), first=failed[0][0], error=failed[0][1])
@@ -253,11 +288,11 @@ def run_janitor(
     server = start_http_server(metrics_port, registry=metrics.registry)[0] if metrics_port else None
     _log("started", paths=list(paths), max_bytes=max_bytes, ttl_seconds=ttl_seconds,
          grace_seconds=grace_seconds, interval_seconds=interval_seconds)
-    known: dict[str, dict[str, Entry]] = {path: {} for path in paths}
+    states = {path: StoreState() for path in paths}
     try:
         while True:
             for path in paths:
-                sweep(path, metrics, known[path], max_bytes=max_bytes, ttl_seconds=ttl_seconds,
+                sweep(path, metrics, states[path], max_bytes=max_bytes, ttl_seconds=ttl_seconds,
                       grace_seconds=grace_seconds)
             if stop.wait(interval_seconds):
                 return

@@ -1,9 +1,10 @@
-"""The operator's side of the janitors: scrape their budget evictions, tell the user.
+"""The operator's side of the janitors: scrape their counters, tell the user.
 
 The janitor has no API access (docs/ec-storage.md), so the operator scrapes its /metrics
-(`JanitorScraper`), parses them (`parse_metrics`, pure) and turns a growing budget-eviction
-counter into an `ECEvicted` Event message (`eviction_report`, pure). The count also goes into the
-unit's status (`ecEvictions`).
+(`JanitorScraper`), parses them (`parse_metrics`, pure) and turns a growing counter into a Warning
+Event message (pure): budget evictions into `ECEvicted` (`eviction_report`), consumers' fallback
+encodes into `ECFallbackEncodes` (`fallback_report`). The counts also go into the unit's status
+(`ecEvictions`, `fallbackEncodes`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -26,49 +27,57 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class JanitorMetrics:
-    """One janitor's stores, summed (a unit serves one model, so in practice one store)."""
+    """One janitor's stores, summed (a unit serves one model, so in practice one store).
+    The counters count since the janitor started: they restart with the container."""
 
-    budget_evictions: int  # since the janitor started: the counter restarts with the container
+    budget_evictions: int
     store_bytes: int
     budget_bytes: int
+    fallback_encodes: int | None = None  # None from a janitor older than this count
 
 
 def parse_metrics(text: str) -> JanitorMetrics | None:
     """The janitor's figures from its Prometheus text; None if the text has none of them
     (something else answers on the port). Raises ValueError for text that is not Prometheus'."""
-    totals = {"epd_ec_evictions_total": 0.0, "epd_ec_store_bytes": 0.0, "epd_ec_store_budget_bytes": 0.0}
-    found = False
+    wanted = {"epd_ec_evictions_total", "epd_ec_store_bytes", "epd_ec_store_budget_bytes",
+              "epd_ec_fallback_encodes_total"}
+    totals: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name not in totals or sample.labels.get("reason", "budget") != "budget":
+            if sample.name not in wanted or sample.labels.get("reason", "budget") != "budget":
                 continue  # only the eviction counter has a reason label
-            totals[sample.name] += sample.value
-            found = True
-    if not found:
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    if not totals:
         return None
+    fallbacks = totals.get("epd_ec_fallback_encodes_total")
     return JanitorMetrics(
-        budget_evictions=int(totals["epd_ec_evictions_total"]),
-        store_bytes=int(totals["epd_ec_store_bytes"]),
-        budget_bytes=int(totals["epd_ec_store_budget_bytes"]),
+        budget_evictions=int(totals.get("epd_ec_evictions_total", 0)),
+        store_bytes=int(totals.get("epd_ec_store_bytes", 0)),
+        budget_bytes=int(totals.get("epd_ec_store_budget_bytes", 0)),
+        fallback_encodes=None if fallbacks is None else int(fallbacks),
     )
 
 
-def eviction_report(unit: str, previous: int | None, current: JanitorMetrics) -> str | None:
-    """The Event message when `unit`'s budget evictions grew since `previous`, else None.
+def _growth(previous: int | None, count: int) -> tuple[int, str]:
+    """How much a janitor's counter grew since `previous`, the count last reported, and since when.
 
-    `previous` is the count last reported: the operator's memory, or after an operator restart
-    the unit's `ecEvictions` in the status, so a restart does not repeat old Events. None means
-    never reported: a unit first seen with evictions reports them all, since its counter starts
-    at 0 with the janitor and the operator has not told anyone yet. A count below `previous` is
-    a new janitor (a recreated pod of the same name, or a restarted container): its whole count
-    is new.
+    `previous` is the operator's memory, or after an operator restart the count in the unit's
+    status, so a restart does not repeat old Events. None means never reported: a unit first
+    seen reports its whole count, since its counter starts at 0 with the janitor and the
+    operator has not told anyone yet. A count below `previous` is a new janitor (a recreated pod
+    of the same name, or a restarted container): its whole count is new.
     """
-    count = current.budget_evictions
-    restarted = previous is None or count < previous
-    new = count if restarted else count - previous
+    if previous is None or count < previous:
+        return count, "since its janitor started"
+    return count - previous, "since the last report"
+
+
+def eviction_report(unit: str, previous: int | None, current: JanitorMetrics) -> str | None:
+    """The `ECEvicted` message when `unit`'s budget evictions grew since `previous` (see
+    `_growth`), else None."""
+    new, since = _growth(previous, current.budget_evictions)
     if new <= 0:
         return None
-    since = "since its janitor started" if restarted else "since the last report"
     return (
         f"unit {unit}: {new} EC entries evicted for budget {since}; the store holds "
         f"{human_bytes(current.store_bytes)} of its {human_bytes(current.budget_bytes)} budget. Consumers re-encode "
@@ -76,12 +85,35 @@ def eviction_report(unit: str, previous: int | None, current: JanitorMetrics) ->
     )
 
 
+def fallback_report(unit: str, previous: int | None, current: JanitorMetrics) -> str | None:
+    """The `ECFallbackEncodes` message when `unit`'s fallback encodes grew since `previous` (see
+    `_growth`), else None."""
+    if current.fallback_encodes is None:
+        return None
+    new, since = _growth(previous, current.fallback_encodes)
+    if new <= 0:
+        return None
+    return (
+        f"unit {unit}: {new} {'image' if new == 1 else 'images'} encoded by its consumers themselves {since}: "
+        "their embeddings were not in the EC store (vLLM falls back silently, only slower). Prime each image on "
+        "this unit's encoder before sending the request to the same unit, with the same model and processor "
+        "kwargs; the janitor's fallback_encodes log lines name the mm_hashes (docs/operations.md)"
+    )
+
+
 Key = tuple[str, str]  # (namespace, EPDDeployment name)
 Warn = Callable[[Any, str, str], None]  # (body, reason, message): posts a Warning Event
 
 
+class Counts(NamedTuple):
+    """A unit's janitor counters, as last reported."""
+
+    budget_evictions: int | None
+    fallback_encodes: int | None
+
+
 class JanitorScraper:
-    """Scrapes every running unit's janitor and remembers its budget evictions by unit.
+    """Scrapes every running unit's janitor and remembers its counters by unit.
 
     `warn` posts an Event on an EPDDeployment; `changed` is told the key of every deployment
     whose counts changed, so its status is written again.
@@ -93,11 +125,17 @@ class JanitorScraper:
         self._changed = changed
         self._port = port
         self._concurrency = concurrency
-        self._evictions: dict[Key, dict[str, int]] = {}
+        self._counts: dict[Key, dict[str, Counts]] = {}
 
     def evictions(self, key: Key) -> Mapping[str, int]:
         """Budget evictions by unit pod name, for the units of `key` scraped so far."""
-        return self._evictions.get(key, {})
+        return {unit: c.budget_evictions for unit, c in self._counts.get(key, {}).items()
+                if c.budget_evictions is not None}
+
+    def fallback_encodes(self, key: Key) -> Mapping[str, int]:
+        """Consumers' fallback encodes by unit pod name, for the units of `key` scraped so far."""
+        return {unit: c.fallback_encodes for unit, c in self._counts.get(key, {}).items()
+                if c.fallback_encodes is not None}
 
     async def run(self, interval: float, deployments: Mapping[Key, Any], unit_pods: Mapping[Key, Any]) -> None:
         """Scrape every `interval` seconds until cancelled; `deployments` and `unit_pods` are
@@ -114,9 +152,9 @@ class JanitorScraper:
 
     async def scrape(self, session: aiohttp.ClientSession, deployments: Mapping[Key, Any],
                      unit_pods: Mapping[Key, Any]) -> None:
-        """One round: scrape every running unit's janitor, warn where its budget evictions grew,
-        and report deployments whose counts changed. Janitors that do not answer keep their last
-        count; units no longer running are forgotten."""
+        """One round: scrape every running unit's janitor, warn where its budget evictions or
+        fallback encodes grew, and report deployments whose counts changed. Janitors that do not
+        answer keep their last counts; units no longer running are forgotten."""
         targets = {
             (key, pod["name"]): ip for key, pods in unit_pods.items() for pod in pods if (ip := _janitor_ip(pod))
         }
@@ -137,22 +175,27 @@ class JanitorScraper:
         for (key, unit), current in zip(targets, results, strict=True):
             if current is None:
                 continue
-            counts = self._evictions.setdefault(key, {})
+            counts = self._counts.setdefault(key, {})
             previous = counts[unit] if unit in counts else _reported(deployments, key, unit)
-            if message := eviction_report(unit, previous, current):
-                for body in deployments.get(key, []):
-                    self._warn(body, "ECEvicted", message)
-            if counts.get(unit) != current.budget_evictions:
-                counts[unit] = current.budget_evictions
+            for reason, message in (
+                ("ECEvicted", eviction_report(unit, previous.budget_evictions, current)),
+                ("ECFallbackEncodes", fallback_report(unit, previous.fallback_encodes, current)),
+            ):
+                if message:
+                    for body in deployments.get(key, []):
+                        self._warn(body, reason, message)
+            now = Counts(current.budget_evictions, current.fallback_encodes)
+            if counts.get(unit) != now:
+                counts[unit] = now
                 changed.add(key)
-        for key, counts in list(self._evictions.items()):
+        for key, counts in list(self._counts.items()):
             gone = [unit for unit in counts if (key, unit) not in targets]
             for unit in gone:
                 del counts[unit]
             if gone:
                 changed.add(key)
             if not counts:
-                del self._evictions[key]
+                del self._counts[key]
         for key in changed:
             self._changed(key)
 
@@ -164,11 +207,11 @@ def _janitor_ip(pod: dict[str, Any]) -> str | None:
     return status.get("podIP") if status.get("phase") == "Running" and has_janitor else None
 
 
-def _reported(deployments: Mapping[Key, Any], key: Key, unit: str) -> int | None:
-    """The count the status shows for `unit`: what this or an earlier operator process reported."""
+def _reported(deployments: Mapping[Key, Any], key: Key, unit: str) -> Counts:
+    """The counts the status shows for `unit`: what this or an earlier operator process reported."""
     for body in deployments.get(key, []):
         for model in body.get("status", {}).get("models") or []:
             for status in model.get("units") or []:
                 if status.get("name") == unit:
-                    return status.get("ecEvictions")
-    return None
+                    return Counts(status.get("ecEvictions"), status.get("fallbackEncodes"))
+    return Counts(None, None)
