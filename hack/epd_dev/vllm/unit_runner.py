@@ -2,7 +2,8 @@
 
 The input is the pod the operator made: read from the control plane (`UnitRunner(pod, log_dir)`),
 or built without a cluster from `render` output by `resources.pod_template`, the function the
-operator itself uses (`UnitRunner.from_manifest`). Each container's command, args and env are
+operator itself uses (`UnitRunner.from_manifest`; an encoder pool's pod, placement Pools, by
+`resources.pool_pod_template`: `UnitRunner.encoder_pool_from_manifest`). Each container's command, args and env are
 run as they are, except for what only a container runtime provides:
 
 - the image: `vllm serve <model> ...` becomes `<serving python> -m
@@ -42,7 +43,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from epd_operator.render import render
-from epd_operator.resources import pod_template
+from epd_operator.resources import pod_template, pool_name, pool_pod_template
 from epd_operator.validation import validate
 
 from . import engines, envs
@@ -81,7 +82,9 @@ class UnitRunner:
         self.sidecars = [self._engine(c) for c in init]
         main = [self._engine(c) for c in spec["containers"] if c.get("command") != JANITOR]
         self.router = next((e for e in main if e.name == "router"), None)
-        self.consumers = [e for e in main if e is not self.router]
+        # An encoder pool's pod (placement Pools) runs its encoders as plain containers.
+        self.pool_encoders = [e for e in main if e.name.startswith("encoder-")]
+        self.consumers = [e for e in main if e is not self.router and e not in self.pool_encoders]
         self.ready_after_s: dict[str, float] = {}
 
     # ------------------------------------------------------------------ construction
@@ -91,15 +94,19 @@ class UnitRunner:
                       model: str = "default", node: Node | None = None) -> "UnitRunner":
         """The unit pod the operator would create for `model` of an EPDDeployment manifest,
         without a cluster: `uid` stands for the object's uid (it names the EC store)."""
-        meta = manifest["metadata"]
-        checked = validate(manifest["spec"])
-        plans = render(checked, namespace=meta.get("namespace", "default"), name=meta["name"], uid=uid)
-        plan = next(p for p in plans if p.name == model)
+        name, spec, plan = _plan(manifest, uid, model)
         # The janitor container is not run here (see JANITOR), so its image does not matter.
-        template = pod_template(checked.spec, meta["name"], plan, operator_image="epd-operator:local")
-        pod = {"metadata": {**copy.deepcopy(template["metadata"]), "name": f"{meta['name']}-{model}-0"},
-               "spec": template["spec"]}
-        return cls(pod, log_dir, node=node)
+        template = pod_template(spec, name, plan, operator_image="epd-operator:local")
+        return cls(_pod(template, f"{name}-{model}-0"), log_dir, node=node)
+
+    @classmethod
+    def encoder_pool_from_manifest(cls, manifest: dict[str, Any], log_dir: Path, *, uid: str,
+                                   model: str = "default", node: Node | None = None) -> "UnitRunner":
+        """The first pod of the encoder pool the operator would create for `model` (placement
+        Pools), without a cluster."""
+        name, spec, plan = _plan(manifest, uid, model)
+        template = pool_pod_template(spec, name, plan)
+        return cls(_pod(template, f"{pool_name(name, model)}-0"), log_dir, node=node)
 
     def _engine(self, container: dict[str, Any]) -> engines.Engine:
         command = [*container.get("command", []), *container.get("args", [])]
@@ -148,8 +155,8 @@ class UnitRunner:
 
     @property
     def engines(self) -> list[engines.Engine]:
-        """In start order: sidecars, consumers, router."""
-        return [*self.sidecars, *self.consumers, *([self.router] if self.router else [])]
+        """In start order: sidecars, the main containers (a pool's encoders, consumers), router."""
+        return [*self.sidecars, *self.pool_encoders, *self.consumers, *([self.router] if self.router else [])]
 
     def start(self) -> "UnitRunner":
         if self.node:
@@ -159,7 +166,7 @@ class UnitRunner:
         try:
             for sidecar in self.sidecars:  # one at a time, as the kubelet starts init containers
                 self._start_and_wait([sidecar])
-            self._start_and_wait(self.consumers)
+            self._start_and_wait([*self.pool_encoders, *self.consumers])
             if self.router:
                 # The kubelet starts it with the consumers; vllm-router would then wait for them
                 # itself. After them, its start-up is not raced against two loading engines.
@@ -197,6 +204,18 @@ class UnitRunner:
         if parts.hostname != self.pod_ip:
             raise ValueError(f"{url} is not an address of pod {self.name} ({self.pod_ip})")
         return urlunsplit(parts._replace(netloc=f"{self.address}:{parts.port}"))
+
+
+def _plan(manifest: dict[str, Any], uid: str, model: str):
+    """The deployment's name, its checked spec and `model`'s plan, as the operator renders them."""
+    meta = manifest["metadata"]
+    checked = validate(manifest["spec"])
+    plans = render(checked, namespace=meta.get("namespace", "default"), name=meta["name"], uid=uid)
+    return meta["name"], checked.spec, next(p for p in plans if p.name == model)
+
+
+def _pod(template: dict[str, Any], name: str) -> dict[str, Any]:
+    return {"metadata": {**copy.deepcopy(template["metadata"]), "name": name}, "spec": template["spec"]}
 
 
 def free_port_range(count: int, start: int = 20000, stop: int = 32000) -> int:
