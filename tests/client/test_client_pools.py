@@ -94,6 +94,21 @@ async def test_prime_round_robins_over_the_pool_and_generate_carries_the_transfe
     assert peers == {e.url.removeprefix("http://") for e in encoders}
 
 
+async def test_items_without_metadata_keep_their_tensors(server) -> None:
+    """A LLaVA-like model: render gives no mm_metadata (vLLM 0.32, the tests' tiny model), and a
+    generate item with neither tensors nor metadata is a 500 in vLLM. The client sends the
+    tensors with the transfer params, and the consumer still pulls (it does not encode)."""
+    encoder, consumer = server(ec_transfer=True), server(mm_metadata=False)
+    async with EPDClient(Endpoints.from_status(pools_status([encoder.url], [consumer.url])), retry=FAST) as client:
+        result = await client.generate(chat(2), model_name="actor")
+    assert result["choices"][0]["token_ids"] == [7, 8, 9]
+    (generate,) = consumer.requests("/inference/v1/generate")
+    assert generate.body["features"]["mm_metadata"] is None
+    assert [t.startswith("tensors-") for t in generate.body["features"]["kwargs_data"]["image"]] == [True, True]
+    assert len(generate.body["ec_transfer_params"]) == 2
+    assert consumer.ec_pulls == 2 and consumer.metadata_only == 0
+
+
 async def test_prime_returns_the_transfer_params_to_send_with_render(server) -> None:
     encoder, consumer = server(ec_transfer=True), server()
     endpoints = Endpoints.from_status(pools_status([encoder.url], [consumer.url]))

@@ -14,8 +14,12 @@ need vLLM's real behaviour belong with the real engines (tests/vllm).
   {"mm_hashes": {"image": [...]}, "mm_placeholders", "kwargs_data", "mm_metadata"}, ...}``
   (the hash of an image here is the hash of its URL), with the request's
   ``ec_transfer_params`` copied in, as vLLM's render does.
+  With ``mm_metadata=False`` render answers ``mm_metadata`` null, as vLLM does for a model
+  whose items need nothing besides their embedding (LLaVA-like).
 - ``POST /inference/v1/generate``: takes the render response; refuses metadata-only items
-  (``kwargs_data`` null) without ``ec_transfer_params``, as vLLM does; counts each mm_hash
+  (``kwargs_data`` null) without ``ec_transfer_params``, as vLLM does, and answers 500 for
+  an item with neither tensors nor metadata (vLLM takes it for a processor-cache hit it does
+  not have: "P0/P1 cache drift"); counts each mm_hash
   announced in ``ec_transfer_params`` as a pull (``ec_pulls``, peers in ``pulled``), else one
   found in ``ec_store`` as a hit, else a miss (real vLLM would encode the image itself,
   silently).
@@ -63,11 +67,12 @@ class StandinServer(Served):
 
     def __init__(
         self, *, delay: float = 0.0, ec_store: set[str] | None = None, port: int = 0,
-        ec_transfer: bool = False,
+        ec_transfer: bool = False, mm_metadata: bool = True,
     ) -> None:
         self.delay = delay
         self.ec_store = ec_store if ec_store is not None else set()
         self.ec_transfer = ec_transfer
+        self.mm_metadata = mm_metadata
         self.records: list[Record] = []
         self.open_connections = 0
         self.ec_hits = 0
@@ -123,7 +128,7 @@ class StandinServer(Served):
                 answer["ec_transfer_params"] = self._announce(_image_urls(body))
             return 200, answer
         if path == "/v1/chat/completions/render":
-            return 200, _render(body)
+            return 200, _render(body, self.mm_metadata)
         if path == "/inference/v1/generate":
             return self._generate(body)
         return 404, {"error": "not found"}
@@ -146,6 +151,8 @@ class StandinServer(Served):
         items = _feature_items(features)
         if any(tensors is None and meta is not None for _h, tensors, meta in items) and not announced:
             return 400, {"error": "metadata-only multimodal items require ec_transfer_params"}
+        if any(tensors is None and meta is None for _h, tensors, meta in items):
+            return 500, {"error": {"message": "Internal server error", "type": "InternalServerError", "code": 500}}
         for h, tensors, _meta in items:
             self.metadata_only += tensors is None
             peer = announced.get(h)
@@ -210,7 +217,7 @@ def _chat_completion(body: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _render(body: dict[str, Any]) -> dict[str, Any]:
+def _render(body: dict[str, Any], mm_metadata: bool) -> dict[str, Any]:
     hashes = [mm_hash(u) for u in _image_urls(body)]
     rendered = {
         "request_id": f"render-{uuid.uuid4().hex}",
@@ -220,7 +227,7 @@ def _render(body: dict[str, Any]) -> dict[str, Any]:
             "mm_hashes": {"image": hashes},
             "mm_placeholders": {"image": [{"offset": 1 + i, "length": 1} for i in range(len(hashes))]},
             "kwargs_data": {"image": [f"tensors-{h[:8]}" for h in hashes]},
-            "mm_metadata": {"image": [f"metadata-{h[:8]}" for h in hashes]},
+            "mm_metadata": {"image": [f"metadata-{h[:8]}" for h in hashes]} if mm_metadata else None,
         }
         if hashes
         else None,
