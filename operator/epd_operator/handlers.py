@@ -90,9 +90,10 @@ async def unit_pods(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: A
     return {(namespace, labels[LABEL_DEPLOYMENT]): _pod_summary(body)}
 
 
-def _set_summary(body: kopf.Body) -> StatefulSetSummary:
+@kopf.index("statefulsets", labels=OURS)
+async def unit_sets(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[Any, Any]:
     status, spec, meta = body.status, body.spec, body.metadata
-    return StatefulSetSummary(
+    summary = StatefulSetSummary(
         name=meta.name,
         spec_hash=meta.annotations.get(ANNOTATION_SPEC_HASH),
         observed=status.get("observedGeneration") == meta.get("generation"),
@@ -101,11 +102,7 @@ def _set_summary(body: kopf.Body) -> StatefulSetSummary:
         current_revision=status.get("currentRevision"),
         update_revision=status.get("updateRevision"),
     )
-
-
-@kopf.index("statefulsets", labels=OURS)
-async def unit_sets(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[Any, Any]:
-    return {(namespace, labels[LABEL_DEPLOYMENT]): _set_summary(body)}
+    return {(namespace, labels[LABEL_DEPLOYMENT]): summary}
 
 
 @kopf.index("services", labels=OURS)
@@ -146,16 +143,15 @@ async def pod_changed(memo: kopf.Memo, namespace: str, labels: kopf.Labels, **_:
 # Children: a deleted one, or one not at the desired state of its owner's current generation,
 # queues a reconcile (which re-applies it); one that only confirms what was applied does not.
 @kopf.on.event("statefulsets", labels=OURS)
-async def set_changed(memo: kopf.Memo, type: str | None, namespace: str, labels: kopf.Labels, body: kopf.Body,
-                      meta: kopf.Meta, **_: Any) -> None:
+async def set_changed(memo: kopf.Memo, type: str | None, namespace: str, labels: kopf.Labels, meta: kopf.Meta,
+                      **_: Any) -> None:
     key = (namespace, labels[LABEL_DEPLOYMENT])
-    if type == "DELETED" or not memo.reconciler.confirms(key, "StatefulSet", meta.name,
-                                                         meta.annotations.get(ANNOTATION_SPEC_HASH)):
-        memo.reconciler.enqueue(key)
-    elif memo.reconciler.status_reads_news(key, _set_summary(body)):
-        # A rollout field changed (not only kcm's ready/available counts): a status refresh,
-        # coalesced with the pods' events.
+    if type != "DELETED" and memo.reconciler.confirms(key, "StatefulSet", meta.name,
+                                                      meta.annotations.get(ANNOTATION_SPEC_HASH)):
+        # The status reads its rollout fields: a refresh, coalesced with the pods' events.
         memo.reconciler.enqueue_after(key, memo.reconciler.settings.status_debounce_seconds)
+    else:
+        memo.reconciler.enqueue(key)
 
 
 @kopf.on.event("services", labels=OURS)

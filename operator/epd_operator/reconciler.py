@@ -85,7 +85,6 @@ class Reconciler:
         self._plans: collections.OrderedDict[tuple[Any, ...], Planned | SpecError] = collections.OrderedDict()
         self._background: set[asyncio.Task[None]] = set()
         self._written: dict[Key, str] = {}  # hash of the status last written (or found right), per key
-        self._status_sets: dict[Key, dict[str, Any]] = {}  # the StatefulSet summaries that status read
         self.scraper = JanitorScraper(warn=warn, changed=self.enqueue)
 
     # ------------------------------------------------------------------ wiring (handlers.py)
@@ -116,10 +115,6 @@ class Reconciler:
             return isinstance(planned, Planned) and digest is not None and planned.digests.get((kind, name)) == digest
         return False
 
-    def status_reads_news(self, key: Key, summary: Any) -> bool:
-        """Whether a StatefulSet's summary differs from the one the last status was computed from."""
-        return self._status_sets.get(key, {}).get(summary.name) != summary
-
     def enqueue(self, key: Key, *, urgent: bool = False) -> None:
         self._work_queue().add(key, urgent=urgent)
 
@@ -129,7 +124,6 @@ class Reconciler:
     def forget(self, key: Key) -> None:
         """The EPDDeployment is gone."""
         self._written.pop(key, None)
-        self._status_sets.pop(key, None)
         self.metrics.forget(*key)
         if self._queue is not None:
             self._queue.forget(key)
@@ -287,7 +281,6 @@ class Reconciler:
         )
         self.metrics.set_ready_units(namespace, name, sum(m["readyUnits"] for m in status["models"]))
         self._written[(namespace, name)] = _status_hash(status)
-        self._status_sets[(namespace, name)] = sets
         if _same(status, previous):
             return
         budget = _condition(status, "ECBudgetSufficient")

@@ -12,7 +12,6 @@ from epd_operator import handlers
 from epd_operator.reconciler import Indexes, Reconciler
 from epd_operator.resources import ANNOTATION_SPEC_HASH, LABEL_DEPLOYMENT
 from epd_operator.settings import Settings
-from epd_operator.status import StatefulSetSummary
 
 from .test_converge import KEY, RecordingKube, body, indexes_after
 
@@ -69,24 +68,6 @@ async def test_a_confirming_statefulset_event_refreshes_the_status_later_a_delet
     assert queued.now == [] and queued.later == [KEY]  # its rollout fields feed the status
     await child_event(reconciler, "DELETED", child(reconciler, "StatefulSet"))
     assert queued.now == [(KEY, False)]
-
-
-async def test_a_statefulset_event_that_changes_nothing_the_status_read_queues_nothing():
-    sts = copy.deepcopy(dict(child(watching(), "StatefulSet")))
-    sts["metadata"]["generation"] = 1
-    sts["status"] = {"observedGeneration": 1, "updatedReplicas": 1, "currentRevision": "r1", "updateRevision": "r1"}
-    digest = sts["metadata"]["annotations"][ANNOTATION_SPEC_HASH]
-    reconciler = Reconciler(Settings(janitor_image="epd-operator:test"), kube=RecordingKube())
-    sets = {KEY: [StatefulSetSummary(sts["metadata"]["name"], digest, True, sts["spec"]["replicas"], 1, "r1", "r1")]}
-    reconciler.watch(Indexes(deployments={KEY: [body()]}, unit_sets=sets, unit_services={}, unit_pods={}))
-    await reconciler.reconcile(body())  # the status read that summary
-    queued = Queued(reconciler)
-    sts["status"]["readyReplicas"] = 1  # kcm's counts: the status does not read them
-    await child_event(reconciler, "MODIFIED", kopf.Body(sts))
-    assert queued.now == [] and queued.later == []
-    sts["status"]["updatedReplicas"] = 0  # a rollout began
-    await child_event(reconciler, "MODIFIED", kopf.Body(copy.deepcopy(sts)))
-    assert queued.now == [] and queued.later == [KEY]
 
 
 async def test_child_events_before_the_owner_is_planned_queue_a_reconcile(reconciler):
