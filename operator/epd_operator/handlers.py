@@ -128,6 +128,8 @@ async def epd_changed(memo: kopf.Memo, type: str, namespace: str, name: str, bod
     if type == "DELETED":
         memo.reconciler.forget((namespace, name))
         return
+    if memo.reconciler.echoes_status(body):
+        return  # the echo of our own status patch
     # A spec not reconciled yet goes before status refreshes of objects already converged.
     memo.reconciler.enqueue((namespace, name),
                             urgent=body.status.get("observedGeneration") != body.metadata.get("generation"))
@@ -138,12 +140,29 @@ async def pod_changed(memo: kopf.Memo, namespace: str, labels: kopf.Labels, **_:
     memo.reconciler.enqueue_after((namespace, labels[LABEL_DEPLOYMENT]), memo.reconciler.settings.status_debounce_seconds)
 
 
+# Children: a deleted one, or one not at the desired state of its owner's current generation,
+# queues a reconcile (which re-applies it); one that only confirms what was applied does not.
 @kopf.on.event("statefulsets", labels=OURS)
+async def set_changed(memo: kopf.Memo, type: str | None, namespace: str, labels: kopf.Labels, meta: kopf.Meta,
+                      **_: Any) -> None:
+    key = (namespace, labels[LABEL_DEPLOYMENT])
+    if type != "DELETED" and memo.reconciler.confirms(key, "StatefulSet", meta.name,
+                                                      meta.annotations.get(ANNOTATION_SPEC_HASH)):
+        # The status reads its rollout fields: a refresh, coalesced with the pods' events.
+        memo.reconciler.enqueue_after(key, memo.reconciler.settings.status_debounce_seconds)
+    else:
+        memo.reconciler.enqueue(key)
+
+
 @kopf.on.event("services", labels=OURS)
 @kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=OURS)
-async def child_changed(memo: kopf.Memo, namespace: str, labels: kopf.Labels, **_: Any) -> None:
-    # Also when one was deleted: the reconcile finds it missing from the index and re-creates it.
-    memo.reconciler.enqueue((namespace, labels[LABEL_DEPLOYMENT]))
+async def child_changed(memo: kopf.Memo, type: str | None, namespace: str, labels: kopf.Labels, body: kopf.Body,
+                        meta: kopf.Meta, **_: Any) -> None:
+    key = (namespace, labels[LABEL_DEPLOYMENT])
+    # The status reads neither Services nor budgets: a confirming event has nothing to refresh.
+    if type == "DELETED" or not memo.reconciler.confirms(key, body["kind"], meta.name,
+                                                          meta.annotations.get(ANNOTATION_SPEC_HASH)):
+        memo.reconciler.enqueue(key)
 
 
 @kopf.on.probe(id="deployments")

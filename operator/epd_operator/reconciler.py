@@ -84,6 +84,7 @@ class Reconciler:
         self._queue: WorkQueue | None = None
         self._plans: collections.OrderedDict[tuple[Any, ...], Planned | SpecError] = collections.OrderedDict()
         self._background: set[asyncio.Task[None]] = set()
+        self._written: dict[Key, str] = {}  # hash of the status last written (or found right), per key
         self.scraper = JanitorScraper(warn=warn, changed=self.enqueue)
 
     # ------------------------------------------------------------------ wiring (handlers.py)
@@ -96,6 +97,24 @@ class Reconciler:
     def watch(self, indexes: Indexes) -> None:
         self._indexes = indexes  # live: they fill as watching starts
 
+    def echoes_status(self, body: Any) -> bool:
+        """An EPDDeployment event that only brings back the status this operator last wrote, for
+        a generation and labels already planned: a reconcile would find nothing to do. (A status
+        edited by someone else, a new generation or new labels is not an echo.)"""
+        key = (body.metadata.namespace, body.metadata.name)
+        status = dict(body.get("status") or {})
+        return (key in self._written and status.get("observedGeneration") == body.metadata.get("generation")
+                and isinstance(self._plans.get(_plan_key(body.metadata)), Planned)
+                and self._written[key] == _status_hash(status))
+
+    def confirms(self, key: Key, kind: str, name: str, digest: str | None) -> bool:
+        """A child at the desired state planned for its owner's current generation and labels (so
+        an event about it only confirms what was applied); False while that is not planned yet."""
+        for body in self._require_indexes().deployments.get(key, []):
+            planned = self._plans.get(_plan_key(body.metadata))
+            return isinstance(planned, Planned) and digest is not None and planned.digests.get((kind, name)) == digest
+        return False
+
     def enqueue(self, key: Key, *, urgent: bool = False) -> None:
         self._work_queue().add(key, urgent=urgent)
 
@@ -104,6 +123,7 @@ class Reconciler:
 
     def forget(self, key: Key) -> None:
         """The EPDDeployment is gone."""
+        self._written.pop(key, None)
         self.metrics.forget(*key)
         if self._queue is not None:
             self._queue.forget(key)
@@ -189,7 +209,7 @@ class Reconciler:
         (uid, generation, labels), the only things they depend on (children carry the owner's
         labels). Raises SpecError for an invalid spec."""
         metadata = body.metadata
-        key = (metadata.uid, metadata.get("generation"), tuple(sorted((metadata.labels or {}).items())))
+        key = _plan_key(metadata)
         if key in self._plans:
             self._plans.move_to_end(key)
         else:
@@ -260,6 +280,7 @@ class Reconciler:
             fallback_encodes=self.scraper.fallback_encodes((namespace, name)),
         )
         self.metrics.set_ready_units(namespace, name, sum(m["readyUnits"] for m in status["models"]))
+        self._written[(namespace, name)] = _status_hash(status)
         if _same(status, previous):
             return
         budget = _condition(status, "ECBudgetSufficient")
@@ -292,6 +313,14 @@ class Reconciler:
 
 def _ref(child: dict[str, Any]) -> tuple[str, str]:
     return child["kind"], child["metadata"]["name"]  # a unit's StatefulSet and Service share a name
+
+
+def _plan_key(metadata: Any) -> tuple[Any, ...]:
+    return metadata.uid, metadata.get("generation"), tuple(sorted((metadata.labels or {}).items()))
+
+
+def _status_hash(status: dict[str, Any]) -> str:
+    return _hash({k: v for k, v in status.items() if k != "kopf"})  # as _same: kopf's own field is not ours
 
 
 def _hash(obj: dict[str, Any]) -> str:

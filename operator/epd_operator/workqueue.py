@@ -5,6 +5,8 @@ number of workers reconcile keys, reading the latest state from the indexes.
 - A key is never reconciled by two workers at once; added while being reconciled, it is
   reconciled once more afterwards (the events may have come after its state was read).
 - A failed key is retried with exponential backoff; any success resets its count.
+- A delayed add (a status refresh after pod events, a retry) is one timer per key, at the
+  earliest time asked; none is set for a key already waiting, which will read the same state.
 - Urgent keys (an object whose spec has not been reconciled yet) go before the others (status
   refreshes after child and pod events): in a burst of new objects, creating their children
   does not wait behind the status updates of the ones created first.
@@ -35,7 +37,7 @@ class WorkQueue:
         self._dirty_urgent: set[Hashable] = set()
         self._processing: set[Hashable] = set()
         self._failures: dict[Hashable, int] = {}
-        self._timers: set[asyncio.TimerHandle] = set()
+        self._timers: dict[Hashable, asyncio.TimerHandle] = {}
         self._workers = [asyncio.create_task(self._work()) for _ in range(workers)]
 
     def add(self, key: Hashable, *, urgent: bool = False) -> None:
@@ -52,12 +54,19 @@ class WorkQueue:
         self._entries.release()
 
     def add_after(self, key: Hashable, delay: float) -> None:
-        def fire() -> None:
-            self._timers.discard(timer)
-            self.add(key)
+        if key in self._dirty:
+            return  # waiting: its next reconcile starts later, and reads the indexes then
+        loop = asyncio.get_running_loop()
+        waiting = self._timers.get(key)
+        if waiting is not None:
+            if waiting.when() <= loop.time() + delay:
+                return
+            waiting.cancel()
+        self._timers[key] = loop.call_later(delay, self._fire, key)
 
-        timer = asyncio.get_running_loop().call_later(delay, fire)
-        self._timers.add(timer)
+    def _fire(self, key: Hashable) -> None:
+        del self._timers[key]
+        self.add(key)
 
     def forget(self, key: Hashable) -> None:
         """The object is gone: drop its failure count (a queued key still runs, and finds nothing)."""
@@ -72,7 +81,7 @@ class WorkQueue:
             await asyncio.sleep(0.01)
 
     async def aclose(self) -> None:
-        for timer in self._timers:
+        for timer in self._timers.values():
             timer.cancel()
         for worker in self._workers:
             worker.cancel()

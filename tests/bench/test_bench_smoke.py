@@ -13,7 +13,7 @@ from epd_dev.bench.kit import Api
 pytestmark = pytest.mark.cluster
 
 KEYS = {"reconcile_p50_ms", "kcm_p50_ms", "reconcile_p50_ratio", "reconcile_p99_ratio", "scale_5_seconds",
-        "operator_peak_rss_mb", "idle_cpu_percent"}
+        "operator_peak_rss_mb", "idle_cpu_percent", "reconciles_per_epd"}
 
 
 @pytest.fixture

@@ -90,3 +90,45 @@ async def test_urgent_keys_go_first_and_a_waiting_key_can_be_promoted():
     await queue.join()
     assert order == ["blocker", "new-c", "status-b", "status-a"]  # each once
     await queue.aclose()
+
+
+async def test_delayed_adds_of_a_key_are_one_timer_at_the_earliest_time_asked():
+    runs: list[float] = []
+    loop = asyncio.get_running_loop()
+
+    async def reconcile(key):
+        runs.append(loop.time())
+
+    queue = WorkQueue(reconcile, workers=2)
+    start = loop.time()
+    queue.add_after("a", 0.2)
+    for _ in range(5):  # a burst of pod events
+        queue.add_after("a", 0.2)
+    queue.add_after("a", 0.05)  # an earlier one moves the timer
+    queue.add_after("a", 1.0)  # a later one is covered by it
+    await asyncio.sleep(0.3)
+    await queue.join()
+    assert len(runs) == 1 and runs[0] - start < 0.15
+    await queue.aclose()
+
+
+async def test_a_delayed_add_of_a_waiting_key_adds_nothing():
+    runs: list[str] = []
+    gate = asyncio.Event()
+
+    async def reconcile(key):
+        await gate.wait()
+        runs.append(key)
+
+    queue = WorkQueue(reconcile, workers=1)
+    queue.add("blocker")
+    await asyncio.sleep(0)
+    queue.add("a")  # waits behind "blocker"
+    queue.add_after("a", 0.01)  # its coming reconcile reads the indexes after this event anyway
+    await asyncio.sleep(0.05)
+    gate.set()
+    await queue.join()
+    await asyncio.sleep(0.05)
+    await queue.join()
+    assert runs == ["blocker", "a"]
+    await queue.aclose()

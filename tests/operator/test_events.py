@@ -1,0 +1,101 @@
+"""Which watch events queue a reconcile (handlers.py): a deleted or drifted child does; an event
+that only confirms what the operator applied or wrote does not (no cluster)."""
+
+from __future__ import annotations
+
+import copy
+
+import kopf
+import pytest
+
+from epd_operator import handlers
+from epd_operator.reconciler import Indexes, Reconciler
+from epd_operator.resources import ANNOTATION_SPEC_HASH, LABEL_DEPLOYMENT
+from epd_operator.settings import Settings
+
+from .test_converge import KEY, RecordingKube, body, indexes_after
+
+
+class Queued:
+    def __init__(self, reconciler: Reconciler) -> None:
+        self.now: list[tuple] = []
+        self.later: list[tuple] = []
+        reconciler.enqueue = lambda key, urgent=False: self.now.append((key, urgent))
+        reconciler.enqueue_after = lambda key, delay: self.later.append(key)
+
+
+def watching(api: RecordingKube | None = None) -> Reconciler:
+    """A Reconciler whose indexes hold the EPDDeployment and none of its children yet."""
+    reconciler = Reconciler(Settings(janitor_image="epd-operator:test"), kube=api or RecordingKube())
+    sets, services, budgets = indexes_after([])
+    reconciler.watch(Indexes(deployments={KEY: [body()]}, unit_sets=sets, unit_services=services, unit_pods={},
+                             unit_budgets=budgets))
+    return reconciler
+
+
+@pytest.fixture
+def reconciler() -> Reconciler:
+    return watching()
+
+
+def child(reconciler: Reconciler, kind: str, digest: str | None = None) -> kopf.Body:
+    planned = next(c for c in reconciler.desired(body(), reconciler.plan(body())) if c["kind"] == kind)
+    if digest:
+        planned["metadata"]["annotations"][ANNOTATION_SPEC_HASH] = digest
+    return kopf.Body(planned)
+
+
+async def child_event(reconciler: Reconciler, type: str, obj: kopf.Body) -> None:
+    handler = handlers.set_changed if obj["kind"] == "StatefulSet" else handlers.child_changed
+    await handler(memo=kopf.Memo(reconciler=reconciler), type=type, namespace=KEY[0],
+                  labels={LABEL_DEPLOYMENT: KEY[1]}, body=obj, meta=obj.metadata)
+
+
+@pytest.mark.parametrize("kind", ["Service", "PodDisruptionBudget"])
+async def test_a_confirming_service_or_budget_event_queues_nothing_a_deleted_or_drifted_one_does(reconciler, kind):
+    queued = Queued(reconciler)
+    await child_event(reconciler, "ADDED", child(reconciler, kind))
+    await child_event(reconciler, "MODIFIED", child(reconciler, kind))
+    assert queued.now == [] and queued.later == []
+    await child_event(reconciler, "DELETED", child(reconciler, kind))
+    await child_event(reconciler, "MODIFIED", child(reconciler, kind, digest="edited"))
+    assert queued.now == [(KEY, False), (KEY, False)]
+
+
+async def test_a_confirming_statefulset_event_refreshes_the_status_later_a_deleted_one_reconciles_now(reconciler):
+    queued = Queued(reconciler)
+    await child_event(reconciler, "MODIFIED", child(reconciler, "StatefulSet"))
+    assert queued.now == [] and queued.later == [KEY]  # its rollout fields feed the status
+    await child_event(reconciler, "DELETED", child(reconciler, "StatefulSet"))
+    assert queued.now == [(KEY, False)]
+
+
+async def test_child_events_before_the_owner_is_planned_queue_a_reconcile(reconciler):
+    planned = child(reconciler, "Service")
+    fresh = watching()
+    queued = Queued(fresh)
+    await child_event(fresh, "ADDED", planned)  # e.g. just restarted: nothing planned yet
+    assert queued.now == [(KEY, False)]
+
+
+async def test_the_echo_of_our_status_queues_nothing_an_edit_or_a_new_generation_does():
+    api = RecordingKube()
+    reconciler = watching(api)
+    await reconciler.reconcile(body())
+    queued = Queued(reconciler)
+
+    async def event(b: kopf.Body) -> None:
+        await handlers.epd_changed(memo=kopf.Memo(reconciler=reconciler), type="MODIFIED", namespace=KEY[0],
+                                   name=KEY[1], body=b)
+
+    echo = copy.deepcopy(dict(body()))
+    echo["status"] = api.statuses[-1]
+    await event(kopf.Body(echo))
+    assert queued.now == []
+    edited = copy.deepcopy(echo)
+    edited["status"]["conditions"] = []
+    await event(kopf.Body(edited))
+    newer = copy.deepcopy(echo)
+    newer["metadata"]["generation"] = 2
+    await event(kopf.Body(newer))
+    assert queued.now == [(KEY, False), (KEY, True)]
