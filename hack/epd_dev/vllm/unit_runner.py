@@ -31,7 +31,7 @@ import shutil
 import random
 import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import urlsplit, urlunsplit
 
 from epd_operator.render import render
@@ -52,11 +52,16 @@ class UnitRunner:
     (`kubectl get pod -o json`), or from `from_manifest`. Use as a context manager.
 
     `ready_timeout` bounds each engine's start: ~40 s on an idle 2-core machine, ~150 s on a
-    busy one.
+    busy one. `on_start` is called with each engine right after its process started (`make
+    demo` records the pids); `die_with_parent=False` lets the engines outlive this process.
     """
 
-    def __init__(self, pod: dict[str, Any], log_dir: Path, *, ready_timeout: float = 600.0) -> None:
+    def __init__(self, pod: dict[str, Any], log_dir: Path, *, ready_timeout: float = 600.0,
+                 die_with_parent: bool = True,
+                 on_start: Callable[[engines.Engine], None] | None = None) -> None:
         self.pod = pod
+        self.die_with_parent = die_with_parent
+        self.on_start = on_start
         self.name = pod["metadata"].get("name", "unit")
         self.pod_ip = pod.get("status", {}).get("podIP")
         self.ec_storage_path = pod["metadata"].get("annotations", {}).get(EC_STORAGE_ANNOTATION)
@@ -76,9 +81,10 @@ class UnitRunner:
 
     @classmethod
     def from_manifest(cls, manifest: dict[str, Any], log_dir: Path, *, uid: str,
-                      model: str = "default") -> "UnitRunner":
+                      model: str = "default", **options: Any) -> "UnitRunner":
         """The unit pod the operator would create for `model` of an EPDDeployment manifest,
-        without a cluster: `uid` stands for the object's uid (it names the EC store)."""
+        without a cluster: `uid` stands for the object's uid (it names the EC store). `options`
+        are the constructor's."""
         meta = manifest["metadata"]
         checked = validate(manifest["spec"])
         plans = render(checked, namespace=meta.get("namespace", "default"), name=meta["name"], uid=uid)
@@ -87,7 +93,7 @@ class UnitRunner:
         template = pod_template(checked.spec, meta["name"], plan, operator_image="epd-operator:local")
         pod = {"metadata": {**copy.deepcopy(template["metadata"]), "name": f"{meta['name']}-{model}-0"},
                "spec": template["spec"]}
-        return cls(pod, log_dir)
+        return cls(pod, log_dir, **options)
 
     def _engine(self, container: dict[str, Any]) -> engines.Engine:
         command = [*container.get("command", []), *container.get("args", [])]
@@ -107,7 +113,7 @@ class UnitRunner:
         # What the kubelet waits for: the startupProbe, else (the router) the readinessProbe.
         probe = (container.get("startupProbe") or container["readinessProbe"])["httpGet"]
         return engines.Engine(container["name"], argv, port=probe["port"], log_dir=self.log_dir,
-                              env=env, health_path=probe["path"])
+                              env=env, health_path=probe["path"], die_with_parent=self.die_with_parent)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -135,6 +141,8 @@ class UnitRunner:
     def _start_and_wait(self, group: list[engines.Engine]) -> None:
         for engine in group:
             engine.start()
+            if self.on_start:
+                self.on_start(engine)
         for engine in group:
             self.ready_after_s[engine.name] = engine.wait_healthy(self.ready_timeout)
 
