@@ -323,7 +323,8 @@ def up(root: Path, kubeconfig: Path | None = None, port_base: int = PORT_BASE) -
     began = time.monotonic()
     root.mkdir(parents=True, exist_ok=True)
     _raise_on_termination()
-    down(root, quiet=True)  # a previous demo: its engines hold the ports
+    if down(root):  # a previous demo: its engines hold the ports
+        say("stopped the previous demo")
     (root / "demo.json").write_text(json.dumps(
         {"kubeconfig": str(kubeconfig) if kubeconfig else None, "namespace": NAMESPACE}))
     try:
@@ -360,8 +361,8 @@ def up(root: Path, kubeconfig: Path | None = None, port_base: int = PORT_BASE) -
             say("interrupted: stopping everything the demo started ...")
         elif known:
             say(f"error: {exc}")
-            say("stopping everything the demo started ...")
-        down(root)
+        if down(root) and not isinstance(exc, KeyboardInterrupt):
+            say("stopped everything the demo had started")
         if isinstance(exc, KeyboardInterrupt):
             say("stopped; nothing of the demo is left running")
             return 130
@@ -379,27 +380,34 @@ def _raise_on_termination() -> None:
     signal.signal(signal.SIGHUP, interrupt)
 
 
-def down(root: Path, quiet: bool = False) -> None:
+def down(root: Path) -> list[str]:
+    """Stop and remove what `up` recorded in `root` (any process may call it); returns what it
+    stopped, each said as it goes."""
     state_file = root / "demo.json"
     state = json.loads(state_file.read_text()) if state_file.exists() else {}
     stopped = Records(root).stop_all()
-    if stopped and not quiet:
+    if stopped:
         say(f"stopped {', '.join(stopped)}")
-    if _stop_operator(root) and not quiet:
+    if _stop_operator(root):
         say("stopped the operator")
+        stopped.append("the operator")
     if state.get("kubeconfig"):
         # Not ours to stop: remove only what the demo put there.
         cluster = ExistingCluster(Path(state["kubeconfig"]))
         out = cluster.kubectl("delete", "namespace", state["namespace"], "--wait=false", "--ignore-not-found",
                               check=False)
-        if not quiet:
-            say(f"deleted namespace {state['namespace']} of {state['kubeconfig']}"
-                if out.returncode == 0 else f"could not delete namespace {state['namespace']}: {out.stderr.strip()}")
+        if out.returncode == 0 and "deleted" in out.stdout:
+            say(f"deleting namespace {state['namespace']} of {state['kubeconfig']}")
+            stopped.append(f"namespace {state['namespace']}")
+        elif out.returncode != 0:
+            say(f"could not delete namespace {state['namespace']}: {out.stderr.strip()}")
     else:
-        LocalCluster(root / "cluster").stop(quiet=quiet)
+        embedded = LocalCluster(root / "cluster")
+        if embedded.state_file.exists():
+            embedded.stop()  # says what it stopped
+            stopped.append("the control plane")
     state_file.unlink(missing_ok=True)
-    if not quiet:
-        say("demo stopped")
+    return stopped
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -415,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     root = args.dir.resolve()
     if args.action == "down":
-        down(root)
+        say("stopped the demo" if down(root) else f"no demo was running from {root}")
         return 0
     kubeconfig = args.kubeconfig.expanduser().resolve() if args.kubeconfig else None
     if kubeconfig is not None and not kubeconfig.is_file():
