@@ -140,12 +140,12 @@ def check_cache_writable(wanted: dict[str, Path]) -> None:
                 f"point the cache elsewhere: make demo EPD_CACHE=/a/writable/folder")
 
 
-def missing_caches(serve: bool) -> dict[str, Path]:
+def missing_caches(runs_engines: bool) -> dict[str, Path]:
     """What `up` would install or build, and the cache folder it goes to."""
     wanted = {}
     if binaries.missing_binaries():
         wanted["the control plane (make cluster)"] = binaries.cache_dir()
-    if serve:
+    if runs_engines:
         for name in ENVS:
             if not (envs.env_dir(name) / envs.MARKER).is_file():
                 wanted[f"the vLLM venv {name!r}"] = envs.env_dir(name)
@@ -328,9 +328,9 @@ def up(root: Path, kubeconfig: Path | None = None, port_base: int = PORT_BASE) -
     (root / "demo.json").write_text(json.dumps(
         {"kubeconfig": str(kubeconfig) if kubeconfig else None, "namespace": NAMESPACE}))
     try:
-        serve = kubeconfig is None
-        check_cache_writable(missing_caches(serve))
-        if serve:
+        runs_engines = kubeconfig is None
+        check_cache_writable(missing_caches(runs_engines))
+        if runs_engines:
             check_ports([*unit_ports(port_base), reference_port(port_base)],
                         "pick other ports: make demo DEMO_PORT=29000")
             check_memory(ENGINES)
