@@ -189,7 +189,6 @@ def word_token_ids() -> list[int]:
 
 @dataclasses.dataclass
 class Answer:
-    endpoints: Endpoints          # the unit's, reachable here
     engine_urls: dict[str, str]   # container name -> local URL (router included)
     reference_url: str
     token_ids: list[int]
@@ -288,7 +287,7 @@ async def _ask(endpoints: Endpoints, runner: UnitRunner, reference: engines.Engi
     ec_files = {h: [(f, (ec_store / h / f).stat().st_size) for f in files]
                 for h, files in ec_after.items() if h not in ec_before}
     kv_files = [(name, size) for name, size in _files(kv_store).items() if name not in kv_before]
-    return Answer(endpoints, engine_urls, reference.url, token_ids, logprobs, text, ref_ids, ref_logprobs,
+    return Answer(engine_urls, reference.url, token_ids, logprobs, text, ref_ids, ref_logprobs,
                   seconds, served, payloads.image_hashes(rendered), ec_store, ec_files, kv_files)
 
 
