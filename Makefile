@@ -9,8 +9,8 @@ PY := $(VENV)/bin/python
 .PHONY: help venv crds test test-fast demo demo-down
 
 help:
-	@echo "make demo        run the operator on the local control plane (kwok-simulated GPU nodes)"
-	@echo "make demo-down   stop the demo"
+	@echo "make demo        the operator on the local control plane, then a real multimodal request through its pod"
+	@echo "make demo-down   stop everything the demo started (engines, operator, control plane)"
 	@echo "make test        install everything needed (cached) and run every test"
 	@echo "make test-fast   the tests that need neither the cluster nor vLLM"
 	@echo "make crds        regenerate crds/ and the chart's CRD from the pydantic models"
@@ -34,8 +34,16 @@ crds: $(PY)
 	cp crds/epddeployments.epd.vime.dev.yaml charts/epd-operator/crds/
 	$(PY) -c 'from epd_operator.crd import write_api_reference; write_api_reference("docs/api.md")'
 
-demo: cluster
-	$(PY) -m epd_dev.demo up
+# An existing cluster for the operator part (its pods are then not run here): DEMO_KUBECONFIG=<file>,
+# or KUBECONFIG=<file> on make's command line. Only there: a KUBECONFIG exported in the shell
+# must not send the demo to a real cluster.
+DEMO_KUBECONFIG ?= $(if $(filter command line,$(origin KUBECONFIG)),$(KUBECONFIG))
+# The unit's router, encoder, prefill and decode listen on DEMO_PORT..+3, the reference on +11.
+DEMO_PORT ?= 28000
+
+# Not `cluster`: the demo checks first that the cache can be written, then builds what is missing.
+demo: venv
+	$(PY) -m epd_dev.demo up --port-base $(DEMO_PORT) $(if $(DEMO_KUBECONFIG),--kubeconfig $(DEMO_KUBECONFIG))
 
 demo-down: venv
 	$(PY) -m epd_dev.demo down

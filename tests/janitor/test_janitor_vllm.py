@@ -30,16 +30,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from epd_operator.ec.janitor import EMBEDDING_FILE, GRACE_SECONDS
 from epd_operator.ec.scrape import JanitorScraper
-from epd_dev.vllm import tiny_model
-from tests.vllm import payloads
+from epd_dev.vllm import payloads, tiny_model
+from epd_dev.vllm.serving import tiny_manifest
+from epd_dev.vllm.unit_runner import UnitRunner
 from tests.vllm.conftest import (  # noqa: F401 - fixtures, reused
     serving_python,
     start_unit,
-    tiny_manifest,
     tiny_model_dir,
     vllm_timings,
 )
-from epd_dev.vllm.unit_runner import UnitRunner
 from tests.helm.dashboard import ENGINE_METRICS, read_metric_names
 
 pytestmark = pytest.mark.vllm

@@ -1,7 +1,7 @@
 """Fixtures for tests against real vLLM engines on CPU (marker `vllm`).
 
 Every engine is the operator's: a test module writes a real EPDDeployment for the tiny model
-(`tiny_manifest`), gets the unit pod the operator creates (or renders), and runs it with
+(`epd_dev.vllm.serving.tiny_manifest`), gets the unit pod the operator creates (or renders), and runs it with
 unit_runner.py. Missing environments are errors, never skips: the message names the install
 command.
 """
@@ -9,52 +9,18 @@ command.
 from __future__ import annotations
 
 import contextlib
-import copy
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import pytest
 
 from epd_dev.vllm import engines, envs, tiny_model, unit_runner
-
-# What serving on CPU needs (docs/testing.md, "Serving vLLM on CPU"): every engine gets these group overrides. Encoders run
-# eager already (a role default); consumers need it too (no CUDA graphs on CPU).
-CPU_OVERRIDES = {"max_model_len": 512, "dtype": "bfloat16"}
-EAGER = {"enforce_eager": True}
+from epd_dev.vllm.serving import aggregated_manifest
 
 _timings: dict[str, float] = {}  # printed in the terminal summary
 _vllm_seconds = [0.0]             # wall time of every `vllm` test, fixtures included
-
-
-def tiny_manifest(name: str, model_dir: Path, groups: list[dict[str, Any]], **spec: Any) -> dict[str, Any]:
-    """An EPDDeployment serving the tiny model with `groups` (serverGroups, camelCase), the CPU
-    overrides merged under each group's own, and ports nothing on this machine listens on.
-
-    `spec` adds top-level spec fields (kvConnector, ...).
-    """
-    groups = copy.deepcopy(groups)
-    for group in groups:
-        eager = EAGER if group["workerType"] != "encoder" else {}
-        group["overrides"] = {**CPU_OVERRIDES, **eager, **group.get("overrides", {})}
-    # One block: router, then per engine an HTTP port, a NIXL side-channel port and (a Pools
-    # model's encoders) an ECCPUConnector side-channel port.
-    count = sum(g["numGpus"] // g.get("numGpusPerEngine", 1) for g in groups)
-    base = unit_runner.free_port_range(1 + 3 * count)
-    return {
-        "apiVersion": "epd.vime.dev/v1alpha1",
-        "kind": "EPDDeployment",
-        "metadata": {"name": name},
-        "spec": {
-            "image": "vllm/vllm-openai:v0.32.0",  # the version of the CPU build that serves here
-            "ports": {"router": base, "engineBase": base + 1, "nixlSideChannelBase": base + 1 + count,
-                      "ecSideChannelBase": base + 1 + 2 * count},
-            "models": [{"name": "default", "model": str(model_dir),
-                        "servedModelName": tiny_model.SERVED_NAME, "serverGroups": groups}],
-            **spec,
-        },
-    }
 
 
 @contextlib.contextmanager
@@ -91,9 +57,9 @@ def tiny_model_dir(serving_python: Path) -> Path:
 def aggregated(tiny_model_dir, tmp_path_factory) -> engines.Engine:
     """The reference: one engine serving the whole model, no EC config (a text-only model's
     rendered command). Session scope: every module compares against the same engine."""
-    manifest = tiny_manifest("tiny-aggregated", tiny_model_dir, [{"workerType": "regular", "numGpus": 1}])
     runner = unit_runner.UnitRunner.from_manifest(
-        manifest, tmp_path_factory.mktemp("aggregated-logs"), uid=str(uuid.uuid4()))
+        aggregated_manifest(tiny_model_dir),
+        tmp_path_factory.mktemp("aggregated-logs"), uid=str(uuid.uuid4()))
     (engine,) = runner.consumers
     assert "--ec-transfer-config" not in engine.argv
     with start_unit(runner, "aggregated engine"):

@@ -24,11 +24,11 @@ import httpx
 import pytest
 
 from epd_client import Endpoints, EPDClient, prime_encoder, vime_args
-from epd_dev.vllm import tiny_model
-from tests.vllm import payloads
-from tests.vllm.conftest import start_unit, tiny_manifest
-from tests.vllm.payloads import EMBEDDING_FILE, image_part, messages
+from epd_dev.vllm import payloads, tiny_model
+from epd_dev.vllm.payloads import EMBEDDING_FILE, image_part, messages
+from epd_dev.vllm.serving import tiny_manifest
 from epd_dev.vllm.unit_runner import UnitRunner
+from tests.vllm.conftest import start_unit
 
 pytestmark = pytest.mark.vllm
 

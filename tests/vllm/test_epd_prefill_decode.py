@@ -6,13 +6,8 @@ prompt's KV cache, the decode engine gets that KV cache and generates. vllm-rout
 (`--vllm-pd-disaggregation`, as rendered) sends each request to prefill (one token), then to
 decode.
 
-The KV connector is the only substitution, made with the group overrides the API offers: the
-rendered NixlConnector needs the `nixl` package, which the CPU serving venv does not have, so
-prefill and decode use vLLM's built-in ExampleConnector (KV blocks as safetensors files in a
-shared folder). The router is still rendered with `--kv-connector nixl`: that only decides
-which kv_transfer_params it passes along, and ExampleConnector finds the KV by the prompt's
-tokens instead. It moves whole blocks of the prompt but its last token; the CPU default block
-of 128 tokens would move nothing of these short prompts, hence `block_size: 32`.
+The KV connector is the only substitution, made with the group overrides the API offers
+(`epd_dev.vllm.serving.prefill_decode_groups` says which and why).
 """
 
 from __future__ import annotations
@@ -25,11 +20,11 @@ from pathlib import Path
 import pytest
 
 from epd_client import EPDClient, Endpoints, prime_encoder
-from epd_dev.vllm import tiny_model
-from tests.vllm import payloads
-from tests.vllm.conftest import start_unit, tiny_manifest
-from tests.vllm.payloads import image_part, messages
+from epd_dev.vllm import payloads, tiny_model
+from epd_dev.vllm.payloads import image_part, messages
+from epd_dev.vllm.serving import prefill_decode_groups, tiny_manifest
 from epd_dev.vllm.unit_runner import UnitRunner
+from tests.vllm.conftest import start_unit
 
 pytestmark = pytest.mark.vllm
 
@@ -49,14 +44,7 @@ def kv_store():
 
 @pytest.fixture(scope="module")
 def unit(tiny_model_dir, kv_store, tmp_path_factory):
-    kv = {"block_size": 32, "kv_transfer_config": {
-        "kv_connector": "ExampleConnector",
-        "kv_connector_extra_config": {"shared_storage_path": str(kv_store)}}}
-    manifest = tiny_manifest("tiny-epd-pd", tiny_model_dir, [
-        {"workerType": "encoder", "numGpus": 1},
-        {"workerType": "prefill", "numGpus": 1, "overrides": kv},
-        {"workerType": "decode", "numGpus": 1, "overrides": kv},
-    ])
+    manifest = tiny_manifest("tiny-epd-pd", tiny_model_dir, prefill_decode_groups(kv_store))
     runner = UnitRunner.from_manifest(manifest, tmp_path_factory.mktemp("pd-logs"), uid=str(uuid.uuid4()))
     with start_unit(runner, "encoder + prefill + decode + PD router (rendered)"):
         yield runner

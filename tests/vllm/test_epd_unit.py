@@ -22,12 +22,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from epd_client import EPDClient, Endpoints, ModelEndpoints, prime_encoder
+from epd_client import EPDClient, Endpoints, prime_encoder
 from epd_dev.operator_process import get_json, wait_for
-from tests.vllm import payloads
-from tests.vllm.conftest import start_unit, tiny_manifest
-from tests.vllm.payloads import EMBEDDING_FILE, image_part, messages
+from epd_dev.vllm import payloads
+from epd_dev.vllm.payloads import EMBEDDING_FILE, image_part, messages
+from epd_dev.vllm.serving import localized, tiny_manifest
 from epd_dev.vllm.unit_runner import UnitRunner
+from tests.vllm.conftest import start_unit
 
 pytestmark = [pytest.mark.vllm, pytest.mark.cluster]
 
@@ -66,18 +67,6 @@ def vllm_namespace(cluster):
     cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 
-def _localized(status: dict, runner: UnitRunner) -> Endpoints:
-    model = Endpoints.from_status(status).model(MODEL)
-    (unit,) = model.units
-    local = dataclasses.replace(
-        unit,
-        encoder_urls=tuple(map(runner.local_url, unit.encoder_urls)),
-        consumer_urls=tuple(map(runner.local_url, unit.consumer_urls)),
-        router_url=runner.local_url(unit.router_url),
-    )
-    return Endpoints((ModelEndpoints(model.name, (local,), model.served_model_name),))
-
-
 @pytest.fixture(scope="module")
 def unit(cluster, vllm_namespace, epd_operator, tiny_model_dir, tmp_path_factory):
     manifest = tiny_manifest(NAME, tiny_model_dir, [
@@ -95,7 +84,7 @@ def unit(cluster, vllm_namespace, epd_operator, tiny_model_dir, tmp_path_factory
     pod = get_json(cluster, "pod", unit_status["pod"], "-n", vllm_namespace)
     runner = UnitRunner(pod, tmp_path_factory.mktemp("unit-logs"))
     with start_unit(runner, "encoder + 2 regular + router (operator's pod)"):
-        yield RunningUnit(runner, _localized(status, runner), Path(status["models"][0]["ecStoragePath"]))
+        yield RunningUnit(runner, localized(status, runner, MODEL), Path(status["models"][0]["ecStoragePath"]))
 
 
 def test_the_operators_pod_runs_as_one_unit(unit):

@@ -30,7 +30,7 @@ import pytest
 
 from epd_dev.vllm import ec_transport_probe, engines, nodes
 from epd_dev.vllm.unit_runner import UnitRunner, free_port_range
-from tests.vllm.conftest import tiny_manifest
+from epd_dev.vllm.serving import tiny_manifest
 
 pytestmark = pytest.mark.vllm
 

@@ -1,13 +1,15 @@
-"""Start, watch and stop real vLLM engine processes in tests (standard library only).
+"""Start, watch and stop real vLLM engine processes in tests and `make demo` (standard library only).
 
 Each engine runs in its own process group (vLLM forks an engine core and workers), logs to
 a file, and is stopped as a group, so nothing outlives the test even when it fails. Should
 pytest itself be killed, every engine gets SIGTERM from the kernel (PR_SET_PDEATHSIG) and
-shuts its own children down.
+shuts its own children down. `make demo` leaves its engines running after it exits
+(`die_with_parent=False`) and stops them later from another process (`stop_recorded`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -49,11 +51,12 @@ class Engine:
 
     def __init__(self, name: str, argv: list[str], *, port: int, log_dir: Path,
                  env: dict[str, str] | None = None, health_path: str = "/health",
-                 host: str = "127.0.0.1") -> None:
+                 host: str = "127.0.0.1", die_with_parent: bool = True) -> None:
         self.name, self.argv, self.port, self.host = name, [str(a) for a in argv], port, host
         self.env = {**os.environ, **(env or {})}
         self.log_path = Path(log_dir) / f"{name}.log"
         self.health_path = health_path
+        self.die_with_parent = die_with_parent
         self.proc: subprocess.Popen | None = None
         self.started_at = 0.0
         self.ready_after_s: float | None = None
@@ -71,7 +74,8 @@ class Engine:
         # A new session makes the engine's children one process group we can kill whole.
         self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=self.env,
-                                     start_new_session=True, preexec_fn=_die_with_parent)
+                                     start_new_session=True,
+                                     preexec_fn=_die_with_parent if self.die_with_parent else None)
         log.close()
         RUNNING.append(self)
         return self
@@ -144,6 +148,57 @@ class Engine:
         except urllib.error.HTTPError as err:
             detail = err.read().decode(errors="replace")[:2000]
             raise self.fail(f"POST {path} -> {err.code}: {detail}") from None
+
+
+def start_ticks(pid: int) -> int | None:
+    """When `pid` started (clock ticks since boot, /proc/<pid>/stat field 22), None if no such
+    process: recorded with a pid, it tells the process from a later one reusing the pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])  # after the name, which may hold spaces
+
+
+def _running(pid: int) -> bool:
+    """Neither gone nor a zombie waiting for its parent (which may never reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def group_members(pgid: int) -> list[int]:
+    """Running processes of process group `pgid` (zombies left out)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry.name))
+    return members
+
+
+def stop_recorded(pid: int, ticks: int, grace: float = 20.0) -> bool:
+    """Engine.stop for an engine another process started: `pid` leads its own session, `ticks`
+    is its start_ticks. Returns False when that process is gone already (a pid reused since
+    is never signalled)."""
+    if start_ticks(pid) != ticks:
+        return False
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    deadline = time.monotonic() + 10
+    while group_members(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    _signal_group(pid, signal.SIGKILL)
+    return True
 
 
 def _wait_group_gone(pgid: int, timeout: float) -> None:

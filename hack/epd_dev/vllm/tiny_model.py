@@ -115,11 +115,18 @@ def recipe_key() -> str:
     return digest.hexdigest()[:12]
 
 
+def cached_path() -> Path:
+    """Where the model folder is cached, built or not."""
+    from . import envs
+
+    return envs.cache_root() / "models" / f"tiny-llava-{recipe_key()}"
+
+
 def tiny_model_path() -> Path:
     """The cached model folder, built with the serving venv on first use."""
     from . import envs
 
-    final = envs.cache_root() / "models" / f"tiny-llava-{recipe_key()}"
+    final = cached_path()
     if (final / envs.MARKER).is_file():
         return final
     python = envs.serving_python()  # fails loudly with the install command

@@ -39,7 +39,7 @@ import shutil
 import random
 import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import urlsplit, urlunsplit
 
 from epd_operator.render import render
@@ -62,11 +62,16 @@ class UnitRunner:
 
     `ready_timeout` bounds each engine's start: ~40 s on an idle 2-core machine, ~150 s on a
     busy one. `node`: the pod's node (module docstring); none runs it on this host as is.
+    `on_start` is called with each engine right after its process started (`make demo` records
+    the pids); `die_with_parent=False` lets the engines outlive this process.
     """
 
     def __init__(self, pod: dict[str, Any], log_dir: Path, *, ready_timeout: float = 600.0,
-                 node: Node | None = None) -> None:
+                 node: Node | None = None, die_with_parent: bool = True,
+                 on_start: Callable[[engines.Engine], None] | None = None) -> None:
         self.pod = pod
+        self.die_with_parent = die_with_parent
+        self.on_start = on_start
         self.name = pod["metadata"].get("name", "unit")
         self.pod_ip = pod.get("status", {}).get("podIP")
         self.node = node
@@ -91,22 +96,23 @@ class UnitRunner:
 
     @classmethod
     def from_manifest(cls, manifest: dict[str, Any], log_dir: Path, *, uid: str,
-                      model: str = "default", node: Node | None = None) -> "UnitRunner":
+                      model: str = "default", **options: Any) -> "UnitRunner":
         """The unit pod the operator would create for `model` of an EPDDeployment manifest,
-        without a cluster: `uid` stands for the object's uid (it names the EC store)."""
+        without a cluster: `uid` stands for the object's uid (it names the EC store). `options`
+        are the constructor's."""
         name, spec, plan = _plan(manifest, uid, model)
         # The janitor container is not run here (see JANITOR), so its image does not matter.
         template = pod_template(spec, name, plan, operator_image="epd-operator:local")
-        return cls(_pod(template, f"{name}-{model}-0"), log_dir, node=node)
+        return cls(_pod(template, f"{name}-{model}-0"), log_dir, **options)
 
     @classmethod
     def encoder_pool_from_manifest(cls, manifest: dict[str, Any], log_dir: Path, *, uid: str,
-                                   model: str = "default", node: Node | None = None) -> "UnitRunner":
+                                   model: str = "default", **options: Any) -> "UnitRunner":
         """The first pod of the encoder pool the operator would create for `model` (placement
         Pools), without a cluster."""
         name, spec, plan = _plan(manifest, uid, model)
         template = pool_pod_template(spec, name, plan)
-        return cls(_pod(template, f"{pool_name(name, model)}-0"), log_dir, node=node)
+        return cls(_pod(template, f"{pool_name(name, model)}-0"), log_dir, **options)
 
     def _engine(self, container: dict[str, Any]) -> engines.Engine:
         command = [*container.get("command", []), *container.get("args", [])]
@@ -128,7 +134,8 @@ class UnitRunner:
         if self.node:
             argv = self.node.wrap(argv)
         return engines.Engine(container["name"], argv, port=probe["port"], log_dir=self.log_dir,
-                              env=env, health_path=probe["path"], host=self.address)
+                              env=env, health_path=probe["path"], host=self.address,
+                              die_with_parent=self.die_with_parent)
 
     def _env_value(self, container: str, var: dict[str, Any]) -> str:
         if "value" in var:
@@ -179,6 +186,8 @@ class UnitRunner:
     def _start_and_wait(self, group: list[engines.Engine]) -> None:
         for engine in group:
             engine.start()
+            if self.on_start:
+                self.on_start(engine)
         for engine in group:
             self.ready_after_s[engine.name] = engine.wait_healthy(self.ready_timeout)
 

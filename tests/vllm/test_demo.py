@@ -1,0 +1,251 @@
+"""`make demo` (hack/epd_dev/demo.py, demo_serving.py).
+
+- Its REAL part, headless, on the test session's cluster, operator and aggregated engine: the
+  operator's pod for the tiny model runs here, the request's answer equals the aggregated
+  engine's, the commands it prints for a second request work, and `demo down` (another
+  process, as `make demo-down`) leaves none of the processes it started.
+- `up --kubeconfig` against the session's control plane started as an "existing" cluster: the
+  operator and the seeds there, nothing run here; `down` leaves that cluster running; Ctrl-C in
+  the middle stops what was started.
+- The checks made before anything starts: a port in use, too little memory, a cache folder this
+  user cannot write.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import pytest
+
+from epd_dev import demo
+from epd_dev.demo_serving import MAX_TOKENS, PICTURES, Records, demo_request, print_explore, serve
+from epd_dev.operator_process import OperatorProcess, get_json, wait_for
+from epd_dev.paths import REPO
+from epd_dev.vllm import engines, payloads
+from epd_dev.vllm.unit_runner import free_port_range
+
+DEMO = [sys.executable, "-m", "epd_dev.demo"]
+
+
+def run_demo(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*DEMO, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+# --------------------------------------------------------------------------- REAL, headless
+
+@pytest.fixture
+def demo_dir(tmp_path):
+    """The demo's folder; whatever a failing test leaves running there, `demo down` stops."""
+    yield tmp_path
+    run_demo("down", "--dir", str(tmp_path))
+
+
+@pytest.mark.vllm
+@pytest.mark.cluster
+def test_the_demo_serves_through_the_operators_pod_and_down_leaves_nothing(
+        cluster, namespace, epd_operator, aggregated, demo_dir, capsys):
+    port_base = free_port_range(demo.UNIT_PORTS)
+    answer = serve(cluster, demo_dir, namespace, port_base=port_base, reference=aggregated,
+                   records=Records(demo_dir))
+    printed = capsys.readouterr().out
+    recorded = json.loads((demo_dir / "serving.json").read_text())
+
+    # The answer, checked here against the aggregated engine independently of the demo's own check.
+    rendered = aggregated.post("/v1/chat/completions/render", demo_request())
+    ref_ids, ref_logprobs = payloads.output(aggregated.post("/inference/v1/generate", rendered))
+    assert len(answer.token_ids) == MAX_TOKENS and answer.token_ids == ref_ids
+    assert answer.logprobs == pytest.approx(ref_logprobs, abs=1e-3)
+    assert "identical: yes" in printed and answer.text and repr(answer.text) in printed
+    # Every stage where EPD puts it: one prime per picture on the encoder only, the PD router's two
+    # generate stages on prefill and decode; the prime's embeddings, one per picture, in the EC store.
+    assert answer.served["encoder-0"].keys() == {"/v1/chat/completions"}
+    assert answer.served["encoder-0"]["/v1/chat/completions"][0] == len(PICTURES)
+    assert answer.served["prefill-0"]["/inference/v1/generate"][0] == 1
+    assert answer.served["decode-0"]["/inference/v1/generate"][0] == 1
+    assert len(set(answer.image_hashes)) == len(PICTURES)
+    assert {h: [f for f, _ in files] for h, files in answer.ec_files.items()} == {
+        h: [payloads.EMBEDDING_FILE] for h in answer.image_hashes}
+    assert answer.kv_files, "prefill handed no KV cache to decode"
+
+    # What it prints for a second request works as printed (bash, against the running unit).
+    out = io.StringIO()
+    with redirect_stdout(out):
+        print_explore(answer, cluster, namespace, demo_dir)
+    script = "\n".join(line.strip() for line in out.getvalue().splitlines()
+                       if line.strip().startswith(("IMG=", "curl ", sys.executable)))
+    ran = subprocess.run(["bash", "-euo", "pipefail", "-c", script], capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    prime, chat, client = ran.stdout.strip().splitlines()
+    assert json.loads(chat)["choices"][0]["message"]["content"] is not None
+    assert len(json.loads(client)) == 8
+
+    # `make demo-down` from another process stops every process of every engine it started.
+    assert [e["name"] for e in recorded["engines"]] == ["encoder-0", "prefill-0", "decode-0", "router"]
+    assert all(engines.group_members(e["pid"]) for e in recorded["engines"])
+    assert all(Path(f).is_dir() for f in recorded["folders"])  # EC store, KV store
+    down = run_demo("down", "--dir", str(demo_dir))
+    assert down.returncode == 0, down.stderr
+    assert {e["name"]: engines.group_members(e["pid"]) for e in recorded["engines"]} == {
+        e["name"]: [] for e in recorded["engines"]}
+    assert not any(Path(f).exists() for f in recorded["folders"])
+    demo.check_ports(list(range(port_base, port_base + demo.UNIT_PORTS)), "")  # free again
+    assert aggregated.proc.poll() is None, "the injected reference is not the demo's to stop"
+
+
+# --------------------------------------------------------------------------- an existing cluster
+
+@pytest.fixture
+def existing_cluster(cluster, tmp_path):
+    """The session's control plane as a cluster the demo did not start, with no other operator
+    watching the demo's namespace while the test runs; whatever the test leaves, `demo down` in
+    `tmp_path` removes."""
+    running = OperatorProcess.running(cluster.kubeconfig)
+    for operator in running:
+        operator.stop()
+    try:
+        yield cluster
+    finally:
+        run_demo("down", "--dir", str(tmp_path))
+        wait_for(lambda: cluster.kubectl("get", "namespace", demo.NAMESPACE, check=False).returncode != 0,
+                 120, f"namespace {demo.NAMESPACE} to be deleted")
+        for operator in running:
+            operator.start()
+
+
+def operator_pid(root: Path) -> int:
+    return int((root / "operator.pid").read_text())
+
+
+def alive(pid: int) -> bool:
+    return bool(engines.group_members(pid))
+
+
+@pytest.mark.cluster
+def test_on_an_existing_cluster_the_demo_runs_the_operator_there_and_no_pod_here(existing_cluster, tmp_path):
+    cluster = existing_cluster
+    up = run_demo("up", "--dir", str(tmp_path), "--kubeconfig", str(cluster.kubeconfig))
+    assert up.returncode == 0, up.stdout + up.stderr
+    assert "CLUSTER  both Ready" in up.stdout and "REAL  " not in up.stdout
+    items = get_json(cluster, "epd", "-n", demo.NAMESPACE)["items"]
+    assert sorted(i["metadata"]["name"] for i in items) == ["qwen-vl-pd", "qwen-vl-regular"]
+    assert all(i["status"]["phase"] == "Ready" for i in items)
+    pid = operator_pid(tmp_path)
+    assert alive(pid) and f"--namespace {demo.NAMESPACE}" in Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+    assert not (tmp_path / "serving.json").exists() and not (tmp_path / "cluster").exists()
+
+    down = run_demo("down", "--dir", str(tmp_path))
+
+    assert down.returncode == 0, down.stderr
+    assert not alive(pid)
+    assert cluster.status()["running"], "the existing cluster is not the demo's to stop"
+    phase = get_json(cluster, "namespace", demo.NAMESPACE)
+    assert phase is None or phase["status"]["phase"] == "Terminating"
+
+
+@pytest.mark.cluster
+def test_ctrl_c_in_the_middle_stops_what_the_demo_started(existing_cluster, tmp_path):
+    proc = subprocess.Popen([*DEMO, "up", "--dir", str(tmp_path), "--kubeconfig", str(existing_cluster.kubeconfig)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    wait_for(lambda: (tmp_path / "operator.pid").exists() or proc.poll() is not None, 120, "the operator's start")
+    pid = operator_pid(tmp_path)
+    assert alive(pid)
+
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+
+    assert proc.returncode == 130, out
+    assert "interrupted: stopping everything the demo started" in out
+    assert "nothing of the demo is left running" in out
+    assert not alive(pid)
+    assert not (tmp_path / "operator.pid").exists() and not (tmp_path / "demo.json").exists()
+
+
+# --------------------------------------------------------------------------- checks before anything starts
+
+def test_a_port_in_use_is_named_with_who_holds_it():
+    with socket.socket() as sock:
+        sock.bind(("0.0.0.0", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        with pytest.raises(demo.DemoError) as err:
+            demo.check_ports([port], "pick other ports: make demo DEMO_PORT=29000")
+    message = str(err.value)
+    assert f"port {port} is in use (pid {os.getpid()}: " in message
+    assert "make demo DEMO_PORT=29000" in message
+
+
+def test_too_little_memory_says_how_much_the_engines_need(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       32000000 kB\nMemAvailable:    4194304 kB\n")
+    with pytest.raises(demo.DemoError, match=r"4 vLLM engines need about 9 GiB \(2.25 GiB each\), 4.0 GiB is available"):
+        demo.check_memory(4, meminfo)
+    meminfo.write_text("MemAvailable:   16777216 kB\n")
+    demo.check_memory(4, meminfo)  # 16 GiB: enough
+
+
+@pytest.fixture
+def open_tmp():
+    """A folder every user can reach (pytest's tmp_path is private to this user)."""
+    folder = Path(tempfile.mkdtemp(prefix="epd-demo-test-"))
+    folder.chmod(0o755)
+    yield folder
+    shutil.rmtree(folder)
+
+
+def test_a_cache_folder_this_user_cannot_write_stops_the_demo_before_anything_starts(open_tmp):
+    """`up` with an empty cache in a folder the user cannot write: a message naming the folder
+    and the fix, exit 1, and nothing started. Run as another user when the tests run as root
+    (root may write anywhere)."""
+    cache, root = open_tmp / "cache", open_tmp / "demo"
+    cache.mkdir()
+    root.mkdir()
+    cache.chmod(0o755)
+    root.chmod(0o777)  # the demo's own folder stays writable
+    code, out = _as_another_user(lambda: demo.main(["up", "--dir", str(root)]), {"EPD_CACHE": str(cache)}, cache)
+    assert code == 1, out
+    assert re.search(rf"must be installed into {re.escape(str(cache))}/\S+, but {re.escape(str(cache))} is not a "
+                     "folder you can write", out), out
+    assert "point the cache elsewhere: make demo EPD_CACHE=" in out
+    assert not (root / "serving.json").exists() and not (root / "operator.pid").exists()
+    assert list(cache.iterdir()) == []
+
+
+def _as_another_user(call, env: dict[str, str], cache: Path) -> tuple[int, str]:
+    """`call()`'s return code and output, run with `env` by a user who cannot write `cache`: a
+    forked child that drops to nobody when this is root, else this user with `cache` read-only."""
+    if os.getuid() != 0:
+        cache.chmod(0o555)
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child reports through the pipe
+        os.close(read)
+        output = io.StringIO()
+        code = 99
+        try:
+            if os.getuid() == 0:
+                os.setgid(65534)
+                os.setuid(65534)
+            os.environ.update(env)
+            with redirect_stdout(output):
+                code = call()
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+            output.write(f"\n{type(exc).__name__}: {exc}")
+        finally:
+            os.write(write, json.dumps([code, output.getvalue()]).encode())
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        code, out = json.loads(pipe.read())
+    os.waitpid(child, 0)
+    return code, out
