@@ -155,14 +155,22 @@ def test_on_an_existing_cluster_the_demo_runs_the_operator_there_and_no_pod_here
 
 @pytest.mark.cluster
 def test_ctrl_c_in_the_middle_stops_what_the_demo_started(existing_cluster, tmp_path):
-    proc = subprocess.Popen([*DEMO, "up", "--dir", str(tmp_path), "--kubeconfig", str(existing_cluster.kubeconfig)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
-    wait_for(lambda: (tmp_path / "operator.pid").exists() or proc.poll() is not None, 120, "the operator's start")
-    pid = operator_pid(tmp_path)
-    assert alive(pid)
+    # Nodes cordoned: the demo's deployments cannot become Ready, so it is still waiting for them
+    # when interrupted (on a quiet machine the whole existing-cluster run takes two seconds).
+    nodes = [f"node/{n}" for n in existing_cluster.node_names]
+    existing_cluster.kubectl("cordon", *nodes)
+    try:
+        proc = subprocess.Popen([*DEMO, "up", "--dir", str(tmp_path), "--kubeconfig",
+                                 str(existing_cluster.kubeconfig)],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+        wait_for(lambda: (tmp_path / "operator.pid").exists() or proc.poll() is not None, 120, "the operator's start")
+        pid = operator_pid(tmp_path)
+        assert alive(pid)
 
-    proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=120)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        existing_cluster.kubectl("uncordon", *nodes)
 
     assert proc.returncode == 130, out
     assert "interrupted: stopping everything the demo started" in out
