@@ -160,9 +160,12 @@ def test_ctrl_c_in_the_middle_stops_what_the_demo_started(existing_cluster, tmp_
     nodes = [f"node/{n}" for n in existing_cluster.node_names]
     existing_cluster.kubectl("cordon", *nodes)
     try:
+        # A shell's background jobs inherit SIGINT ignored (and Python then installs no handler):
+        # give the demo the disposition a terminal's Ctrl-C meets.
         proc = subprocess.Popen([*DEMO, "up", "--dir", str(tmp_path), "--kubeconfig",
                                  str(existing_cluster.kubeconfig)],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         wait_for(lambda: (tmp_path / "operator.pid").exists() or proc.poll() is not None, 120, "the operator's start")
         pid = operator_pid(tmp_path)
         assert alive(pid)
