@@ -13,7 +13,9 @@ from epd_dev.bench.kit import Api
 pytestmark = pytest.mark.cluster
 
 KEYS = {"reconcile_p50_ms", "kcm_p50_ms", "reconcile_p50_ratio", "reconcile_p99_ratio", "scale_5_seconds",
-        "operator_peak_rss_mb", "idle_cpu_percent", "reconciles_per_epd"}
+        "scale_3_seconds", "operator_peak_rss_mb", "operator_peak_rss_mb_5", "idle_cpu_percent",
+        "reconciles_per_epd", "reconciles_per_epd_to_idle", "rss_mb_slope_kb_per_epd", "floor_5_seconds",
+        "scale_5_over_floor"}
 
 
 @pytest.fixture
@@ -24,12 +26,14 @@ def api(cluster):
 
 
 def test_benchmark_reports_every_key(cluster, api, bench_operator, capsys):
-    results = benchmark(cluster, api, bench_operator, sizes=[5], scale=5, idle_seconds=2)
+    results = benchmark(cluster, api, bench_operator, sizes=[5], scales=[3, 5], idle_seconds=2,
+                        floor=True)
     report(results)
     lines = capsys.readouterr().out.splitlines()
     values = dict(line.split("=", 1) for line in lines if "=" in line and " " not in line)
     assert KEYS <= values.keys(), lines[-20:]
-    assert all(float(values[key]) > 0 for key in KEYS - {"idle_cpu_percent"}), values
+    assert all(float(values[key]) > 0 for key in KEYS - {"idle_cpu_percent", "rss_mb_slope_kb_per_epd"}), values
+    assert any(line.startswith("  | APPLY | statefulsets |") for line in lines), lines  # the API server's metrics
     assert list(values) == [line.split("=", 1)[0] for line in lines[-len(values):]]  # the last lines
 
 

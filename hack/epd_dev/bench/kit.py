@@ -59,10 +59,10 @@ def runtime_python() -> Path:
     return python
 
 
-def start_cluster(folder: Path, nodes: int) -> LocalCluster:
+def start_cluster(folder: Path, nodes: int, gpus_per_node: int = GPUS_PER_NODE) -> LocalCluster:
     cluster = LocalCluster(folder, nodes=nodes, die_with_parent=True, log=lambda m: log(f"cluster: {m}"))
     cluster.start()
-    set_node_gpus(cluster, GPUS_PER_NODE)
+    set_node_gpus(cluster, gpus_per_node)
     install_crd(cluster)
     return cluster
 
@@ -134,16 +134,19 @@ def create_namespace(cluster: LocalCluster, api: Api, name: str) -> str:
 
 @contextlib.contextmanager
 def session(folder: Path, nodes: int, *, operator_python: Path | None = None,
-            operator_src: Path | None = None) -> Iterator[tuple[LocalCluster, Api, OperatorProcess]]:
+            operator_src: Path | None = None, gpus_per_node: int = GPUS_PER_NODE,
+            ) -> Iterator[tuple[LocalCluster, Api, OperatorProcess]]:
     """A started cluster (GPU nodes, the CRD), its admin API and a started operator, all
     stopped at the end. The operator runs from `operator_src` (default: this clone's) and
     without the janitor scrape loop: kwok pods have no janitor, so it would only add noise."""
-    cluster = start_cluster(folder, nodes)
+    cluster = start_cluster(folder, nodes, gpus_per_node)
     api = Api(cluster)
     env = {"PYTHONPATH": str(operator_src.resolve())} if operator_src else None
     operator = OperatorProcess(cluster.kubeconfig, folder / "operator", env=env,
                                python=operator_python or sys.executable,
-                               extra_args=["--all-namespaces", "--janitor-scrape-interval", "0"])
+                               # An image name of its own: a source tree has no installed version to name it by.
+                               extra_args=["--all-namespaces", "--janitor-scrape-interval", "0",
+                                           "--janitor-image", "epd-operator:bench"])
     try:
         operator.start()
         yield cluster, api, operator

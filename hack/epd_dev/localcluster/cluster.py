@@ -202,6 +202,11 @@ class LocalCluster:
         return f"https://127.0.0.1:{port}"
 
     @property
+    def pids(self) -> dict[str, int]:
+        """Process id of each component this process started (benchmarks read their CPU time)."""
+        return {name: proc.pid for name, proc in self._procs.items()}
+
+    @property
     def node_names(self) -> list[str]:
         return [f"kwok-node-{i}" for i in range(self.nodes)]
 
