@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 
@@ -49,12 +50,24 @@ def run(
     reconciler = Reconciler(settings)
     if metrics_port:
         reconciler.metrics.serve(metrics_port)
-    kopf.run(
-        clusterwide=all_namespaces,
-        namespaces=namespaces,
-        standalone=standalone or not peering,
-        peering_name=peering,
-        priority=random.randrange(1, 2**31) if priority == "random" else int(priority),
-        liveness_endpoint=liveness or None,
-        memo=kopf.Memo(reconciler=reconciler),  # every handler reaches it as memo.reconciler
-    )
+    with event_loop() as runner:
+        kopf.run(
+            loop=runner.get_loop(),
+            clusterwide=all_namespaces,
+            namespaces=namespaces,
+            standalone=standalone or not peering,
+            peering_name=peering,
+            priority=random.randrange(1, 2**31) if priority == "random" else int(priority),
+            liveness_endpoint=liveness or None,
+            memo=kopf.Memo(reconciler=reconciler),  # every handler reaches it as memo.reconciler
+        )
+
+
+def event_loop() -> asyncio.Runner:
+    """uvloop's event loop where installed (a dependency on Linux), as `kopf run` picks it:
+    every watch event and API call passes through the loop (docs/performance.md)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.Runner()
+    return asyncio.Runner(loop_factory=uvloop.new_event_loop)
