@@ -826,12 +826,15 @@ def warm_up(cluster: LocalCluster, api: Api) -> str:
 def benchmark(cluster: LocalCluster, api: Api, operator: OperatorProcess, *, sizes: list[int],
               scales: list[int], repeat: int = 1, idle_seconds: float = 30, profile_dir: Path | None = None,
               restart_kcm: Callable[[tuple[str, ...]], object] | None = None,
-              scale_kcm_raised: bool = False, scale_timeout: float = 600, floor: bool = False) -> Results:
+              scale_kcm_raised: bool = False, scale_timeout: float = 600, floor: bool = False,
+              cleanup: bool = True) -> Results:
     """Every measurement, on a running cluster with the CRD and a running operator. With
     ``restart_kcm(extra_args)`` the latency runs are repeated with kcm's client limit raised
     (and, with ``scale_kcm_raised``, the scale runs too). Each scale run, ``repeat`` times per
     size, gets a fresh operator process (its own peak RSS and CPU) and a namespace of its own.
-    With ``floor``, each size is also written once by the stand-in of ``write_like_the_operator``."""
+    With ``floor``, each size is also written once by the stand-in of ``write_like_the_operator``.
+    ``cleanup=False`` leaves the last run's objects (the caller drops the cluster: deleting
+    5,000 EPDDeployments and their children takes the garbage collector 15 minutes and more)."""
     results = Results(machine=machine())
     used = [warm_up(cluster, api)]
     used += run_latency(cluster, api, operator, sizes, KCM_DEFAULT, results)
@@ -869,7 +872,7 @@ def benchmark(cluster: LocalCluster, api: Api, operator: OperatorProcess, *, siz
             results.floors[n] = measure_floor(cluster, api, used[0], n, timeout=scale_timeout)
             log(f"  converged {results.floors[n]:.1f} s")
             operator.start()
-    if scales:
+    if scales and cleanup:
         delete_namespaces(cluster, api, used, timeout=max(600, scales[-1] * 0.5))
         check_alive(operator)  # deleting many at once is a load of its own
     results.machine += f"; load average at the end {os.getloadavg()[0]:.1f}"
@@ -910,7 +913,7 @@ def main(argv: list[str] | None = None) -> int:
         results = benchmark(cluster, api, operator, sizes=args.sizes, scales=args.scale, repeat=args.repeat,
                             idle_seconds=args.idle_seconds, profile_dir=args.profile,
                             scale_kcm_raised=args.scale_kcm_raised, scale_timeout=args.scale_timeout,
-                            floor=args.floor,
+                            floor=args.floor, cleanup=False,
                             restart_kcm=None if args.no_kcm_raised else
                             lambda extra: cluster.restart("kube-controller-manager", extra))
     report(results)
