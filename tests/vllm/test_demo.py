@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -20,9 +21,11 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from contextlib import redirect_stdout
 from pathlib import Path
 
@@ -237,6 +240,28 @@ def _as_another_user(call, env: dict[str, str], cache: Path) -> tuple[int, str]:
     forked child that drops to nobody when this is root, else this user with `cache` read-only."""
     if os.getuid() != 0:
         cache.chmod(0o555)
+    with _searchable_by_others(REPO):
+        return _in_child(call, env)
+
+
+@contextlib.contextmanager
+def _searchable_by_others(path: Path) -> Iterator[None]:
+    """The other user must read the repository (the demo hashes hack/go for a cache key): a
+    clone inside a private folder (mktemp -d makes 0700) gets o+x on that folder meanwhile."""
+    changed = []
+    for folder in [path, *path.parents]:
+        mode = stat.S_IMODE(folder.stat().st_mode)
+        if os.getuid() == 0 and not mode & stat.S_IXOTH:
+            folder.chmod(mode | stat.S_IXOTH)
+            changed.append((folder, mode))
+    try:
+        yield
+    finally:
+        for folder, mode in changed:
+            folder.chmod(mode)
+
+
+def _in_child(call, env: dict[str, str]) -> tuple[int, str]:
     read, write = os.pipe()
     child = os.fork()
     if child == 0:  # pragma: no cover - the child reports through the pipe
