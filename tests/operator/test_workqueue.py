@@ -7,7 +7,9 @@ import asyncio
 from epd_operator.workqueue import WorkQueue
 
 
-async def test_a_key_added_many_times_while_waiting_is_reconciled_once():
+async def blocked_queue() -> tuple[WorkQueue, list[str], asyncio.Event]:
+    """A one-worker queue whose worker holds "blocker" until `gate` is set, so that keys added
+    meanwhile wait; and the keys reconciled, in order."""
     seen: list[str] = []
     gate = asyncio.Event()
 
@@ -18,6 +20,11 @@ async def test_a_key_added_many_times_while_waiting_is_reconciled_once():
     queue = WorkQueue(reconcile, workers=1)
     queue.add("blocker")
     await asyncio.sleep(0)  # the worker takes "blocker" and waits
+    return queue, seen, gate
+
+
+async def test_a_key_added_many_times_while_waiting_is_reconciled_once():
+    queue, seen, gate = await blocked_queue()
     for _ in range(5):
         queue.add("a")
     queue.add("b")
@@ -71,17 +78,7 @@ async def test_a_failing_key_is_retried_with_backoff_until_it_succeeds():
 
 
 async def test_urgent_keys_go_first_and_a_waiting_key_can_be_promoted():
-    order: list[str] = []
-    gate = asyncio.Event()
-
-    async def reconcile(key):
-        if key == "blocker":
-            await gate.wait()
-        order.append(key)
-
-    queue = WorkQueue(reconcile, workers=1)
-    queue.add("blocker")
-    await asyncio.sleep(0)
+    queue, order, gate = await blocked_queue()
     queue.add("status-a")
     queue.add("status-b")
     queue.add("new-c", urgent=True)
@@ -113,16 +110,7 @@ async def test_delayed_adds_of_a_key_are_one_timer_at_the_earliest_time_asked():
 
 
 async def test_a_delayed_add_of_a_waiting_key_adds_nothing():
-    runs: list[str] = []
-    gate = asyncio.Event()
-
-    async def reconcile(key):
-        await gate.wait()
-        runs.append(key)
-
-    queue = WorkQueue(reconcile, workers=1)
-    queue.add("blocker")
-    await asyncio.sleep(0)
+    queue, runs, gate = await blocked_queue()
     queue.add("a")  # waits behind "blocker"
     queue.add_after("a", 0.01)  # its coming reconcile reads the indexes after this event anyway
     await asyncio.sleep(0.05)
