@@ -62,9 +62,8 @@ import httpx
 import kopf
 import yaml
 from epd_operator.kube import Kube
-from epd_operator.render import render
-from epd_operator.resources import desired_children
-from epd_operator.validation import validate
+from epd_operator.reconciler import Reconciler
+from epd_operator.settings import Settings
 
 from ..localcluster import LocalCluster
 from ..operator_process import OperatorProcess
@@ -502,7 +501,7 @@ def measure_scale(cluster: LocalCluster, api: Api, operator: OperatorProcess, na
     before, requests_before = reconcile_stats(operator), apiserver_requests(api)
     with watching(cluster, *streams) as watches:
         with py_spy(pid, profile_dir, f"scale-{n}") as profile:
-            cpu0, began = cpu_seconds(pid), time.monotonic()
+            began = time.monotonic()
             cpu_before = {name: cpu_seconds(p) for name, p in processes.items()}
             took = create_all(api, namespace, [epd_manifest(name) for name in names])
             rec.wait(lambda: len(rec.times["converged"]) == n, timeout, f"{n} EPDDeployments converged", watches,
@@ -510,7 +509,7 @@ def measure_scale(cluster: LocalCluster, api: Api, operator: OperatorProcess, na
             at_converged = reconcile_stats(operator)
             cpu_converged = {name: cpu_seconds(p) - cpu_before[name] for name, p in processes.items()}
             stuck = settle(rec, names, "ready", timeout, watches)
-            cpu = cpu_seconds(pid) - cpu0
+            cpu = cpu_seconds(pid) - cpu_before["epd-operator"]
             requests = request_delta(requests_before, apiserver_requests(api))
         rec.wait(lambda: time.monotonic() - seen["last"] > 5, timeout, "5 s without an event", watches)
         quiet = seen["last"] - began
@@ -536,13 +535,15 @@ async def write_like_the_operator(cluster: LocalCluster, namespace: str, documen
                                   *, creators: int = 8, workers: int = 16) -> None:
     """A STAND-IN for the operator, to measure the floor: the API server's share of convergence.
     POSTs the EPDDeployments (8 at a time, as ``create_all``) and, for each as soon as its POST
-    returns, makes exactly the operator's writes through its own client (``Kube``): the
-    children rendered by the operator's core, server-side applied in parallel, then a status for
-    the generation; ``workers`` at a time, as the operator's queue. No watch, no kopf, no index."""
+    returns, makes the operator's writes through its own client (``Kube``): the children its
+    Reconciler plans (spec-hash annotations included), server-side applied in parallel, then a
+    status patch for the generation (only observedGeneration: the least such a write can be);
+    ``workers`` at a time, as the operator's queue. No watch, no kopf event handling, no index."""
     connection = kopf.ConnectionInfo(server=cluster.server, ca_path=cluster.pki / "ca.crt",
                                      certificate_path=cluster.pki / "admin.crt",
                                      private_key_path=cluster.pki / "admin.key")
     kube = Kube(connection)
+    reconciler = Reconciler(Settings(janitor_image="epd-operator:bench"), kube=kube)
     created, controlled = asyncio.Semaphore(creators), asyncio.Semaphore(workers)
     path = f"{cluster.server}{EPD_PATH}/namespaces/{namespace}/epddeployments"
     context = tls_context(cluster)
@@ -553,12 +554,10 @@ async def write_like_the_operator(cluster: LocalCluster, namespace: str, documen
                 response.raise_for_status()
                 body = await response.json()
             async with controlled:
-                metadata = body["metadata"]
-                checked = validate(body["spec"])
-                plans = render(checked, namespace=namespace, name=metadata["name"], uid=metadata["uid"])
-                children = desired_children(checked.spec, metadata["name"], plans, "epd-operator:bench")
-                kopf.adopt(children, owner=body)
+                owner = kopf.Body(body)
+                children = reconciler.desired(owner, reconciler.plan(owner))
                 await asyncio.gather(*(kube.apply(child) for child in children))
+                metadata = body["metadata"]
                 await kube.patch_status(namespace, metadata["name"], {"observedGeneration": metadata["generation"]})
 
         try:
