@@ -11,7 +11,7 @@ from typing import Any
 import kopf
 
 from . import api
-from .reconciler import Indexes
+from .reconciler import IndexedDeployment, Indexes
 from .resources import ANNOTATION_SPEC_HASH, FIELD_MANAGER, LABEL_DEPLOYMENT, LABEL_MANAGED_BY
 from .status import REVISION_LABEL, StatefulSetSummary
 
@@ -60,7 +60,6 @@ async def close(memo: kopf.Memo, **_: Any) -> None:
 # container specs) and kubectl's last-applied copy of every spec would dominate memory at scale.
 _POD_CONDITION_FIELDS = ("type", "status", "reason", "message")
 _CONTAINER_FIELDS = ("name", "ready", "started")
-_EPD_METADATA_FIELDS = ("name", "namespace", "uid", "generation", "labels", "deletionTimestamp")
 
 
 def _pod_summary(body: kopf.Body) -> dict[str, Any]:
@@ -117,10 +116,7 @@ async def unit_budgets(namespace: str, labels: kopf.Labels, meta: kopf.Meta, **_
 
 @kopf.index(*EPD)
 async def deployments(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
-    metadata = {f: body.metadata[f] for f in _EPD_METADATA_FIELDS if f in body.metadata}
-    trimmed = {"apiVersion": body["apiVersion"], "kind": body["kind"], "metadata": metadata,
-               "spec": body.get("spec", {}), "status": body.get("status", {})}
-    return {(namespace, name): kopf.Body(trimmed)}
+    return {(namespace, name): IndexedDeployment.of(body)}
 
 
 @kopf.on.event(*EPD)

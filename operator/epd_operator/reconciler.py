@@ -18,7 +18,7 @@ import hashlib
 import json
 import time
 from collections.abc import Callable, Coroutine, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import kopf
 
@@ -47,11 +47,41 @@ def post_normal(body: Any, reason: str, message: str) -> None:
     kopf.event(body, type="Normal", reason=reason, message=message)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class IndexedDeployment:
+    """What the deployments index keeps of an EPDDeployment: the fields Events and the plan
+    cache read, and its spec and status as JSON text, decoded when a reconcile needs them. (The
+    decoded trees, each key a string of its own, were the operator's largest memory per object.)"""
+
+    reference: kopf.Body  # apiVersion, kind and the metadata fields handlers.py keeps
+    spec_json: str
+    status_json: str
+
+    METADATA_FIELDS: ClassVar[tuple[str, ...]] = ("name", "namespace", "uid", "generation", "labels", "deletionTimestamp")
+
+    @classmethod
+    def of(cls, body: Mapping[str, Any]) -> IndexedDeployment:
+        metadata = body["metadata"]
+        reference = {"apiVersion": body["apiVersion"], "kind": body["kind"],
+                     "metadata": {f: metadata[f] for f in cls.METADATA_FIELDS if f in metadata}}
+        return cls(kopf.Body(reference), _compact(body.get("spec", {})), _compact(body.get("status", {})))
+
+    @property
+    def metadata(self) -> kopf.Meta:
+        return self.reference.metadata
+
+    def status(self) -> dict[str, Any]:
+        return json.loads(self.status_json)  # type: ignore[no-any-return]
+
+    def body(self) -> kopf.Body:
+        return kopf.Body({**self.reference, "spec": json.loads(self.spec_json), "status": self.status()})
+
+
 @dataclasses.dataclass(frozen=True)
 class Indexes:
     """kopf's live indexes, each keyed by (namespace, EPDDeployment name); see handlers.py."""
 
-    deployments: Mapping[Key, Any]  # slim EPDDeployment bodies
+    deployments: Mapping[Key, Any]  # an IndexedDeployment of each EPDDeployment
     unit_sets: Mapping[Key, Any]  # a StatefulSetSummary of each StatefulSet
     unit_services: Mapping[Key, Any]  # (name, spec hash) of each Service
     unit_pods: Mapping[Key, Any]  # slim pod summaries
@@ -110,8 +140,8 @@ class Reconciler:
     def confirms(self, key: Key, kind: str, name: str, digest: str | None) -> bool:
         """A child at the desired state planned for its owner's current generation and labels (so
         an event about it only confirms what was applied); False while that is not planned yet."""
-        for body in self._require_indexes().deployments.get(key, []):
-            planned = self._plans.get(_plan_key(body.metadata))
+        for indexed in self._require_indexes().deployments.get(key, []):
+            planned = self._plans.get(_plan_key(indexed.metadata))
             return isinstance(planned, Planned) and digest is not None and planned.digests.get((kind, name)) == digest
         return False
 
@@ -173,7 +203,8 @@ class Reconciler:
     # ------------------------------------------------------------------ reconcile
 
     async def _reconcile_key(self, key: Key) -> None:
-        for body in self._require_indexes().deployments.get(key, []):  # the latest state; none if deleted
+        for indexed in self._require_indexes().deployments.get(key, []):  # the latest state; none if deleted
+            body = indexed.body()
             try:
                 await self.reconcile(body)
             except KubeError as error:
@@ -317,6 +348,10 @@ def _ref(child: dict[str, Any]) -> tuple[str, str]:
 
 def _plan_key(metadata: Any) -> tuple[Any, ...]:
     return metadata.uid, metadata.get("generation"), tuple(sorted((metadata.labels or {}).items()))
+
+
+def _compact(document: Any) -> str:
+    return json.dumps(document, separators=(",", ":"))
 
 
 def _status_hash(status: dict[str, Any]) -> str:

@@ -14,7 +14,7 @@ import yaml
 from epd_dev.paths import REPO
 from epd_operator.ec.scrape import JanitorMetrics, JanitorScraper, eviction_report, fallback_report, parse_metrics
 from epd_operator.ec.janitor import scan_store
-from epd_operator.reconciler import Indexes, Reconciler
+from epd_operator.reconciler import IndexedDeployment, Indexes, Reconciler
 from epd_operator.settings import Settings
 
 from .store import miss, new_store, publish
@@ -122,7 +122,7 @@ async def _scrape(reported: dict, pods: list[dict], deployments: dict) -> None:
 
 
 async def test_the_operator_warns_and_rewrites_the_status_when_evictions_grow(reported):
-    deployments = {KEY: [kopf.Body({"metadata": {"namespace": "ns", "name": "d"}, "status": {}})]}
+    deployments = {KEY: [_indexed({})]}
     # 192.0.2.1 (TEST-NET-1) never answers, like kwok's simulated pods: skipped without error.
     pods = [_pod(UNIT, "127.0.0.1"), _pod("d-default-1", "192.0.2.1")]
     await _scrape(reported, pods, deployments)
@@ -146,7 +146,7 @@ async def test_the_operator_warns_and_rewrites_the_status_when_evictions_grow(re
 
 async def test_after_an_operator_restart_the_status_is_the_baseline(reported):
     status = {"models": [{"name": "default", "units": [{"name": UNIT, "ecEvictions": 4, "fallbackEncodes": 1}]}]}
-    deployments = {KEY: [kopf.Body({"metadata": {"namespace": "ns", "name": "d"}, "status": status})]}
+    deployments = {KEY: [_indexed(status)]}
     await _scrape(reported, [_pod(UNIT, "127.0.0.1")], deployments)
     assert reported["events"] == []  # already reported by the previous process
     assert reported["scraper"].evictions(KEY) == {UNIT: 4}
@@ -156,9 +156,14 @@ async def test_after_an_operator_restart_the_status_is_the_baseline(reported):
 async def test_a_status_written_before_fallbacks_were_counted_reports_them_once(reported):
     """An operator upgraded from a version without the count: the status has ecEvictions only."""
     status = {"models": [{"name": "default", "units": [{"name": UNIT, "ecEvictions": 4}]}]}
-    deployments = {KEY: [kopf.Body({"metadata": {"namespace": "ns", "name": "d"}, "status": status})]}
+    deployments = {KEY: [_indexed(status)]}
     await _scrape(reported, [_pod(UNIT, "127.0.0.1")], deployments)
     assert [reason for reason, _ in reported["events"]] == ["ECFallbackEncodes"]
+
+
+def _indexed(status: dict) -> IndexedDeployment:
+    return IndexedDeployment.of({"apiVersion": "epd.vime.dev/v1alpha1", "kind": "EPDDeployment",
+                                 "metadata": {"namespace": "ns", "name": "d"}, "status": status})
 
 
 async def test_the_counts_reach_the_status_the_reconciler_writes(janitor):
@@ -178,9 +183,9 @@ async def test_the_counts_reach_the_status_the_reconciler_writes(janitor):
     reconciler = Reconciler(Settings(janitor_image="epd-operator:test"), kube=Kube(), warn=lambda *_: None)
     reconciler.scraper = JanitorScraper(warn=lambda *_: None, changed=lambda _key: None, port=port)
     pods = {key: [_pod(unit, "127.0.0.1")]}
-    reconciler.watch(Indexes(deployments={key: [body]}, unit_sets={}, unit_services={}, unit_pods=pods))
+    reconciler.watch(Indexes(deployments={key: [IndexedDeployment.of(body)]}, unit_sets={}, unit_services={}, unit_pods=pods))
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3, connect=1)) as session:
-        await reconciler.scraper.scrape(session, {key: [body]}, pods)
+        await reconciler.scraper.scrape(session, {key: [IndexedDeployment.of(body)]}, pods)
     await reconciler.write_status(body, reconciler.plan(body))
 
     (status,) = patched

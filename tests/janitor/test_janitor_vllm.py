@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from epd_operator.ec.janitor import EMBEDDING_FILE, GRACE_SECONDS
 from epd_operator.ec.scrape import JanitorScraper
+from epd_operator.reconciler import IndexedDeployment
 from epd_dev.vllm import payloads, tiny_model
 from epd_dev.vllm.serving import tiny_manifest
 from epd_dev.vllm.unit_runner import UnitRunner
@@ -179,7 +180,9 @@ def test_a_request_whose_image_was_not_primed_counts_one_fallback_encode_and_a_p
 
     async def scrape_once():
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3, connect=1)) as session:
-            await scraper.scrape(session, {("ns", "janitor"): [{}]}, {("ns", "janitor"): [pod]})
+            deployment = IndexedDeployment.of({"apiVersion": "epd.vime.dev/v1alpha1", "kind": "EPDDeployment",
+                                               "metadata": {"namespace": "ns", "name": "janitor"}})
+            await scraper.scrape(session, {("ns", "janitor"): [deployment]}, {("ns", "janitor"): [pod]})
 
     asyncio.run(scrape_once())
     (message,) = [m for reason, m in events if reason == "ECFallbackEncodes"]

@@ -6,7 +6,7 @@ import kopf
 import pytest
 import yaml
 
-from epd_operator.reconciler import Indexes, Reconciler
+from epd_operator.reconciler import IndexedDeployment, Indexes, Reconciler
 from epd_operator.resources import ANNOTATION_SPEC_HASH
 from epd_operator.settings import Settings
 from epd_operator.status import StatefulSetSummary
@@ -201,3 +201,20 @@ async def test_the_gate_is_patched_once_per_change_of_the_pool():
     pods[0]["status"]["containerStatuses"][0]["ready"] = False  # the pool's only encoder fails
     await reconciler.open_gates(b, reconciler.plan(b))
     assert api.conditions[1:] == [("qwen-vl-regular-default-0", "epd.vime.dev/encoders-ready", "False")]
+
+
+def test_the_deployments_index_keeps_what_a_reconcile_reads_and_gives_it_back_whole():
+    full = dict(body())
+    full["metadata"] = {**full["metadata"], "managedFields": [{"manager": "kubectl"}], "resourceVersion": "7",
+                        "annotations": {"kubectl.kubernetes.io/last-applied-configuration": "{...}"}}
+    full["status"] = {"observedGeneration": 1, "conditions": [{"type": "Ready", "status": "False"}]}
+
+    indexed = IndexedDeployment.of(full)
+
+    assert indexed.metadata.uid == "uid-1" and indexed.metadata.get("generation") == 1
+    assert indexed.status() == full["status"]
+    rebuilt = indexed.body()
+    assert rebuilt["spec"] == full["spec"] and rebuilt["status"] == full["status"]
+    assert set(rebuilt["metadata"]) == {"name", "namespace", "uid", "generation"}  # no managedFields, no last-applied copy
+    assert (rebuilt["apiVersion"], rebuilt["kind"]) == (full["apiVersion"], full["kind"])
+    assert indexed.body() is not rebuilt  # each reconcile decodes its own copy: none can alter the index

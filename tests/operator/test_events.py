@@ -9,7 +9,7 @@ import kopf
 import pytest
 
 from epd_operator import handlers
-from epd_operator.reconciler import Indexes, Reconciler
+from epd_operator.reconciler import IndexedDeployment, Indexes, Reconciler
 from epd_operator.resources import ANNOTATION_SPEC_HASH, LABEL_DEPLOYMENT
 from epd_operator.settings import Settings
 
@@ -28,7 +28,7 @@ def watching(api: RecordingKube | None = None) -> Reconciler:
     """A Reconciler whose indexes hold the EPDDeployment and none of its children yet."""
     reconciler = Reconciler(Settings(janitor_image="epd-operator:test"), kube=api or RecordingKube())
     sets, services, budgets = indexes_after([])
-    reconciler.watch(Indexes(deployments={KEY: [body()]}, unit_sets=sets, unit_services=services, unit_pods={},
+    reconciler.watch(Indexes(deployments={KEY: [IndexedDeployment.of(body())]}, unit_sets=sets, unit_services=services, unit_pods={},
                              unit_budgets=budgets))
     return reconciler
 

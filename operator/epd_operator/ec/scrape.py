@@ -182,8 +182,8 @@ class JanitorScraper:
                 ("ECFallbackEncodes", fallback_report(unit, previous.fallback_encodes, current)),
             ):
                 if message:
-                    for body in deployments.get(key, []):
-                        self._warn(body, reason, message)
+                    for indexed in deployments.get(key, []):
+                        self._warn(indexed.reference, reason, message)
             now = Counts(current.budget_evictions, current.fallback_encodes)
             if counts.get(unit) != now:
                 counts[unit] = now
@@ -209,8 +209,8 @@ def _janitor_ip(pod: dict[str, Any]) -> str | None:
 
 def _reported(deployments: Mapping[Key, Any], key: Key, unit: str) -> Counts:
     """The counts the status shows for `unit`: what this or an earlier operator process reported."""
-    for body in deployments.get(key, []):
-        for model in body.get("status", {}).get("models") or []:
+    for indexed in deployments.get(key, []):
+        for model in indexed.status().get("models") or []:
             for status in model.get("units") or []:
                 if status.get("name") == unit:
                     return Counts(status.get("ecEvictions"), status.get("fallbackEncodes"))
