@@ -225,9 +225,14 @@ class Reconciler:
             self.metrics.observe_reconcile("invalid", time.perf_counter() - started)
             return
         self.metrics.forget_invalid(namespace, name)
+        self.metrics.observe_stage("plan", time.perf_counter() - started)
         try:
-            await self.converge(body, planned)
-            await self.write_status(body, planned)
+            began = time.perf_counter()
+            if await self.converge(body, planned):
+                self.metrics.observe_stage("apply", time.perf_counter() - began)
+            began = time.perf_counter()
+            if await self.write_status(body, planned):
+                self.metrics.observe_stage("status", time.perf_counter() - began)
             # After the status: a refused pod patch (an older chart's RBAC) must not hide it.
             await self.open_gates(body, planned)
         except Exception:
@@ -270,8 +275,9 @@ class Reconciler:
             child["metadata"].setdefault("annotations", {})[ANNOTATION_SPEC_HASH] = _hash(child)
         return children
 
-    async def converge(self, body: kopf.Body, planned: Planned) -> None:
-        """Apply the children not at their desired state; delete those of removed models."""
+    async def converge(self, body: kopf.Body, planned: Planned) -> bool:
+        """Apply the children not at their desired state; delete those of removed models. True
+        if it wrote anything."""
         indexes = self._require_indexes()
         key = (body.metadata.namespace, body.metadata.name)
         existing = {
@@ -284,8 +290,10 @@ class Reconciler:
         stale = {ref for ref, digest in planned.digests.items() if existing.get(ref) != digest}
         if stale:
             await asyncio.gather(*(self.kube.apply(c) for c in self.desired(body, planned) if _ref(c) in stale))
-        for kind, name in existing.keys() - planned.digests.keys():  # a model removed from the spec
+        removed = existing.keys() - planned.digests.keys()  # children of a model removed from the spec
+        for kind, name in removed:
             await self.kube.delete(kind, key[0], name)
+        return bool(stale or removed)
 
     async def open_gates(self, body: kopf.Body, planned: Planned) -> None:
         """Pools: set the encoders-ready readiness gate of each unit pod whose condition is not
@@ -298,7 +306,8 @@ class Reconciler:
         await asyncio.gather(*(self.kube.patch_pod_condition(namespace, pod, condition)
                                for pod, condition in gates.items()))
 
-    async def write_status(self, body: kopf.Body, planned: Planned) -> None:
+    async def write_status(self, body: kopf.Body, planned: Planned) -> bool:
+        """Patch the status if it changed; True if it did."""
         indexes = self._require_indexes()
         namespace, name = body.metadata.namespace, body.metadata.name
         pods = {p["name"]: p for p in indexes.unit_pods.get((namespace, name), [])}
@@ -313,12 +322,13 @@ class Reconciler:
         self.metrics.set_ready_units(namespace, name, sum(m["readyUnits"] for m in status["models"]))
         self._written[(namespace, name)] = _status_hash(status)
         if _same(status, previous):
-            return
+            return False
         budget = _condition(status, "ECBudgetSufficient")
         if budget["status"] == "False" and _condition(previous, "ECBudgetSufficient").get("message") != budget["message"]:
             self._warn(body, "ECBudgetTooSmall", budget["message"])
         self._tell_the_rollout(body, previous, status)
         await self.kube.patch_status(namespace, name, status)
+        return True
 
     def _tell_the_rollout(self, body: kopf.Body, previous: dict[str, Any], status: dict[str, Any]) -> None:
         """Events at a rollout's milestones, so `kubectl describe` tells its story."""

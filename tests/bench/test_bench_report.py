@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from epd_dev.bench.bench_operator import KCM_DEFAULT, Results, Scale, report
+from epd_dev.bench.bench_operator import KCM_DEFAULT, Results, Scale, report, stage_means_ms
 
 
 def run(n: int, converged: float, peak_mb: float, rss_mb: float, reconciles: float) -> Scale:
@@ -48,3 +48,12 @@ def test_the_report_marks_each_target_and_ends_with_the_keys(results, capsys):
     assert "MISS  operator peak RSS <= 200 MB at 5,000 EPDDeployments: 340.00" in lines
     assert "PASS  successful reconciles per EPDDeployment until converged <= 2: 1.20" in lines
     assert lines[-1].startswith("rss_mb_slope_kb_per_epd=") or lines[-1].startswith("peak_rss_mb_slope_kb_per_epd=")
+
+
+def test_stage_means_are_per_reconcile_that_ran_the_stage():
+    before = {"stage_plan_sum": 1.0, "stage_plan_count": 100, "stage_apply_sum": 2.0, "stage_apply_count": 10}
+    after = {"stage_plan_sum": 1.5, "stage_plan_count": 300, "stage_apply_sum": 4.0, "stage_apply_count": 20,
+             "stage_status_sum": 0.3, "stage_status_count": 10}
+    # plan: 0.5 s over 200 reconciles; apply: 2 s over the 10 that wrote; status: 0.3 s over 10.
+    assert stage_means_ms(before, after) == pytest.approx({"plan": 2.5, "apply": 200.0, "status": 30.0})
+    assert stage_means_ms(after, after) == {}  # no reconcile between the two: no mean to give

@@ -35,6 +35,8 @@ def test_benchmark_reports_every_key(cluster, api, bench_operator, capsys):
     assert all(float(values[key]) > 0 for key in KEYS - {"idle_cpu_percent", "rss_mb_slope_kb_per_epd"}), values
     assert any(line.startswith("  | APPLY | statefulsets |") for line in lines), lines  # the API server's metrics
     assert list(values) == [line.split("=", 1)[0] for line in lines[-len(values):]]  # the last lines
+    (epd, _deploy), = results.latencies
+    assert epd.stages_ms.keys() == {"plan", "apply", "status"} and all(ms > 0 for ms in epd.stages_ms.values())
 
 
 def test_chaos_leaves_no_orphans_or_duplicates(cluster, api, bench_operator, namespace):

@@ -218,3 +218,24 @@ def test_the_deployments_index_keeps_what_a_reconcile_reads_and_gives_it_back_wh
     assert set(rebuilt["metadata"]) == {"name", "namespace", "uid", "generation"}  # no managedFields, no last-applied copy
     assert (rebuilt["apiVersion"], rebuilt["kind"]) == (full["apiVersion"], full["kind"])
     assert indexed.body() is not rebuilt  # each reconcile decodes its own copy: none can alter the index
+
+
+async def test_the_stage_metrics_time_what_a_reconcile_wrote_and_skip_what_it_did_not(api, reconciler):
+    def count(stage: str) -> float:
+        return reconciler.metrics.registry.get_sample_value(
+            "epd_reconcile_stage_duration_seconds_count", {"stage": stage}) or 0
+
+    sets, services, budgets = indexes_after(desired(reconciler, body()))
+    reconciler.watch(Indexes(deployments={}, unit_sets={}, unit_services={}, unit_pods={}))
+    await reconciler.reconcile(body())
+    assert (count("plan"), count("apply"), count("status")) == (1, 1, 1)
+
+    # The children in place: the status changes (their StatefulSet is seen), nothing is applied.
+    reconciler.watch(Indexes(deployments={}, unit_sets=sets, unit_services=services, unit_pods={},
+                             unit_budgets=budgets))
+    await reconciler.reconcile(kopf.Body({**body(), "status": api.statuses[-1]}))
+    assert (count("plan"), count("apply"), count("status")) == (2, 1, 2)
+    # Nothing changed since: planned again, neither stage timed.
+    await reconciler.reconcile(kopf.Body({**body(), "status": api.statuses[-1]}))
+    assert (count("plan"), count("apply"), count("status")) == (3, 1, 2)
+    assert len(api.statuses) == 2

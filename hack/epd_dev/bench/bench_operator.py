@@ -311,7 +311,25 @@ def reconcile_stats(operator: OperatorProcess) -> dict[str, float]:
             stats[f"reconciles_{result}"] += float(line.rsplit(" ", 1)[1])
         elif line.startswith("epd_reconcile_duration_seconds_sum "):
             stats["reconcile_seconds"] += float(line.rsplit(" ", 1)[1])
+        elif line.startswith(("epd_reconcile_stage_duration_seconds_sum{", "epd_reconcile_stage_duration_seconds_count{")):
+            stage = line.split('stage="', 1)[1].split('"', 1)[0]
+            stats[f"stage_{stage}_{line.split('{', 1)[0].rsplit('_', 1)[1]}"] += float(line.rsplit(" ", 1)[1])
     return dict(stats)
+
+
+def format_stages(stages_ms: dict[str, float]) -> str:
+    return " / ".join(f"{stages_ms[s]:.1f}" if s in stages_ms else "-" for s in ("plan", "apply", "status"))
+
+
+def stage_means_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Mean milliseconds of each reconcile stage between two reconcile_stats() (plan: every
+    reconcile; apply and status: those that wrote), from the operator's own histogram."""
+    means = {}
+    for stage in ("plan", "apply", "status"):
+        count = after.get(f"stage_{stage}_count", 0) - before.get(f"stage_{stage}_count", 0)
+        if count:
+            means[stage] = (after.get(f"stage_{stage}_sum", 0) - before.get(f"stage_{stage}_sum", 0)) / count * 1000
+    return means
 
 
 # ---------------------------------------------------------------------------- measuring
@@ -330,6 +348,7 @@ class Latencies:
     kcm: str
     seconds: list[float]
     apply_seconds: float
+    stages_ms: dict[str, float] = field(default_factory=dict)  # the operator's mean per reconcile stage
 
     @property
     def p50_ms(self) -> float:
@@ -757,12 +776,12 @@ def report(results: Results, out: Callable[[str], None] = print) -> None:
     if results.latencies:
         out("")
         out("| N | kube-controller-manager client | EPD p50 ms | EPD p99 ms | kcm p50 ms | kcm p99 ms "
-            "| p50 ratio | p99 ratio | apply s (EPD / Deployment) |")
-        out("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+            "| p50 ratio | p99 ratio | apply s (EPD / Deployment) | operator stages, mean ms (plan / apply / status) |")
+        out("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for epd, deploy in results.latencies:
             out(f"| {epd.n} | {epd.kcm} | {epd.p50_ms:.0f} | {epd.p99_ms:.0f} | {deploy.p50_ms:.0f} "
                 f"| {deploy.p99_ms:.0f} | {epd.p50_ms / deploy.p50_ms:.2f}x | {epd.p99_ms / deploy.p99_ms:.2f}x "
-                f"| {epd.apply_seconds:.1f} / {deploy.apply_seconds:.1f} |")
+                f"| {epd.apply_seconds:.1f} / {deploy.apply_seconds:.1f} | {format_stages(epd.stages_ms)} |")
     for s in results.scales:
         report_scale(s, out)
     if results.scales:
@@ -801,13 +820,15 @@ def run_latency(cluster: LocalCluster, api: Api, operator: OperatorProcess, size
         tag = uuid.uuid4().hex[:5]
         epd_ns = create_namespace(cluster, api, f"bench-epd-{n}-{tag}")
         log(f"{n} EPDDeployments, kcm {kcm}")
+        before = reconcile_stats(operator)
         epd = measure_epds(cluster, api, epd_ns, n, kcm)
+        epd.stages_ms = stage_means_ms(before, reconcile_stats(operator))
         deploy_ns = create_namespace(cluster, api, f"bench-deploy-{n}-{tag}")
         log(f"{n} Deployments, kcm {kcm}")
         deploy = measure_deployments(cluster, api, deploy_ns, n, kcm)
         check_alive(operator)
         log(f"  EPD p50 {epd.p50_ms:.0f} ms p99 {epd.p99_ms:.0f} ms; kcm p50 {deploy.p50_ms:.0f} ms "
-            f"p99 {deploy.p99_ms:.0f} ms")
+            f"p99 {deploy.p99_ms:.0f} ms; operator stages {format_stages(epd.stages_ms)}")
         results.latencies.append((epd, deploy))
         used += [epd_ns, deploy_ns]
     return used
