@@ -89,9 +89,13 @@ def observe_unit(plan: ModelPlan, unit_name: str, pod: Pod | None, ec_evictions:
     not_started = [n for n in [*unready_encoders, *unready_consumers] if not containers.get(n, {}).get("started")]
     pod_ready = _condition(pod, "Ready").get("status") == "True"
     scheduled = _condition(pod, "PodScheduled")
+    # A pod bound to a node is scheduled whatever PodScheduled says: the scheduler can record a
+    # bind error after a bind that went through (seen across an API server restart), and nothing
+    # rewrites that condition afterwards.
+    unscheduled = scheduled.get("status") == "False" and not pod.get("spec", {}).get("nodeName")
     if pod.get("metadata", {}).get("deletionTimestamp"):
         reason, message = "Terminating", "pod is terminating"
-    elif scheduled.get("status") == "False":
+    elif unscheduled:
         reason, message = scheduled.get("reason") or "Unschedulable", scheduled.get("message") or "pod not scheduled"
     elif unready_encoders:
         reason = "EncoderStarting" if set(unready_encoders) <= set(not_started) else "EncoderUnready"
@@ -127,7 +131,7 @@ def observe_unit(plan: ModelPlan, unit_name: str, pod: Pod | None, ec_evictions:
     )
     # A unit being replaced (Terminating) is progress too, as during every rollout.
     starting = reason in ("EncoderStarting", "EngineStarting", "PodNotReady", "Terminating") or (
-        scheduled.get("status") == "False" and reason != "Unschedulable"
+        unscheduled and reason != "Unschedulable"
     ) or (reason == "NoReadyEncoder" and pool is not None and pool.starting)
     encoders_ready = not unready_encoders and (pool is None or bool(pool.ready_urls))
     revision = (pod.get("metadata", {}).get("labels") or {}).get(REVISION_LABEL)
