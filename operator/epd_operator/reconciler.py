@@ -53,7 +53,7 @@ class IndexedDeployment:
     cache read, and its spec and status as JSON text, decoded when a reconcile needs them. (The
     decoded trees, each key a string of its own, were the operator's largest memory per object.)"""
 
-    reference: kopf.Body  # apiVersion, kind and the metadata fields handlers.py keeps
+    reference: kopf.Body  # apiVersion, kind and the METADATA_FIELDS of its metadata
     spec_json: str
     status_json: str
 

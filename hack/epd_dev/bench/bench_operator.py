@@ -317,15 +317,18 @@ def reconcile_stats(operator: OperatorProcess) -> dict[str, float]:
     return dict(stats)
 
 
+STAGES = ("plan", "apply", "status")  # the operator's epd_reconcile_stage_duration_seconds{stage}
+
+
 def format_stages(stages_ms: dict[str, float]) -> str:
-    return " / ".join(f"{stages_ms[s]:.1f}" if s in stages_ms else "-" for s in ("plan", "apply", "status"))
+    return " / ".join(f"{stages_ms[s]:.1f}" if s in stages_ms else "-" for s in STAGES)
 
 
 def stage_means_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """Mean milliseconds of each reconcile stage between two reconcile_stats() (plan: every
     reconcile; apply and status: those that wrote), from the operator's own histogram."""
     means = {}
-    for stage in ("plan", "apply", "status"):
+    for stage in STAGES:
         count = after.get(f"stage_{stage}_count", 0) - before.get(f"stage_{stage}_count", 0)
         if count:
             means[stage] = (after.get(f"stage_{stage}_sum", 0) - before.get(f"stage_{stage}_sum", 0)) / count * 1000
