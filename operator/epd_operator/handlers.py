@@ -13,7 +13,7 @@ import kopf
 from . import api
 from .reconciler import IndexedDeployment, Indexes
 from .resources import ANNOTATION_SPEC_HASH, FIELD_MANAGER, LABEL_DEPLOYMENT, LABEL_MANAGED_BY
-from .status import REVISION_LABEL, StatefulSetSummary
+from .status import PodSummary, StatefulSetSummary
 
 EPD = (api.GROUP, api.VERSION, api.PLURAL)
 OURS = {LABEL_MANAGED_BY: FIELD_MANAGER}
@@ -58,35 +58,10 @@ async def close(memo: kopf.Memo, **_: Any) -> None:
 
 # Indexes keep only what status and reconcile read: every unit's whole pod (managedFields,
 # container specs) and kubectl's last-applied copy of every spec would dominate memory at scale.
-_POD_CONDITION_FIELDS = ("type", "status", "reason", "message")
-_CONTAINER_FIELDS = ("name", "ready", "started")
-
-
-def _pod_summary(body: kopf.Body) -> dict[str, Any]:
-    status = body.status
-
-    def pick(items: Any, fields: tuple[str, ...]) -> list[dict[str, Any]]:
-        return [{f: item[f] for f in fields if f in item} for item in items or []]
-
-    return {
-        "name": body.metadata.name,
-        "metadata": {"deletionTimestamp": body.metadata.get("deletionTimestamp"),
-                     "labels": {REVISION_LABEL: body.metadata.labels.get(REVISION_LABEL)}},
-        "spec": {"nodeName": body.spec.get("nodeName")},
-        "status": {
-            "phase": status.get("phase"),
-            "podIP": status.get("podIP"),
-            "conditions": pick(status.get("conditions"), _POD_CONDITION_FIELDS),
-            "initContainerStatuses": pick(status.get("initContainerStatuses"), _CONTAINER_FIELDS),
-            "containerStatuses": pick(status.get("containerStatuses"), _CONTAINER_FIELDS),
-        },
-    }
-
-
 # Indexers are coroutines: kopf runs plain functions in a thread pool, a thread hop per event.
 @kopf.index("pods", labels=OURS)
 async def unit_pods(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[Any, Any]:
-    return {(namespace, labels[LABEL_DEPLOYMENT]): _pod_summary(body)}
+    return {(namespace, labels[LABEL_DEPLOYMENT]): PodSummary.of(body)}
 
 
 @kopf.index("statefulsets", labels=OURS)

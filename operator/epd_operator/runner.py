@@ -10,6 +10,15 @@ import kopf
 
 from .settings import Settings
 
+class SharedMemo(kopf.Memo):
+    """kopf gives every watched object a shallow copy of the memo (six objects per
+    EPDDeployment, 200 bytes each); the operator's state lives in the one Reconciler it holds,
+    so all objects share this memo instead."""
+
+    def __copy__(self) -> SharedMemo:
+        return self
+
+
 _FORMATS = {"plain": kopf.LogFormat.PLAIN, "full": kopf.LogFormat.FULL, "json": kopf.LogFormat.JSON}
 
 
@@ -59,7 +68,7 @@ def run(
             peering_name=peering,
             priority=random.randrange(1, 2**31) if priority == "random" else int(priority),
             liveness_endpoint=liveness or None,
-            memo=kopf.Memo(reconciler=reconciler),  # every handler reaches it as memo.reconciler
+            memo=SharedMemo(reconciler=reconciler),  # every handler reaches it as memo.reconciler
         )
 
 

@@ -30,4 +30,5 @@ class Settings:
     status_debounce_seconds: float = 0.2
     """Pod events come in bursts (all containers of a unit flip at once): coalesce them."""
     plan_cache_size: int = 4096
-    """Validated and rendered specs kept (one per EPDDeployment generation)."""
+    """Validated specs and their children's hashes kept (one per EPDDeployment generation,
+    about 1.5 KB each); past it a child's event queues a reconcile that finds nothing to do."""

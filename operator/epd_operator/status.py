@@ -8,9 +8,10 @@ containers too so that a consumer is never reported Ready while its encoders are
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from . import api
 from .ec.budget import budget_warning, effective_max_bytes
@@ -20,6 +21,46 @@ from .resources import ENCODERS_READY_GATE, child_name, pool_name, unit_pod_sele
 Pod = dict[str, Any]
 # The StatefulSet controller labels each pod with the revision of the template it was made from.
 REVISION_LABEL = "controller-revision-hash"
+
+
+@dataclass(frozen=True, slots=True)
+class PodSummary:
+    """What status, the readiness gates and the janitor scrape read of a unit or encoder pod,
+    kept in the operator's index as compact JSON text and decoded when read: its decoded tree
+    (a dict per condition and container, each value a string of its own) took 5 KB a pod, the
+    text 0.7 KB."""
+
+    name: str
+    summary_json: str
+
+    CONDITION_FIELDS: ClassVar[tuple[str, ...]] = ("type", "status", "reason", "message")
+    CONTAINER_FIELDS: ClassVar[tuple[str, ...]] = ("name", "ready", "started")
+
+    @classmethod
+    def of(cls, pod: Mapping[str, Any]) -> PodSummary:
+        metadata, status = pod["metadata"], pod.get("status") or {}
+
+        def pick(items: Any, fields: tuple[str, ...]) -> list[dict[str, Any]]:
+            return [{f: item[f] for f in fields if f in item} for item in items or []]
+
+        summary = {
+            "name": metadata["name"],
+            "metadata": {"deletionTimestamp": metadata.get("deletionTimestamp"),
+                         "labels": {REVISION_LABEL: (metadata.get("labels") or {}).get(REVISION_LABEL)}},
+            "spec": {"nodeName": (pod.get("spec") or {}).get("nodeName")},
+            "status": {
+                "phase": status.get("phase"),
+                "podIP": status.get("podIP"),
+                "conditions": pick(status.get("conditions"), cls.CONDITION_FIELDS),
+                "initContainerStatuses": pick(status.get("initContainerStatuses"), cls.CONTAINER_FIELDS),
+                "containerStatuses": pick(status.get("containerStatuses"), cls.CONTAINER_FIELDS),
+            },
+        }
+        return cls(metadata["name"], json.dumps(summary, separators=(",", ":")))
+
+    def tree(self) -> dict[str, Any]:
+        """The summary as a pod-shaped dict (name, metadata, spec, status), a new copy each call."""
+        return json.loads(self.summary_json)  # type: ignore[no-any-return]
 
 
 @dataclass(frozen=True)

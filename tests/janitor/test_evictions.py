@@ -16,6 +16,7 @@ from epd_operator.ec.scrape import JanitorMetrics, JanitorScraper, eviction_repo
 from epd_operator.ec.janitor import scan_store
 from epd_operator.reconciler import IndexedDeployment, Indexes, Reconciler
 from epd_operator.settings import Settings
+from epd_operator.status import PodSummary
 
 from .store import miss, new_store, publish
 from .test_run import free_port, janitor_thread, wait_for
@@ -99,9 +100,9 @@ def test_a_counter_below_the_last_report_is_a_new_janitor():
     assert eviction_report(UNIT, 5, JanitorMetrics(0, 0, 100)) is None
 
 
-def _pod(name: str, ip: str) -> dict:
-    return {"name": name, "metadata": {}, "spec": {},
-            "status": {"phase": "Running", "podIP": ip, "containerStatuses": [{"name": "janitor", "ready": True}]}}
+def _pod(name: str, ip: str) -> PodSummary:
+    return PodSummary.of({"metadata": {"name": name}, "spec": {},
+                          "status": {"phase": "Running", "podIP": ip, "containerStatuses": [{"name": "janitor", "ready": True}]}})
 
 
 @pytest.fixture

@@ -6,10 +6,12 @@ import kopf
 import pytest
 import yaml
 
+import epd_operator.reconciler as reconciler_module
+
 from epd_operator.reconciler import IndexedDeployment, Indexes, Reconciler
 from epd_operator.resources import ANNOTATION_SPEC_HASH
 from epd_operator.settings import Settings
-from epd_operator.status import StatefulSetSummary
+from epd_operator.status import PodSummary, StatefulSetSummary
 
 from epd_dev.paths import REPO
 
@@ -112,13 +114,13 @@ async def test_the_events_tell_a_rollouts_story(api):
                             inform=lambda _b, reason, message: events.append((reason, message)))
     name = "qwen-vl-regular-default"
 
-    def pod(revision: str, ready: bool) -> dict:
+    def pod(revision: str, ready: bool) -> PodSummary:
         containers = [{"name": "regular-0", "ready": ready, "started": True}]
-        return {"name": f"{name}-0", "metadata": {"labels": {"controller-revision-hash": revision}},
-                "spec": {"nodeName": "n"},
-                "status": {"podIP": "10.0.0.1", "conditions": [{"type": "Ready", "status": str(ready)}],
-                           "initContainerStatuses": [{"name": "encoder-0", "ready": True, "started": True}],
-                           "containerStatuses": containers}}
+        return PodSummary.of({"metadata": {"name": f"{name}-0", "labels": {"controller-revision-hash": revision}},
+                              "spec": {"nodeName": "n"},
+                              "status": {"podIP": "10.0.0.1", "conditions": [{"type": "Ready", "status": str(ready)}],
+                                         "initContainerStatuses": [{"name": "encoder-0", "ready": True, "started": True}],
+                                         "containerStatuses": containers}})
 
     async def write(b: kopf.Body, sets: list, pods: list) -> dict:
         reconciler.watch(Indexes(deployments={}, unit_sets={KEY: sets}, unit_services={}, unit_pods={KEY: pods}))
@@ -175,12 +177,13 @@ class GateRecordingKube(RecordingKube):
         self.conditions.append((name, condition["type"], condition["status"]))
 
 
-def summary(name: str, ready: bool, containers: list[str]) -> dict:
-    """A pod as handlers._pod_summary keeps it in the index."""
-    return {"name": name, "metadata": {}, "spec": {"nodeName": "n"},
-            "status": {"phase": "Running", "podIP": "10.0.0.1",
-                       "conditions": [{"type": "Ready", "status": str(ready)}], "initContainerStatuses": [],
-                       "containerStatuses": [{"name": c, "ready": ready, "started": True} for c in containers]}}
+def summary(name: str, ready: bool, containers: list[str], *conditions: dict) -> PodSummary:
+    """A running pod as the operator's index keeps it."""
+    return PodSummary.of({"metadata": {"name": name}, "spec": {"nodeName": "n"},
+                          "status": {"phase": "Running", "podIP": "10.0.0.1",
+                                     "conditions": [{"type": "Ready", "status": str(ready)}, *conditions],
+                                     "containerStatuses": [{"name": c, "ready": ready, "started": True,
+                                                            "image": "vllm"} for c in containers]}})
 
 
 async def test_the_gate_is_patched_once_per_change_of_the_pool():
@@ -193,14 +196,38 @@ async def test_the_gate_is_patched_once_per_change_of_the_pool():
     await reconciler.open_gates(b, reconciler.plan(b))
     assert api.conditions == [("qwen-vl-regular-default-0", "epd.vime.dev/encoders-ready", "True")]
     # The pod now carries that condition: nothing to write again.
-    pods[1]["status"]["conditions"].append({"type": "epd.vime.dev/encoders-ready", "status": "True",
-                                            "reason": "EncodersReady",
-                                            "message": "encoder pool qwen-vl-regular-default-encoders has a ready encoder"})
+    gate = {"type": "epd.vime.dev/encoders-ready", "status": "True", "reason": "EncodersReady",
+            "message": "encoder pool qwen-vl-regular-default-encoders has a ready encoder"}
+    pods[1] = summary("qwen-vl-regular-default-0", False, ["regular-0"], gate)
     await reconciler.open_gates(b, reconciler.plan(b))
     assert len(api.conditions) == 1
-    pods[0]["status"]["containerStatuses"][0]["ready"] = False  # the pool's only encoder fails
+    pods[0] = summary("qwen-vl-regular-default-encoders-0", False, ["encoder-0"])  # the pool's only encoder fails
     await reconciler.open_gates(b, reconciler.plan(b))
     assert api.conditions[1:] == [("qwen-vl-regular-default-0", "epd.vime.dev/encoders-ready", "False")]
+
+
+def test_a_pod_summary_keeps_what_status_reads_and_nothing_else():
+    pod = {"metadata": {"name": "u-0", "labels": {"controller-revision-hash": "u-5d8f", "app": "x"},
+                        "managedFields": [{"manager": "kubelet"}]},
+           "spec": {"nodeName": "node-1", "containers": [{"name": "regular-0", "args": ["--port", "8101"]}]},
+           "status": {"phase": "Running", "podIP": "10.0.0.7",
+                      "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": "2026-11-30T10:00:00Z"}],
+                      "containerStatuses": [{"name": "regular-0", "ready": True, "started": True, "image": "vllm",
+                                             "state": {"running": {}}}]}}
+
+    kept = PodSummary.of(pod)
+
+    assert kept.name == "u-0"
+    assert kept.tree() == {
+        "name": "u-0",
+        "metadata": {"deletionTimestamp": None, "labels": {"controller-revision-hash": "u-5d8f"}},
+        "spec": {"nodeName": "node-1"},
+        "status": {"phase": "Running", "podIP": "10.0.0.7", "conditions": [{"type": "Ready", "status": "True"}],
+                   "initContainerStatuses": [],
+                   "containerStatuses": [{"name": "regular-0", "ready": True, "started": True}]},
+    }
+    kept.tree()["status"]["phase"] = "Failed"  # a reader's copy: the index is not changed
+    assert kept.tree()["status"]["phase"] == "Running"
 
 
 def test_the_deployments_index_keeps_what_a_reconcile_reads_and_gives_it_back_whole():
@@ -211,7 +238,7 @@ def test_the_deployments_index_keeps_what_a_reconcile_reads_and_gives_it_back_wh
 
     indexed = IndexedDeployment.of(full)
 
-    assert indexed.metadata.uid == "uid-1" and indexed.metadata.get("generation") == 1
+    assert indexed.metadata["uid"] == "uid-1" and indexed.metadata.get("generation") == 1
     assert indexed.status() == full["status"]
     rebuilt = indexed.body()
     assert rebuilt["spec"] == full["spec"] and rebuilt["status"] == full["status"]
@@ -239,3 +266,18 @@ async def test_the_stage_metrics_time_what_a_reconcile_wrote_and_skip_what_it_di
     await reconciler.reconcile(kopf.Body({**body(), "status": api.statuses[-1]}))
     assert (count("plan"), count("apply"), count("status")) == (3, 1, 2)
     assert len(api.statuses) == 2
+
+
+def test_a_cached_generation_is_not_validated_again_and_renders_the_same_plans(reconciler, monkeypatch):
+    first = reconciler.plan(body())
+    calls = []
+    real = reconciler_module.validate
+    monkeypatch.setattr(reconciler_module, "validate", lambda raw: calls.append(raw) or real(raw))
+
+    again = reconciler.plan(body())
+
+    assert calls == []  # the cache held the checked spec
+    assert (again.spec, again.plans, again.digests) == (first.spec, first.plans, first.digests)
+    assert again.plans is not first.plans  # rendered anew: the cache keeps no rendered plans
+    reconciler.plan(body(generation=2))  # a new generation is validated
+    assert len(calls) == 1

@@ -156,7 +156,7 @@ class JanitorScraper:
         fallback encodes grew, and report deployments whose counts changed. Janitors that do not
         answer keep their last counts; units no longer running are forgotten."""
         targets = {
-            (key, pod["name"]): ip for key, pods in unit_pods.items() for pod in pods if (ip := _janitor_ip(pod))
+            (key, pod.name): ip for key, pods in unit_pods.items() for pod in pods if (ip := _janitor_ip(pod.tree()))
         }
         limit = asyncio.Semaphore(self._concurrency)
 
