@@ -76,7 +76,8 @@ def _run(args: argparse.Namespace) -> None:
         liveness=args.liveness,
         metrics_port=args.metrics_port,
         settings=Settings(janitor_image=args.janitor_image or own_image(),
-                          janitor_scrape_interval=args.janitor_scrape_interval),
+                          janitor_scrape_interval=args.janitor_scrape_interval,
+                          janitor_scrape_rate=args.janitor_scrape_rate),
         log_level=args.log_level,
         log_format=args.log_format,
     )
@@ -92,6 +93,13 @@ def _janitor(args: argparse.Namespace) -> None:
         interval_seconds=args.interval,
         metrics_port=args.metrics_port,
     )
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, not {text}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -118,6 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds between scrapes of the units' EC janitors, which turn budget evictions and "
         "consumers' fallback encodes into ECEvicted and ECFallbackEncodes Events and "
         "status.models[].units[].ecEvictions and .fallbackEncodes (0: off)",
+    )
+    run.add_argument(
+        "--janitor-scrape-rate",
+        type=_positive,
+        default=10.0,
+        help="janitors scraped a second at most, which bounds the scrape's CPU however many units "
+        "there are: a round of N units takes N / rate seconds",
     )
     run.add_argument(
         "--janitor-image",

@@ -128,7 +128,7 @@ class Reconciler:
         self._plans: collections.OrderedDict[tuple[Any, ...], CheckedGeneration | SpecError] = collections.OrderedDict()
         self._background: set[asyncio.Task[None]] = set()
         self._written: dict[Key, str] = {}  # hash of the status last written (or found right), per key
-        self.scraper = JanitorScraper(warn=warn, changed=self.enqueue)
+        self.scraper = JanitorScraper(warn=warn, changed=self.enqueue, rate=self.settings.janitor_scrape_rate)
 
     # ------------------------------------------------------------------ wiring (handlers.py)
 

@@ -21,7 +21,10 @@ class Settings:
     janitor_image: str
     """Image of each unit's EC janitor container (`epd-operator janitor`): the operator's own."""
     janitor_scrape_interval: float = 30.0
-    """Seconds between scrapes of the units' janitors (0: off)."""
+    """Seconds between two rounds of scrapes of the units' janitors (0: off)."""
+    janitor_scrape_rate: float = 10.0
+    """Janitors scraped a second at most: bounds the scrape's CPU however many units there are
+    (a round of N units takes N / rate seconds)."""
     max_concurrent_reconciles: int = 16
     """Reconciles at once, as controller-runtime's MaxConcurrentReconciles: enough to keep the
     API client's 16 connections busy."""

@@ -4,6 +4,7 @@ parsed, judged and scraped by the operator's coroutine (no cluster: the indexes 
 from __future__ import annotations
 
 import shutil
+import time
 import urllib.request
 
 import aiohttp
@@ -12,6 +13,7 @@ import pytest
 import yaml
 
 from epd_dev.paths import REPO
+from epd_operator.cli import build_parser
 from epd_operator.ec.scrape import JanitorMetrics, JanitorScraper, eviction_report, fallback_report, parse_metrics
 from epd_operator.ec.janitor import scan_store
 from epd_operator.reconciler import IndexedDeployment, Indexes, Reconciler
@@ -143,6 +145,27 @@ async def test_the_operator_warns_and_rewrites_the_status_when_evictions_grow(re
     await _scrape(reported, [], deployments)
     assert reported["scraper"].evictions(KEY) == {} and reported["scraper"].fallback_encodes(KEY) == {}
     assert reported["status"] == [KEY, KEY]
+
+
+async def test_a_round_scrapes_at_most_rate_janitors_a_second(janitor):
+    """Thousands of units must not keep the operator busy: the scrapes of a round are spread."""
+    port, _size = janitor
+    scraper = JanitorScraper(warn=lambda *_: None, changed=lambda _key: None, port=port, rate=20)
+    units = [f"d-default-{i}" for i in range(6)]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3, connect=1)) as session:
+        started = time.monotonic()
+        await scraper.scrape(session, {}, {KEY: [_pod(unit, "127.0.0.1") for unit in units]})
+        elapsed = time.monotonic() - started
+    assert scraper.evictions(KEY) == {unit: 4 for unit in units}  # every one scraped
+    assert elapsed >= 5 / 20  # six local scrapes take a few ms unspread
+
+
+def test_the_scrape_rate_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["run", "--janitor-scrape-rate", "0"])
+    assert "--janitor-scrape-rate: must be a positive number, not 0" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="must be positive"):
+        JanitorScraper(warn=lambda *_: None, changed=lambda _key: None, rate=0)
 
 
 async def test_after_an_operator_restart_the_status_is_the_baseline(reported):

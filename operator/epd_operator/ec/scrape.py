@@ -116,15 +116,21 @@ class JanitorScraper:
     """Scrapes every running unit's janitor and remembers its counters by unit.
 
     `warn` posts an Event on an EPDDeployment; `changed` is told the key of every deployment
-    whose counts changed, so its status is written again.
+    whose counts changed, so its status is written again. At most `rate` janitors are scraped a
+    second: a scrape costs the operator 0.2 to 0.8 ms of CPU (measured on the 2-core development
+    machine), so at 5,000 units a round every 30 s would keep it 3 to 13 % busy for good; at 10 a
+    second it costs under 1 % whatever the number of units, and a round of N units takes N / rate
+    seconds (500 s at 5,000).
     """
 
     def __init__(self, *, warn: Warn, changed: Callable[[Key], None], port: int = JANITOR_METRICS_PORT,
-                 concurrency: int = 16) -> None:
+                 rate: float = 10.0) -> None:
+        if rate <= 0:
+            raise ValueError("rate (janitors scraped per second) must be positive")
         self._warn = warn
         self._changed = changed
         self._port = port
-        self._concurrency = concurrency
+        self._rate = rate
         self._counts: dict[Key, dict[str, Counts]] = {}
 
     def evictions(self, key: Key) -> Mapping[str, int]:
@@ -158,19 +164,23 @@ class JanitorScraper:
         targets = {
             (key, pod.name): ip for key, pods in unit_pods.items() for pod in pods if (ip := _janitor_ip(pod.tree()))
         }
-        limit = asyncio.Semaphore(self._concurrency)
 
         async def scrape(ip: str) -> JanitorMetrics | None:
-            async with limit:
-                try:
-                    async with session.get(f"http://{ip}:{self._port}/metrics") as response:
-                        response.raise_for_status()
-                        return parse_metrics(await response.text())
-                except (aiohttp.ClientError, TimeoutError, ValueError) as error:
-                    logger.debug(f"janitor at {ip} not scraped: {error!r}")  # normal while pods come and go
-                    return None
+            try:
+                async with session.get(f"http://{ip}:{self._port}/metrics") as response:
+                    response.raise_for_status()
+                    return parse_metrics(await response.text())
+            except (aiohttp.ClientError, TimeoutError, ValueError) as error:
+                logger.debug("janitor at %s not scraped: %r", ip, error)  # normal while pods come and go
+                return None
 
-        results = await asyncio.gather(*(scrape(ip) for ip in targets.values()))
+        scrapes = []
+        async with asyncio.TaskGroup() as group:  # cancelled with the round: no scrape outlives it
+            for ip in targets.values():
+                if scrapes:
+                    await asyncio.sleep(1 / self._rate)
+                scrapes.append(group.create_task(scrape(ip)))
+        results = [done.result() for done in scrapes]
         changed = set()
         for (key, unit), current in zip(targets, results, strict=True):
             if current is None:
