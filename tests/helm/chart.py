@@ -73,6 +73,7 @@ GOLDEN_CASES: dict[str, dict[str, Any]] = {
         "metrics.serviceMonitor.enabled": True,
         "monitoring.podMonitor.enabled": True,
         "monitoring.grafanaDashboard.enabled": True,
+        "janitorScrape.rate": 2.5,
     },
 }
 

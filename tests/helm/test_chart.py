@@ -52,6 +52,8 @@ def test_template_matches_golden(case):
         ({"monitoring.podMonitor.interval": "soon"}, "interval"),
         ({"monitoring.grafanaDashboard.namespace": "Grafana_NS"}, "namespace"),
         ({"monitoring.dashboards": True}, "dashboards"),
+        ({"janitorScrape.rate": 0}, "/janitorScrape/rate"),
+        ({"janitorScrape.interval": -1}, "/janitorScrape/interval"),
     ],
     ids=lambda v: str(v)[:40],
 )

@@ -59,6 +59,8 @@ def test_operator_args_are_accepted_by_the_real_cli(rendered):
         assert args.peering == "epd-operator" and not args.standalone
     assert args.liveness == "http://0.0.0.0:8080/healthz"
     assert args.metrics_port == 9090
+    assert args.janitor_scrape_interval == 30
+    assert args.janitor_scrape_rate == GOLDEN_CASES[case].get("janitorScrape.rate", 10)
 
 
 def test_pod_is_locked_down(rendered):

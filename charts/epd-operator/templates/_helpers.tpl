@@ -97,6 +97,8 @@ peers that share the top priority). */}}
 - --metrics-port={{ if .Values.metrics.enabled }}{{ .Values.metrics.port }}{{ else }}0{{ end }}
 - --log-level={{ .Values.logLevel }}
 - --log-format={{ .Values.logFormat }}
+- --janitor-scrape-interval={{ .Values.janitorScrape.interval }}
+- --janitor-scrape-rate={{ .Values.janitorScrape.rate }}
 {{- end }}
 
 {{/* The PodMonitor's labels of every EPD series, from its pod (resources.py labels every unit pod). */}}
