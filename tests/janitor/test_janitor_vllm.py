@@ -31,6 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from epd_operator.ec.janitor import EMBEDDING_FILE, GRACE_SECONDS
 from epd_operator.ec.scrape import JanitorScraper
 from epd_operator.reconciler import IndexedDeployment
+from epd_operator.status import PodSummary
 from epd_dev.vllm import payloads, tiny_model
 from epd_dev.vllm.serving import tiny_manifest
 from epd_dev.vllm.unit_runner import UnitRunner
@@ -175,8 +176,9 @@ def test_a_request_whose_image_was_not_primed_counts_one_fallback_encode_and_a_p
     events = []
     scraper = JanitorScraper(warn=lambda _body, reason, message: events.append((reason, message)),
                              changed=lambda _key: None, port=port)
-    pod = {"name": unit.name, "status": {"phase": "Running", "podIP": "127.0.0.1",
-                                         "containerStatuses": [{"name": "janitor", "ready": True}]}}
+    pod = PodSummary.of({"metadata": {"name": unit.name},
+                         "status": {"phase": "Running", "podIP": "127.0.0.1",
+                                    "containerStatuses": [{"name": "janitor", "ready": True}]}})
 
     async def scrape_once():
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3, connect=1)) as session:
