@@ -367,7 +367,7 @@ def epd_streams(namespace: str, rec: Recorder, *, pods: bool = False,
     """Watches marking, per EPDDeployment: "created", "status" (observedGeneration is the
     generation), "converged" (that, and its StatefulSet and both Services exist: the operator's
     work), "ready" (Ready for the generation) and, as "child", when its last child appeared.
-    ``seen`` gets the arrival of every event (with ``pods``, of unit pods' too)."""
+    ``seen`` gets the arrival of every event (with ``pods``, of unit pods' and budgets' too)."""
 
     def mark_converged(name: str, at: float) -> None:
         if name in rec.times["status"] and len(rec.children[name]) == CHILDREN:
@@ -398,6 +398,11 @@ def epd_streams(namespace: str, rec: Recorder, *, pods: bool = False,
     ]
     if pods:
         streams.append((f"/api/v1/namespaces/{namespace}/pods", on_child, {"labelSelector": OURS}))
+        # Not children that count for convergence, but the operator watches them: kcm's disruption
+        # controller updates their status for minutes after the last unit is Ready, and a window
+        # with such events is not idle.
+        streams.append((f"/apis/policy/v1/namespaces/{namespace}/poddisruptionbudgets",
+                        lambda _type, _obj, at: seen(at), {"labelSelector": OURS}))
     return streams
 
 
