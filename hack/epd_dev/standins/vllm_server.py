@@ -103,9 +103,9 @@ class StandinServer(Served):
                     record.aborted = True
                     return
                 record.status, payload = self._answer(request.method, request.target, record.body)
+                record.finished = time.monotonic()  # before the client can see the answer (a test reads it then)
                 writer.write(response_bytes(record.status, json.dumps(payload).encode()))
                 await writer.drain()
-                record.finished = time.monotonic()
                 if not request.keep_alive:
                     return
         except ConnectionError:
