@@ -29,7 +29,7 @@ from .metrics import OperatorMetrics
 from .render import ModelPlan, render
 from .resources import ANNOTATION_SPEC_HASH, desired_children
 from .settings import Settings
-from .status import compute_status, encoder_gates, invalid_status
+from .status import Pod, compute_status, encoder_gates, invalid_status
 from .validation import CheckedSpec, SpecError, validate
 from .workqueue import WorkQueue
 
@@ -320,13 +320,17 @@ class Reconciler:
             await self.kube.delete(kind, key[0], name)
         return bool(stale or removed)
 
+    def _pods(self, key: Key) -> dict[str, Pod]:
+        """The deployment's unit and encoder pods by name, decoded from the index as they are now."""
+        return {p.name: p.tree() for p in self._require_indexes().unit_pods.get(key, [])}
+
     async def open_gates(self, body: kopf.Body, planned: Planned) -> None:
         """Pools: set the encoders-ready readiness gate of each unit pod whose condition is not
         yet what its encoder pool says (only those: an unchanged pool writes nothing)."""
         if not any(plan.pooled for plan in planned.plans):
             return
         namespace, name = body.metadata.namespace, body.metadata.name
-        pods = {p.name: p.tree() for p in self._require_indexes().unit_pods.get((namespace, name), [])}
+        pods = self._pods((namespace, name))
         gates = encoder_gates(name, planned.spec, planned.plans, pods, _now())
         await asyncio.gather(*(self.kube.patch_pod_condition(namespace, pod, condition)
                                for pod, condition in gates.items()))
@@ -335,7 +339,7 @@ class Reconciler:
         """Patch the status if it changed; True if it did."""
         indexes = self._require_indexes()
         namespace, name = body.metadata.namespace, body.metadata.name
-        pods = {p.name: p.tree() for p in indexes.unit_pods.get((namespace, name), [])}
+        pods = self._pods((namespace, name))
         sets = {s.name: s for s in indexes.unit_sets.get((namespace, name), [])}
         previous = dict(body.status)
         status = compute_status(
