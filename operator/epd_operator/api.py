@@ -307,6 +307,30 @@ class Router(Schema):
     resources: ResourceRequirements | None = Field(default=None, description="Router container resources.")
 
 
+class ServiceType(str, enum.Enum):
+    cluster_ip = "ClusterIP"
+    node_port = "NodePort"
+    load_balancer = "LoadBalancer"
+
+
+class FrontService(Schema):
+    """The Service in front of each model's units: their routers, or their single consumer."""
+
+    type: ServiceType = Field(default=ServiceType.cluster_ip, description="Kubernetes Service type.")
+    headless: bool = Field(
+        default=False,
+        description=(
+            "clusterIP: None: DNS answers with the ready units' pod IPs and no virtual IP is allocated "
+            "(kube-apiserver allocates ClusterIPs one at a time; docs/performance.md). Clients then "
+            "balance across the addresses themselves. Only with type ClusterIP; changing it deletes "
+            "and re-creates the Service, as its clusterIP cannot change."
+        ),
+    )
+    annotations: dict[str, str] = Field(
+        default_factory=dict, description="Annotations of the Service, e.g. a cloud load balancer's settings."
+    )
+
+
 class Shm(Schema):
     """The memory-backed emptyDir every engine of a unit mounts at /dev/shm."""
 
@@ -381,6 +405,7 @@ class EPDDeploymentSpec(Schema):
     ec_storage: ECStorage = Field(default_factory=ECStorage, description="EC store bounds.")
     kv_connector: KVConnector = Field(default_factory=KVConnector, description="KV connector.")
     router: Router = Field(default_factory=Router, description="vllm-router settings.")
+    service: FrontService = Field(default_factory=FrontService, description="Each model's front Service.")
     shm: Shm = Field(default_factory=Shm, description="Shared /dev/shm emptyDir.")
     ports: Ports = Field(default_factory=Ports, description="Container ports.")
     probes: Probes = Field(default_factory=Probes, description="Engine probes.")

@@ -14,7 +14,13 @@ from typing import Any
 import yaml
 
 from . import api
-from .validation import LAYOUT_RULES, MAX_UNAVAILABLE_PERCENT, PLACEMENT_RULES, SUPPORTED_VLLM_VERSIONS
+from .validation import (
+    HEADLESS_NEEDS_CLUSTER_IP,
+    LAYOUT_RULES,
+    MAX_UNAVAILABLE_PERCENT,
+    PLACEMENT_RULES,
+    SUPPORTED_VLLM_VERSIONS,
+)
 
 CRD_FILE = "crds/epddeployments.epd.vime.dev.yaml"
 
@@ -127,6 +133,13 @@ def _add_cel_rules(spec: dict[str, Any]) -> None:
             "message": "spec.maxUnavailable must be a unit count of 1 or more, or a percentage from 1% to 100%",
             "fieldPath": ".maxUnavailable",
         },
+    ]
+    spec["properties"]["service"]["x-kubernetes-validations"] = [
+        {
+            "rule": "!has(self.headless) || !self.headless || !has(self.type) || self.type == 'ClusterIP'",
+            "message": HEADLESS_NEEDS_CLUSTER_IP,
+            "fieldPath": ".headless",
+        }
     ]
     models = spec["properties"]["models"]
     models["x-kubernetes-list-type"] = "map"

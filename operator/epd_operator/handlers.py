@@ -12,7 +12,7 @@ import kopf
 
 from . import api
 from .reconciler import IndexedDeployment, Indexes
-from .resources import ANNOTATION_SPEC_HASH, FIELD_MANAGER, LABEL_DEPLOYMENT, LABEL_MANAGED_BY
+from .resources import ANNOTATION_SPEC_HASH, FIELD_MANAGER, LABEL_DEPLOYMENT, LABEL_MANAGED_BY, is_headless
 from .status import PodSummary, StatefulSetSummary
 
 EPD = (api.GROUP, api.VERSION, api.PLURAL)
@@ -80,8 +80,10 @@ async def unit_sets(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: A
 
 
 @kopf.index("services", labels=OURS)
-async def unit_services(namespace: str, labels: kopf.Labels, meta: kopf.Meta, **_: Any) -> dict[Any, Any]:
-    return {(namespace, labels[LABEL_DEPLOYMENT]): (meta.name, meta.annotations.get(ANNOTATION_SPEC_HASH))}
+async def unit_services(namespace: str, labels: kopf.Labels, meta: kopf.Meta, body: kopf.Body,
+                        **_: Any) -> dict[Any, Any]:
+    return {(namespace, labels[LABEL_DEPLOYMENT]): (meta.name, meta.annotations.get(ANNOTATION_SPEC_HASH),
+                                                    is_headless(body))}
 
 
 @kopf.index("policy", "v1", "poddisruptionbudgets", labels=OURS)

@@ -27,7 +27,7 @@ from .ec.scrape import JanitorScraper
 from .kube import Kube, KubeError
 from .metrics import OperatorMetrics
 from .render import ModelPlan, render
-from .resources import ANNOTATION_SPEC_HASH, desired_children
+from .resources import ANNOTATION_SPEC_HASH, desired_children, is_headless
 from .settings import Settings
 from .status import Pod, compute_status, encoder_gates, invalid_status
 from .validation import CheckedSpec, SpecError, validate
@@ -84,7 +84,7 @@ class Indexes:
 
     deployments: Mapping[Key, Any]  # an IndexedDeployment of each EPDDeployment
     unit_sets: Mapping[Key, Any]  # a StatefulSetSummary of each StatefulSet
-    unit_services: Mapping[Key, Any]  # (name, spec hash) of each Service
+    unit_services: Mapping[Key, Any]  # (name, spec hash, headless) of each Service
     unit_pods: Mapping[Key, Any]  # a PodSummary of each unit or encoder pod
     unit_budgets: Mapping[Key, Any] = dataclasses.field(default_factory=dict)  # (name, spec hash) of each PDB
 
@@ -305,20 +305,27 @@ class Reconciler:
         if it wrote anything."""
         indexes = self._require_indexes()
         key = (body.metadata.namespace, body.metadata.name)
+        headless = {name: flag for name, _, flag in indexes.unit_services.get(key, [])}
         existing = {
             **{("StatefulSet", s.name): s.spec_hash for s in indexes.unit_sets.get(key, [])},
-            **{("Service", name): digest for name, digest in indexes.unit_services.get(key, [])},
+            **{("Service", name): digest for name, digest, _ in indexes.unit_services.get(key, [])},
             **{("PodDisruptionBudget", name): digest for name, digest in indexes.unit_budgets.get(key, [])},
         }
         # Level-based, but cheap: children already carrying their exact desired state are left
         # alone, and are not even built again when the remembered hashes show that.
         stale = {ref for ref, digest in planned.digests.items() if existing.get(ref) != digest}
         if stale:
-            await asyncio.gather(*(self.kube.apply(c) for c in self.desired(body, planned) if _ref(c) in stale))
+            await asyncio.gather(*(self._apply(c, headless) for c in self.desired(body, planned) if _ref(c) in stale))
         removed = existing.keys() - planned.digests.keys()  # children of a model removed from the spec
         for kind, name in removed:
             await self.kube.delete(kind, key[0], name)
         return bool(stale or removed)
+
+    async def _apply(self, child: dict[str, Any], headless: Mapping[str, bool]) -> None:
+        name = child["metadata"]["name"]
+        if child["kind"] == "Service" and headless.get(name, is_headless(child)) != is_headless(child):
+            await self.kube.delete("Service", child["metadata"]["namespace"], name)
+        await self.kube.apply(child)
 
     def _pods(self, key: Key) -> dict[str, Pod]:
         """The deployment's unit and encoder pods by name, decoded from the index as they are now."""

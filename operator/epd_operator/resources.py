@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Mapping
 from typing import Any
 
 from . import api
@@ -268,7 +269,8 @@ def _service_port(plan: ModelPlan, spec: api.EPDDeploymentSpec) -> dict[str, Any
 
 
 def services(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPlan) -> list[dict[str, Any]]:
-    """A headless Service listing every unit, and one fronting ready units' routers or consumers.
+    """A headless Service listing every unit, and one fronting ready units' routers or consumers
+    (of `spec.service`'s type, or headless).
 
     Both expose only the `http` port (router, or the single consumer): encoders are never
     reachable through a Service; clients find their URLs in the EPDDeployment's status.
@@ -295,9 +297,19 @@ def services(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPlan) -> l
             "name": child_name(deployment, plan.name, limit=63),
             "labels": common_labels(deployment, plan.name, "router" if plan.router else "consumer"),
         },
-        "spec": {"type": "ClusterIP", "selector": selector, "ports": [_service_port(plan, spec)]},
+        "spec": {"type": spec.service.type, "selector": selector, "ports": [_service_port(plan, spec)]},
     }
+    if spec.service.annotations:
+        front["metadata"]["annotations"] = dict(spec.service.annotations)
+    if spec.service.headless:
+        front["spec"]["clusterIP"] = "None"
     return [headless, front]
+
+
+def is_headless(service: Mapping[str, Any]) -> bool:
+    """clusterIP: None. It cannot change on an existing Service (an apply that sets it is refused,
+    one that drops it is silently ignored), so a change of it re-creates the Service."""
+    return (service.get("spec") or {}).get("clusterIP") == "None"
 
 
 # --------------------------------------------------------------------------- encoder pools

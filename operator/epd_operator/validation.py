@@ -226,6 +226,18 @@ def max_unavailable_errors(spec: EPDDeploymentSpec) -> list[str]:
     return [f"spec.maxUnavailable: {value!r} is not a unit count of 1 or more, nor a percentage from 1% to 100%"]
 
 
+HEADLESS_NEEDS_CLUSTER_IP = (
+    "a headless Service has no virtual IP, which a NodePort or LoadBalancer Service needs: "
+    "set spec.service.type to ClusterIP, or headless to false"
+)
+
+
+def service_errors(spec: EPDDeploymentSpec) -> list[str]:
+    if spec.service.headless and spec.service.type != "ClusterIP":
+        return [f"spec.service.headless: {HEADLESS_NEEDS_CLUSTER_IP} (type is {spec.service.type})"]
+    return []
+
+
 def router_errors(spec: EPDDeploymentSpec, model: ModelSpec) -> list[str]:
     if model.is_pd and spec.kv_connector.name not in ROUTER_KV_CONNECTORS:
         return [
@@ -320,6 +332,7 @@ def validate(raw: dict[str, Any]) -> CheckedSpec:
                     f"a multiple of numGpusPerEngine ({group.num_gpus_per_engine})"
                 )
     errors += max_unavailable_errors(spec)
+    errors += service_errors(spec)
     for volume in spec.volumes:
         if "hostPath" in volume:
             errors.append(

@@ -80,6 +80,8 @@ def test_other_cel_rules(cluster, crd, namespace):
         "hostpath": (lambda s: s.update(volumes=[{"name": "m", "hostPath": {"path": "/m"}}]),
                      "hostPath volumes are not allowed"),
         "dupname": (lambda s: s["models"].append(dict(s["models"][0])), "Duplicate value"),
+        "headless": (lambda s: s.update(service={"type": "LoadBalancer", "headless": True}),
+                     "a headless Service has no virtual IP"),
     }
     documents = []
     for name, (change, _message) in cases.items():

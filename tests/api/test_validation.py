@@ -145,6 +145,17 @@ def test_max_unavailable_accepts_counts_and_percentages(value):
     assert validate(spec_with("encoder", "regular", maxUnavailable=value)).spec.max_unavailable == value
 
 
+@pytest.mark.parametrize("kind", ["NodePort", "LoadBalancer"])
+def test_a_headless_front_service_must_be_a_cluster_ip_one(kind):
+    assert validate(spec_with("encoder", "regular", service={"headless": True})).spec.service.headless
+    with pytest.raises(SpecError) as error:
+        validate(spec_with("encoder", "regular", service={"type": kind, "headless": True}))
+    assert error.value.errors == [
+        "spec.service.headless: a headless Service has no virtual IP, which a NodePort or LoadBalancer Service "
+        f"needs: set spec.service.type to ClusterIP, or headless to false (type is {kind})"
+    ]
+
+
 @pytest.mark.parametrize("value", [0, -1, "0%", "101%", "25", "1.5%"])
 def test_max_unavailable_refuses_what_could_not_roll_or_drain(value):
     with pytest.raises(SpecError, match=r"spec.maxUnavailable: .* is not a unit count of 1 or more"):

@@ -9,7 +9,7 @@ import yaml
 import epd_operator.reconciler as reconciler_module
 
 from epd_operator.reconciler import IndexedDeployment, Indexes, Reconciler
-from epd_operator.resources import ANNOTATION_SPEC_HASH
+from epd_operator.resources import ANNOTATION_SPEC_HASH, is_headless
 from epd_operator.settings import Settings
 from epd_operator.status import PodSummary, StatefulSetSummary
 
@@ -23,12 +23,15 @@ class RecordingKube:
         self.applied: list[tuple[str, str]] = []
         self.deleted: list[tuple[str, str]] = []
         self.statuses: list[dict] = []
+        self.calls: list[tuple[str, str, str]] = []  # in order
 
     async def apply(self, obj):
         self.applied.append((obj["kind"], obj["metadata"]["name"]))
+        self.calls.append(("apply", obj["kind"], obj["metadata"]["name"]))
 
     async def delete(self, kind, _namespace, name):
         self.deleted.append((kind, name))
+        self.calls.append(("delete", kind, name))
 
     async def patch_status(self, _namespace, _name, status):
         self.statuses.append(status)
@@ -44,11 +47,12 @@ def reconciler(api) -> Reconciler:
     return Reconciler(Settings(janitor_image="epd-operator:test"), kube=api)
 
 
-def body(generation: int = 1, max_model_len: int | None = None) -> kopf.Body:
+def body(generation: int = 1, max_model_len: int | None = None, **spec_changes) -> kopf.Body:
     manifest = yaml.safe_load((REPO / "docs" / "examples" / "encoder-regular.yaml").read_text())
     manifest["metadata"].update(namespace=KEY[0], uid="uid-1", generation=generation)
     if max_model_len:
         manifest["spec"]["models"][0]["serverGroups"][1]["overrides"] = {"max_model_len": max_model_len}
+    manifest["spec"].update(spec_changes)
     return kopf.Body(manifest)
 
 
@@ -57,7 +61,7 @@ def indexes_after(children: list[dict]) -> tuple[dict, dict]:
     def entry(child):
         return child["metadata"]["name"], child["metadata"]["annotations"][ANNOTATION_SPEC_HASH]
     sets = [StatefulSetSummary(*entry(c), True, 1, 1, "r", "r") for c in children if c["kind"] == "StatefulSet"]
-    services = [entry(c) for c in children if c["kind"] == "Service"]
+    services = [(*entry(c), is_headless(c)) for c in children if c["kind"] == "Service"]
     budgets = [entry(c) for c in children if c["kind"] == "PodDisruptionBudget"]
     return {KEY: sets}, {KEY: services}, {KEY: budgets}
 
@@ -99,12 +103,28 @@ async def test_a_spec_change_applies_the_statefulset_only(api, reconciler):
 async def test_children_of_a_removed_model_are_deleted(api, reconciler):
     sets, services, budgets = indexes_after(desired(reconciler, body()))
     sets[KEY].append(StatefulSetSummary("qwen-vl-regular-old", "hash", True, 1, 1, "r", "r"))
-    services[KEY].append(("qwen-vl-regular-old", "hash"))
+    services[KEY].append(("qwen-vl-regular-old", "hash", False))
     budgets[KEY].append(("qwen-vl-regular-old", "hash"))
     await converge(reconciler, body(), sets, services, budgets)
     assert api.applied == []
     assert sorted(api.deleted) == [("PodDisruptionBudget", "qwen-vl-regular-old"), ("Service", "qwen-vl-regular-old"),
                                    ("StatefulSet", "qwen-vl-regular-old")]
+
+
+@pytest.mark.parametrize("headless", [True, False])
+async def test_a_front_service_changing_headlessness_is_deleted_then_created(api, reconciler, headless):
+    # Its clusterIP cannot change: an apply setting None is refused, one dropping it is ignored.
+    before = body(service={"headless": not headless})
+    indexes = indexes_after(desired(reconciler, before))
+    await converge(reconciler, body(generation=2, service={"headless": headless}), *indexes)
+    front = "qwen-vl-regular-default"
+    assert api.calls == [("delete", "Service", front), ("apply", "Service", front)]
+
+
+async def test_a_front_service_changing_type_is_applied_in_place(api, reconciler):
+    indexes = indexes_after(desired(reconciler, body()))
+    await converge(reconciler, body(generation=2, service={"type": "LoadBalancer"}), *indexes)
+    assert api.calls == [("apply", "Service", "qwen-vl-regular-default")]
 
 
 async def test_the_events_tell_a_rollouts_story(api):

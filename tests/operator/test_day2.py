@@ -150,3 +150,30 @@ def test_a_rollout_stops_at_a_revision_that_never_becomes_ready(cluster, namespa
              "the rollout's Events", lambda: str(reasons()))
     wide = cluster.kubectl("get", "epd", NAME, "-n", namespace, "-o", "wide").stdout
     assert "UPDATED" in wide.splitlines()[0] and "3/3" in wide.splitlines()[1]
+
+
+def test_the_front_service_moves_between_cluster_ip_headless_and_load_balancer(cluster, namespace, epd_operator):
+    """clusterIP cannot change on a Service: the operator re-creates the front Service when
+    headless flips, and applies a type change in place, with no failed reconcile on the way."""
+    def front(want):
+        return wait_for(lambda: (s := get_json(cluster, "service", STS, "-n", namespace)) and want(s["spec"]) and s,
+                        60, "the front Service", lambda: json.dumps(get_json(cluster, "service", STS, "-n", namespace)))
+
+    apply(cluster, namespace)
+    ready_units(cluster, namespace, 1)
+    first = front(lambda s: s["clusterIP"] not in ("", "None"))
+    apply(cluster, namespace, service={"headless": True})
+    headless = front(lambda s: s["clusterIP"] == "None")
+    assert headless["metadata"]["uid"] != first["metadata"]["uid"], "re-created"
+    apply(cluster, namespace, service={"type": "LoadBalancer", "annotations": {"lb.example/internal": "true"}})
+    balanced = front(lambda s: s["type"] == "LoadBalancer" and s["clusterIP"] != "None")
+    assert balanced["metadata"]["annotations"]["lb.example/internal"] == "true"
+    assert balanced["spec"]["ports"][0]["nodePort"] > 0
+    apply(cluster, namespace)  # back to the default
+    back = front(lambda s: s["type"] == "ClusterIP")
+    assert back["metadata"]["uid"] == balanced["metadata"]["uid"], "a type change is applied in place"
+    assert "nodePort" not in back["spec"]["ports"][0] and "lb.example/internal" not in back["metadata"]["annotations"]
+    obj = ready_units(cluster, namespace, 1)
+    assert condition(obj, "Ready")["status"] == "True"
+    warnings = get_json(cluster, "events", "-n", namespace, "--field-selector", "type=Warning")["items"]
+    assert [e["reason"] for e in warnings if e["involvedObject"]["name"] == NAME] == []

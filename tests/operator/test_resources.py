@@ -5,7 +5,7 @@ from pathlib import Path
 import yaml
 
 from epd_operator.render import render
-from epd_operator.resources import child_name, desired_children
+from epd_operator.resources import child_name, desired_children, is_headless
 from epd_operator.validation import validate
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
@@ -75,6 +75,19 @@ def test_router_only_with_several_consumers_and_front_service_targets_it():
     assert "initContainers" not in reward["spec"]["template"]["spec"] or not reward["spec"]["template"]["spec"]["initContainers"]
     for front in (actor_front, reward_front):
         assert [p["targetPort"] for p in front["spec"]["ports"]] == ["http"]
+
+
+def test_the_front_service_takes_its_type_annotations_and_headlessness_from_the_spec():
+    _, units, front, _ = children_of("encoder-regular.yaml")
+    assert front["spec"]["type"] == "ClusterIP" and "clusterIP" not in front["spec"], "the API server allocates one"
+    assert "annotations" not in front["metadata"]
+    _, _, front, _ = children_of("encoder-regular.yaml", service={"type": "LoadBalancer",
+                                                                 "annotations": {"lb.example/internal": "true"}})
+    assert front["spec"]["type"] == "LoadBalancer"
+    assert front["metadata"]["annotations"] == {"lb.example/internal": "true"}
+    _, headless_units, front, _ = children_of("encoder-regular.yaml", service={"headless": True})
+    assert front["spec"]["clusterIP"] == "None" and is_headless(front)
+    assert headless_units == units, "the units' Service is headless either way, and nothing else changes"
 
 
 def test_user_env_replaces_rendered_env_of_the_same_name():
