@@ -407,7 +407,7 @@ def epd_streams(namespace: str, rec: Recorder, *, pods: bool = False,
 
 
 def measure_epds(cluster: LocalCluster, api: Api, namespace: str, n: int, kcm: str,
-                 timeout: float = 600) -> Latencies:
+                 timeout: float = 600, spec: dict[str, Any] | None = None) -> Latencies:
     """Creation -> StatefulSet + 2 Services + status.observedGeneration, per EPDDeployment;
     then waits until every one is Ready so the next run starts on an idle cluster."""
     rec = Recorder()
@@ -415,7 +415,7 @@ def measure_epds(cluster: LocalCluster, api: Api, namespace: str, n: int, kcm: s
     streams = epd_streams(namespace, rec)
 
     with watching(cluster, *streams) as watches:
-        took = apply(cluster, namespace, [epd_manifest(name) for name in names])
+        took = apply(cluster, namespace, [epd_manifest(name, **(spec or {})) for name in names])
         rec.wait(lambda: len(rec.times["converged"]) == n, timeout, f"{n} EPDDeployments reconciled", watches)
         stuck = settle(rec, names, "ready", timeout, watches)
     seconds = [rec.times["converged"][x] - rec.times["created"][x] for x in names]
@@ -510,7 +510,7 @@ def request_delta(before: dict[tuple[str, str], tuple[float, float]],
 
 def measure_scale(cluster: LocalCluster, api: Api, operator: OperatorProcess, namespace: str, n: int,
                   kcm: str, *, idle_seconds: float = 30, profile_dir: Path | None = None,
-                  timeout: float = 600) -> Scale:
+                  timeout: float = 600, spec: dict[str, Any] | None = None) -> Scale:
     """Create n EPDDeployments; time until all are converged and Ready; then wait until the
     cluster is quiet (kcm works off its rate-limited backlog of StatefulSet status updates
     for a while after the last unit is Ready) and measure the operator's idle CPU."""
@@ -530,7 +530,7 @@ def measure_scale(cluster: LocalCluster, api: Api, operator: OperatorProcess, na
         with py_spy(pid, profile_dir, f"scale-{n}") as profile:
             began = time.monotonic()
             cpu_before = {name: cpu_seconds(p) for name, p in processes.items()}
-            took = create_all(api, namespace, [epd_manifest(name) for name in names])
+            took = create_all(api, namespace, [epd_manifest(name, **(spec or {})) for name in names])
             rec.wait(lambda: len(rec.times["converged"]) == n, timeout, f"{n} EPDDeployments converged", watches,
                      progress=lambda: f"{len(rec.times['converged'])}/{n} converged")
             at_converged = reconcile_stats(operator)
@@ -593,14 +593,15 @@ async def write_like_the_operator(cluster: LocalCluster, namespace: str, documen
             await kube.aclose()
 
 
-def measure_floor(cluster: LocalCluster, api: Api, namespace: str, n: int, timeout: float = 600) -> float:
+def measure_floor(cluster: LocalCluster, api: Api, namespace: str, n: int, timeout: float = 600,
+                  spec: dict[str, Any] | None = None) -> float:
     """Seconds from the first POST until n EPDDeployments converged, written by the stand-in
     above (the operator must not run meanwhile)."""
     rec = Recorder()
     names = [f"floor-{i}" for i in range(n)]
     with watching(cluster, *epd_streams(namespace, rec)) as watches:
         began = time.monotonic()
-        asyncio.run(write_like_the_operator(cluster, namespace, [epd_manifest(name) for name in names]))
+        asyncio.run(write_like_the_operator(cluster, namespace, [epd_manifest(name, **(spec or {})) for name in names]))
         rec.wait(lambda: len(rec.times["converged"]) == n, timeout, f"{n} EPDDeployments converged", watches)
     return max(rec.times["converged"].values()) - began
 
@@ -673,6 +674,7 @@ class Results:
     scales: list[Scale] = field(default_factory=list)  # every scale run, repeats included
     floors: dict[int, float] = field(default_factory=dict)  # n -> converged seconds with the stand-in writer
     machine: str = ""
+    spec: dict[str, Any] = field(default_factory=dict)  # what every EPDDeployment changed of the example
 
     def runs(self, n: int) -> list[Scale]:
         return [s for s in self.scales if s.n == n]
@@ -781,6 +783,7 @@ def report_scale(s: Scale, out: Callable[[str], None]) -> None:
 def report(results: Results, out: Callable[[str], None] = print) -> None:
     out("")
     out(f"machine: {results.machine}")
+    out(f"EPDDeployments: docs/examples/encoder-regular.yaml{' with ' + json.dumps(results.spec) if results.spec else ''}")
     if results.latencies:
         out("")
         out("| N | kube-controller-manager client | EPD p50 ms | EPD p99 ms | kcm p50 ms | kcm p99 ms "
@@ -820,7 +823,7 @@ def report(results: Results, out: Callable[[str], None] = print) -> None:
 
 
 def run_latency(cluster: LocalCluster, api: Api, operator: OperatorProcess, sizes: list[int], kcm: str,
-                results: Results) -> list[str]:
+                results: Results, spec: dict[str, Any] | None = None) -> list[str]:
     """Both latency runs per size; returns the namespaces used (their objects are kept until
     the caller deletes them: a namespace deletion keeps kcm busy for a while)."""
     used = []
@@ -829,7 +832,7 @@ def run_latency(cluster: LocalCluster, api: Api, operator: OperatorProcess, size
         epd_ns = create_namespace(cluster, api, f"bench-epd-{n}-{tag}")
         log(f"{n} EPDDeployments, kcm {kcm}")
         before = reconcile_stats(operator)
-        epd = measure_epds(cluster, api, epd_ns, n, kcm)
+        epd = measure_epds(cluster, api, epd_ns, n, kcm, spec=spec)
         epd.stages_ms = stage_means_ms(before, reconcile_stats(operator))
         deploy_ns = create_namespace(cluster, api, f"bench-deploy-{n}-{tag}")
         log(f"{n} Deployments, kcm {kcm}")
@@ -855,24 +858,25 @@ def benchmark(cluster: LocalCluster, api: Api, operator: OperatorProcess, *, siz
               scales: list[int], repeat: int = 1, idle_seconds: float = 30, profile_dir: Path | None = None,
               restart_kcm: Callable[[tuple[str, ...]], object] | None = None,
               scale_kcm_raised: bool = False, scale_timeout: float = 600, floor: bool = False,
-              cleanup: bool = True) -> Results:
+              cleanup: bool = True, spec: dict[str, Any] | None = None) -> Results:
     """Every measurement, on a running cluster with the CRD and a running operator. With
     ``restart_kcm(extra_args)`` the latency runs are repeated with kcm's client limit raised
     (and, with ``scale_kcm_raised``, the scale runs too). Each scale run, ``repeat`` times per
     size, gets a fresh operator process (its own peak RSS and CPU) and a namespace of its own.
     With ``floor``, each size is also written once by the stand-in of ``write_like_the_operator``.
     ``cleanup=False`` leaves the last run's objects (the caller drops the cluster: deleting
-    5,000 EPDDeployments and their children takes the garbage collector 15 minutes and more)."""
-    results = Results(machine=machine())
+    5,000 EPDDeployments and their children takes the garbage collector 15 minutes and more).
+    ``spec`` changes every EPDDeployment's spec (the example's) in every run."""
+    results = Results(machine=machine(), spec=spec or {})
     used = [warm_up(cluster, api)]
-    used += run_latency(cluster, api, operator, sizes, KCM_DEFAULT, results)
+    used += run_latency(cluster, api, operator, sizes, KCM_DEFAULT, results, spec)
     raised = False
     if restart_kcm and sizes:
         log(f"restarting kube-controller-manager with {' '.join(KCM_RAISED_ARGS)}")
         restart_kcm(KCM_RAISED_ARGS)
         raised = True
         time.sleep(10)  # a restarted kcm resyncs every object first
-        used += run_latency(cluster, api, operator, sizes, KCM_RAISED, results)
+        used += run_latency(cluster, api, operator, sizes, KCM_RAISED, results, spec)
     for n in scales:
         for run in range(1, repeat + 1):
             log(f"scale: {n} EPDDeployments, run {run}/{repeat}; a fresh operator")
@@ -887,7 +891,7 @@ def benchmark(cluster: LocalCluster, api: Api, operator: OperatorProcess, *, siz
             namespace = create_namespace(cluster, api, f"bench-scale-{n}-{uuid.uuid4().hex[:5]}")
             used = [namespace]
             s = measure_scale(cluster, api, operator, namespace, n, KCM_RAISED if raised else KCM_DEFAULT,
-                              idle_seconds=idle_seconds, profile_dir=profile_dir, timeout=scale_timeout)
+                              idle_seconds=idle_seconds, profile_dir=profile_dir, timeout=scale_timeout, spec=spec)
             log(f"  converged {s.reconciled_seconds:.1f} s, Ready {s.ready_seconds:.1f} s, peak RSS "
                 f"{s.peak_rss_mb:.1f} MB, reconciles/EPD {s.reconciles_per_epd:.2f} / {s.reconciles_per_epd_to_idle:.2f}")
             results.scales.append(s)
@@ -897,7 +901,7 @@ def benchmark(cluster: LocalCluster, api: Api, operator: OperatorProcess, *, siz
             operator.stop()
             delete_namespaces(cluster, api, used, timeout=max(600, n * 0.5))
             used = [create_namespace(cluster, api, f"bench-floor-{n}-{uuid.uuid4().hex[:5]}")]
-            results.floors[n] = measure_floor(cluster, api, used[0], n, timeout=scale_timeout)
+            results.floors[n] = measure_floor(cluster, api, used[0], n, timeout=scale_timeout, spec=spec)
             log(f"  converged {results.floors[n]:.1f} s")
             operator.start()
     if scales and cleanup:
@@ -926,6 +930,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--idle-seconds", type=float, default=30)
     parser.add_argument("--no-kcm-raised", action="store_true", help="skip the runs with kcm at 200 QPS")
     parser.add_argument("--profile", type=Path, default=None, help="py-spy the scale run into this folder")
+    parser.add_argument("--headless-front-service", action="store_true",
+                        help="every EPDDeployment with spec.service.headless: no ClusterIP to allocate")
     parser.add_argument("--operator-src", type=Path, default=None,
                         help="run the operator from this source folder (holding epd_operator/): A/B a change")
     args = parser.parse_args(argv)
@@ -942,6 +948,7 @@ def main(argv: list[str] | None = None) -> int:
                             idle_seconds=args.idle_seconds, profile_dir=args.profile,
                             scale_kcm_raised=args.scale_kcm_raised, scale_timeout=args.scale_timeout,
                             floor=args.floor, cleanup=False,
+                            spec={"service": {"headless": True}} if args.headless_front_service else None,
                             restart_kcm=None if args.no_kcm_raised else
                             lambda extra: cluster.restart("kube-controller-manager", extra))
     report(results)
