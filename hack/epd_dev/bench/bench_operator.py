@@ -352,6 +352,8 @@ class Latencies:
     seconds: list[float]
     apply_seconds: float
     stages_ms: dict[str, float] = field(default_factory=dict)  # the operator's mean per reconcile stage
+    # The API server's requests from the apply until the last object converged (its pod, for kcm).
+    api_requests: dict[tuple[str, str], tuple[float, float]] = field(default_factory=dict)
 
     @property
     def p50_ms(self) -> float:
@@ -415,13 +417,15 @@ def measure_epds(cluster: LocalCluster, api: Api, namespace: str, n: int, kcm: s
     streams = epd_streams(namespace, rec)
 
     with watching(cluster, *streams) as watches:
+        before = apiserver_requests(api)
         took = apply(cluster, namespace, [epd_manifest(name, **(spec or {})) for name in names])
         rec.wait(lambda: len(rec.times["converged"]) == n, timeout, f"{n} EPDDeployments reconciled", watches)
+        requests = request_delta(before, apiserver_requests(api))
         stuck = settle(rec, names, "ready", timeout, watches)
     seconds = [rec.times["converged"][x] - rec.times["created"][x] for x in names]
     if stuck:
         log(f"  MISS: {len(stuck)} EPDDeployments never Ready: {' '.join(stuck[:10])}")
-    return Latencies("EPDDeployment -> children + status", n, kcm, seconds, took)
+    return Latencies("EPDDeployment -> children + status", n, kcm, seconds, took, api_requests=requests)
 
 
 def measure_deployments(cluster: LocalCluster, api: Api, namespace: str, n: int, kcm: str,
@@ -445,11 +449,13 @@ def measure_deployments(cluster: LocalCluster, api: Api, namespace: str, n: int,
         (f"/api/v1/namespaces/{namespace}/pods", on_pod, {"labelSelector": BENCH_LABEL}),
     ]
     with watching(cluster, *streams) as watches:
+        before = apiserver_requests(api)
         took = apply(cluster, namespace, [deployment_manifest(name) for name in names])
         rec.wait(lambda: len(rec.times["pod"]) == n, timeout, f"pods of {n} Deployments", watches)
+        requests = request_delta(before, apiserver_requests(api))
         settle(rec, names, "running", timeout, watches)
     seconds = [rec.times["pod"][x] - rec.times["created"][x] for x in names]
-    return Latencies("Deployment -> pod (kcm)", n, kcm, seconds, took)
+    return Latencies("Deployment -> pod (kcm)", n, kcm, seconds, took, api_requests=requests)
 
 
 @dataclass
@@ -770,14 +776,20 @@ def report_scale(s: Scale, out: Callable[[str], None]) -> None:
             f"{s.reconciled_seconds * (os.cpu_count() or 1):.0f} CPU-s offered): "
             + ", ".join(f"{name} {seconds:.1f}" for name, seconds in spent))
     if s.api_requests:
-        busiest = sorted(s.api_requests.items(), key=lambda kv: -kv[1][1])[:12]
-        out("  API server, first POST to all Ready (apiserver_request_duration_seconds, watches left out):")
-        out("  | verb | resource | requests | mean ms | total s |")
-        out("  | --- | --- | ---: | ---: | ---: |")
-        for (verb, resource), (count, seconds) in busiest:
-            out(f"  | {verb} | {resource} | {count:.0f} | {seconds / count * 1000:.1f} | {seconds:.1f} |")
+        report_requests(s.api_requests, "first POST to all Ready", out)
     for line in s.profile:
         out(f"  {line}")
+
+
+def report_requests(requests: dict[tuple[str, str], tuple[float, float]], window: str,
+                    out: Callable[[str], None], top: int = 12) -> None:
+    count, seconds = sum(c for c, _ in requests.values()), sum(s for _, s in requests.values())
+    out(f"  API server, {window} (apiserver_request_duration_seconds, watches left out): "
+        f"{count:.0f} requests, {seconds:.1f} s in all")
+    out("  | verb | resource | requests | mean ms | total s |")
+    out("  | --- | --- | ---: | ---: | ---: |")
+    for (verb, resource), (count, seconds) in sorted(requests.items(), key=lambda kv: -kv[1][1])[:top]:
+        out(f"  | {verb} | {resource} | {count:.0f} | {seconds / count * 1000:.1f} | {seconds:.1f} |")
 
 
 def report(results: Results, out: Callable[[str], None] = print) -> None:
@@ -793,6 +805,12 @@ def report(results: Results, out: Callable[[str], None] = print) -> None:
             out(f"| {epd.n} | {epd.kcm} | {epd.p50_ms:.0f} | {epd.p99_ms:.0f} | {deploy.p50_ms:.0f} "
                 f"| {deploy.p99_ms:.0f} | {epd.p50_ms / deploy.p50_ms:.2f}x | {epd.p99_ms / deploy.p99_ms:.2f}x "
                 f"| {epd.apply_seconds:.1f} / {deploy.apply_seconds:.1f} | {format_stages(epd.stages_ms)} |")
+        for epd, deploy in results.latencies:
+            for latencies, what in ((epd, "EPDDeployments, until all converged"),
+                                    (deploy, "Deployments, until every pod exists")):
+                if latencies.api_requests:
+                    out("")
+                    report_requests(latencies.api_requests, f"{latencies.n} {what}, kcm {latencies.kcm}", out, top=8)
     for s in results.scales:
         report_scale(s, out)
     if results.scales:
