@@ -25,7 +25,7 @@ PD = {"prefill", "decode"}
 MUST_FAIL = frozenset({
     "unknown_field", "out_of_range", "bad_version", "broken_layout", "duplicate_model",
     "gpu_multiple", "host_path", "owned_override", "kv_connector", "bad_model_name", "empty_string",
-    "bad_shm_size", "port_clash",
+    "bad_shm_size", "port_clash", "headless_balancer",
 })
 
 
@@ -105,6 +105,12 @@ def valid_specs(draw: st.DrawFn) -> dict[str, Any]:
         "ecStorage": st.fixed_dictionaries({}, optional={"maxBytes": st.integers(1, 2**40),
                                                          "ttlSeconds": st.integers(1, 10**6)}),
         "nodeSelector": st.dictionaries(dns_labels, dns_labels, max_size=2),
+        "service": st.one_of(
+            st.fixed_dictionaries({}, optional={"type": st.just("ClusterIP"), "headless": st.booleans()}),
+            st.fixed_dictionaries({"type": st.sampled_from(["NodePort", "LoadBalancer"])},
+                                  optional={"headless": st.just(False),
+                                            "annotations": st.dictionaries(dns_labels, st.text(max_size=10),
+                                                                           max_size=2)})),
         "env": st.lists(st.fixed_dictionaries({"name": st.from_regex(r"[A-Z_][A-Z0-9_]{0,10}", fullmatch=True),
                                                "value": st.text(max_size=10)}), max_size=2),
     }
@@ -233,6 +239,11 @@ def _bad_shm_size(draw: st.DrawFn, spec: dict[str, Any]) -> None:
 
 
 @st.composite
+def _headless_balancer(draw: st.DrawFn, spec: dict[str, Any]) -> None:
+    spec["service"] = {"type": draw(st.sampled_from(["NodePort", "LoadBalancer"])), "headless": True}
+
+
+@st.composite
 def _odd_resources(draw: st.DrawFn, spec: dict[str, Any]) -> None:
     quantity = draw(st.sampled_from(["two", "1.5", "-1", "0", "1e3", 4, "8Gi"]))
     draw(st.sampled_from(_groups(spec)))["resources"] = {"limits": {"cpu": quantity}}
@@ -256,7 +267,7 @@ MUTATIONS = {
     "host_path": _host_path, "owned_override": _owned_override, "odd_override": _odd_override,
     "port_clash": _port_clash,
     "kv_connector": _kv_connector, "bad_model_name": _bad_model_name, "empty_string": _empty_string,
-    "bad_shm_size": _bad_shm_size, "odd_resources": _odd_resources, "odd_env": _odd_env,
+    "bad_shm_size": _bad_shm_size, "headless_balancer": _headless_balancer, "odd_resources": _odd_resources, "odd_env": _odd_env,
     "wrong_type": _wrong_type,
 }
 
