@@ -305,10 +305,11 @@ class Reconciler:
         if it wrote anything."""
         indexes = self._require_indexes()
         key = (body.metadata.namespace, body.metadata.name)
-        headless = {name: flag for name, _, flag in indexes.unit_services.get(key, [])}
+        services = indexes.unit_services.get(key, [])
+        headless = {name: flag for name, _, flag in services}
         existing = {
             **{("StatefulSet", s.name): s.spec_hash for s in indexes.unit_sets.get(key, [])},
-            **{("Service", name): digest for name, digest, _ in indexes.unit_services.get(key, [])},
+            **{("Service", name): digest for name, digest, _ in services},
             **{("PodDisruptionBudget", name): digest for name, digest in indexes.unit_budgets.get(key, [])},
         }
         # Level-based, but cheap: children already carrying their exact desired state are left
@@ -322,8 +323,10 @@ class Reconciler:
         return bool(stale or removed)
 
     async def _apply(self, child: dict[str, Any], headless: Mapping[str, bool]) -> None:
+        """Server-side apply; an existing Service whose headlessness must flip is deleted first
+        (its clusterIP cannot change)."""
         name = child["metadata"]["name"]
-        if child["kind"] == "Service" and headless.get(name, is_headless(child)) != is_headless(child):
+        if child["kind"] == "Service" and name in headless and headless[name] != is_headless(child):
             await self.kube.delete("Service", child["metadata"]["namespace"], name)
         await self.kube.apply(child)
 
