@@ -38,8 +38,12 @@ def test_benchmark_reports_every_key(cluster, api, bench_operator, capsys):
     assert all(("APPLY", "statefulsets") in s.api_requests for s in results.scales)
     assert any(line.startswith("  | verb | resource | requests | mean ms | total s |") for line in lines), lines
     assert list(values) == [line.split("=", 1)[0] for line in lines[-len(values):]]  # the last lines
-    (epd, _deploy), = results.latencies
+    (epd, deploy), = results.latencies
     assert epd.stages_ms.keys() == {"plan", "apply", "status"} and all(ms > 0 for ms in epd.stages_ms.values())
+    # Each latency run's own window of API requests: our applies on one side, kcm's ReplicaSets on the other.
+    assert ("APPLY", "statefulsets") in epd.api_requests and ("POST", "replicasets") in deploy.api_requests
+    assert any(line.startswith("  API server, 5 EPDDeployments, until all converged") for line in lines), lines
+    assert any(line.startswith("  API server, 5 Deployments, until every pod exists") for line in lines), lines
 
 
 def test_chaos_leaves_no_orphans_or_duplicates(cluster, api, bench_operator, namespace):
