@@ -17,7 +17,7 @@ import datetime
 import hashlib
 import json
 import time
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping, Set
 from typing import Any, ClassVar
 
 import kopf
@@ -27,7 +27,8 @@ from .ec.scrape import JanitorScraper
 from .kube import Kube, KubeError
 from .metrics import OperatorMetrics
 from .render import ModelPlan, render
-from .resources import ANNOTATION_SPEC_HASH, desired_children, is_headless
+from .managedfields import upgrade_to_apply
+from .resources import ANNOTATION_SPEC_HASH, FIELD_MANAGER, desired_children, is_headless
 from .settings import Settings
 from .status import Pod, compute_status, encoder_gates, invalid_status
 from .validation import CheckedSpec, SpecError, validate
@@ -301,7 +302,7 @@ class Reconciler:
         return children
 
     async def converge(self, body: kopf.Body, planned: Planned) -> bool:
-        """Apply the children not at their desired state; delete those of removed models. True
+        """Write the children not at their desired state; delete those of removed models. True
         if it wrote anything."""
         indexes = self._require_indexes()
         key = (body.metadata.namespace, body.metadata.name)
@@ -316,19 +317,37 @@ class Reconciler:
         # alone, and are not even built again when the remembered hashes show that.
         stale = {ref for ref, digest in planned.digests.items() if existing.get(ref) != digest}
         if stale:
-            await asyncio.gather(*(self._apply(c, headless) for c in self.desired(body, planned) if _ref(c) in stale))
+            await asyncio.gather(*(self._write(c, existing.keys(), headless)
+                                   for c in self.desired(body, planned) if _ref(c) in stale))
         removed = existing.keys() - planned.digests.keys()  # children of a model removed from the spec
         for kind, name in removed:
             await self.kube.delete(kind, key[0], name)
         return bool(stale or removed)
 
-    async def _apply(self, child: dict[str, Any], headless: Mapping[str, bool]) -> None:
-        """Server-side apply; an existing Service whose headlessness must flip is deleted first
-        (its clusterIP cannot change)."""
-        name = child["metadata"]["name"]
-        if child["kind"] == "Service" and name in headless and headless[name] != is_headless(child):
-            await self.kube.delete("Service", child["metadata"]["namespace"], name)
+    async def _write(self, child: dict[str, Any], existing: Set[tuple[str, str]],
+                     headless: Mapping[str, bool]) -> None:
+        """Create a child the indexes do not show (a POST: the API server's cheapest write);
+        server-side apply one that exists. An existing Service whose headlessness must flip is
+        deleted first (its clusterIP cannot change)."""
+        kind, name = _ref(child)
+        if (kind, name) not in existing and await self.kube.create(child):
+            return
+        namespace = child["metadata"]["namespace"]
+        if kind == "Service" and name in headless and headless[name] != is_headless(child):
+            await self.kube.delete("Service", namespace, name)
+        else:
+            await self._own_by_apply(kind, namespace, name)
         await self.kube.apply(child)
+
+    async def _own_by_apply(self, kind: str, namespace: str, name: str) -> None:
+        """Before applying to a child this operator created by POST, turn its Update entry of
+        managedFields into an Apply one, so the apply removes what it stops setting."""
+        live = await self.kube.get(kind, namespace, name)
+        if live is None:
+            return
+        upgraded = upgrade_to_apply(live["metadata"].get("managedFields") or [], FIELD_MANAGER)
+        if upgraded is not None:
+            await self.kube.replace_managed_fields(kind, namespace, name, live["metadata"]["resourceVersion"], upgraded)
 
     def _pods(self, key: Key) -> dict[str, Pod]:
         """The deployment's unit and encoder pods by name, decoded from the index as they are now."""

@@ -33,15 +33,15 @@ def test_benchmark_reports_every_key(cluster, api, bench_operator, capsys):
     values = dict(line.split("=", 1) for line in lines if "=" in line and " " not in line)
     assert KEYS <= values.keys(), lines[-20:]
     assert all(float(values[key]) > 0 for key in KEYS - {"idle_cpu_percent", "rss_mb_slope_kb_per_epd"}), values
-    # The API server's own metrics: measured for our applies, and printed (its busiest 12 rows;
+    # The API server's own metrics: measured for our creates, and printed (its busiest 12 rows;
     # which rows those are at this toy size depends on the machine's leases and events).
-    assert all(("APPLY", "statefulsets") in s.api_requests for s in results.scales)
+    assert all(("POST", "statefulsets") in s.api_requests for s in results.scales)
     assert any(line.startswith("  | verb | resource | requests | mean ms | total s |") for line in lines), lines
     assert list(values) == [line.split("=", 1)[0] for line in lines[-len(values):]]  # the last lines
     (epd, deploy), = results.latencies
     assert epd.stages_ms.keys() == {"plan", "apply", "status"} and all(ms > 0 for ms in epd.stages_ms.values())
-    # Each latency run's own window of API requests: our applies on one side, kcm's ReplicaSets on the other.
-    assert ("APPLY", "statefulsets") in epd.api_requests and ("POST", "replicasets") in deploy.api_requests
+    # Each latency run's own window of API requests: our creates on one side, kcm's ReplicaSets on the other.
+    assert ("POST", "statefulsets") in epd.api_requests and ("POST", "replicasets") in deploy.api_requests
     assert any(line.startswith("  API server, 5 EPDDeployments, until all converged") for line in lines), lines
     assert any(line.startswith("  API server, 5 Deployments, until every pod exists") for line in lines), lines
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from epd_dev.operator_process import OperatorProcess
+from epd_dev.operator_process import OperatorProcess, wait_for
 
 from .chart import ROOT
 
@@ -77,6 +77,19 @@ def test_operator_reconciles_with_only_the_charts_namespaced_rbac(cluster, kubec
         assert any(line.startswith("epd_ready_units{") and f'namespace="{namespace}"' in line
                    and 'name="qwen-vl-regular"' in line and line.endswith(" 1.0")
                    for line in metrics.splitlines()), metrics
+        # A spec change: before its first apply to a child it created, the operator reads the child
+        # and takes over its fields (get, then a patch of managedFields).
+        kubectl("patch", "epd", "qwen-vl-regular", "-n", namespace, "--type=merge",
+                "-p", json.dumps({"spec": {"env": [{"name": "EXTRA_SETTING", "value": "1"}]}}))
+
+        def changed() -> bool:
+            sts = json.loads(kubectl("get", "statefulset", "qwen-vl-regular-default", "-n", namespace, "-o", "json",
+                                     "--show-managed-fields").stdout)
+            ours = [e["operation"] for e in sts["metadata"]["managedFields"] if e["manager"] == "epd-operator"]
+            env = sts["spec"]["template"]["spec"]["containers"][0].get("env") or []
+            return ours == ["Apply"] and {"name": "EXTRA_SETTING", "value": "1"} in env
+
+        wait_for(changed, 60, "the spec change applied")
         log = operator.tail(100_000)
     finally:
         operator.stop()
@@ -106,7 +119,8 @@ def test_operator_reconciles_with_only_the_charts_namespaced_rbac(cluster, kubec
         assert answer == "no", f"the operator may {verb} {resource} {' '.join(where)}"
     for verb, resource, *extra in [("list", "epddeployments.epd.vime.dev"),
                                    ("patch", "epddeployments.epd.vime.dev", "--subresource=status"),
-                                   ("patch", "statefulsets.apps"), ("delete", "services"), ("watch", "pods"),
+                                   ("patch", "statefulsets.apps"), ("get", "services"), ("delete", "services"),
+                                   ("watch", "pods"),
                                    ("patch", "poddisruptionbudgets.policy"),
                                    ("patch", "pods", "--subresource=status"), ("create", "events")]:
         answer = as_operator("auth", "can-i", verb, resource, *extra, "-n", namespace).stdout.strip()

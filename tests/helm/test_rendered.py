@@ -20,13 +20,14 @@ NAMESPACED_RULES = [
     # Children carry ownerReferences with blockOwnerDeletion (kopf.adopt), which the
     # OwnerReferencesPermissionEnforcement admission plugin allows only with this.
     {"apiGroups": ["epd.vime.dev"], "resources": ["epddeployments/finalizers"], "verbs": ["update"]},
-    # Units and their Services: watched (indexes), server-side applied (a PATCH that may
-    # create), deleted when a model leaves the spec.
-    {"apiGroups": ["apps"], "resources": ["statefulsets"], "verbs": ["list", "watch", "create", "patch", "delete"]},
-    {"apiGroups": [""], "resources": ["services"], "verbs": ["list", "watch", "create", "patch", "delete"]},
+    # Units and their Services: watched (indexes), created (POST), server-side applied (a PATCH),
+    # read once before the first apply to a child the operator created (its managedFields),
+    # deleted when a model leaves the spec.
+    {"apiGroups": ["apps"], "resources": ["statefulsets"], "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
+    {"apiGroups": [""], "resources": ["services"], "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
     # Each model's (and encoder pool's) PodDisruptionBudget, the same way.
     {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"],
-     "verbs": ["list", "watch", "create", "patch", "delete"]},
+     "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
     # Unit pods: read for the status.
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
     # A Pools model's unit pods: the encoders-ready readiness gate's condition, nothing else.
@@ -34,9 +35,9 @@ NAMESPACED_RULES = [
     # kopf posts Warning events (InvalidSpec).
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
 ]
-# No get (kopf lists and watches; the operator reads from kopf's indexes), no update, no
-# deletecollection, no escalate/bind/impersonate.
-WRITE_AND_WATCH = {"list", "watch", "create", "patch", "delete"}
+# get only of the children (kopf lists and watches; the operator reads from kopf's indexes), no
+# update, no deletecollection, no escalate/bind/impersonate.
+WRITE_AND_WATCH = {"get", "list", "watch", "create", "patch", "delete"}
 # kopf watches CRDs in every mode, to notice CRD changes without a restart.
 CRD_RULE = {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"],
             "verbs": ["list", "watch"]}

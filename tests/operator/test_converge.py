@@ -9,7 +9,7 @@ import yaml
 import epd_operator.reconciler as reconciler_module
 
 from epd_operator.reconciler import IndexedDeployment, Indexes, Reconciler
-from epd_operator.resources import ANNOTATION_SPEC_HASH, is_headless
+from epd_operator.resources import ANNOTATION_SPEC_HASH, FIELD_MANAGER, is_headless
 from epd_operator.settings import Settings
 from epd_operator.status import PodSummary, StatefulSetSummary
 
@@ -19,19 +19,49 @@ KEY = ("ns", "qwen-vl-regular")
 
 
 class RecordingKube:
+    """Records the calls in order, and keeps the children it holds with their managedFields as
+    the API server writes them: a POST leaves an Update entry of the field manager."""
+
     def __init__(self) -> None:
-        self.applied: list[tuple[str, str]] = []
-        self.deleted: list[tuple[str, str]] = []
+        self.live: dict[tuple[str, str], dict] = {}
+        self.calls: list[tuple[str, str, str]] = []
         self.statuses: list[dict] = []
-        self.calls: list[tuple[str, str, str]] = []  # in order
+
+    def written(self, verb: str) -> list[tuple[str, str]]:
+        return [(kind, name) for v, kind, name in self.calls if v == verb]
+
+    def _keep(self, obj: dict, operation: str) -> None:
+        entry = {"manager": FIELD_MANAGER, "operation": operation, "apiVersion": obj["apiVersion"],
+                 "fieldsType": "FieldsV1", "fieldsV1": {"f:spec": {}}}
+        self.live[obj["kind"], obj["metadata"]["name"]] = {
+            **obj, "metadata": {**obj["metadata"], "resourceVersion": "1", "managedFields": [entry]}}
+
+    async def create(self, obj):
+        self.calls.append(("create", obj["kind"], obj["metadata"]["name"]))
+        if (obj["kind"], obj["metadata"]["name"]) in self.live:
+            return False  # 409 AlreadyExists
+        self._keep(obj, "Update")
+        return True
+
+    async def get(self, kind, _namespace, name):
+        self.calls.append(("get", kind, name))
+        return self.live.get((kind, name))
+
+    async def replace_managed_fields(self, kind, _namespace, name, resource_version, entries):
+        assert resource_version == self.live[kind, name]["metadata"]["resourceVersion"]
+        self.calls.append(("own", kind, name))
+        self.live[kind, name]["metadata"]["managedFields"] = entries
 
     async def apply(self, obj):
-        self.applied.append((obj["kind"], obj["metadata"]["name"]))
         self.calls.append(("apply", obj["kind"], obj["metadata"]["name"]))
+        live = self.live.get((obj["kind"], obj["metadata"]["name"]))
+        # An apply over a child whose fields an Update entry still owns could not remove any.
+        assert live is None or all(e["operation"] == "Apply" for e in live["metadata"]["managedFields"]), live
+        self._keep(obj, "Apply")
 
     async def delete(self, kind, _namespace, name):
-        self.deleted.append((kind, name))
         self.calls.append(("delete", kind, name))
+        self.live.pop((kind, name), None)
 
     async def patch_status(self, _namespace, _name, status):
         self.statuses.append(status)
@@ -76,28 +106,53 @@ def desired(reconciler: Reconciler, b: kopf.Body) -> list[dict]:
     return reconciler.desired(b, reconciler.plan(b))
 
 
-async def test_first_pass_applies_every_child_then_nothing_while_they_match(api, reconciler):
+async def created(reconciler: Reconciler, api: RecordingKube, b: kopf.Body) -> tuple[dict, dict, dict]:
+    """The children of `b` created by a first pass, and the indexes showing them; calls cleared."""
+    await converge(reconciler, b, {}, {})
+    api.calls.clear()
+    return indexes_after(desired(reconciler, b))
+
+
+CHILDREN = [("PodDisruptionBudget", "qwen-vl-regular-default"), ("Service", "qwen-vl-regular-default"),
+            ("Service", "qwen-vl-regular-default-units"), ("StatefulSet", "qwen-vl-regular-default")]
+
+
+async def test_first_pass_creates_every_child_then_writes_nothing_while_they_match(api, reconciler):
     await converge(reconciler, body(), {}, {})
-    assert sorted(api.applied) == [("PodDisruptionBudget", "qwen-vl-regular-default"),
-                                   ("Service", "qwen-vl-regular-default"), ("Service", "qwen-vl-regular-default-units"),
-                                   ("StatefulSet", "qwen-vl-regular-default")]
+    assert sorted(api.calls) == [("create", *child) for child in CHILDREN]  # a POST each, nothing else
     indexes = indexes_after(desired(reconciler, body()))
-    api.applied.clear()
+    api.calls.clear()
     await converge(reconciler, body(), *indexes)
-    assert api.applied == [] and api.deleted == []
+    assert api.calls == []
 
 
-async def test_a_deleted_child_and_only_it_is_applied_again(api, reconciler):
-    sets, services, budgets = indexes_after(desired(reconciler, body()))
+async def test_a_deleted_child_and_only_it_is_created_again(api, reconciler):
+    sets, services, budgets = await created(reconciler, api, body())
+    del api.live["StatefulSet", "qwen-vl-regular-default"]
     # The StatefulSet shares its name with the front Service: the Service alone must not hide its loss.
     await converge(reconciler, body(), {KEY: []}, services, budgets)
-    assert api.applied == [("StatefulSet", "qwen-vl-regular-default")]
+    assert api.calls == [("create", "StatefulSet", "qwen-vl-regular-default")]
 
 
-async def test_a_spec_change_applies_the_statefulset_only(api, reconciler):
-    indexes = indexes_after(desired(reconciler, body()))
+async def test_a_spec_change_takes_over_the_created_fields_then_applies_the_statefulset_only(api, reconciler):
+    indexes = await created(reconciler, api, body())
     await converge(reconciler, body(generation=2, max_model_len=4096), *indexes)
-    assert api.applied == [("StatefulSet", "qwen-vl-regular-default")]
+    sts = ("StatefulSet", "qwen-vl-regular-default")
+    # Its Update entry becomes an Apply one first, or the apply could not remove a field.
+    assert api.calls == [("get", *sts), ("own", *sts), ("apply", *sts)]
+    api.calls.clear()
+    indexes = indexes_after(desired(reconciler, body(generation=2, max_model_len=4096)))
+    await converge(reconciler, body(generation=3, max_model_len=2048), *indexes)
+    assert api.calls == [("get", *sts), ("apply", *sts)]  # already owned by the apply
+
+
+async def test_a_child_the_indexes_do_not_show_yet_is_applied_when_it_exists(api, reconciler):
+    await created(reconciler, api, body())
+    # A restarted operator whose indexes are not filled yet: each POST answers 409.
+    await converge(reconciler, body(), {}, {})
+    for child in CHILDREN:
+        assert [call for call in api.calls if call[1:] == child] == [
+            ("create", *child), ("get", *child), ("own", *child), ("apply", *child)]
 
 
 async def test_children_of_a_removed_model_are_deleted(api, reconciler):
@@ -106,25 +161,25 @@ async def test_children_of_a_removed_model_are_deleted(api, reconciler):
     services[KEY].append(("qwen-vl-regular-old", "hash", False))
     budgets[KEY].append(("qwen-vl-regular-old", "hash"))
     await converge(reconciler, body(), sets, services, budgets)
-    assert api.applied == []
-    assert sorted(api.deleted) == [("PodDisruptionBudget", "qwen-vl-regular-old"), ("Service", "qwen-vl-regular-old"),
-                                   ("StatefulSet", "qwen-vl-regular-old")]
+    assert sorted(api.calls) == [("delete", "PodDisruptionBudget", "qwen-vl-regular-old"),
+                                 ("delete", "Service", "qwen-vl-regular-old"),
+                                 ("delete", "StatefulSet", "qwen-vl-regular-old")]
 
 
 @pytest.mark.parametrize("headless", [True, False])
 async def test_a_front_service_changing_headlessness_is_deleted_then_created(api, reconciler, headless):
     # Its clusterIP cannot change: an apply setting None is refused, one dropping it is ignored.
-    before = body(service={"headless": not headless})
-    indexes = indexes_after(desired(reconciler, before))
+    indexes = await created(reconciler, api, body(service={"headless": not headless}))
     await converge(reconciler, body(generation=2, service={"headless": headless}), *indexes)
     front = "qwen-vl-regular-default"
     assert api.calls == [("delete", "Service", front), ("apply", "Service", front)]
 
 
 async def test_a_front_service_changing_type_is_applied_in_place(api, reconciler):
-    indexes = indexes_after(desired(reconciler, body()))
+    indexes = await created(reconciler, api, body())
     await converge(reconciler, body(generation=2, service={"type": "LoadBalancer"}), *indexes)
-    assert api.calls == [("apply", "Service", "qwen-vl-regular-default")]
+    front = ("Service", "qwen-vl-regular-default")
+    assert api.calls == [("get", *front), ("own", *front), ("apply", *front)]
 
 
 async def test_the_events_tell_a_rollouts_story(api):
@@ -172,20 +227,20 @@ def pools_body(generation: int, placement: str) -> kopf.Body:
 
 
 async def test_switching_to_pools_adds_the_pool_and_back_deletes_it(api, reconciler):
-    unit_indexes = indexes_after(desired(reconciler, body()))
+    unit_indexes = await created(reconciler, api, body())
     await converge(reconciler, pools_body(2, "Pools"), *unit_indexes)
-    assert sorted(api.applied) == [("PodDisruptionBudget", "qwen-vl-regular-default-encoders"),
-                                   ("Service", "qwen-vl-regular-default-encoders"),
-                                   ("StatefulSet", "qwen-vl-regular-default"),
-                                   ("StatefulSet", "qwen-vl-regular-default-encoders")]
-    assert api.deleted == []
+    assert sorted(api.written("create")) == [("PodDisruptionBudget", "qwen-vl-regular-default-encoders"),
+                                             ("Service", "qwen-vl-regular-default-encoders"),
+                                             ("StatefulSet", "qwen-vl-regular-default-encoders")]
+    assert api.written("apply") == [("StatefulSet", "qwen-vl-regular-default")]
+    assert api.written("delete") == []
     pool_indexes = indexes_after(desired(reconciler, pools_body(2, "Pools")))
-    api.applied.clear()
+    api.calls.clear()
     await converge(reconciler, pools_body(3, "Unit"), *pool_indexes)
-    assert api.applied == [("StatefulSet", "qwen-vl-regular-default")]
-    assert sorted(api.deleted) == [("PodDisruptionBudget", "qwen-vl-regular-default-encoders"),
-                                   ("Service", "qwen-vl-regular-default-encoders"),
-                                   ("StatefulSet", "qwen-vl-regular-default-encoders")]
+    assert api.written("apply") == [("StatefulSet", "qwen-vl-regular-default")] and api.written("create") == []
+    assert sorted(api.written("delete")) == [("PodDisruptionBudget", "qwen-vl-regular-default-encoders"),
+                                             ("Service", "qwen-vl-regular-default-encoders"),
+                                             ("StatefulSet", "qwen-vl-regular-default-encoders")]
 
 
 class GateRecordingKube(RecordingKube):

@@ -177,3 +177,34 @@ def test_the_front_service_moves_between_cluster_ip_headless_and_load_balancer(c
     assert condition(obj, "Ready")["status"] == "True"
     warnings = get_json(cluster, "events", "-n", namespace, "--field-selector", "type=Warning")["items"]
     assert [e["reason"] for e in warnings if e["involvedObject"]["name"] == NAME] == []
+
+
+def test_what_the_spec_stops_setting_leaves_children_the_operator_created(cluster, namespace, epd_operator):
+    """Children are created by POST, which leaves their fields to an Update entry of the field
+    manager; the operator turns it into its Apply entry before the next apply, or an env var or
+    annotation dropped from the spec would stay on the child forever."""
+    def env(sts):
+        return {e["name"] for c in sts["spec"]["template"]["spec"]["containers"] for e in c.get("env") or []}
+
+    def managers(obj):
+        return sorted((e["manager"], e["operation"]) for e in obj["metadata"]["managedFields"]
+                      if e["manager"] == "epd-operator")
+
+    apply(cluster, namespace, env=[{"name": "EXTRA_SETTING", "value": "1"}],
+          service={"annotations": {"lb.example/internal": "true"}})
+    created = wait_for(lambda: get_json(cluster, "statefulset", STS, "-n", namespace, "--show-managed-fields"), 60,
+                       "the StatefulSet")
+    assert "EXTRA_SETTING" in env(created)
+    assert managers(created) == [("epd-operator", "Update")], "created by POST"
+    apply(cluster, namespace)  # neither any more
+    wait_for(lambda: "EXTRA_SETTING" not in env(get_json(cluster, "statefulset", STS, "-n", namespace)), 60,
+             "the env var gone", lambda: json.dumps(get_json(cluster, "statefulset", STS, "-n", namespace)["spec"]))
+    wait_for(lambda: "lb.example/internal" not in get_json(cluster, "service", STS, "-n", namespace)["metadata"]["annotations"],
+             60, "the annotation gone")
+    sts = get_json(cluster, "statefulset", STS, "-n", namespace, "--show-managed-fields")
+    service = get_json(cluster, "service", STS, "-n", namespace, "--show-managed-fields")
+    assert managers(sts) == managers(service) == [("epd-operator", "Apply")]
+    # Fields the API server defaulted at creation were owned too, and are defaulted again.
+    container = sts["spec"]["template"]["spec"]["containers"][0]
+    assert container["terminationMessagePath"] == "/dev/termination-log" and sts["spec"]["revisionHistoryLimit"] == 10
+    ready_units(cluster, namespace, 1, updated=True)

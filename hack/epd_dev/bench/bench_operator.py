@@ -569,7 +569,7 @@ async def write_like_the_operator(cluster: LocalCluster, namespace: str, documen
     """A STAND-IN for the operator, to measure the floor: the API server's share of convergence.
     POSTs the EPDDeployments (8 at a time, as ``create_all``) and, for each as soon as its POST
     returns, makes the operator's writes through its own client (``Kube``): the children its
-    Reconciler plans (spec-hash annotations included), server-side applied in parallel, then a
+    Reconciler plans (spec-hash annotations included), created by POST in parallel, then a
     status patch for the generation (only observedGeneration: the least such a write can be);
     ``workers`` at a time, as the operator's queue. No watch, no kopf event handling, no index."""
     connection = kopf.ConnectionInfo(server=cluster.server, ca_path=cluster.pki / "ca.crt",
@@ -589,7 +589,7 @@ async def write_like_the_operator(cluster: LocalCluster, namespace: str, documen
             async with controlled:
                 owner = kopf.Body(body)
                 children = reconciler.desired(owner, reconciler.plan(owner))
-                await asyncio.gather(*(kube.apply(child) for child in children))
+                await asyncio.gather(*(kube.create(child) for child in children))
                 metadata = body["metadata"]
                 await kube.patch_status(namespace, metadata["name"], {"observedGeneration": metadata["generation"]})
 
