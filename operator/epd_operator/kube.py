@@ -1,8 +1,8 @@
 """The few Kubernetes API calls the operator makes, over one pooled aiohttp session.
 
 kopf watches and indexes; this module writes: children (created by POST, changed by server-side
-apply), status patches, deletes (and the readiness-gate condition of Pools units' pods). It reuses kopf's credentials
-and kopf's own HTTP library (aiohttp), so the heavy `kubernetes` client is never imported by
+apply), status patches, deletes (and the readiness-gate condition of Pools units' pods). It
+reuses kopf's credentials and kopf's own HTTP library (aiohttp), so the heavy `kubernetes` client is never imported by
 the operator (kopf's docs found it dominates a small operator's memory). aiohttp rather than
 httpx: profiling 1,000 EPDDeployments showed httpcore's pool spending a third of the
 operator's CPU re-scanning its queue of waiting requests.
@@ -66,9 +66,9 @@ class Kube:
     async def create(self, obj: dict[str, Any]) -> bool:
         """POST a child with our field manager; False if it exists already. About half the API
         server's work of a server-side apply creating it (see managedfields.py for the catch)."""
-        collection = CHILD_KINDS[obj["kind"]].format(ns=obj["metadata"]["namespace"])
         try:
-            await self._call("POST", collection, obj, "application/json", params={"fieldManager": FIELD_MANAGER})
+            await self._call("POST", _child_path(obj["kind"], obj["metadata"]["namespace"]), obj, "application/json",
+                             params={"fieldManager": FIELD_MANAGER})
         except KubeError as error:
             if error.status_code == 409:
                 return False
@@ -78,7 +78,7 @@ class Kube:
     async def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         """A child as it is now, None if there is none."""
         try:
-            return json.loads(await self._call("GET", f"{CHILD_KINDS[kind].format(ns=namespace)}/{name}", None,
+            return json.loads(await self._call("GET", _child_path(kind, namespace, name), None,
                                                "application/json"))  # type: ignore[no-any-return]
         except KubeError as error:
             if error.status_code == 404:
@@ -90,19 +90,17 @@ class Kube:
         """Write a child's metadata.managedFields, only if it is still at `resource_version`."""
         patch = [{"op": "test", "path": "/metadata/resourceVersion", "value": resource_version},
                  {"op": "replace", "path": "/metadata/managedFields", "value": entries}]
-        await self._call("PATCH", f"{CHILD_KINDS[kind].format(ns=namespace)}/{name}", patch,
-                         "application/json-patch+json")
+        await self._call("PATCH", _child_path(kind, namespace, name), patch, "application/json-patch+json")
 
     async def apply(self, obj: dict[str, Any]) -> None:
         """Server-side apply with our field manager, forcing ownership of the fields we set."""
-        collection = CHILD_KINDS[obj["kind"]].format(ns=obj["metadata"]["namespace"])
-        await self._call("PATCH", f"{collection}/{obj['metadata']['name']}", obj, "application/apply-patch+yaml",
-                         params={"fieldManager": FIELD_MANAGER, "force": "true"})
+        metadata = obj["metadata"]
+        await self._call("PATCH", _child_path(obj["kind"], metadata["namespace"], metadata["name"]), obj,
+                         "application/apply-patch+yaml", params={"fieldManager": FIELD_MANAGER, "force": "true"})
 
     async def delete(self, kind: str, namespace: str, name: str) -> None:
-        collection = CHILD_KINDS[kind].format(ns=namespace)
         try:
-            await self._call("DELETE", f"{collection}/{name}", {"propagationPolicy": "Background"},
+            await self._call("DELETE", _child_path(kind, namespace, name), {"propagationPolicy": "Background"},
                              "application/json")
         except KubeError as error:
             if error.status_code != 404:
@@ -127,3 +125,9 @@ class Kube:
         except KubeError as error:
             if error.status_code != 404:  # deleted meanwhile: nothing left to report on
                 raise
+
+
+def _child_path(kind: str, namespace: str, name: str = "") -> str:
+    """The collection of a kind of child in a namespace, or one child of it."""
+    collection = CHILD_KINDS[kind].format(ns=namespace)
+    return f"{collection}/{name}" if name else collection
