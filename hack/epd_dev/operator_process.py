@@ -28,7 +28,7 @@ def free_port() -> int:
 
 def install_crd(cluster: Any) -> None:
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD))
-    cluster.kubectl("wait", "--for=condition=Established", "crd/epddeployments.epd.vime.dev", "--timeout=60s")
+    cluster.wait_established("epddeployments.epd.vime.dev")
 
 
 class OperatorProcess:

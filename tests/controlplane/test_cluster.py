@@ -189,9 +189,9 @@ def widget(name: str, low: int, high: int) -> str:
             f"spec: {{min: {low}, max: {high}}}\n")
 
 
-def test_crd_cel_rule_rejects_bad_object_at_apply(kubectl, namespace) -> None:
+def test_crd_cel_rule_rejects_bad_object_at_apply(cluster, kubectl, namespace) -> None:
     kubectl("apply", "-f", "-", input=CRD)
-    kubectl("wait", "--for=condition=Established", "crd/widgets.test.epd.dev", "--timeout=60s")
+    cluster.wait_established("widgets.test.epd.dev")
 
     kubectl("apply", "-n", namespace, "-f", "-", input=widget("good", 1, 2))
     bad = kubectl("apply", "-n", namespace, "-f", "-", input=widget("bad", 3, 2), check=False)

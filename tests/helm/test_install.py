@@ -37,7 +37,7 @@ def test_install_upgrade_uninstall(cluster, kubectl, namespace, release):
     # --- install: every namespace, no peering
     rel.install()
     for crd in CHART_CRDS:
-        kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
+        cluster.wait_established(crd)
         if crd in absent_before:  # otherwise another test installed it first and helm left it be
             fields = get(kubectl, "crd", crd, "--show-managed-fields")["metadata"]["managedFields"]
             managers = {entry["manager"] for entry in fields}
