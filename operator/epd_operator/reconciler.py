@@ -241,12 +241,20 @@ class Reconciler:
         self.metrics.forget_invalid(namespace, name)
         self.metrics.observe_stage("plan", time.perf_counter() - started)
         try:
+            refused: KubeError | None = None
             began = time.perf_counter()
-            if await self.converge(body, planned):
-                self.metrics.observe_stage("apply", time.perf_counter() - began)
+            try:
+                if await self.converge(body, planned):
+                    self.metrics.observe_stage("apply", time.perf_counter() - began)
+            except KubeError as error:
+                if error.namespace_gone:
+                    raise
+                refused = error  # said in the status (Degraded, ApplyFailed), then retried
             began = time.perf_counter()
-            if await self.write_status(body, planned):
+            if await self.write_status(body, planned, write_error=str(refused) if refused else None):
                 self.metrics.observe_stage("status", time.perf_counter() - began)
+            if refused is not None:
+                raise refused
             # After the status: a refused pod patch (an older chart's RBAC) must not hide it.
             await self.open_gates(body, planned)
         except Exception:
@@ -364,8 +372,9 @@ class Reconciler:
         await asyncio.gather(*(self.kube.patch_pod_condition(namespace, pod, condition)
                                for pod, condition in gates.items()))
 
-    async def write_status(self, body: kopf.Body, planned: Planned) -> bool:
-        """Patch the status if it changed; True if it did."""
+    async def write_status(self, body: kopf.Body, planned: Planned, *, write_error: str | None = None) -> bool:
+        """Patch the status if it changed; True if it did. `write_error`: why a child could not
+        be written (a repeated refusal with the same message writes nothing more)."""
         indexes = self._require_indexes()
         namespace, name = body.metadata.namespace, body.metadata.name
         pods = self._pods((namespace, name))
@@ -375,7 +384,7 @@ class Reconciler:
             deployment=name, spec=planned.spec, plans=planned.plans, pods=pods, stateful_sets=sets,
             generation=body.metadata.get("generation"), previous=previous, now=_now(),
             evictions=self.scraper.evictions((namespace, name)),
-            fallback_encodes=self.scraper.fallback_encodes((namespace, name)),
+            fallback_encodes=self.scraper.fallback_encodes((namespace, name)), write_error=write_error,
         )
         self.metrics.set_ready_units(namespace, name, sum(m["readyUnits"] for m in status["models"]))
         self._written[(namespace, name)] = _status_hash(status)

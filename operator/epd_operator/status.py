@@ -302,10 +302,12 @@ def compute_status(
     now: str,
     evictions: Mapping[str, int] | None = None,
     fallback_encodes: Mapping[str, int] | None = None,
+    write_error: str | None = None,
 ) -> dict[str, Any]:
     """The full status from the pods and StatefulSets of this deployment (each by name);
     `evictions`, `fallback_encodes`: budget evictions and consumers' fallback encodes by unit
-    name, for the units whose janitor the operator scraped."""
+    name, for the units whose janitor the operator scraped; `write_error`: the API server's
+    refusal of a child this reconcile had to write (the spec is not applied until it goes)."""
     models: list[api.ModelStatus] = []
     units: list[Unit] = []
     pools: list[Pool] = []
@@ -384,7 +386,10 @@ def compute_status(
     _set(conditions, before, now, generation, "Progressing", progressing, progress_reason, progress_message)
 
     broken = [u for u in unready if not u.starting]
-    if stalled:
+    if write_error:
+        _set(conditions, before, now, generation, "Degraded", True, "ApplyFailed",
+             f"the spec is not applied, retrying with backoff: {write_error}")
+    elif stalled:
         # The StatefulSet replaces no further pod while one is unavailable: say which and why.
         _set(conditions, before, now, generation, "Degraded", True, "RolloutStalled",
              f"rollout stopped at {updated}: {_describe(stalled)}; no further pod is replaced until it is "
@@ -397,7 +402,9 @@ def compute_status(
     _set(conditions, before, now, generation, "ECBudgetSufficient", not warnings,
          "BudgetTooSmall" if warnings else "Sufficient", "; ".join(warnings))
 
-    if not unready:
+    if write_error:
+        phase = "Degraded"  # even with every unit Ready: they do not run the current spec
+    elif not unready:
         phase = "Ready"
     elif broken:
         phase = "Degraded"

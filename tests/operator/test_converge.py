@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import kopf
 import pytest
 import yaml
 
 import epd_operator.reconciler as reconciler_module
 
+from epd_operator.kube import KubeError
 from epd_operator.reconciler import IndexedDeployment, Indexes, Reconciler
 from epd_operator.resources import ANNOTATION_SPEC_HASH, FIELD_MANAGER, is_headless
 from epd_operator.settings import Settings
@@ -341,6 +344,51 @@ async def test_the_stage_metrics_time_what_a_reconcile_wrote_and_skip_what_it_di
     await reconciler.reconcile(kopf.Body({**body(), "status": api.statuses[-1]}))
     assert (count("plan"), count("apply"), count("status")) == (3, 1, 2)
     assert len(api.statuses) == 2
+
+
+class RefusingKube(RecordingKube):
+    """Refuses to create one child, as a quota or an admission webhook would, until `allow()`."""
+
+    REFUSAL = 'services "qwen-vl-regular-default" is forbidden: exceeded quota: q, requested: services=1'
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refusing = True
+
+    async def create(self, obj):
+        if self.refusing and obj["kind"] == "Service" and not obj["metadata"]["name"].endswith("-units"):
+            self.calls.append(("refused", obj["kind"], obj["metadata"]["name"]))
+            raise KubeError("POST", "/api/v1/namespaces/ns/services", 403, json.dumps({"message": self.REFUSAL}))
+        return await super().create(obj)
+
+
+def degraded(status: dict) -> dict:
+    return next(c for c in status["conditions"] if c["type"] == "Degraded")
+
+
+async def test_a_refused_child_is_said_in_the_status_once_retried_and_cleared_when_it_goes():
+    api = RefusingKube()
+    reconciler = Reconciler(Settings(janitor_image="epd-operator:test"), kube=api)
+    reconciler.watch(Indexes(deployments={}, unit_sets={}, unit_services={}, unit_pods={}))
+    with pytest.raises(KubeError, match="exceeded quota"):  # raised on: the work queue retries it
+        await reconciler.reconcile(body())
+    (status,) = api.statuses
+    assert status["observedGeneration"] == 1 and status["phase"] == "Degraded"
+    condition = degraded(status)
+    assert (condition["status"], condition["reason"]) == ("True", "ApplyFailed")
+    assert "POST /api/v1/namespaces/ns/services: 403" in condition["message"] and api.REFUSAL in condition["message"]
+    assert ("create", "StatefulSet", "qwen-vl-regular-default") in api.calls  # the others were written
+
+    # Retried while the refusal lasts: the same status, so no second write.
+    with pytest.raises(KubeError):
+        await reconciler.reconcile(kopf.Body({**body(), "status": status}))
+    assert len(api.statuses) == 1
+
+    api.refusing = False
+    await reconciler.reconcile(kopf.Body({**body(), "status": status}))
+    assert degraded(api.statuses[-1])["reason"] != "ApplyFailed"
+    assert api.statuses[-1]["phase"] != "Degraded"
+    assert ("Service", "qwen-vl-regular-default") in api.live
 
 
 def test_a_cached_generation_is_not_validated_again_and_renders_the_same_plans(reconciler, monkeypatch):

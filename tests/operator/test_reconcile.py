@@ -219,6 +219,27 @@ def test_invalid_spec_creates_nothing_and_is_reported(cluster, namespace, epd_op
     assert 'epd_invalid_specs 1.0' in epd_operator.metrics()
 
 
+def test_a_child_the_api_server_refuses_is_reported_in_the_status_and_created_once_allowed(
+        cluster, namespace, epd_operator):
+    quota = {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "one-service"},
+             "spec": {"hard": {"services": "1"}}}
+    apply(cluster, namespace, quota)
+    # Quota admission refuses every Service until the quota controller has counted the usage.
+    wait_for(lambda: get_json(cluster, "resourcequota", "one-service", "-n", namespace).get("status", {}).get("hard"),
+             30, "the quota counted")
+    apply(cluster, namespace, EXAMPLES / "encoder-regular.yaml")  # two Services: one is refused
+    obj = wait_condition(cluster, namespace, "qwen-vl-regular", "Degraded", "True", timeout=60)
+    degraded = condition(obj, "Degraded")
+    assert degraded["reason"] == "ApplyFailed", degraded
+    assert "services" in degraded["message"] and "exceeded quota: one-service" in degraded["message"]
+    assert obj["status"]["phase"] == "Degraded"
+
+    cluster.kubectl("delete", "resourcequota", "one-service", "-n", namespace)
+    obj = wait_condition(cluster, namespace, "qwen-vl-regular", "Ready", "True", timeout=120)
+    assert condition(obj, "Degraded")["reason"] == "AsExpected"
+    assert len(children(cluster, namespace, "qwen-vl-regular")["services"]) == 2
+
+
 def test_killed_operator_converges_without_duplicates(cluster, namespace, epd_operator):
     base = yaml.safe_load((EXAMPLES / "encoder-regular.yaml").read_text())
     names = [f"unit-{i}" for i in range(6)]
