@@ -119,6 +119,7 @@ async def pod_changed(memo: kopf.Memo, namespace: str, labels: kopf.Labels, **_:
 async def set_changed(memo: kopf.Memo, type: str | None, namespace: str, labels: kopf.Labels, meta: kopf.Meta,
                       **_: Any) -> None:
     key = (namespace, labels[LABEL_DEPLOYMENT])
+    memo.reconciler.observed(key, "StatefulSet", meta.name)
     if type != "DELETED" and memo.reconciler.confirms(key, "StatefulSet", meta.name,
                                                       meta.annotations.get(ANNOTATION_SPEC_HASH)):
         # The status reads its rollout fields: a refresh, coalesced with the pods' events.
@@ -132,6 +133,7 @@ async def set_changed(memo: kopf.Memo, type: str | None, namespace: str, labels:
 async def child_changed(memo: kopf.Memo, type: str | None, namespace: str, labels: kopf.Labels, body: kopf.Body,
                         meta: kopf.Meta, **_: Any) -> None:
     key = (namespace, labels[LABEL_DEPLOYMENT])
+    memo.reconciler.observed(key, body["kind"], meta.name)
     # The status reads neither Services nor budgets: a confirming event has nothing to refresh.
     if type == "DELETED" or not memo.reconciler.confirms(key, body["kind"], meta.name,
                                                           meta.annotations.get(ANNOTATION_SPEC_HASH)):

@@ -129,6 +129,10 @@ class Reconciler:
         self._plans: collections.OrderedDict[tuple[Any, ...], CheckedGeneration | SpecError] = collections.OrderedDict()
         self._background: set[asyncio.Task[None]] = set()
         self._written: dict[Key, str] = {}  # hash of the status last written (or found right), per key
+        self._refusals: dict[Key, str] = {}  # the API server's refusal of a child, until a write goes
+        # Children created and not seen by a watch yet, with their hashes and until when they count
+        # (kcm's controllers' "expectations"): a reconcile in between does not create them again.
+        self._created: dict[Key, dict[tuple[str, str], tuple[str, float]]] = {}
         self.scraper = JanitorScraper(warn=warn, changed=self.enqueue, rate=self.settings.janitor_scrape_rate)
 
     # ------------------------------------------------------------------ wiring (handlers.py)
@@ -159,6 +163,14 @@ class Reconciler:
             return isinstance(planned, CheckedGeneration) and digest is not None and planned.digests.get((kind, name)) == digest
         return False
 
+    def observed(self, key: Key, kind: str, name: str) -> None:
+        """A watch event of this child came (added, changed or deleted): the indexes tell from now on."""
+        created = self._created.get(key)
+        if created is not None:
+            created.pop((kind, name), None)
+            if not created:
+                del self._created[key]
+
     def enqueue(self, key: Key, *, urgent: bool = False) -> None:
         self._work_queue().add(key, urgent=urgent)
 
@@ -168,6 +180,8 @@ class Reconciler:
     def forget(self, key: Key) -> None:
         """The EPDDeployment is gone."""
         self._written.pop(key, None)
+        self._refusals.pop(key, None)
+        self._created.pop(key, None)
         self.metrics.forget(*key)
         if self._queue is not None:
             self._queue.forget(key)
@@ -241,18 +255,17 @@ class Reconciler:
         self.metrics.forget_invalid(namespace, name)
         self.metrics.observe_stage("plan", time.perf_counter() - started)
         try:
-            refused: KubeError | None = None
-            began = time.perf_counter()
-            try:
-                if await self.converge(body, planned):
-                    self.metrics.observe_stage("apply", time.perf_counter() - began)
-            except KubeError as error:
-                if error.namespace_gone:
-                    raise
-                refused = error  # said in the status (Degraded, ApplyFailed), then retried
-            began = time.perf_counter()
-            if await self.write_status(body, planned, write_error=str(refused) if refused else None):
-                self.metrics.observe_stage("status", time.perf_counter() - began)
+            # The status goes out with the children, not after them: it is computed from the
+            # indexes, which show none of this reconcile's writes yet either way.
+            refused, _ = await asyncio.gather(self._converge_timed(body, planned), self._write_status_timed(body, planned))
+            key = (namespace, name)
+            refusal = str(refused) if refused else None
+            if refusal != self._refusals.get(key):  # said in the status until a write goes through
+                if refusal is None:
+                    del self._refusals[key]
+                else:
+                    self._refusals[key] = refusal
+                await self.write_status(body, planned)
             if refused is not None:
                 raise refused
             # After the status: a refused pod patch (an older chart's RBAC) must not hide it.
@@ -261,6 +274,23 @@ class Reconciler:
             self.metrics.observe_reconcile("error", time.perf_counter() - started)
             raise
         self.metrics.observe_reconcile("success", time.perf_counter() - started)
+
+    async def _converge_timed(self, body: kopf.Body, planned: Planned) -> KubeError | None:
+        """converge(), timed; the API server's refusal of a child is returned, not raised."""
+        began = time.perf_counter()
+        try:
+            if await self.converge(body, planned):
+                self.metrics.observe_stage("apply", time.perf_counter() - began)
+        except KubeError as error:
+            if error.namespace_gone:
+                raise
+            return error
+        return None
+
+    async def _write_status_timed(self, body: kopf.Body, planned: Planned) -> None:
+        began = time.perf_counter()
+        if await self.write_status(body, planned):
+            self.metrics.observe_stage("status", time.perf_counter() - began)
 
     def plan(self, body: kopf.Body) -> Planned:
         """validate() and render() of the body's spec, and its children's hashes. What they
@@ -321,24 +351,44 @@ class Reconciler:
             **{("Service", name): digest for name, digest, _ in services},
             **{("PodDisruptionBudget", name): digest for name, digest in indexes.unit_budgets.get(key, [])},
         }
+        existing = {**self._created_unseen(key), **existing}
         # Level-based, but cheap: children already carrying their exact desired state are left
         # alone, and are not even built again when the remembered hashes show that.
         stale = {ref for ref, digest in planned.digests.items() if existing.get(ref) != digest}
         if stale:
-            await asyncio.gather(*(self._write(c, existing.keys(), headless)
+            await asyncio.gather(*(self._write(key, c, existing.keys(), headless)
                                    for c in self.desired(body, planned) if _ref(c) in stale))
         removed = existing.keys() - planned.digests.keys()  # children of a model removed from the spec
         for kind, name in removed:
             await self.kube.delete(kind, key[0], name)
         return bool(stale or removed)
 
-    async def _write(self, child: dict[str, Any], existing: Set[tuple[str, str]],
+    def _created_unseen(self, key: Key) -> dict[tuple[str, str], str]:
+        """The children this operator created whose watch event has not come, with their hashes.
+        (Created again, one would be refused, yet a Service's POST allocates and frees a ClusterIP
+        under the API server's one lock.) Past `created_settle_seconds` one counts as missing
+        again; a reconcile is queued for then."""
+        created = self._created.get(key)
+        if not created:
+            return {}
+        now = time.monotonic()
+        for ref in [ref for ref, (_, until) in created.items() if until <= now]:
+            del created[ref]
+        if not created:
+            del self._created[key]
+            return {}
+        self.enqueue_after(key, max(until for _, until in created.values()) - now)
+        return {ref: digest for ref, (digest, _) in created.items()}
+
+    async def _write(self, key: Key, child: dict[str, Any], existing: Set[tuple[str, str]],
                      headless: Mapping[str, bool]) -> None:
         """Create a child the indexes do not show (a POST: the API server's cheapest write);
         server-side apply one that exists. An existing Service whose headlessness must flip is
         deleted first (its clusterIP cannot change)."""
         kind, name = _ref(child)
         if (kind, name) not in existing and await self.kube.create(child):
+            until = time.monotonic() + self.settings.created_settle_seconds
+            self._created.setdefault(key, {})[kind, name] = (child["metadata"]["annotations"][ANNOTATION_SPEC_HASH], until)
             return
         namespace = child["metadata"]["namespace"]
         if kind == "Service" and name in headless and headless[name] != is_headless(child):
@@ -372,9 +422,8 @@ class Reconciler:
         await asyncio.gather(*(self.kube.patch_pod_condition(namespace, pod, condition)
                                for pod, condition in gates.items()))
 
-    async def write_status(self, body: kopf.Body, planned: Planned, *, write_error: str | None = None) -> bool:
-        """Patch the status if it changed; True if it did. `write_error`: why a child could not
-        be written (a repeated refusal with the same message writes nothing more)."""
+    async def write_status(self, body: kopf.Body, planned: Planned) -> bool:
+        """Patch the status if it changed; True if it did (a refusal said again writes nothing)."""
         indexes = self._require_indexes()
         namespace, name = body.metadata.namespace, body.metadata.name
         pods = self._pods((namespace, name))
@@ -384,7 +433,7 @@ class Reconciler:
             deployment=name, spec=planned.spec, plans=planned.plans, pods=pods, stateful_sets=sets,
             generation=body.metadata.get("generation"), previous=previous, now=_now(),
             evictions=self.scraper.evictions((namespace, name)),
-            fallback_encodes=self.scraper.fallback_encodes((namespace, name)), write_error=write_error,
+            fallback_encodes=self.scraper.fallback_encodes((namespace, name)), write_error=self._refusals.get((namespace, name)),
         )
         self.metrics.set_ready_units(namespace, name, sum(m["readyUnits"] for m in status["models"]))
         self._written[(namespace, name)] = _status_hash(status)

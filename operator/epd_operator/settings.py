@@ -32,6 +32,9 @@ class Settings:
     """Longest backoff of a failing reconcile."""
     status_debounce_seconds: float = 0.2
     """Pod events come in bursts (all containers of a unit flip at once): coalesce them."""
+    created_settle_seconds: float = 5.0
+    """How long a child this operator created counts as existing while no watch event of it has
+    come (a loaded API server delivers it well within a second)."""
     plan_cache_size: int = 4096
     """Validated specs and their children's hashes kept (one per EPDDeployment generation,
     about 1.5 KB each); past it a child's event queues a reconcile that finds nothing to do."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import kopf
@@ -76,8 +77,10 @@ def api() -> RecordingKube:
 
 
 @pytest.fixture
-def reconciler(api) -> Reconciler:
-    return Reconciler(Settings(janitor_image="epd-operator:test"), kube=api)
+async def reconciler(api):
+    reconciler = Reconciler(Settings(janitor_image="epd-operator:test", janitor_scrape_interval=0), kube=api)
+    yield reconciler
+    await reconciler.aclose()  # the work queue a reconcile may have started (a timer, below)
 
 
 def body(generation: int = 1, max_model_len: int | None = None, **spec_changes) -> kopf.Body:
@@ -110,8 +113,11 @@ def desired(reconciler: Reconciler, b: kopf.Body) -> list[dict]:
 
 
 async def created(reconciler: Reconciler, api: RecordingKube, b: kopf.Body) -> tuple[dict, dict, dict]:
-    """The children of `b` created by a first pass, and the indexes showing them; calls cleared."""
+    """The children of `b` created by a first pass, and the indexes showing them (their watch
+    events came); calls cleared."""
     await converge(reconciler, b, {}, {})
+    for kind, name in CHILDREN:
+        reconciler.observed(KEY, kind, name)
     api.calls.clear()
     return indexes_after(desired(reconciler, b))
 
@@ -152,10 +158,37 @@ async def test_a_spec_change_takes_over_the_created_fields_then_applies_the_stat
 async def test_a_child_the_indexes_do_not_show_yet_is_applied_when_it_exists(api, reconciler):
     await created(reconciler, api, body())
     # A restarted operator whose indexes are not filled yet: each POST answers 409.
-    await converge(reconciler, body(), {}, {})
+    restarted = Reconciler(Settings(janitor_image="epd-operator:test", janitor_scrape_interval=0), kube=api)
+    await converge(restarted, body(), {}, {})
     for child in CHILDREN:
         assert [call for call in api.calls if call[1:] == child] == [
             ("create", *child), ("get", *child), ("own", *child), ("apply", *child)]
+
+
+async def test_a_child_created_is_not_created_again_until_its_watch_event_or_the_settle_time(api):
+    reconciler = Reconciler(Settings(janitor_image="epd-operator:test", janitor_scrape_interval=0,
+                                     created_settle_seconds=0.3), kube=api)
+    try:
+        await converge(reconciler, body(), {}, {})
+        api.calls.clear()
+        # A reconcile before any of their events came (a pod event, a status refresh): no second
+        # POST, which for a Service would allocate and free a ClusterIP.
+        await converge(reconciler, body(), {}, {})
+        assert api.calls == []
+        # The StatefulSet's events came and it is gone (deleted by someone): created again.
+        reconciler.observed(KEY, "StatefulSet", "qwen-vl-regular-default")
+        del api.live["StatefulSet", "qwen-vl-regular-default"]
+        await converge(reconciler, body(), {}, {})
+        assert api.calls == [("create", "StatefulSet", "qwen-vl-regular-default")]
+        # No event of any within the settle time: they count as missing again, and a reconcile
+        # was queued for then, which POSTs them (409: they exist) and takes them over.
+        reconciler.watch(Indexes(deployments={KEY: [IndexedDeployment.of(body())]}, unit_sets={},
+                                 unit_services={}, unit_pods={}))
+        api.calls.clear()
+        await asyncio.sleep(0.6)
+        assert {call[1:] for call in api.calls if call[0] == "create"} == set(CHILDREN)
+    finally:
+        await reconciler.aclose()
 
 
 async def test_children_of_a_removed_model_are_deleted(api, reconciler):
@@ -372,17 +405,19 @@ async def test_a_refused_child_is_said_in_the_status_once_retried_and_cleared_wh
     reconciler.watch(Indexes(deployments={}, unit_sets={}, unit_services={}, unit_pods={}))
     with pytest.raises(KubeError, match="exceeded quota"):  # raised on: the work queue retries it
         await reconciler.reconcile(body())
-    (status,) = api.statuses
+    # The status went out with the children, then again once the refusal was known.
+    first, status = api.statuses
+    assert degraded(first)["reason"] != "ApplyFailed"
     assert status["observedGeneration"] == 1 and status["phase"] == "Degraded"
     condition = degraded(status)
     assert (condition["status"], condition["reason"]) == ("True", "ApplyFailed")
     assert "POST /api/v1/namespaces/ns/services: 403" in condition["message"] and api.REFUSAL in condition["message"]
     assert ("create", "StatefulSet", "qwen-vl-regular-default") in api.calls  # the others were written
 
-    # Retried while the refusal lasts: the same status, so no second write.
+    # Retried while the refusal lasts: the same status, so no further write.
     with pytest.raises(KubeError):
         await reconciler.reconcile(kopf.Body({**body(), "status": status}))
-    assert len(api.statuses) == 1
+    assert len(api.statuses) == 2
 
     api.refusing = False
     await reconciler.reconcile(kopf.Body({**body(), "status": status}))
