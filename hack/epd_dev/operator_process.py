@@ -28,7 +28,16 @@ def free_port() -> int:
 
 def install_crd(cluster: Any) -> None:
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD))
-    cluster.wait_established("epddeployments.epd.vime.dev")
+    wait_established(cluster.kubectl, "epddeployments.epd.vime.dev")
+
+
+def wait_established(kubectl: Callable[..., Any], crd: str, timeout: float = 60) -> None:
+    """Until the CRD is served, through any cluster's `kubectl`. (`kubectl wait
+    --for=condition=Established` just after the apply fails at once while the CRD has no
+    conditions yet: "<nil> is of the type <nil>".)"""
+    query = '{.status.conditions[?(@.type=="Established")].status}'
+    wait_for(lambda: kubectl("get", "crd", crd, "-o", f"jsonpath={query}", check=False).stdout.strip() == "True",
+             timeout, f"crd/{crd} Established")
 
 
 class OperatorProcess:

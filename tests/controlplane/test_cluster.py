@@ -26,7 +26,7 @@ from epd_dev.localcluster import (
 )
 from epd_dev.localcluster.cluster import alive_components
 
-from epd_dev.operator_process import wait_for
+from epd_dev.operator_process import wait_established, wait_for
 
 from .fixtures import require_binaries
 
@@ -189,9 +189,9 @@ def widget(name: str, low: int, high: int) -> str:
             f"spec: {{min: {low}, max: {high}}}\n")
 
 
-def test_crd_cel_rule_rejects_bad_object_at_apply(cluster, kubectl, namespace) -> None:
+def test_crd_cel_rule_rejects_bad_object_at_apply(kubectl, namespace) -> None:
     kubectl("apply", "-f", "-", input=CRD)
-    cluster.wait_established("widgets.test.epd.dev")
+    wait_established(kubectl, "widgets.test.epd.dev")
 
     kubectl("apply", "-n", namespace, "-f", "-", input=widget("good", 1, 2))
     bad = kubectl("apply", "-n", namespace, "-f", "-", input=widget("bad", 3, 2), check=False)

@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from epd_dev.operator_process import wait_established
+
 from .chart import CHART, ROOT, documents
 
 pytestmark = pytest.mark.cluster
@@ -37,7 +39,7 @@ def test_install_upgrade_uninstall(cluster, kubectl, namespace, release):
     # --- install: every namespace, no peering
     rel.install()
     for crd in CHART_CRDS:
-        cluster.wait_established(crd)
+        wait_established(kubectl, crd)
         if crd in absent_before:  # otherwise another test installed it first and helm left it be
             fields = get(kubectl, "crd", crd, "--show-managed-fields")["metadata"]["managedFields"]
             managers = {entry["manager"] for entry in fields}

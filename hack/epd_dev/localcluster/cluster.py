@@ -400,16 +400,6 @@ class LocalCluster:
             raise ClusterError(f"kubectl {' '.join(args)} failed ({out.returncode}): {out.stderr.strip()}")
         return out
 
-    def wait_established(self, crd: str, timeout: float = 60) -> None:
-        """Until the CRD is served. (`kubectl wait --for=condition=Established` just after the
-        apply fails at once while the CRD has no conditions yet: "<nil> is of the type <nil>".)"""
-        query = '{.status.conditions[?(@.type=="Established")].status}'
-        deadline = time.monotonic() + timeout
-        while self.kubectl("get", "crd", crd, "-o", f"jsonpath={query}", check=False).stdout.strip() != "True":
-            if time.monotonic() > deadline:
-                raise ClusterError(f"crd/{crd} not Established after {timeout:.0f} s")
-            time.sleep(0.2)
-
     def api(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
         """Minimal admin REST call: (status, decoded JSON body)."""
         data = None if body is None else json.dumps(body).encode()
