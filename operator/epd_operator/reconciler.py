@@ -382,9 +382,9 @@ class Reconciler:
 
     async def _write(self, key: Key, child: dict[str, Any], existing: Set[tuple[str, str]],
                      headless: Mapping[str, bool]) -> None:
-        """Create a child the indexes do not show (a POST: the API server's cheapest write);
-        server-side apply one that exists. An existing Service whose headlessness must flip is
-        deleted first (its clusterIP cannot change)."""
+        """Create a child neither the indexes nor the expectations show (a POST: the API
+        server's cheapest write); server-side apply one that exists. An existing Service whose
+        headlessness must flip is deleted first (its clusterIP cannot change)."""
         kind, name = _ref(child)
         if (kind, name) not in existing and await self.kube.create(child):
             until = time.monotonic() + self.settings.created_settle_seconds

@@ -380,7 +380,7 @@ async def test_the_stage_metrics_time_what_a_reconcile_wrote_and_skip_what_it_di
 
 
 class RefusingKube(RecordingKube):
-    """Refuses to create one child, as a quota or an admission webhook would, until `allow()`."""
+    """Refuses to create the front Service, as a quota or an admission webhook would, while `refusing`."""
 
     REFUSAL = 'services "qwen-vl-regular-default" is forbidden: exceeded quota: q, requested: services=1'
 
@@ -401,29 +401,32 @@ def degraded(status: dict) -> dict:
 
 async def test_a_refused_child_is_said_in_the_status_once_retried_and_cleared_when_it_goes():
     api = RefusingKube()
-    reconciler = Reconciler(Settings(janitor_image="epd-operator:test"), kube=api)
-    reconciler.watch(Indexes(deployments={}, unit_sets={}, unit_services={}, unit_pods={}))
-    with pytest.raises(KubeError, match="exceeded quota"):  # raised on: the work queue retries it
-        await reconciler.reconcile(body())
-    # The status went out with the children, then again once the refusal was known.
-    first, status = api.statuses
-    assert degraded(first)["reason"] != "ApplyFailed"
-    assert status["observedGeneration"] == 1 and status["phase"] == "Degraded"
-    condition = degraded(status)
-    assert (condition["status"], condition["reason"]) == ("True", "ApplyFailed")
-    assert "POST /api/v1/namespaces/ns/services: 403" in condition["message"] and api.REFUSAL in condition["message"]
-    assert ("create", "StatefulSet", "qwen-vl-regular-default") in api.calls  # the others were written
+    reconciler = Reconciler(Settings(janitor_image="epd-operator:test", janitor_scrape_interval=0), kube=api)
+    try:
+        reconciler.watch(Indexes(deployments={}, unit_sets={}, unit_services={}, unit_pods={}))
+        with pytest.raises(KubeError, match="exceeded quota"):  # raised on: the work queue retries it
+            await reconciler.reconcile(body())
+        # The status went out with the children, then again once the refusal was known.
+        first, status = api.statuses
+        assert degraded(first)["reason"] != "ApplyFailed"
+        assert status["observedGeneration"] == 1 and status["phase"] == "Degraded"
+        condition = degraded(status)
+        assert (condition["status"], condition["reason"]) == ("True", "ApplyFailed")
+        assert "POST /api/v1/namespaces/ns/services: 403" in condition["message"] and api.REFUSAL in condition["message"]
+        assert ("create", "StatefulSet", "qwen-vl-regular-default") in api.calls  # the others were written
 
-    # Retried while the refusal lasts: the same status, so no further write.
-    with pytest.raises(KubeError):
+        # Retried while the refusal lasts: the same status, so no further write.
+        with pytest.raises(KubeError):
+            await reconciler.reconcile(kopf.Body({**body(), "status": status}))
+        assert len(api.statuses) == 2
+
+        api.refusing = False
         await reconciler.reconcile(kopf.Body({**body(), "status": status}))
-    assert len(api.statuses) == 2
-
-    api.refusing = False
-    await reconciler.reconcile(kopf.Body({**body(), "status": status}))
-    assert degraded(api.statuses[-1])["reason"] != "ApplyFailed"
-    assert api.statuses[-1]["phase"] != "Degraded"
-    assert ("Service", "qwen-vl-regular-default") in api.live
+        assert degraded(api.statuses[-1])["reason"] != "ApplyFailed"
+        assert api.statuses[-1]["phase"] != "Degraded"
+        assert ("Service", "qwen-vl-regular-default") in api.live
+    finally:
+        await reconciler.aclose()  # the work queue the retries queued (the expectations' timer)
 
 
 def test_a_cached_generation_is_not_validated_again_and_renders_the_same_plans(reconciler, monkeypatch):
