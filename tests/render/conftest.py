@@ -28,3 +28,10 @@ def vllm_parsers() -> Iterator[dict[str, VllmParser]]:
 @pytest.fixture(params=VERSIONS, ids=lambda v: f"vllm-{v}")
 def vllm_parser(request: pytest.FixtureRequest, vllm_parsers: dict[str, VllmParser]) -> VllmParser:
     return vllm_parsers[request.param]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The real parsers and router come from `make vllm-envs`: `make test-fast` leaves them out."""
+    for item in items:
+        if {"vllm_parsers", "router_binary"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.vllm)
