@@ -12,6 +12,7 @@ import kopf
 
 from . import api
 from .reconciler import IndexedDeployment, Indexes
+from .managedfields import owned_by_update
 from .resources import ANNOTATION_SPEC_HASH, FIELD_MANAGER, LABEL_DEPLOYMENT, LABEL_MANAGED_BY, is_headless
 from .status import PodSummary, StatefulSetSummary
 
@@ -75,6 +76,7 @@ async def unit_sets(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: A
         updated_replicas=status.get("updatedReplicas", 0),
         current_revision=status.get("currentRevision"),
         update_revision=status.get("updateRevision"),
+        owned_by_update=_owned_by_update(meta),
     )
     return {(namespace, labels[LABEL_DEPLOYMENT]): summary}
 
@@ -83,12 +85,17 @@ async def unit_sets(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: A
 async def unit_services(namespace: str, labels: kopf.Labels, meta: kopf.Meta, body: kopf.Body,
                         **_: Any) -> dict[Any, Any]:
     return {(namespace, labels[LABEL_DEPLOYMENT]): (meta.name, meta.annotations.get(ANNOTATION_SPEC_HASH),
-                                                    is_headless(body))}
+                                                    is_headless(body), _owned_by_update(meta))}
 
 
 @kopf.index("policy", "v1", "poddisruptionbudgets", labels=OURS)
 async def unit_budgets(namespace: str, labels: kopf.Labels, meta: kopf.Meta, **_: Any) -> dict[Any, Any]:
-    return {(namespace, labels[LABEL_DEPLOYMENT]): (meta.name, meta.annotations.get(ANNOTATION_SPEC_HASH))}
+    return {(namespace, labels[LABEL_DEPLOYMENT]): (meta.name, meta.annotations.get(ANNOTATION_SPEC_HASH),
+                                                    _owned_by_update(meta))}
+
+
+def _owned_by_update(meta: kopf.Meta) -> bool:
+    return owned_by_update(meta.get("managedFields") or [], FIELD_MANAGER)
 
 
 @kopf.index(*EPD)

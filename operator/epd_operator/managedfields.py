@@ -15,6 +15,13 @@ from collections.abc import Mapping
 from typing import Any
 
 
+def owned_by_update(entries: list[dict[str, Any]], manager: str) -> bool:
+    """Whether `manager` still owns fields of the object through an Update entry (it created the
+    object by POST and has not applied to it since): the index keeps this, so an apply to a child
+    already taken over reads nothing first."""
+    return any(_is_update_of(e, manager) for e in entries)
+
+
 def upgrade_to_apply(entries: list[dict[str, Any]], manager: str) -> list[dict[str, Any]] | None:
     """`entries` (an object's metadata.managedFields) with `manager`'s Update entries of the
     object itself (not of a subresource such as status) merged into its Apply entry; None if it

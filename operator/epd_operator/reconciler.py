@@ -85,9 +85,9 @@ class Indexes:
 
     deployments: Mapping[Key, Any]  # an IndexedDeployment of each EPDDeployment
     unit_sets: Mapping[Key, Any]  # a StatefulSetSummary of each StatefulSet
-    unit_services: Mapping[Key, Any]  # (name, spec hash, headless) of each Service
+    unit_services: Mapping[Key, Any]  # (name, spec hash, headless, owned by update) of each Service
     unit_pods: Mapping[Key, Any]  # a PodSummary of each unit or encoder pod
-    unit_budgets: Mapping[Key, Any] = dataclasses.field(default_factory=dict)  # (name, spec hash) of each PDB
+    unit_budgets: Mapping[Key, Any] = dataclasses.field(default_factory=dict)  # (name, spec hash, owned by update) of each PDB
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -280,7 +280,7 @@ class Reconciler:
         began = time.perf_counter()
         try:
             if await self.converge(body, planned):
-                self.metrics.observe_stage("apply", time.perf_counter() - began)
+                self.metrics.observe_stage("children", time.perf_counter() - began)
         except KubeError as error:
             if error.namespace_gone:
                 raise
@@ -344,19 +344,24 @@ class Reconciler:
         if it wrote anything."""
         indexes = self._require_indexes()
         key = (body.metadata.namespace, body.metadata.name)
+        sets = indexes.unit_sets.get(key, [])
         services = indexes.unit_services.get(key, [])
-        headless = {name: flag for name, _, flag in services}
-        existing = {
-            **{("StatefulSet", s.name): s.spec_hash for s in indexes.unit_sets.get(key, [])},
-            **{("Service", name): digest for name, digest, _ in services},
-            **{("PodDisruptionBudget", name): digest for name, digest in indexes.unit_budgets.get(key, [])},
+        budgets = indexes.unit_budgets.get(key, [])
+        headless = {name: flag for name, _, flag, _ in services}
+        indexed = {
+            **{("StatefulSet", s.name): (s.spec_hash, s.owned_by_update) for s in sets},
+            **{("Service", name): (digest, updated) for name, digest, _, updated in services},
+            **{("PodDisruptionBudget", name): (digest, updated) for name, digest, updated in budgets},
         }
-        existing = {**self._created_unseen(key), **existing}
+        unseen = self._created_unseen(key)
+        existing = {**unseen, **{ref: digest for ref, (digest, _) in indexed.items()}}
+        # Taken over by an apply already, as the watch shows it (one created again since may not be).
+        applied = {ref for ref, (_, updated) in indexed.items() if not updated} - unseen.keys()
         # Level-based, but cheap: children already carrying their exact desired state are left
         # alone, and are not even built again when the remembered hashes show that.
         stale = {ref for ref, digest in planned.digests.items() if existing.get(ref) != digest}
         if stale:
-            await asyncio.gather(*(self._write(key, c, existing.keys(), headless)
+            await asyncio.gather(*(self._write(key, c, existing.keys(), applied, headless)
                                    for c in self.desired(body, planned) if _ref(c) in stale))
         removed = existing.keys() - planned.digests.keys()  # children of a model removed from the spec
         for kind, name in removed:
@@ -381,19 +386,23 @@ class Reconciler:
         return {ref: digest for ref, (digest, _) in created.items()}
 
     async def _write(self, key: Key, child: dict[str, Any], existing: Set[tuple[str, str]],
-                     headless: Mapping[str, bool]) -> None:
+                     applied: Set[tuple[str, str]], headless: Mapping[str, bool]) -> None:
         """Create a child neither the indexes nor the expectations show (a POST: the API
-        server's cheapest write); server-side apply one that exists. An existing Service whose
-        headlessness must flip is deleted first (its clusterIP cannot change)."""
-        kind, name = _ref(child)
-        if (kind, name) not in existing and await self.kube.create(child):
-            until = time.monotonic() + self.settings.created_settle_seconds
-            self._created.setdefault(key, {})[kind, name] = (child["metadata"]["annotations"][ANNOTATION_SPEC_HASH], until)
-            return
+        server's cheapest write); server-side apply one that exists, taking its fields over
+        first unless the index shows that done (`applied`). An existing Service whose
+        headlessness must flip is deleted, then created again (its clusterIP cannot change)."""
+        kind, name = ref = _ref(child)
         namespace = child["metadata"]["namespace"]
-        if kind == "Service" and name in headless and headless[name] != is_headless(child):
+        flip = kind == "Service" and name in headless and headless[name] != is_headless(child)
+        if flip:
             await self.kube.delete("Service", namespace, name)
-        else:
+        if (flip or ref not in existing) and await self.kube.create(child):
+            until = time.monotonic() + self.settings.created_settle_seconds
+            self._created.setdefault(key, {})[ref] = (child["metadata"]["annotations"][ANNOTATION_SPEC_HASH], until)
+            return
+        if flip:
+            return  # still there, going (a finalizer): its DELETED event queues the creation
+        if ref not in applied:
             await self._own_by_apply(kind, namespace, name)
         await self.kube.apply(child)
 

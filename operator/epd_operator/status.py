@@ -74,6 +74,7 @@ class StatefulSetSummary:
     updated_replicas: int
     current_revision: str | None
     update_revision: str | None
+    owned_by_update: bool = False  # not the status's: the reconciler's (see managedfields.py)
 
     @property
     def rolled_out(self) -> bool:

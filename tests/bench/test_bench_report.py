@@ -51,9 +51,9 @@ def test_the_report_marks_each_target_and_ends_with_the_keys(results, capsys):
 
 
 def test_stage_means_are_per_reconcile_that_ran_the_stage():
-    before = {"stage_plan_sum": 1.0, "stage_plan_count": 100, "stage_apply_sum": 2.0, "stage_apply_count": 10}
-    after = {"stage_plan_sum": 1.5, "stage_plan_count": 300, "stage_apply_sum": 4.0, "stage_apply_count": 20,
+    before = {"stage_plan_sum": 1.0, "stage_plan_count": 100, "stage_children_sum": 2.0, "stage_children_count": 10}
+    after = {"stage_plan_sum": 1.5, "stage_plan_count": 300, "stage_children_sum": 4.0, "stage_children_count": 20,
              "stage_status_sum": 0.3, "stage_status_count": 10}
-    # plan: 0.5 s over 200 reconciles; apply: 2 s over the 10 that wrote; status: 0.3 s over 10.
-    assert stage_means_ms(before, after) == pytest.approx({"plan": 2.5, "apply": 200.0, "status": 30.0})
+    # plan: 0.5 s over 200 reconciles; children: 2 s over the 10 that wrote; status: 0.3 s over 10.
+    assert stage_means_ms(before, after) == pytest.approx({"plan": 2.5, "children": 200.0, "status": 30.0})
     assert stage_means_ms(after, after) == {}  # no reconcile between the two: no mean to give

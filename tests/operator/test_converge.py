@@ -12,6 +12,7 @@ import yaml
 import epd_operator.reconciler as reconciler_module
 
 from epd_operator.kube import KubeError
+from epd_operator.managedfields import owned_by_update
 from epd_operator.reconciler import IndexedDeployment, Indexes, Reconciler
 from epd_operator.resources import ANNOTATION_SPEC_HASH, FIELD_MANAGER, is_headless
 from epd_operator.settings import Settings
@@ -92,12 +93,18 @@ def body(generation: int = 1, max_model_len: int | None = None, **spec_changes) 
     return kopf.Body(manifest)
 
 
-def indexes_after(children: list[dict]) -> tuple[dict, dict]:
-    """The StatefulSet and Service indexes as the operator's watches would fill them."""
+def indexes_after(children: list[dict], api: RecordingKube | None = None) -> tuple[dict, dict, dict]:
+    """The StatefulSet, Service and budget indexes as the operator's watches would fill them; a
+    child whose fields an Update entry owns in `api` (or, without it, any) says so, as the
+    handlers' indexes do."""
     def entry(child):
-        return child["metadata"]["name"], child["metadata"]["annotations"][ANNOTATION_SPEC_HASH]
-    sets = [StatefulSetSummary(*entry(c), True, 1, 1, "r", "r") for c in children if c["kind"] == "StatefulSet"]
-    services = [(*entry(c), is_headless(c)) for c in children if c["kind"] == "Service"]
+        ref = child["kind"], child["metadata"]["name"]
+        updated = api is None or owned_by_update(api.live[ref]["metadata"]["managedFields"], FIELD_MANAGER)
+        return child["metadata"]["name"], child["metadata"]["annotations"][ANNOTATION_SPEC_HASH], updated
+    sets = [StatefulSetSummary(name, digest, True, 1, 1, "r", "r", updated)
+            for name, digest, updated in (entry(c) for c in children if c["kind"] == "StatefulSet")]
+    services = [(name, digest, is_headless(c), updated)
+                for c in children if c["kind"] == "Service" for name, digest, updated in [entry(c)]]
     budgets = [entry(c) for c in children if c["kind"] == "PodDisruptionBudget"]
     return {KEY: sets}, {KEY: services}, {KEY: budgets}
 
@@ -119,7 +126,7 @@ async def created(reconciler: Reconciler, api: RecordingKube, b: kopf.Body) -> t
     for kind, name in CHILDREN:
         reconciler.observed(KEY, kind, name)
     api.calls.clear()
-    return indexes_after(desired(reconciler, b))
+    return indexes_after(desired(reconciler, b), api)
 
 
 CHILDREN = [("PodDisruptionBudget", "qwen-vl-regular-default"), ("Service", "qwen-vl-regular-default"),
@@ -150,9 +157,9 @@ async def test_a_spec_change_takes_over_the_created_fields_then_applies_the_stat
     # Its Update entry becomes an Apply one first, or the apply could not remove a field.
     assert api.calls == [("get", *sts), ("own", *sts), ("apply", *sts)]
     api.calls.clear()
-    indexes = indexes_after(desired(reconciler, body(generation=2, max_model_len=4096)))
+    indexes = indexes_after(desired(reconciler, body(generation=2, max_model_len=4096)), api)
     await converge(reconciler, body(generation=3, max_model_len=2048), *indexes)
-    assert api.calls == [("get", *sts), ("apply", *sts)]  # already owned by the apply
+    assert api.calls == [("apply", *sts)]  # the index shows it owned by the apply: nothing to read
 
 
 async def test_a_child_the_indexes_do_not_show_yet_is_applied_when_it_exists(api, reconciler):
@@ -194,8 +201,8 @@ async def test_a_child_created_is_not_created_again_until_its_watch_event_or_the
 async def test_children_of_a_removed_model_are_deleted(api, reconciler):
     sets, services, budgets = indexes_after(desired(reconciler, body()))
     sets[KEY].append(StatefulSetSummary("qwen-vl-regular-old", "hash", True, 1, 1, "r", "r"))
-    services[KEY].append(("qwen-vl-regular-old", "hash", False))
-    budgets[KEY].append(("qwen-vl-regular-old", "hash"))
+    services[KEY].append(("qwen-vl-regular-old", "hash", False, False))
+    budgets[KEY].append(("qwen-vl-regular-old", "hash", False))
     await converge(reconciler, body(), sets, services, budgets)
     assert sorted(api.calls) == [("delete", "PodDisruptionBudget", "qwen-vl-regular-old"),
                                  ("delete", "Service", "qwen-vl-regular-old"),
@@ -208,7 +215,16 @@ async def test_a_front_service_changing_headlessness_is_deleted_then_created(api
     indexes = await created(reconciler, api, body(service={"headless": not headless}))
     await converge(reconciler, body(generation=2, service={"headless": headless}), *indexes)
     front = "qwen-vl-regular-default"
-    assert api.calls == [("delete", "Service", front), ("apply", "Service", front)]
+    assert api.calls == [("delete", "Service", front), ("create", "Service", front)]
+
+
+async def test_a_front_service_still_going_after_the_delete_is_left_to_its_deleted_event(api, reconciler):
+    indexes = await created(reconciler, api, body())
+    front = ("Service", "qwen-vl-regular-default")
+    api.delete = lambda kind, _namespace, name: api.calls.append(("delete", kind, name)) or asyncio.sleep(0)  # a finalizer holds it
+    await converge(reconciler, body(generation=2, service={"headless": True}), *indexes)
+    # Applying to the old one would only patch a Service on its way out.
+    assert api.calls == [("delete", *front), ("create", *front)]
 
 
 async def test_a_front_service_changing_type_is_applied_in_place(api, reconciler):
@@ -366,16 +382,16 @@ async def test_the_stage_metrics_time_what_a_reconcile_wrote_and_skip_what_it_di
     sets, services, budgets = indexes_after(desired(reconciler, body()))
     reconciler.watch(Indexes(deployments={}, unit_sets={}, unit_services={}, unit_pods={}))
     await reconciler.reconcile(body())
-    assert (count("plan"), count("apply"), count("status")) == (1, 1, 1)
+    assert (count("plan"), count("children"), count("status")) == (1, 1, 1)
 
     # The children in place: the status changes (their StatefulSet is seen), nothing is applied.
     reconciler.watch(Indexes(deployments={}, unit_sets=sets, unit_services=services, unit_pods={},
                              unit_budgets=budgets))
     await reconciler.reconcile(kopf.Body({**body(), "status": api.statuses[-1]}))
-    assert (count("plan"), count("apply"), count("status")) == (2, 1, 2)
+    assert (count("plan"), count("children"), count("status")) == (2, 1, 2)
     # Nothing changed since: planned again, neither stage timed.
     await reconciler.reconcile(kopf.Body({**body(), "status": api.statuses[-1]}))
-    assert (count("plan"), count("apply"), count("status")) == (3, 1, 2)
+    assert (count("plan"), count("children"), count("status")) == (3, 1, 2)
     assert len(api.statuses) == 2
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from epd_operator import handlers
 from epd_operator.reconciler import IndexedDeployment, Indexes, Reconciler
-from epd_operator.resources import ANNOTATION_SPEC_HASH, LABEL_DEPLOYMENT
+from epd_operator.resources import ANNOTATION_SPEC_HASH, FIELD_MANAGER, LABEL_DEPLOYMENT
 from epd_operator.settings import Settings
 
 from .test_converge import KEY, RecordingKube, body, indexes_after
@@ -99,3 +99,18 @@ async def test_the_echo_of_our_status_queues_nothing_an_edit_or_a_new_generation
     newer["metadata"]["generation"] = 2
     await event(kopf.Body(newer))
     assert queued.now == [(KEY, False), (KEY, True)]
+
+
+@pytest.mark.parametrize("kind", ["StatefulSet", "Service", "PodDisruptionBudget"])
+async def test_the_child_indexes_say_whether_the_posts_update_entry_still_owns_fields(reconciler, kind):
+    index = {"StatefulSet": handlers.unit_sets, "Service": handlers.unit_services,
+             "PodDisruptionBudget": handlers.unit_budgets}[kind]
+
+    async def indexed(operation: str) -> bool:
+        obj = child(reconciler, kind)
+        obj["metadata"]["managedFields"] = [{"manager": FIELD_MANAGER, "operation": operation, "fieldsV1": {}}]
+        (entry,) = (await index(namespace=KEY[0], labels={LABEL_DEPLOYMENT: KEY[1]}, body=obj, meta=obj.metadata)).values()
+        return entry.owned_by_update if kind == "StatefulSet" else entry[-1]
+
+    assert await indexed("Update")  # created by POST: the next apply reads and takes it over first
+    assert not await indexed("Apply")  # taken over: applied to without a read

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from epd_operator.managedfields import upgrade_to_apply
+from epd_operator.managedfields import owned_by_update, upgrade_to_apply
 
 ME = "epd-operator"
 
@@ -34,7 +34,8 @@ def test_an_update_entry_is_merged_into_an_existing_apply_entry():
 
 def test_nothing_to_do_without_an_update_entry_of_the_manager_on_the_object_itself():
     # Ours already applied; another manager's update; our own write of a subresource.
-    assert upgrade_to_apply([entry(ME, "Apply", CREATED), STATUS], ME) is None
-    assert upgrade_to_apply([entry("kubectl-edit", "Update", CREATED)], ME) is None
-    assert upgrade_to_apply([entry(ME, "Update", {"f:status": {}}, subresource="status")], ME) is None
-    assert upgrade_to_apply([], ME) is None
+    for entries in ([entry(ME, "Apply", CREATED), STATUS], [entry("kubectl-edit", "Update", CREATED)],
+                    [entry(ME, "Update", {"f:status": {}}, subresource="status")], []):
+        assert upgrade_to_apply(entries, ME) is None
+        assert not owned_by_update(entries, ME)  # what the indexes keep: no read before an apply
+    assert owned_by_update([entry(ME, "Update", CREATED), STATUS], ME)

@@ -317,7 +317,7 @@ def reconcile_stats(operator: OperatorProcess) -> dict[str, float]:
     return dict(stats)
 
 
-STAGES = ("plan", "apply", "status")  # the operator's epd_reconcile_stage_duration_seconds{stage}
+STAGES = ("plan", "children", "status")  # the operator's epd_reconcile_stage_duration_seconds{stage}
 
 
 def format_stages(stages_ms: dict[str, float]) -> str:
@@ -799,7 +799,7 @@ def report(results: Results, out: Callable[[str], None] = print) -> None:
     if results.latencies:
         out("")
         out("| N | kube-controller-manager client | EPD p50 ms | EPD p99 ms | kcm p50 ms | kcm p99 ms "
-            "| p50 ratio | p99 ratio | apply s (EPD / Deployment) | operator stages, mean ms (plan / apply / status) |")
+            "| p50 ratio | p99 ratio | apply s (EPD / Deployment) | operator stages, mean ms (plan / children / status) |")
         out("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for epd, deploy in results.latencies:
             out(f"| {epd.n} | {epd.kcm} | {epd.p50_ms:.0f} | {epd.p99_ms:.0f} | {deploy.p50_ms:.0f} "
