@@ -11,8 +11,8 @@ from typing import Any
 import kopf
 
 from . import api
-from .reconciler import IndexedDeployment, Indexes
 from .managedfields import owned_by_update
+from .reconciler import IndexedDeployment, Indexes
 from .resources import ANNOTATION_SPEC_HASH, FIELD_MANAGER, LABEL_DEPLOYMENT, LABEL_MANAGED_BY, is_headless
 from .status import PodSummary, StatefulSetSummary
 
