@@ -1,6 +1,6 @@
 """Shared pytest configuration: the real local control plane and the operator are session fixtures."""
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 

@@ -38,10 +38,10 @@ from typing import Any
 import yaml
 
 from . import paths
+from .demo_serving import Records, print_explore, say, serve
 from .localcluster import ClusterError, LocalCluster, binaries
 from .operator_process import OperatorProcess, get_json, install_crd, wait_for
 from .vllm import engines, envs, serving, tiny_model
-from .demo_serving import Records, print_explore, say, serve
 from .vllm.unit_runner import UnitRunner
 
 DEMO_DIR = ".demo"
@@ -71,6 +71,7 @@ def banner(title: str) -> None:
 
 # --------------------------------------------------------------------------- preflight
 
+
 def check_ports(ports: list[int], hint: str) -> None:
     """Every port free on 0.0.0.0 (where the rendered engines listen), else who holds it."""
     for port in ports:
@@ -80,12 +81,14 @@ def check_ports(ports: list[int], hint: str) -> None:
             try:
                 sock.bind(("0.0.0.0", port))
             except OSError:
-                raise DemoError(f"port {port} is in use{_listener(port)}. The demo's engines listen on "
-                                f"{_ranges(ports)}: stop that process, or {hint}") from None
+                raise DemoError(
+                    f"port {port} is in use{_listener(port)}. The demo's engines listen on "
+                    f"{_ranges(ports)}: stop that process, or {hint}"
+                ) from None
 
 
 def _listener(port: int) -> str:
-    """ ' (pid N: command)' of whoever listens on `port`, from /proc; '' if it cannot be told."""
+    """' (pid N: command)' of whoever listens on `port`, from /proc; '' if it cannot be told."""
     inodes = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with contextlib.suppress(OSError):
@@ -115,15 +118,17 @@ def _ranges(ports: list[int]) -> str:
 
 def check_memory(engines_needed: int, meminfo: Path = Path("/proc/meminfo")) -> None:
     """Enough available memory for the engines, before any of them (or anything else) starts."""
-    available_kib = next(int(line.split()[1]) for line in meminfo.read_text().splitlines()
-                         if line.startswith("MemAvailable:"))
+    available_kib = next(
+        int(line.split()[1]) for line in meminfo.read_text().splitlines() if line.startswith("MemAvailable:")
+    )
     available, needed = available_kib / 2**20, engines_needed * GIB_PER_ENGINE
     if available < needed:
         raise DemoError(
             f"not enough memory: the demo's {engines_needed} vLLM engines need about {needed:.0f} GiB "
             f"({GIB_PER_ENGINE} GiB each), {available:.1f} GiB is available. Stop other work (another "
             "demo: make demo-down; test runs), or run only the simulated part against a cluster: "
-            "make demo DEMO_KUBECONFIG=<file>")
+            "make demo DEMO_KUBECONFIG=<file>"
+        )
 
 
 def check_cache_writable(wanted: dict[str, Path]) -> None:
@@ -137,7 +142,8 @@ def check_cache_writable(wanted: dict[str, Path]) -> None:
             raise DemoError(
                 f"{what} must be installed into {folder}, but {existing} is not a folder you can "
                 f"write (uid {os.getuid()}). Fix its owner (sudo chown -R $(id -u) {existing}) or "
-                f"point the cache elsewhere: make demo EPD_CACHE=/a/writable/folder")
+                f"point the cache elsewhere: make demo EPD_CACHE=/a/writable/folder"
+            )
 
 
 def missing_caches(runs_engines: bool) -> dict[str, Path]:
@@ -164,6 +170,7 @@ def reference_port(port_base: int) -> int:
 
 # --------------------------------------------------------------------------- clusters
 
+
 class ExistingCluster:
     """kubectl against a cluster the demo did not start (kind, k3d, a real one)."""
 
@@ -171,8 +178,9 @@ class ExistingCluster:
         self.kubeconfig = kubeconfig
         self.kubectl_binary = binaries.bin_dir() / "kubectl"
 
-    def kubectl(self, *args: str, input: str | None = None, check: bool = True,
-                timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60
+    ) -> subprocess.CompletedProcess[str]:
         cmd = [str(self.kubectl_binary), "--kubeconfig", str(self.kubeconfig), *args]
         out = subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=timeout)
         if check and out.returncode != 0:
@@ -211,15 +219,23 @@ def _stop_operator(root: Path) -> bool:
 
 
 def _ensure_namespace(cluster: Any, namespace: str) -> None:
-    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(
-        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}))
-    wait_for(lambda: cluster.kubectl("get", "serviceaccount", "default", "-n", namespace,
-                                     check=False).returncode == 0, 60, f"namespace {namespace}")
+    cluster.kubectl(
+        "apply",
+        "-f",
+        "-",
+        input=yaml.safe_dump({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}),
+    )
+    wait_for(
+        lambda: cluster.kubectl("get", "serviceaccount", "default", "-n", namespace, check=False).returncode == 0,
+        60,
+        f"namespace {namespace}",
+    )
 
 
 def _seed_names() -> tuple[str, ...]:
-    return tuple(yaml.safe_load((paths.REPO / "docs" / "examples" / seed).read_text())["metadata"]["name"]
-                 for seed in SEEDS)
+    return tuple(
+        yaml.safe_load((paths.REPO / "docs" / "examples" / seed).read_text())["metadata"]["name"] for seed in SEEDS
+    )
 
 
 def _apply_seeds(cluster: Any, namespace: str, label: str) -> None:
@@ -231,14 +247,25 @@ def _apply_seeds(cluster: Any, namespace: str, label: str) -> None:
 def _wait_reconciled(cluster: Any, namespace: str, operator: OperatorProcess, ready_within: float) -> bool:
     """Every EPDDeployment's status written for its generation; then Ready within `ready_within`
     seconds (False if not: an existing cluster may have no GPU nodes for them)."""
+
     def reconciled() -> bool:
         items = get_json(cluster, "epd", "-n", namespace)["items"]
-        return bool(items) and all(i.get("status", {}).get("observedGeneration") == i["metadata"]["generation"]
-                                   for i in items)
+        return bool(items) and all(
+            i.get("status", {}).get("observedGeneration") == i["metadata"]["generation"] for i in items
+        )
 
     wait_for(reconciled, 120, "the operator to reconcile the EPDDeployments", operator.tail)
-    out = cluster.kubectl("wait", "--for=condition=Ready", "epd", "--all", "-n", namespace,
-                          f"--timeout={ready_within:.0f}s", check=False, timeout=ready_within + 10)
+    out = cluster.kubectl(
+        "wait",
+        "--for=condition=Ready",
+        "epd",
+        "--all",
+        "-n",
+        namespace,
+        f"--timeout={ready_within:.0f}s",
+        check=False,
+        timeout=ready_within + 10,
+    )
     return out.returncode == 0
 
 
@@ -251,9 +278,18 @@ def _print_units(cluster: Any, namespace: str, label: str, names: tuple[str, ...
         for model in item.get("status", {}).get("models", []):
             for unit in model["units"]:
                 entry = unit.get("routerUrl") or ", ".join(unit.get("consumerUrls", []))
-                rows.append((label, item["metadata"]["name"], unit["pod"], unit.get("node", "-"),
-                             str(unit["ready"]), unit.get("reason", ""),
-                             ", ".join(unit.get("encoderUrls", [])), entry))
+                rows.append(
+                    (
+                        label,
+                        item["metadata"]["name"],
+                        unit["pod"],
+                        unit.get("node", "-"),
+                        str(unit["ready"]),
+                        unit.get("reason", ""),
+                        ", ".join(unit.get("encoderUrls", [])),
+                        entry,
+                    )
+                )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
@@ -272,33 +308,43 @@ def operator_part(cluster: Any, root: Path, namespace: str, *, embedded: bool) -
     _ensure_namespace(cluster, namespace)
     # On someone else's cluster, watch only the demo's namespace: an operator installed there
     # owns the others.
-    operator = _start_operator(cluster.kubeconfig, root, ["--all-namespaces"] if embedded else ["--namespace", namespace])
+    operator = _start_operator(
+        cluster.kubeconfig, root, ["--all-namespaces"] if embedded else ["--namespace", namespace]
+    )
     _apply_seeds(cluster, namespace, label)
     ready_within = 180 if embedded else 60
     say(f"{label}  waiting for the operator to reconcile both ...")
     ready = _wait_reconciled(cluster, namespace, operator, ready_within)
     if embedded and not ready:
-        raise DemoError(f"the seed's EPDDeployments did not become Ready within {ready_within}s on kwok's "
-                        f"nodes; the operator's log says why: {operator.log_path}")
+        raise DemoError(
+            f"the seed's EPDDeployments did not become Ready within {ready_within}s on kwok's "
+            f"nodes; the operator's log says why: {operator.log_path}"
+        )
     print()
     print(cluster.kubectl("get", "epd", "-n", namespace, "-o", "wide").stdout)
     _print_units(cluster, namespace, label, _seed_names())
     print()
     if embedded:
-        say("SIMULATED  both Ready: their pods are bound to fake nodes (nvidia.com/gpu: 8 each) and kwok "
-            "reports them running. No vLLM process runs for them.")
+        say(
+            "SIMULATED  both Ready: their pods are bound to fake nodes (nvidia.com/gpu: 8 each) and kwok "
+            "reports them running. No vLLM process runs for them."
+        )
     elif ready:
         say("CLUSTER  both Ready: the cluster's nodes run them.")
     else:
-        say(f"CLUSTER  not Ready within {ready_within}s: their pods need nodes with nvidia.com/gpu and pull "
-            "vllm/vllm-openai; the WHY NOT column and `kubectl describe pod` say what is missing.")
+        say(
+            f"CLUSTER  not Ready within {ready_within}s: their pods need nodes with nvidia.com/gpu and pull "
+            "vllm/vllm-openai; the WHY NOT column and `kubectl describe pod` say what is missing."
+        )
     return operator
 
 
 # --------------------------------------------------------------------------- up / down
 
-def real_part(cluster: LocalCluster, root: Path, namespace: str, port_base: int,
-              reference: engines.Engine, records: Records) -> None:
+
+def real_part(
+    cluster: LocalCluster, root: Path, namespace: str, port_base: int, reference: engines.Engine, records: Records
+) -> None:
     banner("REAL: the operator's pod for a tiny LLaVA model, run here on the CPU with real vLLM")
     answer = serve(cluster, root, namespace, port_base=port_base, reference=reference, records=records)
     print_explore(answer, cluster, namespace, root)
@@ -309,13 +355,15 @@ def start_reference(root: Path, port_base: int, records: Records) -> engines.Eng
     that it loads meanwhile."""
     manifest = serving.aggregated_manifest(tiny_model.tiny_model_path(), port_base=port_base + REFERENCE_OFFSET)
     runner = UnitRunner.from_manifest(
-        serving.in_process_workers(manifest),
-        root / "logs" / "aggregated", uid=str(uuid.uuid4()), die_with_parent=False)
+        serving.in_process_workers(manifest), root / "logs" / "aggregated", uid=str(uuid.uuid4()), die_with_parent=False
+    )
     (reference,) = runner.consumers
     reference.start()
     records.engine(reference, "aggregated")
-    say(f"REAL  starting the aggregated reference engine in the background (pid {reference.proc.pid}, "
-        f"port {reference.port}, log {reference.log_path})")
+    say(
+        f"REAL  starting the aggregated reference engine in the background (pid {reference.proc.pid}, "
+        f"port {reference.port}, log {reference.log_path})"
+    )
     return reference
 
 
@@ -325,14 +373,16 @@ def up(root: Path, kubeconfig: Path | None = None, port_base: int = PORT_BASE) -
     _raise_on_termination()
     if down(root):  # a previous demo: its engines hold the ports
         say("stopped the previous demo")
-    (root / "demo.json").write_text(json.dumps(
-        {"kubeconfig": str(kubeconfig) if kubeconfig else None, "namespace": NAMESPACE}))
+    (root / "demo.json").write_text(
+        json.dumps({"kubeconfig": str(kubeconfig) if kubeconfig else None, "namespace": NAMESPACE})
+    )
     try:
         runs_engines = kubeconfig is None
         check_cache_writable(missing_caches(runs_engines))
         if runs_engines:
-            check_ports([*unit_ports(port_base), reference_port(port_base)],
-                        "pick other ports: make demo DEMO_PORT=29000")
+            check_ports(
+                [*unit_ports(port_base), reference_port(port_base)], "pick other ports: make demo DEMO_PORT=29000"
+            )
             check_memory(ENGINES)
         if binaries.missing_binaries():
             binaries.build()
@@ -340,8 +390,10 @@ def up(root: Path, kubeconfig: Path | None = None, port_base: int = PORT_BASE) -
             cluster: Any = ExistingCluster(kubeconfig)
             say(f"using the existing cluster of {kubeconfig} (namespace {NAMESPACE}; the REAL part is skipped)")
             operator_part(cluster, root, NAMESPACE, embedded=False)
-            say(f"ready in {time.monotonic() - began:.0f}s. Try: kubectl --kubeconfig {kubeconfig} -n {NAMESPACE} "
-                "get epd,statefulsets,pods. Stop (and delete the namespace) with: make demo-down")
+            say(
+                f"ready in {time.monotonic() - began:.0f}s. Try: kubectl --kubeconfig {kubeconfig} -n {NAMESPACE} "
+                "get epd,statefulsets,pods. Stop (and delete the namespace) with: make demo-down"
+            )
             return 0
         banner("Installing what serving needs (cached in " + str(paths.cache_root()) + ")")
         envs.install(ENVS)
@@ -355,7 +407,9 @@ def up(root: Path, kubeconfig: Path | None = None, port_base: int = PORT_BASE) -
         return 0
     except BaseException as exc:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
-        known = isinstance(exc, (DemoError, ClusterError, engines.EngineFailed, envs.MissingEnvironment, AssertionError))
+        known = isinstance(
+            exc, (DemoError, ClusterError, engines.EngineFailed, envs.MissingEnvironment, AssertionError)
+        )
         if isinstance(exc, KeyboardInterrupt):
             print()
             say("interrupted: stopping everything the demo started ...")
@@ -373,6 +427,7 @@ def up(root: Path, kubeconfig: Path | None = None, port_base: int = PORT_BASE) -
 
 def _raise_on_termination() -> None:
     """SIGTERM and SIGHUP (a closed terminal) clean up as Ctrl-C does."""
+
     def interrupt(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
@@ -394,8 +449,9 @@ def down(root: Path) -> list[str]:
     if state.get("kubeconfig"):
         # Not ours to stop: remove only what the demo put there.
         cluster = ExistingCluster(Path(state["kubeconfig"]))
-        out = cluster.kubectl("delete", "namespace", state["namespace"], "--wait=false", "--ignore-not-found",
-                              check=False)
+        out = cluster.kubectl(
+            "delete", "namespace", state["namespace"], "--wait=false", "--ignore-not-found", check=False
+        )
         if out.returncode == 0 and "deleted" in out.stdout:
             say(f"deleting namespace {state['namespace']} of {state['kubeconfig']}")
             stopped.append(f"namespace {state['namespace']}")
@@ -411,15 +467,24 @@ def down(root: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m epd_dev.demo", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m epd_dev.demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("action", choices=["up", "down"])
     parser.add_argument("--dir", type=Path, default=paths.REPO / DEMO_DIR)
-    parser.add_argument("--kubeconfig", type=Path, default=None,
-                        help="an existing cluster for the operator part (the pods are not run here)")
-    parser.add_argument("--port-base", type=int, default=PORT_BASE,
-                        help=f"the unit listens on this port and the next {UNIT_PORTS - 1}, the reference "
-                             f"on +{REFERENCE_OFFSET + 1} (default {PORT_BASE})")
+    parser.add_argument(
+        "--kubeconfig",
+        type=Path,
+        default=None,
+        help="an existing cluster for the operator part (the pods are not run here)",
+    )
+    parser.add_argument(
+        "--port-base",
+        type=int,
+        default=PORT_BASE,
+        help=f"the unit listens on this port and the next {UNIT_PORTS - 1}, the reference "
+        f"on +{REFERENCE_OFFSET + 1} (default {PORT_BASE})",
+    )
     args = parser.parse_args(argv)
     root = args.dir.resolve()
     if args.action == "down":

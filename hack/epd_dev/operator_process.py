@@ -12,8 +12,9 @@ import sys
 import time
 import urllib.request
 import weakref
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .paths import REPO
 
@@ -36,23 +37,34 @@ def wait_established(kubectl: Callable[..., Any], crd: str, timeout: float = 60)
     --for=condition=Established` just after the apply fails at once while the CRD has no
     conditions yet: "<nil> is of the type <nil>".)"""
     query = '{.status.conditions[?(@.type=="Established")].status}'
-    wait_for(lambda: kubectl("get", "crd", crd, "-o", f"jsonpath={query}", check=False).stdout.strip() == "True",
-             timeout, f"crd/{crd} Established")
+    wait_for(
+        lambda: kubectl("get", "crd", crd, "-o", f"jsonpath={query}", check=False).stdout.strip() == "True",
+        timeout,
+        f"crd/{crd} Established",
+    )
 
 
 class OperatorProcess:
     """`epd-operator run` as a subprocess; logs go to a file that failures print."""
 
-    _instances: "weakref.WeakSet[OperatorProcess]" = weakref.WeakSet()
+    _instances: weakref.WeakSet[OperatorProcess] = weakref.WeakSet()
 
     @classmethod
-    def running(cls, kubeconfig: Path) -> list["OperatorProcess"]:
+    def running(cls, kubeconfig: Path) -> list[OperatorProcess]:
         """Operators of this session alive on a cluster (tests that need to be the only one stop them)."""
-        return [o for o in cls._instances if o.kubeconfig == kubeconfig and o.proc is not None
-                and o.proc.poll() is None]
+        return [
+            o for o in cls._instances if o.kubeconfig == kubeconfig and o.proc is not None and o.proc.poll() is None
+        ]
 
-    def __init__(self, kubeconfig: Path, log_dir: Path, *, extra_args: list[str] | None = None,
-                 env: dict[str, str] | None = None, python: Path | str = sys.executable):
+    def __init__(
+        self,
+        kubeconfig: Path,
+        log_dir: Path,
+        *,
+        extra_args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        python: Path | str = sys.executable,
+    ):
         self.kubeconfig = kubeconfig
         self.python = str(python)
         self.log_path = log_dir / "operator.log"
@@ -62,16 +74,25 @@ class OperatorProcess:
         self.metrics_port = 0
         self.liveness_port = 0
 
-    def start(self, timeout: float = 60) -> "OperatorProcess":
+    def start(self, timeout: float = 60) -> OperatorProcess:
         self.metrics_port, self.liveness_port = free_port(), free_port()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("a")
         log.write(f"\n===== start {time.strftime('%H:%M:%S')} =====\n")
         log.flush()
         peering = [] if any(a.startswith("--peering") for a in self.extra_args) else ["--standalone"]
-        cmd = [self.python, "-m", "epd_operator.cli", "run", *self.extra_args, *peering,
-               "--metrics-port", str(self.metrics_port),
-               "--liveness", f"http://127.0.0.1:{self.liveness_port}/healthz"]
+        cmd = [
+            self.python,
+            "-m",
+            "epd_operator.cli",
+            "run",
+            *self.extra_args,
+            *peering,
+            "--metrics-port",
+            str(self.metrics_port),
+            "--liveness",
+            f"http://127.0.0.1:{self.liveness_port}/healthz",
+        ]
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), **self.env}
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         OperatorProcess._instances.add(self)

@@ -10,10 +10,10 @@ from contextlib import asynccontextmanager
 from typing import Any, Literal
 from urllib.parse import urlencode
 
-from ._endpoints import Engine, Endpoints, ModelEndpoints, Unit, VimeArgs, rendezvous
+from ._endpoints import Endpoints, Engine, ModelEndpoints, Unit, VimeArgs, rendezvous
 from ._errors import EndpointsError, EngineError, ImageFailure, NoReadyUnitError, PrimeError, RequestError
 from ._http import Transport
-from ._media import Message, MediaItem, copy_messages, media_items, write_keys
+from ._media import MediaItem, Message, copy_messages, media_items, write_keys
 from ._retry import RetryPolicy
 
 _CHAT = "/v1/chat/completions"
@@ -63,9 +63,7 @@ class EPDClient:
         await self._transport.aclose()
 
     @asynccontextmanager
-    async def session(
-        self, key: str | None = None, *, model_name: str = "default"
-    ) -> AsyncIterator[Session]:
+    async def session(self, key: str | None = None, *, model_name: str = "default") -> AsyncIterator[Session]:
         """Pick one ready unit of the model and keep it for the whole block.
 
         With a ``key`` (sample or conversation id) the unit is a stable function of the key
@@ -83,9 +81,7 @@ class EPDClient:
         finally:
             self._outstanding[slot] -= 1
 
-    async def generate(
-        self, request: Mapping[str, Any], *, key: str | None = None, model_name: str = "default"
-    ) -> Any:
+    async def generate(self, request: Mapping[str, Any], *, key: str | None = None, model_name: str = "default") -> Any:
         """Prime the request's images, render, generate, all on one unit; returns the
         generate response JSON."""
         async with self.session(key, model_name=model_name) as session:
@@ -294,16 +290,12 @@ def _primed_model(endpoints: Endpoints, model_name: str) -> ModelEndpoints | Non
     return None
 
 
-async def _prime(
-    transport: Transport, model: ModelEndpoints, unit: Unit, items: list[MediaItem]
-) -> TransferParams:
+async def _prime(transport: Transport, model: ModelEndpoints, unit: Unit, items: list[MediaItem]) -> TransferParams:
     """Prime the items on the unit's encoders; for a Pools model, return every item's
     ``ec_transfer_params`` entries (keyed by vLLM's item hash) merged into one dict."""
     encoders = unit.encoder_urls
     if items and not encoders and model.pooled:
-        raise NoReadyUnitError(
-            f"model {model.name!r}: its encoder pool has no ready encoder to prime on"
-        )
+        raise NoReadyUnitError(f"model {model.name!r}: its encoder pool has no ready encoder to prime on")
     if not items or not encoders:
         return {}
 
@@ -348,8 +340,11 @@ def _announced(answer: Any) -> tuple[TransferParams, str]:
     params = answer.get("ec_transfer_params") if isinstance(answer, Mapping) else None
     if not isinstance(params, Mapping) or not params:
         return {}, "answered without ec_transfer_params (is its EC connector ECCPUConnector with NIXL?)"
-    unaddressed = [key for key, entry in params.items()
-                   if not (isinstance(entry, Mapping) and entry.get("peer_host") and entry.get("peer_port"))]
+    unaddressed = [
+        key
+        for key, entry in params.items()
+        if not (isinstance(entry, Mapping) and entry.get("peer_host") and entry.get("peer_port"))
+    ]
     if unaddressed:
         return {}, f"announced no peer address for {', '.join(map(str, unaddressed))} (not saved, or evicted)"
     return dict(params), ""
@@ -375,8 +370,9 @@ def _carry_transfer_params(rendered: Any, params: TransferParams) -> Any:
         metas = metadata.get(modality) or ()
         if not (isinstance(items, list) and len(names) == len(items) == len(metas)):
             return rendered  # not vLLM's parallel lists: send the response as it came
-        slim[modality] = [None if name in announced and meta is not None else item
-                          for name, item, meta in zip(names, items, metas)]
+        slim[modality] = [
+            None if name in announced and meta is not None else item for name, item, meta in zip(names, items, metas)
+        ]
     return {**rendered, "features": {**features, "kwargs_data": slim}}
 
 

@@ -33,13 +33,9 @@ def discover(name: str, namespace: str, kubeconfig: str | None = None) -> Endpoi
     except config.ConfigException as exc:
         raise DiscoveryError(f"no Kubernetes configuration: {exc}") from exc
     try:
-        obj = client.CustomObjectsApi(api).get_namespaced_custom_object(
-            GROUP, VERSION, namespace, PLURAL, name
-        )
+        obj = client.CustomObjectsApi(api).get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
     except client.ApiException as exc:
-        raise DiscoveryError(
-            f"cannot read EPDDeployment {namespace}/{name}: {exc.status} {exc.reason}"
-        ) from exc
+        raise DiscoveryError(f"cannot read EPDDeployment {namespace}/{name}: {exc.status} {exc.reason}") from exc
     finally:
         api.close()
 

@@ -10,7 +10,6 @@ from typing import Any, Protocol
 
 from ._errors import EndpointsError, NoReadyUnitError
 
-
 ENCODER = "encoder"
 CONSUMER = "consumer"
 POOLS = "Pools"
@@ -202,10 +201,7 @@ def _model_from_status(model: Mapping[str, Any]) -> ModelEndpoints:
             pod=unit.get("pod"),
             node=unit.get("node"),
             # Older statuses have no engine list: Unit.all_engines derives one from the URLs.
-            engines=tuple(
-                Engine(unit["name"], e["name"], e["role"], e.get("url"))
-                for e in unit.get("engines") or ()
-            ),
+            engines=tuple(Engine(unit["name"], e["name"], e["role"], e.get("url")) for e in unit.get("engines") or ()),
         )
         for unit in model.get("units") or ()
     )
@@ -214,8 +210,9 @@ def _model_from_status(model: Mapping[str, Any]) -> ModelEndpoints:
         for pod in (model.get("encoderPool") or {}).get("pods") or ()
         for e in pod.get("engines") or ()
     )
-    return ModelEndpoints(model["name"], units, model.get("servedModelName"),
-                          model.get("placement") or "Unit", pool_engines)
+    return ModelEndpoints(
+        model["name"], units, model.get("servedModelName"), model.get("placement") or "Unit", pool_engines
+    )
 
 
 def rendezvous(units: Sequence[Unit], key: str) -> Unit:

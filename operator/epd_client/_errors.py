@@ -77,29 +77,22 @@ class PrimeError(EPDClientError):
         self.unit = unit
         self.failures = tuple(failures)
         details = "; ".join(
-            f"{KINDS.get(f.kind, f.kind)} {f.index} ({f.url}) via {', '.join(f.encoders)}: "
-            f"{f.error.reason}"
+            f"{KINDS.get(f.kind, f.kind)} {f.index} ({f.url}) via {', '.join(f.encoders)}: {f.error.reason}"
             for f in self.failures
         )
-        super().__init__(
-            f"{len(self.failures)} of {total} media item(s) failed to prime on unit {unit!r}: "
-            f"{details}"
-        )
+        super().__init__(f"{len(self.failures)} of {total} media item(s) failed to prime on unit {unit!r}: {details}")
 
 
 class EngineError(EPDClientError):
     """A call that must reach every engine of a model (``EPDClient.pause``/``resume``)
     failed on some of them; ``failures`` pairs each such engine with its RequestError."""
 
-    def __init__(
-        self, call: str, model: str, total: int, failures: Sequence[tuple[Engine, RequestError]]
-    ) -> None:
+    def __init__(self, call: str, model: str, total: int, failures: Sequence[tuple[Engine, RequestError]]) -> None:
         self.call = call
         self.model = model
         self.failures = tuple(failures)
         details = "; ".join(
-            f"{engine.unit}/{engine.name} ({engine.url}): {error.reason}"
-            for engine, error in self.failures
+            f"{engine.unit}/{engine.name} ({engine.url}): {error.reason}" for engine, error in self.failures
         )
         hint = ""
         if any(error.status_code == 404 for _, error in self.failures):
@@ -108,6 +101,5 @@ class EngineError(EPDClientError):
                 "engines' environment: set serverDevMode: true in the EPDDeployment's spec)"
             )
         super().__init__(
-            f"{call} failed on {len(self.failures)} of {total} engine(s) of model {model!r}: "
-            f"{details}{hint}"
+            f"{call} failed on {len(self.failures)} of {total} engine(s) of model {model!r}: {details}{hint}"
         )

@@ -68,17 +68,13 @@ class Transport:
                     headers=self._headers,
                     verify=_ssl_context(),
                     timeout=httpx.Timeout(None, connect=self.policy.connect_timeout),
-                    limits=httpx.Limits(
-                        max_connections=_POOL_SIZE, max_keepalive_connections=_POOL_SIZE
-                    ),
+                    limits=httpx.Limits(max_connections=_POOL_SIZE, max_keepalive_connections=_POOL_SIZE),
                 )
             )
             pools.append(pool)
         return pool
 
-    async def post(
-        self, urls: Sequence[str], path: str, body: Any, *, first: int = 0
-    ) -> httpx.Response:
+    async def post(self, urls: Sequence[str], path: str, body: Any, *, first: int = 0) -> httpx.Response:
         """POST ``body`` as JSON to ``urls[first] + path``; each retry moves to the next URL.
 
         Raises RequestError once the request cannot succeed.
@@ -103,9 +99,7 @@ class Transport:
             raise RequestError(path, tried, attempts=len(tried), reason=reason) from exc
         raise AssertionError("unreachable: tenacity either returns or reraises")
 
-    async def _attempt(
-        self, base_url: str, path: str, body: Any, deadline: float
-    ) -> httpx.Response:
+    async def _attempt(self, base_url: str, path: str, body: Any, deadline: float) -> httpx.Response:
         async with self._slots:
             remaining = deadline - asyncio.get_running_loop().time()
             if remaining <= 0:
@@ -140,6 +134,4 @@ def _request_error(path: str, tried: list[str], response: httpx.Response) -> Req
     # vLLM puts the reason in a short JSON body; keep enough of it to be useful.
     excerpt = response.text[:300].strip()
     reason = f"HTTP {response.status_code}" + (f": {excerpt}" if excerpt else "")
-    return RequestError(
-        path, tried, attempts=len(tried), reason=reason, status_code=response.status_code
-    )
+    return RequestError(path, tried, attempts=len(tried), reason=reason, status_code=response.status_code)

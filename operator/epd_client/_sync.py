@@ -23,11 +23,7 @@ def prime_encoder_sync(
     weights_version: str | None = None,
 ) -> dict[str, Any]:
     """Blocking ``prime_encoder``."""
-    return _run(
-        lambda: prime_encoder(
-            target, messages, model_name=model_name, weights_version=weights_version
-        )
-    )
+    return _run(lambda: prime_encoder(target, messages, model_name=model_name, weights_version=weights_version))
 
 
 def generate_sync(

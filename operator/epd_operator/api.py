@@ -388,7 +388,9 @@ class EPDDeploymentSpec(Schema):
         description="vLLM version (selects argument templates); default: parsed from the image tag.",
     )
     replicas: int = Field(
-        default=1, ge=0, le=1000,
+        default=1,
+        ge=0,
+        le=1000,
         description="EPD units per model (one pod each). The scale subresource: `kubectl scale`, HPA, KEDA.",
     )
     max_unavailable: int | str = Field(
@@ -430,7 +432,6 @@ class EPDDeploymentSpec(Schema):
     volume_mounts: list[OpenObject] = Field(
         default_factory=list, description="Extra mounts for every engine container."
     )
-
 
     def model(self, name: str) -> ModelSpec:
         return next(m for m in self.models if m.name == name)

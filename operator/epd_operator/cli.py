@@ -75,9 +75,11 @@ def _run(args: argparse.Namespace) -> None:
         priority=args.priority,
         liveness=args.liveness,
         metrics_port=args.metrics_port,
-        settings=Settings(janitor_image=args.janitor_image or own_image(),
-                          janitor_scrape_interval=args.janitor_scrape_interval,
-                          janitor_scrape_rate=args.janitor_scrape_rate),
+        settings=Settings(
+            janitor_image=args.janitor_image or own_image(),
+            janitor_scrape_interval=args.janitor_scrape_interval,
+            janitor_scrape_rate=args.janitor_scrape_rate,
+        ),
         log_level=args.log_level,
         log_format=args.log_format,
     )

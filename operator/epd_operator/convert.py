@@ -18,12 +18,12 @@ refused with the path of the field in the Vime config.
 from __future__ import annotations
 
 import difflib
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from . import api
 from .engine_args import override_errors
-
 from .validation import OWNED_ARGS, SpecError, validate, vllm_minor
 
 # Models that receive the trainer's weights, comma-separated: the operator syncs no weights, the
@@ -227,8 +227,10 @@ def _group(
 
     gpus = raw.get("num_gpus_per_engine") or model_gpus or default_gpus
     source = (
-        "its num_gpus_per_engine" if raw.get("num_gpus_per_engine")
-        else "the model's num_gpus_per_engine" if model_gpus
+        "its num_gpus_per_engine"
+        if raw.get("num_gpus_per_engine")
+        else "the model's num_gpus_per_engine"
+        if model_gpus
         else "--num-gpus-per-engine"
     )
     num_gpus = raw.get("num_gpus")

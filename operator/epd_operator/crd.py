@@ -98,7 +98,7 @@ def _layout_cel_rules() -> list[dict[str, str]]:
         rules.append(
             {
                 "rule": "!(" + " && ".join(terms) + ")",
-                "messageExpression": f"\"model '\" + self.name + \"': {rule.message}\"",
+                "messageExpression": f'"model \'" + self.name + "\': {rule.message}"',
                 "reason": "FieldValueInvalid",
             }
         )
@@ -109,7 +109,7 @@ def _placement_cel_rules() -> list[dict[str, str]]:
     return [
         {
             "rule": rule.cel,
-            "messageExpression": f"\"model '\" + self.name + \"': {rule.message}\"",
+            "messageExpression": f'"model \'" + self.name + "\': {rule.message}"',
             "reason": "FieldValueInvalid",
         }
         for rule in PLACEMENT_RULES
@@ -209,8 +209,12 @@ def build_crd() -> dict[str, Any]:
                     "additionalPrinterColumns": [
                         {"name": "Ready", "type": "string", "jsonPath": ".status.ready"},
                         {"name": "Updated", "type": "string", "jsonPath": ".status.updated", "priority": 1},
-                        {"name": "Fallback-Encodes", "type": "integer", "jsonPath": ".status.fallbackEncodes",
-                         "priority": 1},
+                        {
+                            "name": "Fallback-Encodes",
+                            "type": "integer",
+                            "jsonPath": ".status.fallbackEncodes",
+                            "priority": 1,
+                        },
                         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
                         {"name": "Models", "type": "integer", "jsonPath": ".status.modelCount"},
                         {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas"},

@@ -11,8 +11,9 @@ from __future__ import annotations
 import difflib
 import functools
 import re
+from collections.abc import Mapping
 from importlib import resources
-from typing import Any, Mapping
+from typing import Any
 
 # What an override key may look like: snake_case as Vime writes it, dashes tolerated.
 OVERRIDE_KEY = re.compile(r"^[a-z][a-z0-9_-]*$")

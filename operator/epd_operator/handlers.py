@@ -47,8 +47,15 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 
 
 @kopf.on.startup()
-async def keep_indexes(memo: kopf.Memo, deployments: kopf.Index, unit_sets: kopf.Index, unit_services: kopf.Index,
-                       unit_pods: kopf.Index, unit_budgets: kopf.Index, **_: Any) -> None:
+async def keep_indexes(
+    memo: kopf.Memo,
+    deployments: kopf.Index,
+    unit_sets: kopf.Index,
+    unit_services: kopf.Index,
+    unit_pods: kopf.Index,
+    unit_budgets: kopf.Index,
+    **_: Any,
+) -> None:
     memo.reconciler.watch(Indexes(deployments, unit_sets, unit_services, unit_pods, unit_budgets))
 
 
@@ -82,16 +89,28 @@ async def unit_sets(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: A
 
 
 @kopf.index("services", labels=OURS)
-async def unit_services(namespace: str, labels: kopf.Labels, meta: kopf.Meta, body: kopf.Body,
-                        **_: Any) -> dict[Any, Any]:
-    return {(namespace, labels[LABEL_DEPLOYMENT]): (meta.name, meta.annotations.get(ANNOTATION_SPEC_HASH),
-                                                    is_headless(body), _owned_by_update(meta))}
+async def unit_services(
+    namespace: str, labels: kopf.Labels, meta: kopf.Meta, body: kopf.Body, **_: Any
+) -> dict[Any, Any]:
+    return {
+        (namespace, labels[LABEL_DEPLOYMENT]): (
+            meta.name,
+            meta.annotations.get(ANNOTATION_SPEC_HASH),
+            is_headless(body),
+            _owned_by_update(meta),
+        )
+    }
 
 
 @kopf.index("policy", "v1", "poddisruptionbudgets", labels=OURS)
 async def unit_budgets(namespace: str, labels: kopf.Labels, meta: kopf.Meta, **_: Any) -> dict[Any, Any]:
-    return {(namespace, labels[LABEL_DEPLOYMENT]): (meta.name, meta.annotations.get(ANNOTATION_SPEC_HASH),
-                                                    _owned_by_update(meta))}
+    return {
+        (namespace, labels[LABEL_DEPLOYMENT]): (
+            meta.name,
+            meta.annotations.get(ANNOTATION_SPEC_HASH),
+            _owned_by_update(meta),
+        )
+    }
 
 
 def _owned_by_update(meta: kopf.Meta) -> bool:
@@ -111,24 +130,29 @@ async def epd_changed(memo: kopf.Memo, type: str, namespace: str, name: str, bod
     if memo.reconciler.echoes_status(body):
         return  # the echo of our own status patch
     # A spec not reconciled yet goes before status refreshes of objects already converged.
-    memo.reconciler.enqueue((namespace, name),
-                            urgent=body.status.get("observedGeneration") != body.metadata.get("generation"))
+    memo.reconciler.enqueue(
+        (namespace, name), urgent=body.status.get("observedGeneration") != body.metadata.get("generation")
+    )
 
 
 @kopf.on.event("pods", labels=OURS)
 async def pod_changed(memo: kopf.Memo, namespace: str, labels: kopf.Labels, **_: Any) -> None:
-    memo.reconciler.enqueue_after((namespace, labels[LABEL_DEPLOYMENT]), memo.reconciler.settings.status_debounce_seconds)
+    memo.reconciler.enqueue_after(
+        (namespace, labels[LABEL_DEPLOYMENT]), memo.reconciler.settings.status_debounce_seconds
+    )
 
 
 # Children: a deleted one, or one not at the desired state of its owner's current generation,
 # queues a reconcile (which re-applies it); one that only confirms what was applied does not.
 @kopf.on.event("statefulsets", labels=OURS)
-async def set_changed(memo: kopf.Memo, type: str | None, namespace: str, labels: kopf.Labels, meta: kopf.Meta,
-                      **_: Any) -> None:
+async def set_changed(
+    memo: kopf.Memo, type: str | None, namespace: str, labels: kopf.Labels, meta: kopf.Meta, **_: Any
+) -> None:
     key = (namespace, labels[LABEL_DEPLOYMENT])
     memo.reconciler.observed(key, "StatefulSet", meta.name)
-    if type != "DELETED" and memo.reconciler.confirms(key, "StatefulSet", meta.name,
-                                                      meta.annotations.get(ANNOTATION_SPEC_HASH)):
+    if type != "DELETED" and memo.reconciler.confirms(
+        key, "StatefulSet", meta.name, meta.annotations.get(ANNOTATION_SPEC_HASH)
+    ):
         # The status reads its rollout fields: a refresh, coalesced with the pods' events.
         memo.reconciler.enqueue_after(key, memo.reconciler.settings.status_debounce_seconds)
     else:
@@ -137,13 +161,15 @@ async def set_changed(memo: kopf.Memo, type: str | None, namespace: str, labels:
 
 @kopf.on.event("services", labels=OURS)
 @kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=OURS)
-async def child_changed(memo: kopf.Memo, type: str | None, namespace: str, labels: kopf.Labels, body: kopf.Body,
-                        meta: kopf.Meta, **_: Any) -> None:
+async def child_changed(
+    memo: kopf.Memo, type: str | None, namespace: str, labels: kopf.Labels, body: kopf.Body, meta: kopf.Meta, **_: Any
+) -> None:
     key = (namespace, labels[LABEL_DEPLOYMENT])
     memo.reconciler.observed(key, body["kind"], meta.name)
     # The status reads neither Services nor budgets: a confirming event has nothing to refresh.
-    if type == "DELETED" or not memo.reconciler.confirms(key, body["kind"], meta.name,
-                                                          meta.annotations.get(ANNOTATION_SPEC_HASH)):
+    if type == "DELETED" or not memo.reconciler.confirms(
+        key, body["kind"], meta.name, meta.annotations.get(ANNOTATION_SPEC_HASH)
+    ):
         memo.reconciler.enqueue(key)
 
 

@@ -54,11 +54,16 @@ class Kube:
     async def aclose(self) -> None:
         await self._session.close()
 
-    async def _call(self, method: str, path: str, body: Any, content_type: str,
-                    params: dict[str, str] | None = None) -> bytes:
-        async with self._session.request(method, self._server + path, params=params,
-                                         data=None if body is None else json.dumps(body),
-                                         headers={"Content-Type": content_type}) as response:
+    async def _call(
+        self, method: str, path: str, body: Any, content_type: str, params: dict[str, str] | None = None
+    ) -> bytes:
+        async with self._session.request(
+            method,
+            self._server + path,
+            params=params,
+            data=None if body is None else json.dumps(body),
+            headers={"Content-Type": content_type},
+        ) as response:
             if response.status >= 400:
                 raise KubeError(method, path, response.status, await response.text())
             return await response.read()  # the connection goes back to the pool only once drained
@@ -67,8 +72,13 @@ class Kube:
         """POST a child with our field manager; False if it exists already. About half the API
         server's work of a server-side apply creating it (see managedfields.py for the catch)."""
         try:
-            await self._call("POST", _child_path(obj["kind"], obj["metadata"]["namespace"]), obj, "application/json",
-                             params={"fieldManager": FIELD_MANAGER})
+            await self._call(
+                "POST",
+                _child_path(obj["kind"], obj["metadata"]["namespace"]),
+                obj,
+                "application/json",
+                params={"fieldManager": FIELD_MANAGER},
+            )
         except KubeError as error:
             if error.status_code == 409:
                 return False
@@ -78,30 +88,38 @@ class Kube:
     async def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         """A child as it is now, None if there is none."""
         try:
-            return json.loads(await self._call("GET", _child_path(kind, namespace, name), None,
-                                               "application/json"))  # type: ignore[no-any-return]
+            return json.loads(await self._call("GET", _child_path(kind, namespace, name), None, "application/json"))  # type: ignore[no-any-return]
         except KubeError as error:
             if error.status_code == 404:
                 return None
             raise
 
-    async def replace_managed_fields(self, kind: str, namespace: str, name: str, resource_version: str,
-                                     entries: list[dict[str, Any]]) -> None:
+    async def replace_managed_fields(
+        self, kind: str, namespace: str, name: str, resource_version: str, entries: list[dict[str, Any]]
+    ) -> None:
         """Write a child's metadata.managedFields, only if it is still at `resource_version`."""
-        patch = [{"op": "test", "path": "/metadata/resourceVersion", "value": resource_version},
-                 {"op": "replace", "path": "/metadata/managedFields", "value": entries}]
+        patch = [
+            {"op": "test", "path": "/metadata/resourceVersion", "value": resource_version},
+            {"op": "replace", "path": "/metadata/managedFields", "value": entries},
+        ]
         await self._call("PATCH", _child_path(kind, namespace, name), patch, "application/json-patch+json")
 
     async def apply(self, obj: dict[str, Any]) -> None:
         """Server-side apply with our field manager, forcing ownership of the fields we set."""
         metadata = obj["metadata"]
-        await self._call("PATCH", _child_path(obj["kind"], metadata["namespace"], metadata["name"]), obj,
-                         "application/apply-patch+yaml", params={"fieldManager": FIELD_MANAGER, "force": "true"})
+        await self._call(
+            "PATCH",
+            _child_path(obj["kind"], metadata["namespace"], metadata["name"]),
+            obj,
+            "application/apply-patch+yaml",
+            params={"fieldManager": FIELD_MANAGER, "force": "true"},
+        )
 
     async def delete(self, kind: str, namespace: str, name: str) -> None:
         try:
-            await self._call("DELETE", _child_path(kind, namespace, name), {"propagationPolicy": "Background"},
-                             "application/json")
+            await self._call(
+                "DELETE", _child_path(kind, namespace, name), {"propagationPolicy": "Background"}, "application/json"
+            )
         except KubeError as error:
             if error.status_code != 404:
                 raise
@@ -111,8 +129,9 @@ class Kube:
         merges conditions by type, so the kubelet's own conditions stay as they are."""
         path = f"/api/v1/namespaces/{namespace}/pods/{name}/status"
         try:
-            await self._call("PATCH", path, {"status": {"conditions": [condition]}},
-                             "application/strategic-merge-patch+json")
+            await self._call(
+                "PATCH", path, {"status": {"conditions": [condition]}}, "application/strategic-merge-patch+json"
+            )
         except KubeError as error:
             if error.status_code != 404:  # the pod is gone: its replacement gets its own patch
                 raise

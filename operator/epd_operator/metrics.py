@@ -20,8 +20,9 @@ class OperatorMetrics:
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
-        self._reconciles = Counter("epd_reconciles_total", "EPDDeployment reconciles by result.", ["result"],
-                                   registry=self.registry)
+        self._reconciles = Counter(
+            "epd_reconciles_total", "EPDDeployment reconciles by result.", ["result"], registry=self.registry
+        )
         self._reconcile_seconds = Histogram(
             "epd_reconcile_duration_seconds",
             "Time to validate, render, apply children and write status.",
@@ -36,10 +37,12 @@ class OperatorMetrics:
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
             registry=self.registry,
         )
-        self._ready_units = Gauge("epd_ready_units", "Ready EPD units per EPDDeployment.", ["namespace", "name"],
-                                  registry=self.registry)
-        self._invalid_specs = Gauge("epd_invalid_specs", "EPDDeployments whose spec is invalid.",
-                                    registry=self.registry)
+        self._ready_units = Gauge(
+            "epd_ready_units", "Ready EPD units per EPDDeployment.", ["namespace", "name"], registry=self.registry
+        )
+        self._invalid_specs = Gauge(
+            "epd_invalid_specs", "EPDDeployments whose spec is invalid.", registry=self.registry
+        )
         self._invalid: set[tuple[str, str]] = set()
 
     def observe_reconcile(self, result: str, seconds: float) -> None:

@@ -25,9 +25,9 @@ import kopf
 from . import api
 from .ec.scrape import JanitorScraper
 from .kube import Kube, KubeError
+from .managedfields import upgrade_to_apply
 from .metrics import OperatorMetrics
 from .render import ModelPlan, render
-from .managedfields import upgrade_to_apply
 from .resources import ANNOTATION_SPEC_HASH, FIELD_MANAGER, desired_children, is_headless
 from .settings import Settings
 from .status import Pod, compute_status, encoder_gates, invalid_status
@@ -59,13 +59,23 @@ class IndexedDeployment:
     spec_json: str
     status_json: str
 
-    METADATA_FIELDS: ClassVar[tuple[str, ...]] = ("name", "namespace", "uid", "generation", "labels", "deletionTimestamp")
+    METADATA_FIELDS: ClassVar[tuple[str, ...]] = (
+        "name",
+        "namespace",
+        "uid",
+        "generation",
+        "labels",
+        "deletionTimestamp",
+    )
 
     @classmethod
     def of(cls, body: Mapping[str, Any]) -> IndexedDeployment:
         metadata = body["metadata"]
-        reference = {"apiVersion": body["apiVersion"], "kind": body["kind"],
-                     "metadata": {f: metadata[f] for f in cls.METADATA_FIELDS if f in metadata}}
+        reference = {
+            "apiVersion": body["apiVersion"],
+            "kind": body["kind"],
+            "metadata": {f: metadata[f] for f in cls.METADATA_FIELDS if f in metadata},
+        }
         return cls(reference, _compact(body.get("spec", {})), _compact(body.get("status", {})))
 
     @property
@@ -87,7 +97,9 @@ class Indexes:
     unit_sets: Mapping[Key, Any]  # a StatefulSetSummary of each StatefulSet
     unit_services: Mapping[Key, Any]  # (name, spec hash, headless, owned by update) of each Service
     unit_pods: Mapping[Key, Any]  # a PodSummary of each unit or encoder pod
-    unit_budgets: Mapping[Key, Any] = dataclasses.field(default_factory=dict)  # (name, spec hash, owned by update) of each PDB
+    unit_budgets: Mapping[Key, Any] = dataclasses.field(
+        default_factory=dict
+    )  # (name, spec hash, owned by update) of each PDB
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -115,8 +127,9 @@ class Reconciler:
     """`kube` and `warn` are injectable (tests record them); by default the API client is made
     from kopf's credentials at login and Events are posted through kopf."""
 
-    def __init__(self, settings: Settings, *, kube: Kube | None = None, warn: Warn = post_warning,
-                 inform: Warn = post_normal) -> None:
+    def __init__(
+        self, settings: Settings, *, kube: Kube | None = None, warn: Warn = post_warning, inform: Warn = post_normal
+    ) -> None:
         self.settings = settings
         self.metrics = OperatorMetrics()
         self._kube = kube
@@ -151,16 +164,23 @@ class Reconciler:
         edited by someone else, a new generation or new labels is not an echo.)"""
         key = (body.metadata.namespace, body.metadata.name)
         status = dict(body.get("status") or {})
-        return (key in self._written and status.get("observedGeneration") == body.metadata.get("generation")
-                and isinstance(self._plans.get(_plan_key(body.metadata)), CheckedGeneration)
-                and self._written[key] == _status_hash(status))
+        return (
+            key in self._written
+            and status.get("observedGeneration") == body.metadata.get("generation")
+            and isinstance(self._plans.get(_plan_key(body.metadata)), CheckedGeneration)
+            and self._written[key] == _status_hash(status)
+        )
 
     def confirms(self, key: Key, kind: str, name: str, digest: str | None) -> bool:
         """A child at the desired state planned for its owner's current generation and labels (so
         an event about it only confirms what was applied); False while that is not planned yet."""
         for indexed in self._require_indexes().deployments.get(key, []):
             planned = self._plans.get(_plan_key(indexed.metadata))
-            return isinstance(planned, CheckedGeneration) and digest is not None and planned.digests.get((kind, name)) == digest
+            return (
+                isinstance(planned, CheckedGeneration)
+                and digest is not None
+                and planned.digests.get((kind, name)) == digest
+            )
         return False
 
     def observed(self, key: Key, kind: str, name: str) -> None:
@@ -199,12 +219,16 @@ class Reconciler:
         # The queue's workers (and the scrape loop) start with the first event: a task inherits
         # its creator's context, and kopf sets what posting Events needs for handlers only.
         if self._queue is None:
-            self._queue = WorkQueue(self._reconcile_key, workers=self.settings.max_concurrent_reconciles,
-                                    max_backoff=self.settings.retry_max_seconds)
+            self._queue = WorkQueue(
+                self._reconcile_key,
+                workers=self.settings.max_concurrent_reconciles,
+                max_backoff=self.settings.retry_max_seconds,
+            )
             if self.settings.janitor_scrape_interval > 0:
                 indexes = self._require_indexes()
-                self._spawn(self.scraper.run(self.settings.janitor_scrape_interval, indexes.deployments,
-                                             indexes.unit_pods))
+                self._spawn(
+                    self.scraper.run(self.settings.janitor_scrape_interval, indexes.deployments, indexes.unit_pods)
+                )
         return self._queue
 
     def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
@@ -219,8 +243,11 @@ class Reconciler:
 
     @property
     def kube(self) -> Kube:
-        if self._owns_kube and self._connection is not None and (
-                self._kube is None or self._kube.connection is not self._connection):
+        if (
+            self._owns_kube
+            and self._connection is not None
+            and (self._kube is None or self._kube.connection is not self._connection)
+        ):
             if self._kube is not None:  # kopf logged in again (credentials rotated): drop the old session
                 self._spawn(self._kube.aclose())
             self._kube = Kube(self._connection)
@@ -257,7 +284,9 @@ class Reconciler:
         try:
             # The status goes out with the children, not after them: it is computed from the
             # indexes, which show none of this reconcile's writes yet either way.
-            refused, _ = await asyncio.gather(self._converge_timed(body, planned), self._write_status_timed(body, planned))
+            refused, _ = await asyncio.gather(
+                self._converge_timed(body, planned), self._write_status_timed(body, planned)
+            )
             key = (namespace, name)
             refusal = str(refused) if refused else None
             if refusal != self._refusals.get(key):  # said in the status until a write goes through
@@ -314,8 +343,10 @@ class Reconciler:
             self._remember(key, error)
             raise
         plans = self._render(body, checked)
-        digests = {_ref(c): c["metadata"]["annotations"][ANNOTATION_SPEC_HASH]
-                   for c in self._desired(body, checked.spec, plans)}
+        digests = {
+            _ref(c): c["metadata"]["annotations"][ANNOTATION_SPEC_HASH]
+            for c in self._desired(body, checked.spec, plans)
+        }
         self._remember(key, CheckedGeneration(_compact(raw), checked.vllm_minor, digests))
         return Planned(checked.spec, plans, digests)
 
@@ -361,8 +392,13 @@ class Reconciler:
         # alone, and are not even built again when the remembered hashes show that.
         stale = {ref for ref, digest in planned.digests.items() if existing.get(ref) != digest}
         if stale:
-            await asyncio.gather(*(self._write(key, c, existing.keys(), applied, headless)
-                                   for c in self.desired(body, planned) if _ref(c) in stale))
+            await asyncio.gather(
+                *(
+                    self._write(key, c, existing.keys(), applied, headless)
+                    for c in self.desired(body, planned)
+                    if _ref(c) in stale
+                )
+            )
         removed = existing.keys() - planned.digests.keys()  # children of a model removed from the spec
         for kind, name in removed:
             await self.kube.delete(kind, key[0], name)
@@ -385,8 +421,14 @@ class Reconciler:
         self.enqueue_after(key, max(until for _, until in created.values()) - now)
         return {ref: digest for ref, (digest, _) in created.items()}
 
-    async def _write(self, key: Key, child: dict[str, Any], existing: Set[tuple[str, str]],
-                     applied: Set[tuple[str, str]], headless: Mapping[str, bool]) -> None:
+    async def _write(
+        self,
+        key: Key,
+        child: dict[str, Any],
+        existing: Set[tuple[str, str]],
+        applied: Set[tuple[str, str]],
+        headless: Mapping[str, bool],
+    ) -> None:
         """Create a child neither the indexes nor the expectations show (a POST: the API
         server's cheapest write); server-side apply one that exists, taking its fields over
         first unless the index shows that done (`applied`). An existing Service whose
@@ -428,8 +470,9 @@ class Reconciler:
         namespace, name = body.metadata.namespace, body.metadata.name
         pods = self._pods((namespace, name))
         gates = encoder_gates(name, planned.spec, planned.plans, pods, _now())
-        await asyncio.gather(*(self.kube.patch_pod_condition(namespace, pod, condition)
-                               for pod, condition in gates.items()))
+        await asyncio.gather(
+            *(self.kube.patch_pod_condition(namespace, pod, condition) for pod, condition in gates.items())
+        )
 
     async def write_status(self, body: kopf.Body, planned: Planned) -> bool:
         """Patch the status if it changed; True if it did (a refusal said again writes nothing)."""
@@ -439,17 +482,27 @@ class Reconciler:
         sets = {s.name: s for s in indexes.unit_sets.get((namespace, name), [])}
         previous = dict(body.status)
         status = compute_status(
-            deployment=name, spec=planned.spec, plans=planned.plans, pods=pods, stateful_sets=sets,
-            generation=body.metadata.get("generation"), previous=previous, now=_now(),
+            deployment=name,
+            spec=planned.spec,
+            plans=planned.plans,
+            pods=pods,
+            stateful_sets=sets,
+            generation=body.metadata.get("generation"),
+            previous=previous,
+            now=_now(),
             evictions=self.scraper.evictions((namespace, name)),
-            fallback_encodes=self.scraper.fallback_encodes((namespace, name)), write_error=self._refusals.get((namespace, name)),
+            fallback_encodes=self.scraper.fallback_encodes((namespace, name)),
+            write_error=self._refusals.get((namespace, name)),
         )
         self.metrics.set_ready_units(namespace, name, sum(m["readyUnits"] for m in status["models"]))
         self._written[(namespace, name)] = _status_hash(status)
         if _same(status, previous):
             return False
         budget = _condition(status, "ECBudgetSufficient")
-        if budget["status"] == "False" and _condition(previous, "ECBudgetSufficient").get("message") != budget["message"]:
+        if (
+            budget["status"] == "False"
+            and _condition(previous, "ECBudgetSufficient").get("message") != budget["message"]
+        ):
             self._warn(body, "ECBudgetTooSmall", budget["message"])
         self._tell_the_rollout(body, previous, status)
         await self.kube.patch_status(namespace, name, status)
@@ -464,7 +517,10 @@ class Reconciler:
         elif before.get("reason") == "RollingOut" and now["reason"] != "RollingOut":
             self._inform(body, "RolloutComplete", f"generation {generation}: every unit runs the current spec")
         degraded = _condition(status, "Degraded")
-        if degraded["reason"] == "RolloutStalled" and _condition(previous, "Degraded").get("reason") != "RolloutStalled":
+        if (
+            degraded["reason"] == "RolloutStalled"
+            and _condition(previous, "Degraded").get("reason") != "RolloutStalled"
+        ):
             self._warn(body, "RolloutStalled", degraded["message"])
 
     async def _report_invalid(self, body: kopf.Body, error: SpecError) -> None:

@@ -18,9 +18,10 @@ import json
 import re
 import shlex
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Any, Mapping
+from typing import Any
 
 import jinja2
 import yaml
@@ -118,8 +119,11 @@ def render(checked: CheckedSpec, *, namespace: str, name: str, uid: str) -> list
     plans = []
     for index, model in enumerate(spec.models):
         # Pools: no EC store; the embeddings stay in each encoder's own region until read.
-        path = ec_storage_path(spec, namespace=namespace, name=name, uid=uid, model=model.name) \
-            if model.has_encoders and not model.pooled else None
+        path = (
+            ec_storage_path(spec, namespace=namespace, name=name, uid=uid, model=model.name)
+            if model.has_encoders and not model.pooled
+            else None
+        )
         plans.append(_model_plan(spec, checked.vllm_minor, index, model, path))
     return plans
 
@@ -184,25 +188,41 @@ def commands_json(plans: list[ModelPlan]) -> list[dict[str, Any]]:
     commands = []
     for plan in plans:
         for cmd in plan.engines:
-            commands.append({"model": cmd.model, "workerType": cmd.worker_type.value, "engineIndex": cmd.engine_index,
-                             "args": list(cmd.args), "env": dict(cmd.env), "fieldEnv": dict(cmd.field_env)})
+            commands.append(
+                {
+                    "model": cmd.model,
+                    "workerType": cmd.worker_type.value,
+                    "engineIndex": cmd.engine_index,
+                    "args": list(cmd.args),
+                    "env": dict(cmd.env),
+                    "fieldEnv": dict(cmd.field_env),
+                }
+            )
         if plan.router:
             # The router's entry keeps the engines' shape for tools reading the list.
-            commands.append({"model": plan.name, "workerType": ROUTER, "engineIndex": -1,
-                             "args": list(plan.router.args), "env": {}, "fieldEnv": {}})
+            commands.append(
+                {
+                    "model": plan.name,
+                    "workerType": ROUTER,
+                    "engineIndex": -1,
+                    "args": list(plan.router.args),
+                    "env": {},
+                    "fieldEnv": {},
+                }
+            )
     return commands
 
 
 # --------------------------------------------------------------------------- engines
 
 
-def _model_plan(
-    spec: EPDDeploymentSpec, minor: str, m_index: int, model: ModelSpec, ec_path: str | None
-) -> ModelPlan:
+def _model_plan(spec: EPDDeploymentSpec, minor: str, m_index: int, model: ModelSpec, ec_path: str | None) -> ModelPlan:
     served = model.served_name
     groups = list(enumerate(model.server_groups))
     # Encoders first: they take the lowest ports and start (as sidecars) before the consumers.
-    ordered = [g for g in groups if g[1].worker_type.is_encoder] + [g for g in groups if not g[1].worker_type.is_encoder]
+    ordered = [g for g in groups if g[1].worker_type.is_encoder] + [
+        g for g in groups if not g[1].worker_type.is_encoder
+    ]
     engines: list[EngineCommand] = []
     numbers: Counter[str] = Counter()
     # With Pools the encoders and the consumers live in different pods, each numbered from 0.
@@ -214,8 +234,9 @@ def _model_plan(
             engine_index = len(engines) - (0 if worker_type.is_encoder else pool_size)
             port = spec.ports.engine_base + engine_index
             nixl_port = spec.ports.nixl_side_channel_base + engine_index if worker_type.is_pd else None
-            side_port = spec.ports.ec_side_channel_base + engine_index \
-                if cpu_regions and worker_type.is_encoder else None
+            side_port = (
+                spec.ports.ec_side_channel_base + engine_index if cpu_regions and worker_type.is_encoder else None
+            )
             defaults = _load_yaml(
                 _templates.get_template("engine.yaml.j2").render(
                     worker_type=worker_type.value,

@@ -160,7 +160,8 @@ def janitor_container(spec: api.EPDDeploymentSpec, plan: ModelPlan, image: str) 
         args += ["--ttl-seconds", str(spec.ec_storage.ttl_seconds)]
     # The store is under /dev/shm unless ecConnector.storageRoot names one of the user's volumes.
     mounts = [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}] + [
-        m for m in spec.volume_mounts
+        m
+        for m in spec.volume_mounts
         if m.get("mountPath") and plan.ec_storage_path.startswith(str(m["mountPath"]).rstrip("/") + "/")
     ]
     return {
@@ -380,8 +381,7 @@ def pool_service(deployment: str, plan: ModelPlan) -> dict[str, Any]:
     """Headless, listing the pool's ready encoder pods (and governing their StatefulSet). It
     selects by LABEL_ENCODER_POOL, which unit pods never carry, as the units' Services select by
     LABEL_MODEL, which pool pods never carry."""
-    ports = [{"name": e.container_name, "port": e.port, "targetPort": e.port, "protocol": "TCP"}
-             for e in plan.encoders]
+    ports = [{"name": e.container_name, "port": e.port, "targetPort": e.port, "protocol": "TCP"} for e in plan.encoders]
     return {
         "apiVersion": "v1",
         "kind": "Service",

@@ -10,6 +10,7 @@ import kopf
 
 from .settings import Settings
 
+
 class SharedMemo(kopf.Memo):
     """kopf gives every watched object a shallow copy of the memo (six objects per
     EPDDeployment, 200 bytes each); the operator's state lives in the one Reconciler it holds,

@@ -45,8 +45,10 @@ class PodSummary:
 
         summary = {
             "name": metadata["name"],
-            "metadata": {"deletionTimestamp": metadata.get("deletionTimestamp"),
-                         "labels": {REVISION_LABEL: (metadata.get("labels") or {}).get(REVISION_LABEL)}},
+            "metadata": {
+                "deletionTimestamp": metadata.get("deletionTimestamp"),
+                "labels": {REVISION_LABEL: (metadata.get("labels") or {}).get(REVISION_LABEL)},
+            },
             "spec": {"nodeName": (pod.get("spec") or {}).get("nodeName")},
             "status": {
                 "phase": status.get("phase"),
@@ -78,8 +80,9 @@ class StatefulSetSummary:
 
     @property
     def rolled_out(self) -> bool:
-        return (self.observed and self.updated_replicas == self.replicas
-                and self.current_revision == self.update_revision)
+        return (
+            self.observed and self.updated_replicas == self.replicas and self.current_revision == self.update_revision
+        )
 
 
 @dataclass(frozen=True)
@@ -106,11 +109,19 @@ def _condition(pod: Pod, kind: str) -> dict[str, Any]:
 
 def _containers(pod: Pod) -> dict[str, dict[str, Any]]:
     status = pod.get("status", {})
-    return {c["name"]: c for c in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]}
+    return {
+        c["name"]: c for c in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]
+    }
 
 
-def observe_unit(plan: ModelPlan, unit_name: str, pod: Pod | None, ec_evictions: int | None = None,
-                 pool: Pool | None = None, fallback_encodes: int | None = None) -> Unit:
+def observe_unit(
+    plan: ModelPlan,
+    unit_name: str,
+    pod: Pod | None,
+    ec_evictions: int | None = None,
+    pool: Pool | None = None,
+    fallback_encodes: int | None = None,
+) -> Unit:
     """What one unit's pod says about it; `pod` is None while it does not exist yet.
     `ec_evictions`, `fallback_encodes`: its janitor's counters, as the operator last scraped them.
     `pool`: the model's encoder pool (placement Pools), whose encoders the unit's consumers need."""
@@ -146,7 +157,10 @@ def observe_unit(plan: ModelPlan, unit_name: str, pod: Pod | None, ec_evictions:
         reason = "EngineStarting" if set(unready_consumers) <= set(not_started) else "EngineUnready"
         message = f"{', '.join(unready_consumers)} not ready"
     elif pool is not None and not pool.ready_urls:
-        reason, message = "NoReadyEncoder", f"encoder pool {pool.name} has no ready encoder: its readiness gate is closed"
+        reason, message = (
+            "NoReadyEncoder",
+            f"encoder pool {pool.name} has no ready encoder: its readiness gate is closed",
+        )
     elif not pod_ready:
         reason, message = "PodNotReady", _condition(pod, "Ready").get("message") or "pod is not Ready"
     else:
@@ -166,19 +180,23 @@ def observe_unit(plan: ModelPlan, unit_name: str, pod: Pod | None, ec_evictions:
         encoder_urls=[u for e in encoders if (u := url(e.port))],
         consumer_urls=[u for c in consumers if (u := url(c.port))],
         router_url=url(plan.router.port) if plan.router else None,
-        engines=[api.EngineStatus(name=e.container_name, role=e.worker_type, url=url(e.port))
-                 for e in plan.unit_engines],
+        engines=[
+            api.EngineStatus(name=e.container_name, role=e.worker_type, url=url(e.port)) for e in plan.unit_engines
+        ],
         ec_evictions=ec_evictions,
         fallback_encodes=fallback_encodes,
     )
     # A unit being replaced (Terminating) is progress too, as during every rollout.
-    starting = reason in ("EncoderStarting", "EngineStarting", "PodNotReady", "Terminating") or (
-        unscheduled and reason != "Unschedulable"
-    ) or (reason == "NoReadyEncoder" and pool is not None and pool.starting)
+    starting = (
+        reason in ("EncoderStarting", "EngineStarting", "PodNotReady", "Terminating")
+        or (unscheduled and reason != "Unschedulable")
+        or (reason == "NoReadyEncoder" and pool is not None and pool.starting)
+    )
     encoders_ready = not unready_encoders and (pool is None or bool(pool.ready_urls))
     revision = (pod.get("metadata", {}).get("labels") or {}).get(REVISION_LABEL)
-    return Unit(unit_name, plan.name, True, is_ready, starting, encoders_ready, reason, message, status,
-                revision=revision)
+    return Unit(
+        unit_name, plan.name, True, is_ready, starting, encoders_ready, reason, message, status, revision=revision
+    )
 
 
 def unit_names(deployment: str, plan: ModelPlan, replicas: int) -> list[str]:
@@ -209,21 +227,32 @@ class Pool:
 
     def status(self, replicas: int) -> api.EncoderPoolStatus:
         pods = [
-            api.EncoderPodStatus(name=m.name, pod=m.status.pod, node=m.status.node, ready=m.ready,
-                                 reason=m.status.reason, message=m.status.message,
-                                 encoder_urls=m.status.encoder_urls, engines=m.status.engines)
+            api.EncoderPodStatus(
+                name=m.name,
+                pod=m.status.pod,
+                node=m.status.node,
+                ready=m.ready,
+                reason=m.status.reason,
+                message=m.status.message,
+                encoder_urls=m.status.encoder_urls,
+                engines=m.status.engines,
+            )
             for m in self.members
         ]
-        return api.EncoderPoolStatus(name=self.name, service=self.name, replicas=replicas,
-                                     ready_pods=sum(m.ready for m in self.members), pods=pods)
+        return api.EncoderPoolStatus(
+            name=self.name,
+            service=self.name,
+            replicas=replicas,
+            ready_pods=sum(m.ready for m in self.members),
+            pods=pods,
+        )
 
 
 def observe_pool(deployment: str, spec: api.EPDDeploymentSpec, plan: ModelPlan, pods: Mapping[str, Pod]) -> Pool:
     """The encoder pool of a Pools model from its pods (by name)."""
     name = pool_name(deployment, plan.name)
     # A pool pod holds the model's encoders and nothing else: observed as a unit of that shape.
-    encoders_only = dataclasses.replace(plan, engines=plan.encoders, router=None,
-                                        placement=api.Placement.unit.value)
+    encoders_only = dataclasses.replace(plan, engines=plan.encoders, router=None, placement=api.Placement.unit.value)
     members = [
         dataclasses.replace(observe_unit(encoders_only, pod_name, pods.get(pod_name)), kind="encoder pod")
         for pod_name in (f"{name}-{i}" for i in range(spec.model(plan.name).encoder_replicas))
@@ -231,8 +260,9 @@ def observe_pool(deployment: str, spec: api.EPDDeploymentSpec, plan: ModelPlan, 
     return Pool(name, plan.name, members)
 
 
-def encoder_gates(deployment: str, spec: api.EPDDeploymentSpec, plans: list[ModelPlan],
-                  pods: Mapping[str, Pod], now: str) -> dict[str, dict[str, Any]]:
+def encoder_gates(
+    deployment: str, spec: api.EPDDeploymentSpec, plans: list[ModelPlan], pods: Mapping[str, Pod], now: str
+) -> dict[str, dict[str, Any]]:
     """The readiness-gate condition to write on each unit pod of a Pools model whose condition
     does not say yet what its pool says: True while the pool has a ready encoder, else False."""
     gates = {}
@@ -257,14 +287,28 @@ def encoder_gates(deployment: str, spec: api.EPDDeploymentSpec, plans: list[Mode
     return gates
 
 
-def _set(conditions: list[api.Condition], previous: dict[str, api.Condition], now: str, generation: int | None,
-         kind: str, ok: bool, reason: str, message: str = "") -> None:
+def _set(
+    conditions: list[api.Condition],
+    previous: dict[str, api.Condition],
+    now: str,
+    generation: int | None,
+    kind: str,
+    ok: bool,
+    reason: str,
+    message: str = "",
+) -> None:
     value = "True" if ok else "False"
     before = previous.get(kind)
     since = before.last_transition_time if before and before.status == value else now
     conditions.append(
-        api.Condition(type=kind, status=value, reason=reason, message=message,
-                      last_transition_time=since, observed_generation=generation)
+        api.Condition(
+            type=kind,
+            status=value,
+            reason=reason,
+            message=message,
+            last_transition_time=since,
+            observed_generation=generation,
+        )
     )
 
 
@@ -273,7 +317,9 @@ def _previous(status: dict[str, Any] | None) -> dict[str, api.Condition]:
     return {c["type"]: api.Condition.model_validate(c) for c in conditions if isinstance(c, dict) and "type" in c}
 
 
-def invalid_status(errors: list[str], generation: int | None, previous: dict[str, Any] | None, now: str) -> dict[str, Any]:
+def invalid_status(
+    errors: list[str], generation: int | None, previous: dict[str, Any] | None, now: str
+) -> dict[str, Any]:
     """Status of a spec that is not reconciled: children (if any) are left exactly as they were."""
     before = _previous(previous)
     conditions: list[api.Condition] = []
@@ -320,8 +366,10 @@ def compute_status(
     for plan in plans:
         pool = observe_pool(deployment, spec, plan, pods) if plan.pooled else None
         pools += [pool] if pool else []
-        observed = [observe_unit(plan, n, pods.get(n), (evictions or {}).get(n), pool, (fallback_encodes or {}).get(n))
-                    for n in unit_names(deployment, plan, spec.replicas)]
+        observed = [
+            observe_unit(plan, n, pods.get(n), (evictions or {}).get(n), pool, (fallback_encodes or {}).get(n))
+            for n in unit_names(deployment, plan, spec.replicas)
+        ]
         units += observed
         existing_per_model.append(sum(u.exists for u in observed))
         # Until the StatefulSet controller has seen the current template, its counts are the old one's.
@@ -334,8 +382,9 @@ def compute_status(
                 rolled_out = False
             if current and current.update_revision != current.current_revision:
                 new_revision = True
-                stalled += [u for u in members
-                            if u.revision == current.update_revision and not u.ready and not u.starting]
+                stalled += [
+                    u for u in members if u.revision == current.update_revision and not u.ready and not u.starting
+                ]
         models.append(
             api.ModelStatus(
                 name=plan.name,
@@ -364,16 +413,30 @@ def compute_status(
     if not has_encoders and not pools:
         _set(conditions, before, now, generation, "EncodersReady", True, "NoEncoders", "text-only models")
     else:
-        _set(conditions, before, now, generation, "EncodersReady", not unready_encoders and not empty,
-             "NoReadyEncoder" if empty else "EncoderUnready" if unready_encoders else "EncodersReady",
-             "; ".join([*empty, *([_describe(unready_encoders)] if unready_encoders else [])]))
+        _set(
+            conditions,
+            before,
+            now,
+            generation,
+            "EncodersReady",
+            not unready_encoders and not empty,
+            "NoReadyEncoder" if empty else "EncoderUnready" if unready_encoders else "EncodersReady",
+            "; ".join([*empty, *([_describe(unready_encoders)] if unready_encoders else [])]),
+        )
 
     # A deployment is Ready only with every unit and every encoder pool pod ready.
     unready = [u for u in [*units, *pool_members] if not u.ready]
     ready_count = sum(u.ready for u in units)
-    _set(conditions, before, now, generation, "Ready", not unready,
-         "AllUnitsReady" if not unready else "UnitsNotReady",
-         f"{ready_count}/{len(units)} units ready" + (f": {_describe(unready)}" if unready else ""))
+    _set(
+        conditions,
+        before,
+        now,
+        generation,
+        "Ready",
+        not unready,
+        "AllUnitsReady" if not unready else "UnitsNotReady",
+        f"{ready_count}/{len(units)} units ready" + (f": {_describe(unready)}" if unready else ""),
+    )
 
     starting = [u for u in unready if u.starting]
     progressing = not rolled_out or bool(starting)
@@ -388,20 +451,52 @@ def compute_status(
 
     broken = [u for u in unready if not u.starting]
     if write_error:
-        _set(conditions, before, now, generation, "Degraded", True, "ApplyFailed",
-             f"the spec is not applied, retrying with backoff: {write_error}")
+        _set(
+            conditions,
+            before,
+            now,
+            generation,
+            "Degraded",
+            True,
+            "ApplyFailed",
+            f"the spec is not applied, retrying with backoff: {write_error}",
+        )
     elif stalled:
         # The StatefulSet replaces no further pod while one is unavailable: say which and why.
-        _set(conditions, before, now, generation, "Degraded", True, "RolloutStalled",
-             f"rollout stopped at {updated}: {_describe(stalled)}; no further pod is replaced until it is "
-             "Ready: fix the spec (or revert it) to go on")
+        _set(
+            conditions,
+            before,
+            now,
+            generation,
+            "Degraded",
+            True,
+            "RolloutStalled",
+            f"rollout stopped at {updated}: {_describe(stalled)}; no further pod is replaced until it is "
+            "Ready: fix the spec (or revert it) to go on",
+        )
     else:
-        _set(conditions, before, now, generation, "Degraded", bool(broken),
-             broken[0].reason if broken else "AsExpected", _describe(broken))
+        _set(
+            conditions,
+            before,
+            now,
+            generation,
+            "Degraded",
+            bool(broken),
+            broken[0].reason if broken else "AsExpected",
+            _describe(broken),
+        )
 
     warnings = [w for p in plans if (w := budget_warning(spec, p))]
-    _set(conditions, before, now, generation, "ECBudgetSufficient", not warnings,
-         "BudgetTooSmall" if warnings else "Sufficient", "; ".join(warnings))
+    _set(
+        conditions,
+        before,
+        now,
+        generation,
+        "ECBudgetSufficient",
+        not warnings,
+        "BudgetTooSmall" if warnings else "Sufficient",
+        "; ".join(warnings),
+    )
 
     if write_error:
         phase = "Degraded"  # even with every unit Ready: they do not run the current spec

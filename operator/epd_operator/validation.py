@@ -9,8 +9,9 @@ call `validate`; rendering a CheckedSpec cannot fail.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import pydantic
 
@@ -53,17 +54,11 @@ class LayoutRule:
     any_of: frozenset[str] = frozenset()
 
     def violated_by(self, types: set[str]) -> bool:
-        return (
-            self.present <= types
-            and (not self.any_of or bool(self.any_of & types))
-            and not (self.absent & types)
-        )
+        return self.present <= types and (not self.any_of or bool(self.any_of & types)) and not (self.absent & types)
 
 
 def _rule(present: str, absent: str, message: str, any_of: str = "") -> LayoutRule:
-    return LayoutRule(
-        frozenset(present.split()), frozenset(absent.split()), message, frozenset(any_of.split())
-    )
+    return LayoutRule(frozenset(present.split()), frozenset(absent.split()), message, frozenset(any_of.split()))
 
 
 # Valid per model: {encoder, regular}, {encoder, prefill, decode}, {regular}, {prefill, decode}.
@@ -156,14 +151,17 @@ def port_errors(spec: EPDDeploymentSpec, index: int, model: ModelSpec) -> list[s
     if model.pooled:
         # A Pools model's unit holds its consumers only, numbered from ports.engineBase; no janitor.
         consumers = sum(g.engines for g in model.server_groups if not g.worker_type.is_encoder)
-        return [*_range_errors(model, _pool_port_ranges(spec, model)),
-                *_range_errors(model, _unit_port_ranges(spec, model, consumers, janitor=False))]
+        return [
+            *_range_errors(model, _pool_port_ranges(spec, model)),
+            *_range_errors(model, _unit_port_ranges(spec, model, consumers, janitor=False)),
+        ]
     engines = sum(g.engines for g in model.server_groups)
     return _range_errors(model, _unit_port_ranges(spec, model, engines, janitor=model.has_encoders))
 
 
-def _unit_port_ranges(spec: EPDDeploymentSpec, model: ModelSpec, engines: int, *,
-                      janitor: bool) -> dict[str, tuple[int, int]]:
+def _unit_port_ranges(
+    spec: EPDDeploymentSpec, model: ModelSpec, engines: int, *, janitor: bool
+) -> dict[str, tuple[int, int]]:
     """A unit pod with `engines` engines: their HTTP ports, the router's, prefill/decode NIXL side
     channels, and the janitor's metrics port."""
     ranges = {"ports.engineBase": (spec.ports.engine_base, spec.ports.engine_base + engines - 1)}
@@ -194,7 +192,7 @@ def _range_errors(model: ModelSpec, ranges: dict[str, tuple[int, int]]) -> list[
             errors.append(f"spec.{name}: model '{model.name}' needs ports {low}-{high}, past 65535: lower it")
     names = list(ranges)
     for i, first in enumerate(names):
-        for second in names[i + 1:]:
+        for second in names[i + 1 :]:
             (a_low, a_high), (b_low, b_high) = ranges[first], ranges[second]
             if a_low <= b_high and b_low <= a_high:
                 fix = first if first.startswith("ports.") else second

@@ -26,8 +26,9 @@ logger = logging.getLogger(__name__)
 
 
 class WorkQueue:
-    def __init__(self, reconcile: Callable[[Hashable], Awaitable[None]], *, workers: int,
-                 max_backoff: float = 60.0) -> None:
+    def __init__(
+        self, reconcile: Callable[[Hashable], Awaitable[None]], *, workers: int, max_backoff: float = 60.0
+    ) -> None:
         self._reconcile = reconcile
         self._max_backoff = max_backoff
         self._urgent: collections.deque[Hashable] = collections.deque()

@@ -38,8 +38,9 @@ def rendered_engines(manifest: dict[str, Any]) -> dict[str, list[tuple[str, int,
     plans = render(validate(manifest["spec"]), namespace="ns", name="vime", uid="uid")
     engines: dict[str, list[tuple[str, int, int]]] = {}
     for plan in plans:
-        groups = Counter((e.group_index, e.worker_type, e.args[e.args.index("--tensor-parallel-size") + 1])
-                         for e in plan.engines)
+        groups = Counter(
+            (e.group_index, e.worker_type, e.args[e.args.index("--tensor-parallel-size") + 1]) for e in plan.engines
+        )
         engines[plan.name] = [(kind, count, int(tp)) for (_, kind, tp), count in sorted(groups.items())]
     return engines
 
@@ -63,17 +64,26 @@ def test_a_model_level_num_gpus_per_engine_sizes_every_group_without_one(capsys)
     assert code == 0, err
     assert [g["numGpusPerEngine"] for g in manifest["spec"]["models"][0]["serverGroups"]] == [2, 2]
     assert rendered_engines(manifest) == {"actor": [("encoder", 1, 2), ("regular", 3, 2)]}
-    assert ("note: vllm[0] (actor): 1 encoder engine at TP 2 + 3 regular engines at TP 2 = 8 GPUs in each "
-            "EPD unit (one pod on one node)") in err.splitlines()
+    assert (
+        "note: vllm[0] (actor): 1 encoder engine at TP 2 + 3 regular engines at TP 2 = 8 GPUs in each "
+        "EPD unit (one pod on one node)"
+    ) in err.splitlines()
 
 
 def test_gpus_per_engine_resolve_group_then_model_then_the_global_default(tmp_path, capsys) -> None:
-    vime = {"vllm": [
-        {"name": "a", "num_gpus_per_engine": 4, "server_groups": [
-            {"worker_type": "prefill", "num_gpus": 2, "num_gpus_per_engine": 1},
-            {"worker_type": "decode", "num_gpus": 8}]},
-        {"name": "b", "server_groups": [{"worker_type": "regular", "num_gpus": 6}]},
-    ]}
+    vime = {
+        "vllm": [
+            {
+                "name": "a",
+                "num_gpus_per_engine": 4,
+                "server_groups": [
+                    {"worker_type": "prefill", "num_gpus": 2, "num_gpus_per_engine": 1},
+                    {"worker_type": "decode", "num_gpus": 8},
+                ],
+            },
+            {"name": "b", "server_groups": [{"worker_type": "regular", "num_gpus": 6}]},
+        ]
+    }
     code, manifest, err = convert(capsys, write(tmp_path, vime), "--hf-checkpoint", "m", "--num-gpus-per-engine", "3")
     assert code == 0, err
     assert rendered_engines(manifest) == {"a": [("prefill", 2, 1), ("decode", 2, 4)], "b": [("regular", 2, 3)]}
@@ -81,7 +91,9 @@ def test_gpus_per_engine_resolve_group_then_model_then_the_global_default(tmp_pa
 
 def test_engine_groups_is_server_groups(capsys) -> None:
     flags = ("--hf-checkpoint", HF_CHECKPOINT)
-    assert convert(capsys, VIME / "engine_groups.yaml", *flags)[1] == convert(capsys, VIME / "docstring.yaml", *flags)[1]
+    assert (
+        convert(capsys, VIME / "engine_groups.yaml", *flags)[1] == convert(capsys, VIME / "docstring.yaml", *flags)[1]
+    )
 
 
 def test_both_server_groups_and_engine_groups_are_refused(tmp_path, capsys) -> None:
@@ -96,8 +108,10 @@ def test_placeholder_groups_are_dropped_saying_why(capsys) -> None:
     code, manifest, err = convert(capsys, VIME / "placeholder.yaml", "--hf-checkpoint", "m")
     assert code == 0, err
     assert [g["workerType"] for g in manifest["spec"]["models"][0]["serverGroups"]] == ["regular"]
-    assert ("note: vllm[0].server_groups[1]: placeholder group dropped: in Vime it reserves 2 GPUs for co-located "
-            "training, which has no meaning for an EPDDeployment (its pods run engines only)") in err.splitlines()
+    assert (
+        "note: vllm[0].server_groups[1]: placeholder group dropped: in Vime it reserves 2 GPUs for co-located "
+        "training, which has no meaning for an EPDDeployment (its pods run engines only)"
+    ) in err.splitlines()
 
 
 def test_a_model_of_placeholders_only_is_dropped_and_nothing_left_is_an_error(tmp_path, capsys) -> None:
@@ -114,32 +128,51 @@ def test_a_model_of_placeholders_only_is_dropped_and_nothing_left_is_an_error(tm
 
 def test_update_weights_is_inferred_as_vime_does_and_kept_in_an_annotation(tmp_path, capsys) -> None:
     regular = [{"worker_type": "regular", "num_gpus": 1}]
-    vime = {"vllm": [
-        {"name": "actor", "server_groups": regular},  # the --hf-checkpoint model: true
-        {"name": "same", "model_path": "/ckpt", "server_groups": regular},  # is --hf-checkpoint: true
-        {"name": "ref", "model_path": "/ref", "server_groups": regular},  # differs: false, with a note
-        {"name": "frozen", "update_weights": False, "server_groups": regular},
-        {"name": "forced", "model_path": "/ref", "update_weights": True, "server_groups": regular},
-    ]}
+    vime = {
+        "vllm": [
+            {"name": "actor", "server_groups": regular},  # the --hf-checkpoint model: true
+            {"name": "same", "model_path": "/ckpt", "server_groups": regular},  # is --hf-checkpoint: true
+            {"name": "ref", "model_path": "/ref", "server_groups": regular},  # differs: false, with a note
+            {"name": "frozen", "update_weights": False, "server_groups": regular},
+            {"name": "forced", "model_path": "/ref", "update_weights": True, "server_groups": regular},
+        ]
+    }
     code, manifest, err = convert(capsys, write(tmp_path, vime), "--hf-checkpoint", "/ckpt")
     assert code == 0, err
     assert manifest["metadata"]["annotations"] == {UPDATE_WEIGHTS_ANNOTATION: "actor,same,forced"}
-    assert ("note: vllm[2] (ref).update_weights: not set, so false: its model path /ref is not --hf-checkpoint "
-            "(set it to say so)") in err.splitlines()
+    assert (
+        "note: vllm[2] (ref).update_weights: not set, so false: its model path /ref is not --hf-checkpoint "
+        "(set it to say so)"
+    ) in err.splitlines()
     assert f"the annotation {UPDATE_WEIGHTS_ANNOTATION} for the trainer's own sync" in err
 
 
 def test_no_model_taking_weights_means_no_annotation() -> None:
-    vime = {"vllm": [{"name": "ref", "model_path": "/ref", "server_groups": [{"worker_type": "regular", "num_gpus": 1}]}]}
+    vime = {
+        "vllm": [{"name": "ref", "model_path": "/ref", "server_groups": [{"worker_type": "regular", "num_gpus": 1}]}]
+    }
     conversion = vime_to_manifest(vime, name="x", image="vllm/vllm-openai:v0.33.0")
     assert "annotations" not in conversion.manifest["metadata"]
     assert not any(note.startswith("update_weights:") for note in conversion.notes)
 
 
 def test_a_groups_overrides_model_path_is_the_model_path_and_must_agree(tmp_path, capsys) -> None:
-    vime = {"vllm": [{"name": "a", "model_path": "/model", "server_groups": [
-        {"worker_type": "prefill", "num_gpus": 1, "overrides": {"model_path": "/group", "max_model_len": 4096}},
-        {"worker_type": "decode", "num_gpus": 1, "overrides": {"model-path": "/group"}}]}]}
+    vime = {
+        "vllm": [
+            {
+                "name": "a",
+                "model_path": "/model",
+                "server_groups": [
+                    {
+                        "worker_type": "prefill",
+                        "num_gpus": 1,
+                        "overrides": {"model_path": "/group", "max_model_len": 4096},
+                    },
+                    {"worker_type": "decode", "num_gpus": 1, "overrides": {"model-path": "/group"}},
+                ],
+            }
+        ]
+    }
     code, manifest, err = convert(capsys, write(tmp_path, vime))
     assert code == 0, err
     [model] = manifest["spec"]["models"]
@@ -148,19 +181,31 @@ def test_a_groups_overrides_model_path_is_the_model_path_and_must_agree(tmp_path
     del vime["vllm"][0]["server_groups"][1]["overrides"]  # decode serves /model: two paths
     code, _, err = convert(capsys, write(tmp_path, vime))
     assert code == 1
-    assert ("vllm[0]: its groups use different model paths (/group, /model): Vime requires one per model: "
-            "put each path in a model of its own") in err
+    assert (
+        "vllm[0]: its groups use different model paths (/group, /model): Vime requires one per model: "
+        "put each path in a model of its own"
+    ) in err
 
 
 def test_vimes_disaggregation_overrides_are_dropped_with_a_note(tmp_path, capsys) -> None:
-    vime = {"vllm": [{"name": "a", "server_groups": [
-        {"worker_type": "prefill", "num_gpus": 1, "overrides": {"disaggregation_mode": "prefill"}},
-        {"worker_type": "decode", "num_gpus": 1}]}]}
+    vime = {
+        "vllm": [
+            {
+                "name": "a",
+                "server_groups": [
+                    {"worker_type": "prefill", "num_gpus": 1, "overrides": {"disaggregation_mode": "prefill"}},
+                    {"worker_type": "decode", "num_gpus": 1},
+                ],
+            }
+        ]
+    }
     code, manifest, err = convert(capsys, write(tmp_path, vime), "--hf-checkpoint", "m")
     assert code == 0, err
     assert "overrides" not in manifest["spec"]["models"][0]["serverGroups"][0]
-    assert ("note: vllm[0].server_groups[0].overrides.disaggregation_mode: dropped: Vime skips it too; the operator "
-            "sets each engine's role") in err.splitlines()
+    assert (
+        "note: vllm[0].server_groups[0].overrides.disaggregation_mode: dropped: Vime skips it too; the operator "
+        "sets each engine's role"
+    ) in err.splitlines()
 
 
 def test_keys_outside_the_vllm_section_are_reported(tmp_path, capsys) -> None:
@@ -184,7 +229,9 @@ def test_seed_topologies_convert_to_the_documented_examples(capsys) -> None:
 @pytest.mark.parametrize("file", REFUSED)
 @pytest.mark.parametrize("version", ["0.32", "0.33"])
 def test_sglang_override_names_are_refused_with_vllms_name(capsys, file, version) -> None:
-    code, manifest, err = convert(capsys, VIME / file, "--hf-checkpoint", "m", "--image", f"vllm/vllm-openai:v{version}.0")
+    code, manifest, err = convert(
+        capsys, VIME / file, "--hf-checkpoint", "m", "--image", f"vllm/vllm-openai:v{version}.0"
+    )
     assert (code, manifest) == (1, None)
     assert err.startswith("error: invalid Vime config:\n")
     for path, name in REFUSED[file]:
@@ -192,19 +239,37 @@ def test_sglang_override_names_are_refused_with_vllms_name(capsys, file, version
 
 
 def test_an_override_misspelt_names_the_closest_arguments(tmp_path, capsys) -> None:
-    vime = {"vllm": [{"name": "a", "server_groups": [
-        {"worker_type": "regular", "num_gpus": 1, "overrides": {"gpu_memory_utilisation": 0.8}}]}]}
+    vime = {
+        "vllm": [
+            {
+                "name": "a",
+                "server_groups": [
+                    {"worker_type": "regular", "num_gpus": 1, "overrides": {"gpu_memory_utilisation": 0.8}}
+                ],
+            }
+        ]
+    }
     code, _, err = convert(capsys, write(tmp_path, vime), "--hf-checkpoint", "m")
     assert code == 1
-    assert ("vllm[0].server_groups[0].overrides.gpu_memory_utilisation: not an engine argument of vLLM 0.33: "
-            "did you mean `gpu_memory_utilization`?") in err
+    assert (
+        "vllm[0].server_groups[0].overrides.gpu_memory_utilisation: not an engine argument of vLLM 0.33: "
+        "did you mean `gpu_memory_utilization`?"
+    ) in err
 
 
-@pytest.mark.parametrize(("key", "instead"), [("tensor_parallel_size", "set num_gpus_per_engine instead"),
-                                              ("tensor-parallel-size", "set num_gpus_per_engine instead"),
-                                              ("model", "set model_path instead"), ("port", "remove it")])
+@pytest.mark.parametrize(
+    ("key", "instead"),
+    [
+        ("tensor_parallel_size", "set num_gpus_per_engine instead"),
+        ("tensor-parallel-size", "set num_gpus_per_engine instead"),
+        ("model", "set model_path instead"),
+        ("port", "remove it"),
+    ],
+)
 def test_an_override_the_operator_sets_is_refused(tmp_path, capsys, key, instead) -> None:
-    vime = {"vllm": [{"name": "a", "server_groups": [{"worker_type": "regular", "num_gpus": 1, "overrides": {key: 2}}]}]}
+    vime = {
+        "vllm": [{"name": "a", "server_groups": [{"worker_type": "regular", "num_gpus": 1, "overrides": {key: 2}}]}]
+    }
     code, _, err = convert(capsys, write(tmp_path, vime), "--hf-checkpoint", "m")
     assert code == 1
     assert f"vllm[0].server_groups[0].overrides.{key}: the operator sets it (spec." in err
@@ -212,12 +277,15 @@ def test_an_override_the_operator_sets_is_refused(tmp_path, capsys, key, instead
 
 
 def test_num_gpus_must_hold_whole_engines_of_the_resolved_size(tmp_path, capsys) -> None:
-    vime = {"vllm": [{"name": "a", "num_gpus_per_engine": 4, "server_groups": [
-        {"worker_type": "regular", "num_gpus": 6}]}]}
+    vime = {
+        "vllm": [{"name": "a", "num_gpus_per_engine": 4, "server_groups": [{"worker_type": "regular", "num_gpus": 6}]}]
+    }
     code, _, err = convert(capsys, write(tmp_path, vime), "--hf-checkpoint", "m")
     assert code == 1
-    assert ("vllm[0].server_groups[0].num_gpus: 6 is not a multiple of 4 GPUs per engine (from the model's "
-            "num_gpus_per_engine): a unit runs whole engines") in err
+    assert (
+        "vllm[0].server_groups[0].num_gpus: 6 is not a multiple of 4 GPUs per engine (from the model's "
+        "num_gpus_per_engine): a unit runs whole engines"
+    ) in err
 
 
 def test_invalid_vime_layout_fails_with_the_rule(capsys) -> None:
@@ -235,15 +303,23 @@ def test_missing_model_path_says_how_to_fix(capsys) -> None:
 @pytest.mark.parametrize(
     ("entry", "message"),
     [
-        ({"name": "a", "num_gpu_per_engine": 2}, "vllm[0].num_gpu_per_engine: not a field of Vime's vllm config: "
-                                                 "did you mean num_gpus_per_engine?"),
+        (
+            {"name": "a", "num_gpu_per_engine": 2},
+            "vllm[0].num_gpu_per_engine: not a field of Vime's vllm config: did you mean num_gpus_per_engine?",
+        ),
         ({"name": "a", "model": "/m"}, "vllm[0].model: not a field of Vime's vllm config: did you mean model_path?"),
-        ({"server_groups": [{"worker_type": "regular", "num_gpu": 1}]},
-         "vllm[0].server_groups[0].num_gpu: not a field of Vime's vllm config: did you mean num_gpus?"),
-        ({"server_groups": [{"worker_type": "encode", "num_gpus": 1}]},
-         "vllm[0].server_groups[0].worker_type: 'encode' is not one of encoder, regular, prefill, decode, placeholder"),
-        ({"server_groups": [{"worker_type": "regular", "num_gpus": 0}]},
-         "vllm[0].server_groups[0].num_gpus: expected a GPU count (1 or more), got 0"),
+        (
+            {"server_groups": [{"worker_type": "regular", "num_gpu": 1}]},
+            "vllm[0].server_groups[0].num_gpu: not a field of Vime's vllm config: did you mean num_gpus?",
+        ),
+        (
+            {"server_groups": [{"worker_type": "encode", "num_gpus": 1}]},
+            "vllm[0].server_groups[0].worker_type: 'encode' is not one of encoder, regular, prefill, decode, placeholder",
+        ),
+        (
+            {"server_groups": [{"worker_type": "regular", "num_gpus": 0}]},
+            "vllm[0].server_groups[0].num_gpus: expected a GPU count (1 or more), got 0",
+        ),
         ({"name": "a", "server_groups": []}, "vllm[0].server_groups: expected a non-empty list of server groups"),
     ],
 )
@@ -256,6 +332,10 @@ def test_vime_config_mistakes_are_named(tmp_path, capsys, entry, message) -> Non
 
 def test_an_entry_without_a_name_is_refused_as_vime_does() -> None:
     with pytest.raises(SpecError) as error:
-        vime_to_manifest({"vllm": [{"server_groups": [{"worker_type": "regular", "num_gpus": 1}]}]},
-                         name="x", image="vllm/vllm-openai:v0.33.0", hf_checkpoint="m")
+        vime_to_manifest(
+            {"vllm": [{"server_groups": [{"worker_type": "regular", "num_gpus": 1}]}]},
+            name="x",
+            image="vllm/vllm-openai:v0.33.0",
+            hf_checkpoint="m",
+        )
     assert error.value.errors == ["vllm[0].name: required: the model's name (Vime's key for its router)"]

@@ -48,11 +48,21 @@ def test_open_maps_are_only_where_intended():
     spec = _schema()["properties"]["spec"]
     open_paths = {p for p, n in _walk(spec) if n.get("x-kubernetes-preserve-unknown-fields")}
     assert open_paths == {
-        "$.env[]", "$.env[].valueFrom", "$.ecConnector.extraConfig", "$.kvConnector.extraConfig",
-        "$.models[].serverGroups[].overrides", "$.models[].serverGroups[].env[]",
-        "$.models[].serverGroups[].env[].valueFrom", "$.tolerations[]", "$.affinity",
-        "$.imagePullSecrets[]", "$.volumes[]", "$.volumes[].hostPath", "$.volumeMounts[]",
-        "$.models[].ecConnector.extraConfig", "$.models[].encoderPool.tolerations[]",
+        "$.env[]",
+        "$.env[].valueFrom",
+        "$.ecConnector.extraConfig",
+        "$.kvConnector.extraConfig",
+        "$.models[].serverGroups[].overrides",
+        "$.models[].serverGroups[].env[]",
+        "$.models[].serverGroups[].env[].valueFrom",
+        "$.tolerations[]",
+        "$.affinity",
+        "$.imagePullSecrets[]",
+        "$.volumes[]",
+        "$.volumes[].hostPath",
+        "$.volumeMounts[]",
+        "$.models[].ecConnector.extraConfig",
+        "$.models[].encoderPool.tolerations[]",
         "$.models[].encoderPool.affinity",
     }
 
@@ -71,7 +81,7 @@ def test_layout_and_placement_rules_are_cel_on_each_model():
     assert models["x-kubernetes-list-map-keys"] == ["name"]
     rules = [r["rule"] for r in models["items"]["x-kubernetes-validations"]]
     assert len(rules) == len(LAYOUT_RULES) + len(PLACEMENT_RULES)
-    assert rules[len(LAYOUT_RULES):] == [r.cel for r in PLACEMENT_RULES]
+    assert rules[len(LAYOUT_RULES) :] == [r.cel for r in PLACEMENT_RULES]
 
 
 def test_placement_defaults_to_unit_and_the_pools_connector_to_eccpuconnector():

@@ -23,8 +23,17 @@ def manifest(name: str, spec: dict) -> dict:
 
 def server_dry_run(cluster, namespace: str, documents: list[dict]) -> dict[str, str]:
     """Apply every document with server-side validation only; map name -> error text ('' if accepted)."""
-    out = cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", "-",
-                          input=yaml.safe_dump_all(documents), check=False, timeout=120)
+    out = cluster.kubectl(
+        "apply",
+        "--dry-run=server",
+        "-n",
+        namespace,
+        "-f",
+        "-",
+        input=yaml.safe_dump_all(documents),
+        check=False,
+        timeout=120,
+    )
     verdicts = {d["metadata"]["name"]: "" for d in documents}
     for line in out.stderr.splitlines():
         match = re.search(r'EPDDeployment\.epd\.vime\.dev "([^"]+)" is invalid: (.*)', line)
@@ -67,21 +76,28 @@ def test_unknown_fields_are_rejected_but_overrides_stay_open(cluster, crd, names
     spec["models"][0]["serverGroups"][0]["overrides"] = {"max_num_seqs": 8, "compilation_config": {"level": 0}}
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest("open", spec)))
     spec["models"][0]["serverGroups"][0]["numGPUs"] = 2
-    out = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest("typo", spec)),
-                          check=False)
+    out = cluster.kubectl(
+        "apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest("typo", spec)), check=False
+    )
     assert out.returncode != 0 and 'unknown field "spec.models[0].serverGroups[0].numGPUs"' in out.stderr
 
 
 def test_other_cel_rules(cluster, crd, namespace):
     cases = {
-        "gpus": (lambda s: s["models"][0]["serverGroups"][1].update(numGpus=3, numGpusPerEngine=2),
-                 "numGpus must be a multiple of numGpusPerEngine"),
+        "gpus": (
+            lambda s: s["models"][0]["serverGroups"][1].update(numGpus=3, numGpusPerEngine=2),
+            "numGpus must be a multiple of numGpusPerEngine",
+        ),
         "version": (lambda s: s.update(image="vllm/vllm-openai:latest"), "unsupported or unknown vLLM version"),
-        "hostpath": (lambda s: s.update(volumes=[{"name": "m", "hostPath": {"path": "/m"}}]),
-                     "hostPath volumes are not allowed"),
+        "hostpath": (
+            lambda s: s.update(volumes=[{"name": "m", "hostPath": {"path": "/m"}}]),
+            "hostPath volumes are not allowed",
+        ),
         "dupname": (lambda s: s["models"].append(dict(s["models"][0])), "Duplicate value"),
-        "headless": (lambda s: s.update(service={"type": "LoadBalancer", "headless": True}),
-                     "a headless Service has no virtual IP"),
+        "headless": (
+            lambda s: s.update(service={"type": "LoadBalancer", "headless": True}),
+            "a headless Service has no virtual IP",
+        ),
     }
     documents = []
     for name, (change, _message) in cases.items():
@@ -116,8 +132,11 @@ def test_cel_and_python_agree_on_the_placement_rules(cluster, crd, namespace):
 def test_pools_with_ecexampleconnector_is_refused_at_apply_time(cluster, crd, namespace):
     spec = spec_with("encoder", "regular")
     spec["models"][0].update(placement="Pools", ecConnector={"name": "ECExampleConnector"})
-    out = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest("pools-example", spec)),
-                          check=False)
+    out = cluster.kubectl(
+        "apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest("pools-example", spec)), check=False
+    )
     assert out.returncode != 0
-    assert ("model 'actor': placement Pools cannot use ECExampleConnector: it exchanges embeddings as files in a "
-            "node-local /dev/shm, which cannot span nodes; use ECCPUConnector") in out.stderr
+    assert (
+        "model 'actor': placement Pools cannot use ECExampleConnector: it exchanges embeddings as files in a "
+        "node-local /dev/shm, which cannot span nodes; use ECCPUConnector"
+    ) in out.stderr

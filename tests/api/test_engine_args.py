@@ -45,8 +45,7 @@ def test_an_inverted_sglang_switch_says_so() -> None:
 
 def test_a_misspelt_name_gets_the_closest_ones() -> None:
     assert refusals({"max_modle_len": 4096}) == [
-        f"{WHERE}.max_modle_len: not an engine argument of vLLM 0.33: did you mean `max_model_len` or "
-        "`max_log_len`?"
+        f"{WHERE}.max_modle_len: not an engine argument of vLLM 0.33: did you mean `max_model_len` or `max_log_len`?"
     ]
 
 
@@ -68,9 +67,15 @@ def test_one_argument_in_both_spellings_is_refused() -> None:
     ]
 
 
-@pytest.mark.parametrize(("key", "hint"), [("--max-model-len", ": did you mean `max_model_len`?"),
-                                           ("Max_Model_Len", ": did you mean `max_model_len`?"),
-                                           ("UPPER", " such as max_model_len"), (7, " such as max_model_len")])
+@pytest.mark.parametrize(
+    ("key", "hint"),
+    [
+        ("--max-model-len", ": did you mean `max_model_len`?"),
+        ("Max_Model_Len", ": did you mean `max_model_len`?"),
+        ("UPPER", " such as max_model_len"),
+        (7, " such as max_model_len"),
+    ],
+)
 def test_a_key_that_is_no_name_at_all(key: Any, hint: str) -> None:
     assert override_errors("0.33", {key: 1}, WHERE) == [
         f"{WHERE}: {key!r} is not a vLLM engine argument name: use snake_case{hint}"
@@ -100,10 +105,24 @@ def test_every_sglang_equivalent_is_an_argument_of_every_version() -> None:
 
 def test_render_refuses_what_vllm_would(tmp_path) -> None:
     manifest = tmp_path / "epd.yaml"
-    manifest.write_text(yaml.safe_dump({"apiVersion": "epd.vime.dev/v1alpha1", "kind": "EPDDeployment",
-                                        "metadata": {"name": "x"}, "spec": spec_with({"mem_fraction_static": 0.85})}))
-    out = subprocess.run([sys.executable, "-m", "epd_operator.cli", "render", "-f", str(manifest)],
-                         capture_output=True, text=True, check=False)
+    manifest.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "epd.vime.dev/v1alpha1",
+                "kind": "EPDDeployment",
+                "metadata": {"name": "x"},
+                "spec": spec_with({"mem_fraction_static": 0.85}),
+            }
+        )
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "epd_operator.cli", "render", "-f", str(manifest)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert out.returncode == 1 and out.stdout == ""
-    assert (f"  - {WHERE}.mem_fraction_static: not an engine argument of vLLM 0.33 (SGLang's name): did you mean "
-            "`gpu_memory_utilization`?") in out.stderr
+    assert (
+        f"  - {WHERE}.mem_fraction_static: not an engine argument of vLLM 0.33 (SGLang's name): did you mean "
+        "`gpu_memory_utilization`?"
+    ) in out.stderr

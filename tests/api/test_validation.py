@@ -12,7 +12,11 @@ VALID_LAYOUTS = [{"encoder", "regular"}, {"encoder", "prefill", "decode"}, {"reg
 
 def spec_with(*types, **extra):
     groups = [{"workerType": t, "numGpus": 1} for t in types]
-    return {"image": "vllm/vllm-openai:v0.33.0", "models": [{"name": "actor", "model": "m", "serverGroups": groups}], **extra}
+    return {
+        "image": "vllm/vllm-openai:v0.33.0",
+        "models": [{"name": "actor", "model": "m", "serverGroups": groups}],
+        **extra,
+    }
 
 
 def all_layouts():
@@ -66,7 +70,9 @@ def test_field_errors_name_the_field():
 def test_num_gpus_must_be_a_multiple_of_gpus_per_engine():
     spec = spec_with("encoder", "regular")
     spec["models"][0]["serverGroups"][1].update(numGpus=3, numGpusPerEngine=2)
-    with pytest.raises(SpecError, match=r"serverGroups\[1\]: numGpus \(3\) must be a multiple of numGpusPerEngine \(2\)"):
+    with pytest.raises(
+        SpecError, match=r"serverGroups\[1\]: numGpus \(3\) must be a multiple of numGpusPerEngine \(2\)"
+    ):
         validate(spec)
 
 
@@ -235,7 +241,8 @@ def test_eccpuconnector_regions_must_fit_in_their_pods_shm():
     validate(spec)  # the pool's own /dev/shm: the units keep spec.shm
     # A group's overrides win over the model's connector, and are checked against the unit's /dev/shm.
     spec["models"][0]["serverGroups"][1]["overrides"] = {
-        "ec_transfer_config": {"ec_connector_extra_config": {"ec_cpu_bytes": 14 * 2**30}}}
+        "ec_transfer_config": {"ec_connector_extra_config": {"ec_cpu_bytes": 14 * 2**30}}
+    }
     with pytest.raises(SpecError, match="regions of a unit of model 'actor' take 14.0Gi.*raise spec.shm.sizeLimit"):
         validate(spec)
 
@@ -255,8 +262,9 @@ def test_pools_refuses_eccpuconnector_without_nixl():
 
 def test_a_model_cannot_take_the_name_of_another_models_encoder_pool():
     spec = pools_spec({"placement": "Pools"})
-    spec["models"].append({"name": "actor-encoders", "model": "m", "serverGroups": [{"workerType": "regular",
-                                                                                     "numGpus": 1}]})
+    spec["models"].append(
+        {"name": "actor-encoders", "model": "m", "serverGroups": [{"workerType": "regular", "numGpus": 1}]}
+    )
     with pytest.raises(SpecError, match="whose encoder pool is named like model 'actor-encoders': rename one"):
         validate(spec)
 

@@ -31,8 +31,13 @@ class Example:
 ACCEPTED = {
     example.file: example
     for example in (
-        Example("vllm_basic.yaml", {"default": [("regular", 4, 2)]}, {"default": HF_CHECKPOINT}, ["default"],
-                flags=("--rollout-num-gpus-per-engine", "2")),
+        Example(
+            "vllm_basic.yaml",
+            {"default": [("regular", 4, 2)]},
+            {"default": HF_CHECKPOINT},
+            ["default"],
+            flags=("--rollout-num-gpus-per-engine", "2"),
+        ),
         Example("vllm_pd.yaml", {"actor": [("prefill", 2, 2), ("decode", 3, 4)]}, {"actor": HF_CHECKPOINT}, ["actor"]),
         Example(
             "vllm_multi_model.yaml",
@@ -67,8 +72,12 @@ ACCEPTED = {
             {"actor": "/path/to/actor", "ref": "/path/to/ref"},
             ["actor"],
         ),
-        Example("model_level_tp.yaml", {"actor": [("encoder", 1, 2), ("regular", 3, 2)]}, {"actor": HF_CHECKPOINT},
-                ["actor"]),
+        Example(
+            "model_level_tp.yaml",
+            {"actor": [("encoder", 1, 2), ("regular", 3, 2)]},
+            {"actor": HF_CHECKPOINT},
+            ["actor"],
+        ),
     )
 }
 

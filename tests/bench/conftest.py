@@ -9,8 +9,8 @@ operator on this cluster fails the test instead.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 

@@ -9,25 +9,46 @@ from epd_dev.bench.bench_operator import KCM_DEFAULT, Results, Scale, report, st
 
 
 def run(n: int, converged: float, peak_mb: float, rss_mb: float, reconciles: float) -> Scale:
-    return Scale(n, KCM_DEFAULT, apply_seconds=1.0, reconciled_seconds=converged, ready_seconds=converged + 10,
-                 not_ready=[], quiet_seconds=converged + 20, cpu_seconds=5.0, peak_rss_mb=peak_mb, rss_mb=rss_mb,
-                 idle_cpu_percent=0.05, idle_seconds=30, idle_events=0,
-                 reconciles={"reconciles_success": reconciles * 2 * n},
-                 reconciles_converged={"reconciles_success": reconciles * n})
+    return Scale(
+        n,
+        KCM_DEFAULT,
+        apply_seconds=1.0,
+        reconciled_seconds=converged,
+        ready_seconds=converged + 10,
+        not_ready=[],
+        quiet_seconds=converged + 20,
+        cpu_seconds=5.0,
+        peak_rss_mb=peak_mb,
+        rss_mb=rss_mb,
+        idle_cpu_percent=0.05,
+        idle_seconds=30,
+        idle_events=0,
+        reconciles={"reconciles_success": reconciles * 2 * n},
+        reconciles_converged={"reconciles_success": reconciles * n},
+    )
 
 
 @pytest.fixture
 def results() -> Results:
-    return Results(scales=[run(100, 2.0, 70.0, 68.0, 1.5),
-                           run(1000, 55.0, 126.0, 124.0, 1.2), run(1000, 47.0, 125.0, 123.0, 1.1),
-                           run(1000, 48.0, 127.0, 125.0, 1.3),
-                           run(5000, 550.0, 340.0, 339.0, 1.0)],
-                   floors={1000: 40.0})
+    return Results(
+        scales=[
+            run(100, 2.0, 70.0, 68.0, 1.5),
+            run(1000, 55.0, 126.0, 124.0, 1.2),
+            run(1000, 47.0, 125.0, 123.0, 1.1),
+            run(1000, 48.0, 127.0, 125.0, 1.3),
+            run(5000, 550.0, 340.0, 339.0, 1.0),
+        ],
+        floors={1000: 40.0},
+    )
 
 
 def test_repeated_runs_give_the_median_and_the_spread(results):
     keys = results.keys()
-    assert (keys["scale_1000_seconds_min"], keys["scale_1000_seconds"], keys["scale_1000_seconds_max"]) == (47, 48, 55)  # the median, not the mean (50)
+    assert (keys["scale_1000_seconds_min"], keys["scale_1000_seconds"], keys["scale_1000_seconds_max"]) == (
+        47,
+        48,
+        55,
+    )  # the median, not the mean (50)
     assert "scale_5000_seconds_min" not in keys  # one run: no spread to show
     assert keys["operator_peak_rss_mb_1000"] == 127.0  # the worst run: a peak is a limit
     assert keys["operator_peak_rss_mb"] == 127.0 and keys["operator_peak_rss_mb_5000"] == 340.0
@@ -52,8 +73,14 @@ def test_the_report_marks_each_target_and_ends_with_the_keys(results, capsys):
 
 def test_stage_means_are_per_reconcile_that_ran_the_stage():
     before = {"stage_plan_sum": 1.0, "stage_plan_count": 100, "stage_children_sum": 2.0, "stage_children_count": 10}
-    after = {"stage_plan_sum": 1.5, "stage_plan_count": 300, "stage_children_sum": 4.0, "stage_children_count": 20,
-             "stage_status_sum": 0.3, "stage_status_count": 10}
+    after = {
+        "stage_plan_sum": 1.5,
+        "stage_plan_count": 300,
+        "stage_children_sum": 4.0,
+        "stage_children_count": 20,
+        "stage_status_sum": 0.3,
+        "stage_status_count": 10,
+    }
     # plan: 0.5 s over 200 reconciles; children: 2 s over the 10 that wrote; status: 0.3 s over 10.
     assert stage_means_ms(before, after) == pytest.approx({"plan": 2.5, "children": 200.0, "status": 30.0})
     assert stage_means_ms(after, after) == {}  # no reconcile between the two: no mean to give

@@ -12,10 +12,22 @@ from epd_dev.bench.kit import Api
 
 pytestmark = pytest.mark.cluster
 
-KEYS = {"reconcile_p50_ms", "kcm_p50_ms", "reconcile_p50_ratio", "reconcile_p99_ratio", "scale_5_seconds",
-        "scale_3_seconds", "operator_peak_rss_mb", "operator_peak_rss_mb_5", "idle_cpu_percent",
-        "reconciles_per_epd", "reconciles_per_epd_to_idle", "rss_mb_slope_kb_per_epd", "floor_5_seconds",
-        "scale_5_over_floor"}
+KEYS = {
+    "reconcile_p50_ms",
+    "kcm_p50_ms",
+    "reconcile_p50_ratio",
+    "reconcile_p99_ratio",
+    "scale_5_seconds",
+    "scale_3_seconds",
+    "operator_peak_rss_mb",
+    "operator_peak_rss_mb_5",
+    "idle_cpu_percent",
+    "reconciles_per_epd",
+    "reconciles_per_epd_to_idle",
+    "rss_mb_slope_kb_per_epd",
+    "floor_5_seconds",
+    "scale_5_over_floor",
+}
 
 
 @pytest.fixture
@@ -26,8 +38,7 @@ def api(cluster):
 
 
 def test_benchmark_reports_every_key(cluster, api, bench_operator, capsys):
-    results = benchmark(cluster, api, bench_operator, sizes=[5], scales=[3, 5], idle_seconds=2,
-                        floor=True)
+    results = benchmark(cluster, api, bench_operator, sizes=[5], scales=[3, 5], idle_seconds=2, floor=True)
     report(results)
     lines = capsys.readouterr().out.splitlines()
     values = dict(line.split("=", 1) for line in lines if "=" in line and " " not in line)
@@ -37,8 +48,8 @@ def test_benchmark_reports_every_key(cluster, api, bench_operator, capsys):
     # which rows those are at this toy size depends on the machine's leases and events).
     assert all(("POST", "statefulsets") in s.api_requests for s in results.scales)
     assert any(line.startswith("  | verb | resource | requests | mean ms | total s |") for line in lines), lines
-    assert list(values) == [line.split("=", 1)[0] for line in lines[-len(values):]]  # the last lines
-    (epd, deploy), = results.latencies
+    assert list(values) == [line.split("=", 1)[0] for line in lines[-len(values) :]]  # the last lines
+    ((epd, deploy),) = results.latencies
     assert epd.stages_ms.keys() == {"plan", "children", "status"} and all(ms > 0 for ms in epd.stages_ms.values())
     # Each latency run's own window of API requests: our creates on one side, kcm's ReplicaSets on the other.
     assert ("POST", "statefulsets") in epd.api_requests and ("POST", "replicasets") in deploy.api_requests
@@ -48,7 +59,8 @@ def test_benchmark_reports_every_key(cluster, api, bench_operator, capsys):
 
 def test_chaos_leaves_no_orphans_or_duplicates(cluster, api, bench_operator, namespace):
     # 4 nodes of 8 GPUs, 2 per unit, shared with other tests' leftovers: at most 6 units at once.
-    result = chaos.run(cluster, api, bench_operator, namespace, objects=20, kills=3, seed=20261129,
-                       max_units=6, settle_timeout=40)
+    result = chaos.run(
+        cluster, api, bench_operator, namespace, objects=20, kills=3, seed=20261129, max_units=6, settle_timeout=40
+    )
     assert result.kills == 3
     assert result.verdict.clean, "\n".join(result.lines())

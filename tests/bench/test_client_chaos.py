@@ -46,17 +46,24 @@ def random_faults(proxy: FaultProxy, rng: random.Random, count: int) -> None:
     """The next ``count`` requests each get one of: forwarded as is (half of them), a 5xx, a
     delay (some past the attempt timeout), a reset; later ones are all forwarded."""
     for _ in range(count):
-        proxy.add(rng.choice([
-            delay(0), delay(0), delay(0),  # forwarded untouched, holding their place in the sequence
-            http_status(rng.choice([500, 502, 503])),
-            delay(rng.choice([0.05, 0.2, 0.5, LONGEST_FAULT])),
-            reset(),
-        ]))
+        proxy.add(
+            rng.choice(
+                [
+                    delay(0),
+                    delay(0),
+                    delay(0),  # forwarded untouched, holding their place in the sequence
+                    http_status(rng.choice([500, 502, 503])),
+                    delay(rng.choice([0.05, 0.2, 0.5, LONGEST_FAULT])),
+                    reset(),
+                ]
+            )
+        )
 
 
 def messages(images: int, sample: int) -> list[dict]:
-    parts = [{"type": "image_url", "image_url": {"url": f"https://images.test/{sample}/{i}.png"}}
-             for i in range(images)]
+    parts = [
+        {"type": "image_url", "image_url": {"url": f"https://images.test/{sample}/{i}.png"}} for i in range(images)
+    ]
     return [{"role": "user", "content": parts}]
 
 
@@ -76,8 +83,9 @@ async def test_primes_end_in_time_and_leave_nothing_open() -> None:
         proxies = [stack.enter_context(CountingProxy(e.url)) for e in encoders]
         for proxy in proxies:
             random_faults(proxy, rng, 400)
-        client = EPDClient(Endpoints.from_urls([p.url for p in proxies], served_model_name="m"), retry=POLICY,
-                           max_concurrency=32)
+        client = EPDClient(
+            Endpoints.from_urls([p.url for p in proxies], served_model_name="m"), retry=POLICY, max_concurrency=32
+        )
         outcomes: list[str] = []
         late: list[float] = []
 
@@ -105,7 +113,9 @@ async def test_primes_end_in_time_and_leave_nothing_open() -> None:
         assert outcomes.count("ok") > PRIMES // 4, outcomes.count("ok")  # retries get many through
         assert asyncio.all_tasks() == {asyncio.current_task()}
         # A proxy answering a request the client gave up on finishes within the longest delay.
-        assert await until(lambda: all(p.open_connections == 0 for p in proxies), LONGEST_FAULT + 2), \
-            [p.open_connections for p in proxies]
-        assert await until(lambda: all(e.open_connections == 0 for e in encoders), 2), \
-            [e.open_connections for e in encoders]
+        assert await until(lambda: all(p.open_connections == 0 for p in proxies), LONGEST_FAULT + 2), [
+            p.open_connections for p in proxies
+        ]
+        assert await until(lambda: all(e.open_connections == 0 for e in encoders), 2), [
+            e.open_connections for e in encoders
+        ]

@@ -9,8 +9,9 @@ from contextlib import ExitStack
 import pytest
 
 from epd_dev.standins.fault_proxy import FaultProxy
-from .helpers import UnitServers
 from epd_dev.standins.vllm_server import StandinServer
+
+from .helpers import UnitServers
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from epd_client import RetryPolicy, Unit
-
 from epd_dev.standins.vllm_server import StandinServer
 
 # Quick retries so failure paths take milliseconds.
@@ -16,10 +15,7 @@ FAST = RetryPolicy(max_attempts=4, backoff=0.01, max_backoff=0.05, attempt_timeo
 def image_messages(count: int) -> list[dict[str, Any]]:
     """A system text, then ``count`` images spread over two user messages, with parts the
     client must ignore (text, embeddings given inline, media without a string URL)."""
-    images = [
-        {"type": "image_url", "image_url": {"url": f"https://images.test/{i}.png"}}
-        for i in range(count)
-    ]
+    images = [{"type": "image_url", "image_url": {"url": f"https://images.test/{i}.png"}} for i in range(count)]
     half = count // 2
     return [
         {"role": "system", "content": "You describe pictures."},
@@ -39,10 +35,7 @@ def image_messages(count: int) -> list[dict[str, Any]]:
 
 def image_urls(server: StandinServer) -> list[str]:
     """Image URLs of the prime requests a stand-in received, in arrival order."""
-    return [
-        r.body["messages"][0]["content"][0]["image_url"]["url"]
-        for r in server.requests("/v1/chat/completions")
-    ]
+    return [r.body["messages"][0]["content"][0]["image_url"]["url"] for r in server.requests("/v1/chat/completions")]
 
 
 @dataclass

@@ -11,6 +11,7 @@ import types
 from pathlib import Path
 
 import pytest
+
 from epd_client import DiscoveryError, Endpoints, EndpointsError, RetryPolicy, Unit, discover
 
 STATUS = {
@@ -117,9 +118,7 @@ class FakeKubernetes:
             calls.append(("config", config_file))
             return ApiClient()
 
-        self.client = types.SimpleNamespace(
-            CustomObjectsApi=CustomObjectsApi, ApiException=ApiException
-        )
+        self.client = types.SimpleNamespace(CustomObjectsApi=CustomObjectsApi, ApiException=ApiException)
         self.config = types.SimpleNamespace(
             new_client_from_config=new_client_from_config,
             ConfigException=RuntimeError,
@@ -170,7 +169,5 @@ def test_import_loads_neither_kopf_nor_kubernetes() -> None:
     )
     operator_dir = Path(__file__).parents[2] / "operator"
     env = {**os.environ, "PYTHONPATH": str(operator_dir)}
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-    ).stdout
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert json.loads(out) == []

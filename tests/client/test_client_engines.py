@@ -7,6 +7,7 @@ import copy
 import dataclasses
 
 import pytest
+
 from epd_client import (
     Endpoints,
     EndpointsError,
@@ -17,9 +18,8 @@ from epd_client import (
     RetryPolicy,
     Unit,
 )
-
-from epd_dev.standins.fault_proxy import http_status
 from epd_dev.standins.engine_control import EngineControl
+from epd_dev.standins.fault_proxy import http_status
 
 from .helpers import FAST
 
@@ -65,9 +65,7 @@ STATUS = {
                     "name": "demo-reward-0",
                     "ready": True,
                     "consumerUrls": ["http://10.0.0.7:8100"],
-                    "engines": [
-                        {"name": "regular-0", "role": "regular", "url": "http://10.0.0.7:8100"}
-                    ],
+                    "engines": [{"name": "regular-0", "role": "regular", "url": "http://10.0.0.7:8100"}],
                 }
             ],
         },
@@ -87,9 +85,7 @@ def test_engines_by_role_from_the_status() -> None:
     )
     assert [e.url for e in endpoints.engines("actor", "encoder")] == ["http://10.0.0.5:8100", None]
     assert endpoints.engines("reward", "encoder") == ()
-    assert endpoints.engines("reward") == (
-        Engine("demo-reward-0", "regular-0", "regular", "http://10.0.0.7:8100"),
-    )
+    assert endpoints.engines("reward") == (Engine("demo-reward-0", "regular-0", "regular", "http://10.0.0.7:8100"),)
     # An encoder without a URL still makes the model an EPD one.
     assert endpoints.model("actor").has_encoders and not endpoints.model("reward").has_encoders
     assert EPDClient(endpoints).engines("actor", "decode") == endpoints.engines("actor", "decode")
@@ -127,15 +123,17 @@ def control_endpoints(*units: list, router: EngineControl | None = None) -> Endp
     proxies; the first an encoder)."""
     status_units = []
     for i, engines in enumerate(units):
-        status_units.append({
-            "name": f"u{i}",
-            "ready": True,
-            "routerUrl": router.url if router else None,
-            "engines": [
-                {"name": f"e{j}", "role": "encoder" if j == 0 else "regular", "url": e.url}
-                for j, e in enumerate(engines)
-            ],
-        })
+        status_units.append(
+            {
+                "name": f"u{i}",
+                "ready": True,
+                "routerUrl": router.url if router else None,
+                "engines": [
+                    {"name": f"e{j}", "role": "encoder" if j == 0 else "regular", "url": e.url}
+                    for j, e in enumerate(engines)
+                ],
+            }
+        )
     return Endpoints.from_status({"models": [{"name": "actor", "units": status_units}]})
 
 
@@ -146,18 +144,14 @@ async def test_pause_and_resume_call_every_engine_at_once(stack) -> None:
     async with EPDClient(control_endpoints(*units, router=router), retry=FAST) as client:
         await client.pause("actor")
         assert all(e.paused for e in engines)
-        assert [c.target for e in engines for c in e.calls] == [
-            "/pause?mode=abort&clear_cache=true"
-        ] * 6
+        assert [c.target for e in engines for c in e.calls] == ["/pause?mode=abort&clear_cache=true"] * 6
         calls = [c for e in engines for c in e.calls]
         # Concurrent: every call started before the first one was answered.
         assert max(c.started for c in calls) < min(c.finished for c in calls)
 
         await client.resume("actor")
         assert not any(e.paused for e in engines)
-        assert {(c.method, c.target) for e in engines for c in e.calls[1:]} == {
-            ("POST", "/resume")
-        }
+        assert {(c.method, c.target) for e in engines for c in e.calls[1:]} == {("POST", "/resume")}
     assert router.calls == []  # the router holds no weights
 
 
@@ -203,10 +197,19 @@ async def test_failed_engines_are_named_with_the_fix(stack, proxy) -> None:
 
 async def test_engines_without_a_url_fail_before_any_call(stack) -> None:
     engine = stack.enter_context(EngineControl())
-    endpoints = Endpoints.from_status({"models": [{"name": "actor", "units": [
-        {"name": "u0", "engines": [{"name": "encoder-0", "role": "encoder", "url": engine.url}]},
-        {"name": "u1", "engines": [{"name": "encoder-0", "role": "encoder", "url": None}]},
-    ]}]})
+    endpoints = Endpoints.from_status(
+        {
+            "models": [
+                {
+                    "name": "actor",
+                    "units": [
+                        {"name": "u0", "engines": [{"name": "encoder-0", "role": "encoder", "url": engine.url}]},
+                        {"name": "u1", "engines": [{"name": "encoder-0", "role": "encoder", "url": None}]},
+                    ],
+                }
+            ]
+        }
+    )
     async with EPDClient(endpoints) as client:
         with pytest.raises(EndpointsError, match=r"no IP yet\): u1/encoder-0;"):
             await client.pause("actor")

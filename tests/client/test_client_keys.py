@@ -8,6 +8,7 @@ import copy
 from types import MappingProxyType
 
 import pytest
+
 from epd_client import Endpoints, EPDClient, ModelEndpoints, Unit, prime_encoder
 
 from .helpers import FAST
@@ -54,9 +55,7 @@ async def test_generate_keys_prime_and_render_alike_without_touching_the_request
     assert all(k.startswith("epd-") and len(k) == 36 for k in (x1, y1, x2, y2))
     # Each call primed exactly the keys it rendered (the two primes of a call run at once).
     primes = prime_uuids(unit)
-    assert [sorted(primes[i : i + 2]) for i in (0, 2, 4)] == [
-        sorted(first), sorted(again), sorted(next_step)
-    ]
+    assert [sorted(primes[i : i + 2]) for i in (0, 2, 4)] == [sorted(first), sorted(again), sorted(next_step)]
 
 
 async def test_without_a_version_nothing_is_keyed(make_unit) -> None:
@@ -125,8 +124,7 @@ async def test_every_kind_is_keyed_by_kind_content_and_version(server) -> None:
         {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
         {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "mp3"}},
     ]
-    await prime_encoder(Endpoints.from_urls([encoder.url]), [{"role": "user", "content": parts}],
-                        weights_version="v1")
+    await prime_encoder(Endpoints.from_urls([encoder.url]), [{"role": "user", "content": parts}], weights_version="v1")
     keys = [p["uuid"] for p in parts]
     assert len(set(keys)) == 5
     assert sorted(prime_uuids_of(encoder)) == sorted(keys)
@@ -145,5 +143,6 @@ async def test_parts_of_a_model_without_encoders_are_keyed_too(server) -> None:
 async def test_read_only_parts_cannot_take_a_key(server) -> None:
     part = MappingProxyType({"type": "image_url", "image_url": {"url": "https://i.test/x.png"}})
     with pytest.raises(TypeError, match="plain dicts"):
-        await prime_encoder(Endpoints.from_urls([server().url]),
-                            [{"role": "user", "content": [part]}], weights_version="v1")
+        await prime_encoder(
+            Endpoints.from_urls([server().url]), [{"role": "user", "content": [part]}], weights_version="v1"
+        )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+
 from epd_client import (
     Endpoints,
     EndpointsError,
@@ -110,9 +111,7 @@ async def test_without_a_single_epd_model_vime_args_are_a_no_op(deployment) -> N
 
 @pytest.mark.parametrize("form", ["endpoints", "client"])
 @pytest.mark.parametrize(("epd", "text_only"), [(("actor", "critic"), ()), ((), ("reward",))])
-async def test_endpoints_refuse_a_default_that_resolves_to_no_model(
-    deployment, form, epd, text_only
-) -> None:
+async def test_endpoints_refuse_a_default_that_resolves_to_no_model(deployment, form, epd, text_only) -> None:
     """Endpoints know every model of the deployment: there, a name that is no model at all
     is an error, never the silent no-op that lets consumers encode the images themselves."""
     endpoints = deployment(*epd, text_only=text_only)
@@ -130,9 +129,7 @@ async def test_vime_args_as_vime_builds_them(server) -> None:
     assert [len(e.records) for e in encoders] == [2, 2]
 
     # No-ops, as in Vime: an unknown name, an entry without URLs, no attribute at all.
-    await prime_encoder(
-        argparse.Namespace(vllm_model_encoder_endpoints=one), image_messages(1), model_name="x"
-    )
+    await prime_encoder(argparse.Namespace(vllm_model_encoder_endpoints=one), image_messages(1), model_name="x")
     empty = {"default": ("m", []), "actor": ("Qwen/Qwen2-VL", [encoders[0].url])}
     await prime_encoder(argparse.Namespace(vllm_model_encoder_endpoints=empty), image_messages(1))
     await prime_encoder(argparse.Namespace(), image_messages(1))

@@ -6,6 +6,7 @@ shapes; tests/render checks the rendered engines, the real cross-node run is iss
 from __future__ import annotations
 
 import pytest
+
 from epd_client import (
     Endpoints,
     EPDClient,
@@ -28,17 +29,30 @@ def pools_status(encoder_urls: list[str], consumer_urls: list[str], *, placement
                 "placement": placement,
                 "encoderUrls": encoder_urls,
                 "encoderPool": {
-                    "name": "demo-actor-encoders", "service": "demo-actor-encoders", "replicas": 3,
+                    "name": "demo-actor-encoders",
+                    "service": "demo-actor-encoders",
+                    "replicas": 3,
                     "readyPods": len(encoder_urls),
                     "pods": [
-                        {"name": f"demo-actor-encoders-{i}", "pod": f"demo-actor-encoders-{i}", "ready": i < len(encoder_urls),
-                         "encoderUrls": [url], "engines": [{"name": "encoder-0", "role": "encoder", "url": url}]}
+                        {
+                            "name": f"demo-actor-encoders-{i}",
+                            "pod": f"demo-actor-encoders-{i}",
+                            "ready": i < len(encoder_urls),
+                            "encoderUrls": [url],
+                            "engines": [{"name": "encoder-0", "role": "encoder", "url": url}],
+                        }
                         for i, url in enumerate([*encoder_urls, "http://10.9.9.9:8100"])
                     ],
                 },
                 "units": [
-                    {"name": f"demo-actor-{i}", "pod": f"demo-actor-{i}", "ready": True, "encoderUrls": [],
-                     "consumerUrls": [url], "engines": [{"name": "regular-0", "role": "regular", "url": url}]}
+                    {
+                        "name": f"demo-actor-{i}",
+                        "pod": f"demo-actor-{i}",
+                        "ready": True,
+                        "encoderUrls": [],
+                        "consumerUrls": [url],
+                        "engines": [{"name": "regular-0", "role": "regular", "url": url}],
+                    }
                     for i, url in enumerate(consumer_urls)
                 ],
             }
@@ -59,12 +73,16 @@ def test_status_of_a_pools_model() -> None:
     assert unit.encoder_urls == ("http://10.0.1.1:8100", "http://10.0.1.2:8100")
     # Each engine once: the pool's encoders (ready or not), then the units' consumers.
     assert [(e.unit, e.name, e.role) for e in model.engines()] == [
-        ("demo-actor-encoders-0", "encoder-0", "encoder"), ("demo-actor-encoders-1", "encoder-0", "encoder"),
-        ("demo-actor-encoders-2", "encoder-0", "encoder"), ("demo-actor-0", "regular-0", "regular")]
+        ("demo-actor-encoders-0", "encoder-0", "encoder"),
+        ("demo-actor-encoders-1", "encoder-0", "encoder"),
+        ("demo-actor-encoders-2", "encoder-0", "encoder"),
+        ("demo-actor-0", "regular-0", "regular"),
+    ]
     assert len(model.engines("encoder")) == 3
     # Vime's args name the pool's ready encoders for the model.
     assert vime_args(status).vllm_model_encoder_endpoints == {
-        "actor": ("served", ["http://10.0.1.1:8100", "http://10.0.1.2:8100"])}
+        "actor": ("served", ["http://10.0.1.1:8100", "http://10.0.1.2:8100"])
+    }
 
 
 async def test_prime_round_robins_over_the_pool_and_generate_carries_the_transfer_params(server) -> None:
@@ -80,8 +98,9 @@ async def test_prime_round_robins_over_the_pool_and_generate_carries_the_transfe
     assert image_urls(encoders[0]) == ["https://images.test/0.png"] * 4
     assert image_urls(encoders[1]) == ["https://images.test/1.png"] * 4
     for consumer in consumers:
-        for render, generate in zip(consumer.requests("/v1/chat/completions/render"),
-                                    consumer.requests("/inference/v1/generate"), strict=True):
+        for render, generate in zip(
+            consumer.requests("/v1/chat/completions/render"), consumer.requests("/inference/v1/generate"), strict=True
+        ):
             assert len(render.body["ec_transfer_params"]) == 2
             assert generate.body["ec_transfer_params"] == render.body["ec_transfer_params"]
             # Announced items go metadata-only: their tensors are not sent again.
@@ -153,8 +172,9 @@ async def test_a_pool_without_a_ready_encoder_refuses_to_prime(server) -> None:
 async def test_unit_models_send_no_transfer_params(make_unit) -> None:
     unit = make_unit("a")
     status = pools_status([], [], placement="Unit")
-    status["models"][0]["units"] = [{"name": "a", "ready": True, "encoderUrls": [e.url for e in unit.encoders],
-                                     "consumerUrls": [unit.consumer.url]}]
+    status["models"][0]["units"] = [
+        {"name": "a", "ready": True, "encoderUrls": [e.url for e in unit.encoders], "consumerUrls": [unit.consumer.url]}
+    ]
     async with EPDClient(Endpoints.from_status(status), retry=FAST) as client:
         assert await prime_encoder(client, image_messages(2), model_name="actor") == {}
         await client.generate(chat(2), model_name="actor")

@@ -7,6 +7,7 @@ import asyncio
 import time
 
 import pytest
+
 from epd_client import (
     Endpoints,
     EPDClient,
@@ -17,8 +18,8 @@ from epd_client import (
     prime_encoder,
     prime_encoder_sync,
 )
-
 from epd_dev.standins.fault_proxy import delay, http_status, reset
+
 from .helpers import FAST, image_messages, image_urls
 
 
@@ -83,9 +84,7 @@ async def test_models_without_encoders_are_a_no_op(server) -> None:
     consumer = server()
     non_epd = Endpoints.from_urls([], consumer.url)
     await prime_encoder(non_epd, image_messages(2))
-    two_units = Endpoints(
-        (ModelEndpoints("default", (Unit("a", consumer_urls=(consumer.url,)), Unit("b"))),)
-    )
+    two_units = Endpoints((ModelEndpoints("default", (Unit("a", consumer_urls=(consumer.url,)), Unit("b"))),))
     await prime_encoder(two_units, image_messages(2))
     vime_args = argparse.Namespace(vllm_model_encoder_endpoints={"other": ("m", ["http://x"])})
     await prime_encoder(vime_args, image_messages(2), model_name="actor")
@@ -268,16 +267,22 @@ async def _until(condition, timeout: float = 5.0) -> None:
 def every_kind() -> list[dict]:
     """One media part of each kind the encoders compute, between text parts."""
     return [
-        {"role": "user", "content": [
-            {"type": "text", "text": "what happens here?"},
-            {"type": "image_url", "image_url": {"url": "https://media.test/a.png"}},
-            {"type": "video_url", "video_url": {"url": "https://media.test/b.mp4"}},
-        ]},
-        {"role": "user", "content": [
-            {"type": "audio_url", "audio_url": {"url": "https://media.test/c.wav"}},
-            {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
-            {"type": "image_url", "image_url": {"url": "https://media.test/e.png"}},
-        ]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "what happens here?"},
+                {"type": "image_url", "image_url": {"url": "https://media.test/a.png"}},
+                {"type": "video_url", "video_url": {"url": "https://media.test/b.mp4"}},
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {"type": "audio_url", "audio_url": {"url": "https://media.test/c.wav"}},
+                {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
+                {"type": "image_url", "image_url": {"url": "https://media.test/e.png"}},
+            ],
+        },
     ]
 
 
@@ -290,9 +295,7 @@ async def test_every_media_kind_is_primed_like_images(server) -> None:
 
     # One single-part request per item, round-robin by position across kinds and messages.
     for i, part in enumerate(parts):
-        (record,) = [
-            r for r in encoders[i % 2].records if r.body["messages"][0]["content"] == [part]
-        ]
+        (record,) = [r for r in encoders[i % 2].records if r.body["messages"][0]["content"] == [part]]
         assert record.body == {
             "model": "served",
             "messages": [{"role": "user", "content": [part]}],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+
 from epd_client import (
     Endpoints,
     EndpointsError,

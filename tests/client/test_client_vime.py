@@ -7,6 +7,7 @@ import copy
 
 import httpx
 import pytest
+
 from epd_client import (
     Endpoints,
     EndpointsError,
@@ -40,9 +41,7 @@ STATUS = {
         {
             "name": "reward",
             "servedModelName": "/models/reward",
-            "units": [
-                {"name": "rl-reward-0", "ready": True, "consumerUrls": ["http://10.0.1.0:8001"]}
-            ],
+            "units": [{"name": "rl-reward-0", "ready": True, "consumerUrls": ["http://10.0.1.0:8001"]}],
         },
     ]
 }
@@ -51,9 +50,7 @@ STATUS = {
 def test_the_attributes_vimes_rollout_reads() -> None:
     args = vime_args(STATUS, units={"actor": "rl-actor-1"})
     assert args == VimeRolloutArgs(
-        vllm_model_encoder_endpoints={
-            "actor": ("actor-served", ["http://10.0.0.1:8001", "http://10.0.0.1:8002"])
-        },
+        vllm_model_encoder_endpoints={"actor": ("actor-served", ["http://10.0.0.1:8001", "http://10.0.0.1:8002"])},
         vllm_model_routers={"actor": ("10.0.0.1", 8000), "reward": ("10.0.1.0", 8001)},
         # No model is named "default": the first one's router, as Vime's first model.
         vllm_router_ip="10.0.0.1",
@@ -102,8 +99,9 @@ def test_unusable_units_are_refused() -> None:
 
 def test_an_ipv6_router_keeps_its_brackets() -> None:
     """Vime builds f"http://{ip}:{port}" itself."""
-    status = {"models": [{"name": "default", "units": [
-        {"name": "u", "ready": True, "routerUrl": "http://[fd00::5]:8000"}]}]}
+    status = {
+        "models": [{"name": "default", "units": [{"name": "u", "ready": True, "routerUrl": "http://[fd00::5]:8000"}]}]
+    }
     args = vime_args(status)
     assert (args.vllm_router_ip, args.vllm_router_port) == ("[fd00::5]", 8000)
     assert args.vllm_model_encoder_endpoints == {}
@@ -113,12 +111,22 @@ async def test_a_vime_rollout_runs_unchanged_against_the_status(make_unit) -> No
     """Vime's default multimodal generate, step by step: prime without a model name, then
     render and generate at f"http://{vllm_router_ip}:{vllm_router_port}"."""
     unit = make_unit("demo-default-0")
-    status = {"models": [{"name": "default", "servedModelName": "m", "units": [{
-        "name": unit.name,
-        "ready": True,
-        "encoderUrls": [e.url for e in unit.encoders],
-        "consumerUrls": [unit.consumer.url],
-    }]}]}
+    status = {
+        "models": [
+            {
+                "name": "default",
+                "servedModelName": "m",
+                "units": [
+                    {
+                        "name": unit.name,
+                        "ready": True,
+                        "encoderUrls": [e.url for e in unit.encoders],
+                        "consumerUrls": [unit.consumer.url],
+                    }
+                ],
+            }
+        ]
+    }
     args = argparse.Namespace(hf_checkpoint="m")
     vars(args).update(vars(vime_args(status)))
 
@@ -126,8 +134,9 @@ async def test_a_vime_rollout_runs_unchanged_against_the_status(make_unit) -> No
     await prime_encoder(args, messages)
     base = f"http://{args.vllm_router_ip}:{args.vllm_router_port}"
     async with httpx.AsyncClient() as http:
-        rendered = await http.post(f"{base}/v1/chat/completions/render",
-                                   json={"model": args.hf_checkpoint, "messages": messages})
+        rendered = await http.post(
+            f"{base}/v1/chat/completions/render", json={"model": args.hf_checkpoint, "messages": messages}
+        )
         await http.post(f"{base}/inference/v1/generate", json=rendered.json())
 
     assert unit.prime_count == 3

@@ -21,8 +21,8 @@ import os
 import re
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 
@@ -46,9 +46,9 @@ def require_binaries() -> None:
 
 def _start_cluster() -> LocalCluster:
     env = os.environ.get("EPD_TEST_CLUSTER_DIR")
-    candidates = [Path(env)] if env else [
-        REPO / (".cluster-test" if i == 1 else f".cluster-test-{i}") for i in range(1, 9)
-    ]
+    candidates = (
+        [Path(env)] if env else [REPO / (".cluster-test" if i == 1 else f".cluster-test-{i}") for i in range(1, 9)]
+    )
     for folder in candidates:
         local = LocalCluster(folder, nodes=4, die_with_parent=True)
         try:

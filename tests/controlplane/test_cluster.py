@@ -9,23 +9,23 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
 from epd_dev.localcluster import (
-    ClusterBusy,
-    ClusterError,
     ETCD_VERSION,
     HELM_VERSION,
     K8S_VERSION,
     KWOK_VERSION,
+    ClusterBusy,
+    ClusterError,
     LocalCluster,
     binaries,
 )
 from epd_dev.localcluster.cluster import alive_components
-
 from epd_dev.operator_process import wait_established, wait_for
 
 from .fixtures import require_binaries
@@ -51,15 +51,15 @@ def condition(obj: dict, kind: str) -> dict:
 @pytest.mark.parametrize("binary", binaries.BINARIES, ids=lambda b: b.name)
 def test_binary_reports_pinned_version(binary: binaries.Binary) -> None:
     require_binaries()
-    out = subprocess.run([str(binaries.bin_dir() / binary.name), *binary.version_args],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [str(binaries.bin_dir() / binary.name), *binary.version_args], capture_output=True, text=True, check=True
+    )
     assert binary.expect in out.stdout + out.stderr
 
 
 def test_pinned_versions() -> None:
     # The constants the cache key is built from are the ones the brief pins.
-    assert (K8S_VERSION, ETCD_VERSION, KWOK_VERSION, HELM_VERSION) == (
-        "v1.36.3", "v3.6.16", "v0.8.0", "v3.22.0")
+    assert (K8S_VERSION, ETCD_VERSION, KWOK_VERSION, HELM_VERSION) == ("v1.36.3", "v3.6.16", "v0.8.0", "v3.22.0")
 
 
 def test_server_version_and_nodes(cluster: LocalCluster, kubectl) -> None:
@@ -103,8 +103,9 @@ def test_deployment_gets_replicaset_and_running_pods(cluster, kubectl, namespace
 
     def ready_pods():
         pods = get(kubectl, "pods", "-n", namespace, "-l", "app=gpu-app")["items"]
-        ready = [p for p in pods if p["status"].get("phase") == "Running"
-                 and condition(p, "Ready").get("status") == "True"]
+        ready = [
+            p for p in pods if p["status"].get("phase") == "Running" and condition(p, "Ready").get("status") == "True"
+        ]
         return ready if len(ready) == 3 else None
 
     # kube-scheduler binds them to kwok nodes; kwok marks them Running and Ready.
@@ -120,8 +121,10 @@ def test_deployment_gets_replicaset_and_running_pods(cluster, kubectl, namespace
     assert max(per_node.values()) <= 2
 
     # And the Deployment controller sees them available.
-    wait("Deployment available", lambda: get(kubectl, "deploy", "gpu-app", "-n", namespace)
-             ["status"].get("availableReplicas") == 3)
+    wait(
+        "Deployment available",
+        lambda: get(kubectl, "deploy", "gpu-app", "-n", namespace)["status"].get("availableReplicas") == 3,
+    )
 
 
 TOO_MANY_GPUS = """
@@ -147,8 +150,9 @@ def test_pod_asking_for_more_gpus_than_a_node_has_stays_pending(kubectl, namespa
     cond = wait("PodScheduled=False/Unschedulable", unschedulable)
     assert cond["status"] == "False"
     assert "Insufficient nvidia.com/gpu" in cond["message"]
-    events = get(kubectl, "events", "-n", namespace,
-                 "--field-selector", "involvedObject.name=greedy,reason=FailedScheduling")
+    events = get(
+        kubectl, "events", "-n", namespace, "--field-selector", "involvedObject.name=greedy,reason=FailedScheduling"
+    )
     assert any("nvidia.com/gpu" in e["message"] for e in events["items"])
     pod = get(kubectl, "pod", "greedy", "-n", namespace)
     assert pod["status"]["phase"] == "Pending"
@@ -185,8 +189,7 @@ spec:
 
 
 def widget(name: str, low: int, high: int) -> str:
-    return (f"apiVersion: test.epd.dev/v1\nkind: Widget\nmetadata: {{name: {name}}}\n"
-            f"spec: {{min: {low}, max: {high}}}\n")
+    return f"apiVersion: test.epd.dev/v1\nkind: Widget\nmetadata: {{name: {name}}}\nspec: {{min: {low}, max: {high}}}\n"
 
 
 def test_crd_cel_rule_rejects_bad_object_at_apply(kubectl, namespace) -> None:
@@ -217,9 +220,10 @@ def test_deleting_owner_garbage_collects_dependent(kubectl, namespace) -> None:
     kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(dependent))
 
     kubectl("delete", "configmap", "owner", "-n", namespace)
-    wait("the dependent to be garbage-collected",
-             lambda: kubectl("get", "configmap", "dependent", "-n", namespace,
-                             check=False).returncode != 0)
+    wait(
+        "the dependent to be garbage-collected",
+        lambda: kubectl("get", "configmap", "dependent", "-n", namespace, check=False).returncode != 0,
+    )
 
 
 # ---------------------------------------------------- native sidecar and /dev/shm
@@ -263,10 +267,10 @@ def test_native_sidecar_and_memory_shm_are_accepted(kubectl, namespace) -> None:
 
 def test_rbac_is_enforced(kubectl, namespace) -> None:
     sa = f"system:serviceaccount:{namespace}:default"
-    assert kubectl("auth", "can-i", "list", "pods", "-n", namespace, "--as", sa,
-                   check=False).stdout.strip() == "no"
-    kubectl("create", "rolebinding", "view", "--clusterrole=view", f"--serviceaccount={namespace}:default",
-            "-n", namespace)
+    assert kubectl("auth", "can-i", "list", "pods", "-n", namespace, "--as", sa, check=False).stdout.strip() == "no"
+    kubectl(
+        "create", "rolebinding", "view", "--clusterrole=view", f"--serviceaccount={namespace}:default", "-n", namespace
+    )
     assert kubectl("auth", "can-i", "list", "pods", "-n", namespace, "--as", sa).stdout.strip() == "yes"
 
 
@@ -278,9 +282,15 @@ def test_helm_installs_a_chart(cluster, namespace, tmp_path: Path) -> None:
     (chart / "templates").mkdir(parents=True)
     (chart / "Chart.yaml").write_text("apiVersion: v2\nname: demo\nversion: 0.1.0\n")
     (chart / "templates" / "cm.yaml").write_text(
-        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: demo}\ndata: {release: '{{ .Release.Name }}'}\n")
-    helm = subprocess.run(["helm", "install", "rel", str(chart), "-n", namespace, "--wait"],
-                          capture_output=True, text=True, env=cluster.env(), timeout=120)
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: demo}\ndata: {release: '{{ .Release.Name }}'}\n"
+    )
+    helm = subprocess.run(
+        ["helm", "install", "rel", str(chart), "-n", namespace, "--wait"],
+        capture_output=True,
+        text=True,
+        env=cluster.env(),
+        timeout=120,
+    )
     assert helm.returncode == 0, helm.stderr
     cm = get(cluster.kubectl, "configmap", "demo", "-n", namespace)
     assert cm["data"] == {"release": "rel"}
@@ -291,9 +301,14 @@ def test_helm_installs_a_chart(cluster, namespace, tmp_path: Path) -> None:
 
 def test_second_cluster_beside_the_first_and_cli_lifecycle(cluster, tmp_path: Path) -> None:
     """A second cluster runs beside the session one; the CLI in other processes manages it."""
+
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "epd_dev.localcluster", *args, "--dir", str(tmp_path)],
-                              capture_output=True, text=True, timeout=240)
+        return subprocess.run(
+            [sys.executable, "-m", "epd_dev.localcluster", *args, "--dir", str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
 
     try:
         up = cli("up", "--nodes", "1")

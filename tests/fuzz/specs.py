@@ -17,16 +17,37 @@ from epd_operator.engine_args import known_engine_args
 from epd_operator.validation import OWNED_ARGS, ROUTER_KV_CONNECTORS, SUPPORTED_VLLM_VERSIONS
 
 VALID_LAYOUTS = (("encoder", "regular"), ("encoder", "prefill", "decode"), ("regular",), ("prefill", "decode"))
-INVALID_LAYOUTS = (("encoder",), ("encoder", "prefill"), ("encoder", "decode"), ("prefill",), ("decode",),
-                   ("regular", "prefill", "decode"), ("regular", "decode"), ("encoder", "regular", "prefill"))
+INVALID_LAYOUTS = (
+    ("encoder",),
+    ("encoder", "prefill"),
+    ("encoder", "decode"),
+    ("prefill",),
+    ("decode",),
+    ("regular", "prefill", "decode"),
+    ("regular", "decode"),
+    ("encoder", "regular", "prefill"),
+)
 SUPPORTED_TAGS = ("v0.32.0", "v0.33.0", "0.32.1", "v0.33.1-cu129", "0.33.0+cpu")
 PD = {"prefill", "decode"}
 
-MUST_FAIL = frozenset({
-    "unknown_field", "out_of_range", "bad_version", "broken_layout", "duplicate_model",
-    "gpu_multiple", "host_path", "owned_override", "kv_connector", "bad_model_name", "empty_string",
-    "bad_shm_size", "port_clash", "headless_balancer",
-})
+MUST_FAIL = frozenset(
+    {
+        "unknown_field",
+        "out_of_range",
+        "bad_version",
+        "broken_layout",
+        "duplicate_model",
+        "gpu_multiple",
+        "host_path",
+        "owned_override",
+        "kv_connector",
+        "bad_model_name",
+        "empty_string",
+        "bad_shm_size",
+        "port_clash",
+        "headless_balancer",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -41,14 +62,21 @@ class Case:
 
 dns_labels = st.from_regex(r"[a-z]([-a-z0-9]{0,14}[a-z0-9])?", fullmatch=True)
 # Engine arguments every supported version accepts: validation refuses any other name.
-arg_keys = st.sampled_from(sorted(frozenset.intersection(*map(known_engine_args, SUPPORTED_VLLM_VERSIONS))
-                                  - OWNED_ARGS.keys()))
-json_leaves = (st.none() | st.booleans() | st.integers(-(2**31), 2**31)
-               | st.floats(allow_nan=False, allow_infinity=False, width=32) | st.text(max_size=12))
+arg_keys = st.sampled_from(
+    sorted(frozenset.intersection(*map(known_engine_args, SUPPORTED_VLLM_VERSIONS)) - OWNED_ARGS.keys())
+)
+json_leaves = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**31), 2**31)
+    | st.floats(allow_nan=False, allow_infinity=False, width=32)
+    | st.text(max_size=12)
+)
 json_values = st.recursive(
-    json_leaves, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(min_size=1, max_size=8), inner,
-                                                                             max_size=3),
-    max_leaves=6)
+    json_leaves,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(min_size=1, max_size=8), inner, max_size=3),
+    max_leaves=6,
+)
 
 
 @st.composite
@@ -60,8 +88,9 @@ def server_group(draw: st.DrawFn, worker_type: str) -> dict[str, Any]:
     if draw(st.booleans()):
         group["overrides"] = draw(st.dictionaries(arg_keys, json_values, max_size=4))
     if draw(st.booleans()):
-        group["env"] = [{"name": draw(st.from_regex(r"[A-Z_][A-Z0-9_]{0,10}", fullmatch=True)),
-                         "value": draw(st.text(max_size=10))}]
+        group["env"] = [
+            {"name": draw(st.from_regex(r"[A-Z_][A-Z0-9_]{0,10}", fullmatch=True)), "value": draw(st.text(max_size=10))}
+        ]
     return group
 
 
@@ -69,8 +98,11 @@ def server_group(draw: st.DrawFn, worker_type: str) -> dict[str, Any]:
 def model(draw: st.DrawFn, name: str) -> dict[str, Any]:
     layout = draw(st.sampled_from(VALID_LAYOUTS))
     types = [*layout, *draw(st.lists(st.sampled_from(layout), max_size=2))]  # repeated types are fine
-    entry: dict[str, Any] = {"name": name, "model": draw(st.sampled_from(["Qwen/Qwen2.5-VL-7B-Instruct", "m", "/models/x"])),
-                             "serverGroups": [draw(server_group(t)) for t in types]}
+    entry: dict[str, Any] = {
+        "name": name,
+        "model": draw(st.sampled_from(["Qwen/Qwen2.5-VL-7B-Instruct", "m", "/models/x"])),
+        "serverGroups": [draw(server_group(t)) for t in types],
+    }
     if draw(st.booleans()):
         entry["servedModelName"] = draw(st.text(min_size=1, max_size=20))
     return entry
@@ -79,40 +111,68 @@ def model(draw: st.DrawFn, name: str) -> dict[str, Any]:
 @st.composite
 def valid_specs(draw: st.DrawFn) -> dict[str, Any]:
     names = draw(st.lists(dns_labels, min_size=1, max_size=3, unique=True))
-    spec: dict[str, Any] = {"image": f"vllm/vllm-openai:{draw(st.sampled_from(SUPPORTED_TAGS))}",
-                            "models": [draw(model(n)) for n in names]}
+    spec: dict[str, Any] = {
+        "image": f"vllm/vllm-openai:{draw(st.sampled_from(SUPPORTED_TAGS))}",
+        "models": [draw(model(n)) for n in names],
+    }
     optional = {
         "replicas": st.integers(0, 1000),
         "vllmVersion": st.sampled_from(["0.32", "0.33", "v0.33.1", "0.32.0-rc1"]),
         # Disjoint ranges, clear of the janitor's 9400: overlapping ports are an invalid spec.
-        "ports": st.fixed_dictionaries({}, optional={"router": st.integers(1, 999),
-                                                     "engineBase": st.integers(10000, 20000),
-                                                     "nixlSideChannelBase": st.integers(30000, 40000)}),
-        "probes": st.fixed_dictionaries({}, optional={"periodSeconds": st.integers(1, 60),
-                                                      "startupTimeoutSeconds": st.integers(10, 7200),
-                                                      "failureThreshold": st.integers(1, 10)}),
-        "router": st.fixed_dictionaries({}, optional={
-            "policy": st.sampled_from(["round_robin", "random", "cache_aware", "power_of_two", "consistent_hash"]),
-            "requestTimeoutSeconds": st.integers(1, 10**6),
-            "extraArgs": st.lists(st.text(max_size=10), max_size=3)}),
+        "ports": st.fixed_dictionaries(
+            {},
+            optional={
+                "router": st.integers(1, 999),
+                "engineBase": st.integers(10000, 20000),
+                "nixlSideChannelBase": st.integers(30000, 40000),
+            },
+        ),
+        "probes": st.fixed_dictionaries(
+            {},
+            optional={
+                "periodSeconds": st.integers(1, 60),
+                "startupTimeoutSeconds": st.integers(10, 7200),
+                "failureThreshold": st.integers(1, 10),
+            },
+        ),
+        "router": st.fixed_dictionaries(
+            {},
+            optional={
+                "policy": st.sampled_from(["round_robin", "random", "cache_aware", "power_of_two", "consistent_hash"]),
+                "requestTimeoutSeconds": st.integers(1, 10**6),
+                "extraArgs": st.lists(st.text(max_size=10), max_size=3),
+            },
+        ),
         "shm": st.fixed_dictionaries({"sizeLimit": st.sampled_from(["16Gi", "512M", "1", "2.5Gi", "1e9"])}),
-        "ecConnector": st.fixed_dictionaries({}, optional={"storageRoot": st.sampled_from(["/dev/shm", "/", "/x/y/"]),
-                                                           "pathPrefix": st.from_regex(r"[A-Za-z0-9._-]{1,12}",
-                                                                                       fullmatch=True),
-                                                           "extraConfig": st.dictionaries(arg_keys, json_values,
-                                                                                          max_size=2)}),
+        "ecConnector": st.fixed_dictionaries(
+            {},
+            optional={
+                "storageRoot": st.sampled_from(["/dev/shm", "/", "/x/y/"]),
+                "pathPrefix": st.from_regex(r"[A-Za-z0-9._-]{1,12}", fullmatch=True),
+                "extraConfig": st.dictionaries(arg_keys, json_values, max_size=2),
+            },
+        ),
         "kvConnector": st.fixed_dictionaries({"name": st.sampled_from(sorted(ROUTER_KV_CONNECTORS))}),
-        "ecStorage": st.fixed_dictionaries({}, optional={"maxBytes": st.integers(1, 2**40),
-                                                         "ttlSeconds": st.integers(1, 10**6)}),
+        "ecStorage": st.fixed_dictionaries(
+            {}, optional={"maxBytes": st.integers(1, 2**40), "ttlSeconds": st.integers(1, 10**6)}
+        ),
         "nodeSelector": st.dictionaries(dns_labels, dns_labels, max_size=2),
         "service": st.one_of(
             st.fixed_dictionaries({}, optional={"type": st.just("ClusterIP"), "headless": st.booleans()}),
-            st.fixed_dictionaries({"type": st.sampled_from(["NodePort", "LoadBalancer"])},
-                                  optional={"headless": st.just(False),
-                                            "annotations": st.dictionaries(dns_labels, st.text(max_size=10),
-                                                                           max_size=2)})),
-        "env": st.lists(st.fixed_dictionaries({"name": st.from_regex(r"[A-Z_][A-Z0-9_]{0,10}", fullmatch=True),
-                                               "value": st.text(max_size=10)}), max_size=2),
+            st.fixed_dictionaries(
+                {"type": st.sampled_from(["NodePort", "LoadBalancer"])},
+                optional={
+                    "headless": st.just(False),
+                    "annotations": st.dictionaries(dns_labels, st.text(max_size=10), max_size=2),
+                },
+            ),
+        ),
+        "env": st.lists(
+            st.fixed_dictionaries(
+                {"name": st.from_regex(r"[A-Z_][A-Z0-9_]{0,10}", fullmatch=True), "value": st.text(max_size=10)}
+            ),
+            max_size=2,
+        ),
     }
     for key, strategy in optional.items():
         if draw(st.booleans()):
@@ -162,8 +222,18 @@ def _bad_version(draw: st.DrawFn, spec: dict[str, Any]) -> None:
         spec["vllmVersion"] = draw(st.sampled_from(["0.31", "1.0", "0.34.0", "v1.33", "0.9"]))
     else:
         spec.pop("vllmVersion", None)
-        spec["image"] = draw(st.sampled_from(["vllm/vllm-openai:latest", "vllm/vllm-openai", "vllm:v0.31.0",
-                                              "vllm/vllm-openai@sha256:abc", "vllm:0.34", "host:5000/vllm"]))
+        spec["image"] = draw(
+            st.sampled_from(
+                [
+                    "vllm/vllm-openai:latest",
+                    "vllm/vllm-openai",
+                    "vllm:v0.31.0",
+                    "vllm/vllm-openai@sha256:abc",
+                    "vllm:0.34",
+                    "host:5000/vllm",
+                ]
+            )
+        )
 
 
 @st.composite
@@ -262,12 +332,23 @@ def _wrong_type(draw: st.DrawFn, spec: dict[str, Any]) -> None:
 
 
 MUTATIONS = {
-    "unknown_field": _unknown_field, "out_of_range": _out_of_range, "bad_version": _bad_version,
-    "broken_layout": _broken_layout, "duplicate_model": _duplicate_model, "gpu_multiple": _gpu_multiple,
-    "host_path": _host_path, "owned_override": _owned_override, "odd_override": _odd_override,
+    "unknown_field": _unknown_field,
+    "out_of_range": _out_of_range,
+    "bad_version": _bad_version,
+    "broken_layout": _broken_layout,
+    "duplicate_model": _duplicate_model,
+    "gpu_multiple": _gpu_multiple,
+    "host_path": _host_path,
+    "owned_override": _owned_override,
+    "odd_override": _odd_override,
     "port_clash": _port_clash,
-    "kv_connector": _kv_connector, "bad_model_name": _bad_model_name, "empty_string": _empty_string,
-    "bad_shm_size": _bad_shm_size, "headless_balancer": _headless_balancer, "odd_resources": _odd_resources, "odd_env": _odd_env,
+    "kv_connector": _kv_connector,
+    "bad_model_name": _bad_model_name,
+    "empty_string": _empty_string,
+    "bad_shm_size": _bad_shm_size,
+    "headless_balancer": _headless_balancer,
+    "odd_resources": _odd_resources,
+    "odd_env": _odd_env,
     "wrong_type": _wrong_type,
 }
 

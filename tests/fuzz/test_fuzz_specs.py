@@ -72,8 +72,11 @@ def test_valid_specs_are_accepted(spec: dict[str, Any]) -> None:
     errors, children = python_verdict(spec)
     assert errors == []
     kinds = collections.Counter(c["kind"] for c in children)
-    assert kinds == {"StatefulSet": len(spec["models"]), "Service": 2 * len(spec["models"]),
-                     "PodDisruptionBudget": len(spec["models"])}
+    assert kinds == {
+        "StatefulSet": len(spec["models"]),
+        "Service": 2 * len(spec["models"]),
+        "PodDisruptionBudget": len(spec["models"]),
+    }
 
 
 # ------------------------------------------------------------------------- on the cluster
@@ -92,11 +95,23 @@ def server_dry_run(cluster: Any, namespace: str, documents: list[dict[str, Any]]
     """
 
     def dry_run(docs: list[dict[str, Any]], *args: str) -> Any:
-        return cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", "-", *args, check=False,
-                               timeout=120, input="\n".join(json.dumps(d) for d in docs))
+        return cluster.kubectl(
+            "apply",
+            "--dry-run=server",
+            "-n",
+            namespace,
+            "-f",
+            "-",
+            *args,
+            check=False,
+            timeout=120,
+            input="\n".join(json.dumps(d) for d in docs),
+        )
 
     out = dry_run(documents)
-    accepted = set(re.findall(r"^epddeployment\.epd\.vime\.dev/(\S+) created \(server dry run\)$", out.stdout, re.M))
+    accepted = set(
+        re.findall(r"^epddeployment\.epd\.vime\.dev/(\S+) created \(server dry run\)$", out.stdout, re.MULTILINE)
+    )
     stored: dict[str, dict | None] = {d["metadata"]["name"]: None for d in documents}
     if accepted:
         listed = json.loads(dry_run([d for d in documents if d["metadata"]["name"] in accepted], "-o", "json").stdout)
@@ -115,16 +130,25 @@ def test_cel_and_python_agree_on_a_sample(cluster, crd, namespace) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", NonInteractiveExampleWarning)
         cases = [strategy.example() for _ in range(40)]
-    documents = [{"apiVersion": "epd.vime.dev/v1alpha1", "kind": "EPDDeployment",
-                  "metadata": {"name": f"fuzz-{i}"}, "spec": c.spec} for i, c in enumerate(cases)]
+    documents = [
+        {
+            "apiVersion": "epd.vime.dev/v1alpha1",
+            "kind": "EPDDeployment",
+            "metadata": {"name": f"fuzz-{i}"},
+            "spec": c.spec,
+        }
+        for i, c in enumerate(cases)
+    ]
     stored = server_dry_run(cluster, namespace, documents)
     disagreements = []
     for i, case in enumerate(cases):
         spec = stored[f"fuzz-{i}"]
         errors, _ = python_verdict(case.spec if spec is None else spec)
         if bool(errors) != (spec is None) and not set(case.mutations) & KNOWN_GAPS.keys():
-            disagreements.append(f"fuzz-{i} {case.mutations}: Python {errors or 'accepts'}, API server "
-                                 f"{'refuses' if spec is None else 'accepts'}: {json.dumps(case.spec)}")
+            disagreements.append(
+                f"fuzz-{i} {case.mutations}: Python {errors or 'accepts'}, API server "
+                f"{'refuses' if spec is None else 'accepts'}: {json.dumps(case.spec)}"
+            )
     assert not disagreements, "\n".join(disagreements)
     assert any(s is not None for s in stored.values()) and any(s is None for s in stored.values())
 
@@ -134,8 +158,11 @@ def test_cel_and_python_agree_on_a_sample(cluster, crd, namespace) -> None:
 
 def spec_with(layout: tuple[str, ...] = ("encoder", "regular"), **changes: Any) -> dict[str, Any]:
     groups = [{"workerType": t, "numGpus": 1} for t in layout]
-    return {"image": "vllm/vllm-openai:v0.33.0", "models": [{"name": "m", "model": "m", "serverGroups": groups}],
-            **changes}
+    return {
+        "image": "vllm/vllm-openai:v0.33.0",
+        "models": [{"name": "m", "model": "m", "serverGroups": groups}],
+        **changes,
+    }
 
 
 def test_every_shm_size_the_crd_accepts_renders() -> None:
@@ -145,10 +172,13 @@ def test_every_shm_size_the_crd_accepts_renders() -> None:
     assert errors or children
 
 
-@pytest.mark.parametrize("ports", [
-    {"router": 8100},  # the router and the first engine (the encoder)
-    {"engineBase": 5600},  # engines and NIXL side channels
-])
+@pytest.mark.parametrize(
+    "ports",
+    [
+        {"router": 8100},  # the router and the first engine (the encoder)
+        {"engineBase": 5600},  # engines and NIXL side channels
+    ],
+)
 def test_overlapping_ports_are_refused(ports: dict[str, int]) -> None:
     errors, _ = python_verdict(spec_with(("encoder", "prefill", "decode"), ports=ports))
     assert any(m.startswith("spec.ports") for m in errors)
@@ -169,8 +199,15 @@ def test_override_keys_must_be_flag_names(key: str) -> None:
     assert errors
 
 
-@pytest.mark.parametrize("change", [{"vllmVersion": "0.033"}, {"vllmVersion": "00.33"},
-                                    {"image": "vllm/vllm-openai:v٠.٣٣"}, {"image": "vllm/vllm-openai:v0.33-a:b"}])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"vllmVersion": "0.033"},
+        {"vllmVersion": "00.33"},
+        {"image": "vllm/vllm-openai:v٠.٣٣"},
+        {"image": "vllm/vllm-openai:v0.33-a:b"},
+    ],
+)
 def test_python_refuses_the_versions_cel_refuses(change: dict[str, str]) -> None:
     errors, _ = python_verdict(spec_with(**change))
     assert errors

@@ -27,19 +27,20 @@ def helm_binary() -> Path:
     """The helm of the control-plane build; fail (never skip) when it is missing."""
     path = binaries.bin_dir() / "helm"
     if not os.access(path, os.X_OK):
-        pytest.fail(f"helm is not built ({path} missing). Build it once with:\n\n    make cluster\n",
-                    pytrace=False)
+        pytest.fail(f"helm is not built ({path} missing). Build it once with:\n\n    make cluster\n", pytrace=False)
     return path
 
 
-def helm(*args: str | os.PathLike, env: dict[str, str] | None = None, check: bool = True,
-         timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def helm(
+    *args: str | os.PathLike, env: dict[str, str] | None = None, check: bool = True, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
     """Run helm; ``env`` defaults to a private HELM_* home so nothing lands in $HOME."""
     if env is None:
         home = ROOT / ".pytest_cache" / "helm-home"
         env = {**os.environ, **{f"HELM_{kind}_HOME": str(home / kind.lower()) for kind in ("CACHE", "CONFIG", "DATA")}}
-    out = subprocess.run([str(helm_binary()), *map(str, args)], capture_output=True, text=True, env=env,
-                         timeout=timeout)
+    out = subprocess.run(
+        [str(helm_binary()), *map(str, args)], capture_output=True, text=True, env=env, timeout=timeout
+    )
     if check and out.returncode != 0:
         raise AssertionError(f"helm {' '.join(map(str, args))} failed ({out.returncode}):\n{out.stderr}")
     return out
@@ -50,10 +51,20 @@ def set_args(values: dict[str, Any]) -> list[str]:
     return [arg for key, value in values.items() for arg in ("--set-json", f"{key}={json.dumps(value)}")]
 
 
-def template(values: dict[str, Any] | None = None, *, check: bool = True,
-             namespace: str = RELEASE_NAMESPACE) -> subprocess.CompletedProcess[str]:
-    return helm("template", RELEASE, CHART, "--namespace", namespace, "--kube-version", KUBE_VERSION,
-                *set_args(values or {}), check=check)
+def template(
+    values: dict[str, Any] | None = None, *, check: bool = True, namespace: str = RELEASE_NAMESPACE
+) -> subprocess.CompletedProcess[str]:
+    return helm(
+        "template",
+        RELEASE,
+        CHART,
+        "--namespace",
+        namespace,
+        "--kube-version",
+        KUBE_VERSION,
+        *set_args(values or {}),
+        check=check,
+    )
 
 
 def documents(text: str) -> list[dict[str, Any]]:

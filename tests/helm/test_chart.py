@@ -71,8 +71,11 @@ def test_peering_in_all_namespaces_mode_uses_a_cluster_peering_object():
     (peering,) = find(docs, "ClusterKopfPeering", "epd-operator")
     assert peering["apiVersion"] == "kopf.dev/v1"
     (cluster_role,) = find(docs, "ClusterRole")
-    assert {"apiGroups": ["kopf.dev"], "resources": ["clusterkopfpeerings"],
-            "verbs": ["list", "watch", "patch"]} in cluster_role["rules"]
+    assert {
+        "apiGroups": ["kopf.dev"],
+        "resources": ["clusterkopfpeerings"],
+        "verbs": ["list", "watch", "patch"],
+    } in cluster_role["rules"]
 
 
 def test_metrics_can_be_turned_off():
@@ -85,8 +88,9 @@ def test_metrics_can_be_turned_off():
 
 
 def test_existing_service_account_and_no_rbac():
-    docs = documents(template({"serviceAccount.create": False, "serviceAccount.name": "mine",
-                               "rbac.create": False}).stdout)
+    docs = documents(
+        template({"serviceAccount.create": False, "serviceAccount.name": "mine", "rbac.create": False}).stdout
+    )
     assert {d["kind"] for d in docs} == {"Deployment", "Service"}
     (deployment,) = find(docs, "Deployment")
     assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == "mine"

@@ -34,8 +34,10 @@ def instructions(text: str) -> list[tuple[str, str]]:
             continue
         logical.append(current + line)
         current = ""
-    return [(parts[0].upper(), parts[1].strip() if len(parts) > 1 else "")
-            for parts in (line.strip().split(None, 1) for line in logical)]
+    return [
+        (parts[0].upper(), parts[1].strip() if len(parts) > 1 else "")
+        for parts in (line.strip().split(None, 1) for line in logical)
+    ]
 
 
 def stages(text: str) -> list[list[tuple[str, str]]]:
@@ -67,9 +69,11 @@ def _pattern_regex(pattern: str) -> re.Pattern[str]:
 
 def build_context(root: Path) -> list[Path]:
     """Files Docker would send as the build context: .dockerignore applied, last match wins."""
-    rules = [(line.startswith("!"), _pattern_regex(line.lstrip("!")))
-             for line in (raw.strip() for raw in DOCKERIGNORE.read_text().splitlines())
-             if line and not line.startswith("#")]
+    rules = [
+        (line.startswith("!"), _pattern_regex(line.lstrip("!")))
+        for line in (raw.strip() for raw in DOCKERIGNORE.read_text().splitlines())
+        if line and not line.startswith("#")
+    ]
     kept = []
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         rel = path.relative_to(root).as_posix()
@@ -148,22 +152,31 @@ def test_the_dockerfile_install_step_gives_a_working_operator(tmp_path):
             (bindir / "python").symlink_to(getattr(sys, "_base_executable", sys.executable))
             env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}"}
             env.pop("VIRTUAL_ENV", None)
-            out = subprocess.run(["sh", "-c", command], cwd=image_root / workdir.lstrip("/"), env=env,
-                                 capture_output=True, text=True, timeout=900)
+            out = subprocess.run(
+                ["sh", "-c", command],
+                cwd=image_root / workdir.lstrip("/"),
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=900,
+            )
             assert out.returncode == 0, f"RUN {args}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
 
     venv = image_root / "opt" / "epd-operator"
-    help_text = subprocess.run([venv / "bin" / "epd-operator", "run", "--help"], capture_output=True,
-                               text=True, check=True).stdout
+    help_text = subprocess.run(
+        [venv / "bin" / "epd-operator", "run", "--help"], capture_output=True, text=True, check=True
+    ).stdout
     for flag in ("--all-namespaces", "--namespace", "--peering", "--standalone", "--liveness", "--metrics-port"):
         assert flag in help_text
     python = str(venv / "bin" / "python")
     # Installed, not linked to the sources (the image drops /src), and without test extras.
-    location = subprocess.run([python, "-c", "import epd_operator.cli as m; print(m.__file__)"],
-                              capture_output=True, text=True, check=True).stdout.strip()
+    location = subprocess.run(
+        [python, "-c", "import epd_operator.cli as m; print(m.__file__)"], capture_output=True, text=True, check=True
+    ).stdout.strip()
     assert location.startswith(str(venv)), location
-    count_templates = ("import importlib.resources as r; "
-                       "print(len(list(r.files('epd_operator').joinpath('templates').iterdir())))")
+    count_templates = (
+        "import importlib.resources as r; print(len(list(r.files('epd_operator').joinpath('templates').iterdir())))"
+    )
     templates = subprocess.run([python, "-c", count_templates], capture_output=True, text=True, check=True)
     assert int(templates.stdout) > 0, "the render templates must be installed as package data"
     for test_only in ("pytest", "hypothesis"):

@@ -12,8 +12,9 @@ from .chart import CHART, ROOT, documents
 
 pytestmark = pytest.mark.cluster
 
-CHART_CRDS = sorted(doc["metadata"]["name"] for path in (CHART / "crds").glob("*.yaml")
-                    for doc in documents(path.read_text()))
+CHART_CRDS = sorted(
+    doc["metadata"]["name"] for path in (CHART / "crds").glob("*.yaml") for doc in documents(path.read_text())
+)
 
 
 def get(kubectl, *args: str, check: bool = True) -> dict | None:
@@ -78,14 +79,16 @@ def test_install_upgrade_uninstall(cluster, kubectl, namespace, release):
     # --- uninstall: the operator and its RBAC go; CRDs and users' objects stay (Helm never
     # deletes what it installed from crds/).
     rel.uninstall()
-    for args in (("deployment", rel.fullname, "-n", namespace),
-                 ("serviceaccount", rel.fullname, "-n", namespace),
-                 ("service", f"{rel.fullname}-metrics", "-n", namespace),
-                 ("role", rel.fullname, "-n", namespace),
-                 ("rolebinding", rel.fullname, "-n", namespace),
-                 ("kopfpeering.kopf.dev", "epd-operator", "-n", namespace),
-                 ("clusterrole", cluster_scoped),
-                 ("clusterrolebinding", cluster_scoped)):
+    for args in (
+        ("deployment", rel.fullname, "-n", namespace),
+        ("serviceaccount", rel.fullname, "-n", namespace),
+        ("service", f"{rel.fullname}-metrics", "-n", namespace),
+        ("role", rel.fullname, "-n", namespace),
+        ("rolebinding", rel.fullname, "-n", namespace),
+        ("kopfpeering.kopf.dev", "epd-operator", "-n", namespace),
+        ("clusterrole", cluster_scoped),
+        ("clusterrolebinding", cluster_scoped),
+    ):
         assert not exists(kubectl, *args), f"{args} left behind by helm uninstall"
     for crd in CHART_CRDS:
         assert exists(kubectl, "crd", crd), f"helm uninstall removed CRD {crd}"

@@ -35,8 +35,11 @@ from .dashboard import (
 pytestmark = pytest.mark.cluster
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
-MONITORING = {"monitoring.podMonitor.enabled": True, "monitoring.grafanaDashboard.enabled": True,
-              "metrics.serviceMonitor.enabled": True}
+MONITORING = {
+    "monitoring.podMonitor.enabled": True,
+    "monitoring.grafanaDashboard.enabled": True,
+    "metrics.serviceMonitor.enabled": True,
+}
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +59,10 @@ def test_monitoring_is_off_by_default():
 
 def test_every_dashboard_query_names_only_metrics_that_are_exported(rendered):
     engine = read_metric_names(ENGINE_METRICS)
-    assert engine, (f"{ENGINE_METRICS} is empty: record a real engine's metrics with "
-                    "UPDATE_GOLDEN=1 pytest -m vllm tests/janitor/test_janitor_vllm.py")
+    assert engine, (
+        f"{ENGINE_METRICS} is empty: record a real engine's metrics with "
+        "UPDATE_GOLDEN=1 pytest -m vllm tests/janitor/test_janitor_vllm.py"
+    )
     exported = engine | janitor_metric_names() | operator_metric_names()
     used: dict[str, str] = {}
     for where, expr in queries(dashboard_of(rendered)):
@@ -68,9 +73,15 @@ def test_every_dashboard_query_names_only_metrics_that_are_exported(rendered):
     # What the dashboard is for: per-role load and latency, encoder queues, the EC store, the
     # consumers' fallback encodes, and the units the operator sees ready.
     assert {
-        "vllm:request_success_total", "vllm:time_to_first_token_seconds_bucket",
-        "vllm:inter_token_latency_seconds_bucket", "vllm:num_requests_running", "vllm:num_requests_waiting",
-        "epd_ec_store_bytes", "epd_ec_evictions_total", "epd_ec_fallback_encodes_total", "epd_ready_units",
+        "vllm:request_success_total",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "epd_ec_store_bytes",
+        "epd_ec_evictions_total",
+        "epd_ec_fallback_encodes_total",
+        "epd_ready_units",
     } <= used.keys()
 
 
@@ -86,8 +97,15 @@ def test_the_dashboard_configmap_is_labelled_for_grafanas_sidecar(rendered):
     (config_map,) = find(rendered, "ConfigMap")
     assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert config_map["metadata"]["namespace"] == "epd-system"
-    docs = documents(template({**MONITORING, "monitoring.grafanaDashboard.namespace": "grafana",
-                               "monitoring.grafanaDashboard.annotations": {"grafana_folder": "EPD"}}).stdout)
+    docs = documents(
+        template(
+            {
+                **MONITORING,
+                "monitoring.grafanaDashboard.namespace": "grafana",
+                "monitoring.grafanaDashboard.annotations": {"grafana_folder": "EPD"},
+            }
+        ).stdout
+    )
     (config_map,) = find(docs, "ConfigMap")
     assert config_map["metadata"]["namespace"] == "grafana"
     assert config_map["metadata"]["annotations"] == {"grafana_folder": "EPD"}
@@ -107,19 +125,31 @@ def test_the_podmonitor_scrapes_every_engine_and_janitor_of_a_unit_with_its_role
     checked = validate(manifest["spec"])
     plans = render(checked, namespace="team-a", name=name, uid="uid-1")
     for plan in plans:
-        (sts,) = [c for c in desired_children(checked.spec, name, [plan], "epd-operator:test")
-                  if c["kind"] == "StatefulSet"]
-        pod = {"metadata": {**sts["spec"]["template"]["metadata"], "name": f"{sts['metadata']['name']}-0",
-                            "namespace": "team-a"},
-               "spec": sts["spec"]["template"]["spec"], "status": {"podIP": "10.1.2.3"}}
+        (sts,) = [
+            c for c in desired_children(checked.spec, name, [plan], "epd-operator:test") if c["kind"] == "StatefulSet"
+        ]
+        pod = {
+            "metadata": {
+                **sts["spec"]["template"]["metadata"],
+                "name": f"{sts['metadata']['name']}-0",
+                "namespace": "team-a",
+            },
+            "spec": sts["spec"]["template"]["spec"],
+            "status": {"podIP": "10.1.2.3"},
+        }
         engines_endpoint, janitor_endpoint = monitor["spec"]["podMetricsEndpoints"]
 
         engines = scrape_targets(monitor, engines_endpoint, pod)
         assert sorted((t["container"], t["worker_type"], t["__address__"]) for t in engines) == sorted(
-            (e.container_name, e.worker_type.value, f"10.1.2.3:{e.port}") for e in plan.engines)
+            (e.container_name, e.worker_type.value, f"10.1.2.3:{e.port}") for e in plan.engines
+        )
         for target in engines:
             assert (target["role"], target["deployment"], target["model"], target["namespace"]) == (
-                "unit", name, plan.name, "team-a")
+                "unit",
+                name,
+                plan.name,
+                "team-a",
+            )
             assert target["__metrics_path__"] == "/metrics"
 
         (janitor,) = scrape_targets(monitor, janitor_endpoint, pod)
@@ -148,16 +178,29 @@ def scrape_targets(monitor: dict[str, Any], endpoint: dict[str, Any], pod: dict[
         return []
     generated: list[dict[str, Any]] = []
     for key, value in spec["selector"].get("matchLabels", {}).items():
-        generated.append({"action": "keep", "regex": f"({value});true",
-                          "sourceLabels": [f"__meta_kubernetes_pod_label_{_sanitize(key)}",
-                                           f"__meta_kubernetes_pod_labelpresent_{_sanitize(key)}"]})
+        generated.append(
+            {
+                "action": "keep",
+                "regex": f"({value});true",
+                "sourceLabels": [
+                    f"__meta_kubernetes_pod_label_{_sanitize(key)}",
+                    f"__meta_kubernetes_pod_labelpresent_{_sanitize(key)}",
+                ],
+            }
+        )
     for expression in spec["selector"].get("matchExpressions", []):
         assert expression["operator"] == "Exists", "the stand-in knows only Exists"
-        generated.append({"action": "keep", "regex": "true",
-                          "sourceLabels": [f"__meta_kubernetes_pod_labelpresent_{_sanitize(expression['key'])}"]})
+        generated.append(
+            {
+                "action": "keep",
+                "regex": "true",
+                "sourceLabels": [f"__meta_kubernetes_pod_labelpresent_{_sanitize(expression['key'])}"],
+            }
+        )
     if endpoint.get("port"):
-        generated.append({"action": "keep", "regex": endpoint["port"],
-                          "sourceLabels": ["__meta_kubernetes_pod_container_port_name"]})
+        generated.append(
+            {"action": "keep", "regex": endpoint["port"], "sourceLabels": ["__meta_kubernetes_pod_container_port_name"]}
+        )
     generated += [
         {"sourceLabels": ["__meta_kubernetes_namespace"], "targetLabel": "namespace"},
         {"sourceLabels": ["__meta_kubernetes_pod_container_name"], "targetLabel": "container"},
@@ -187,11 +230,16 @@ def _discover(pod: dict[str, Any]) -> list[dict[str, str]]:
     for init, containers in ((True, pod["spec"].get("initContainers", [])), (False, pod["spec"]["containers"])):
         for container in containers:
             for port in container.get("ports", []):
-                found.append({**common, "__address__": f"{pod['status']['podIP']}:{port['containerPort']}",
-                              "__meta_kubernetes_pod_container_name": container["name"],
-                              "__meta_kubernetes_pod_container_init": str(init).lower(),
-                              "__meta_kubernetes_pod_container_port_name": port.get("name", ""),
-                              "__meta_kubernetes_pod_container_port_number": str(port["containerPort"])})
+                found.append(
+                    {
+                        **common,
+                        "__address__": f"{pod['status']['podIP']}:{port['containerPort']}",
+                        "__meta_kubernetes_pod_container_name": container["name"],
+                        "__meta_kubernetes_pod_container_init": str(init).lower(),
+                        "__meta_kubernetes_pod_container_port_name": port.get("name", ""),
+                        "__meta_kubernetes_pod_container_port_number": str(port["containerPort"]),
+                    }
+                )
     return found
 
 

@@ -32,21 +32,30 @@ def token_kubeconfig(cluster, namespace: str, service_account: str, path: Path) 
     (entry,) = admin["clusters"]
     server = entry["cluster"]["server"]
     ca = entry["cluster"]["certificate-authority-data"]
-    path.write_text(yaml.safe_dump({
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [{"name": "local", "cluster": {"server": server, "certificate-authority-data": ca}}],
-        "users": [{"name": service_account, "user": {"token": token}}],
-        "contexts": [{"name": "operator", "context": {"cluster": "local", "user": service_account,
-                                                      "namespace": namespace}}],
-        "current-context": "operator",
-    }))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "local", "cluster": {"server": server, "certificate-authority-data": ca}}],
+                "users": [{"name": service_account, "user": {"token": token}}],
+                "contexts": [
+                    {
+                        "name": "operator",
+                        "context": {"cluster": "local", "user": service_account, "namespace": namespace},
+                    }
+                ],
+                "current-context": "operator",
+            }
+        )
+    )
     path.chmod(0o600)
     return path
 
 
-def test_operator_reconciles_with_only_the_charts_namespaced_rbac(cluster, kubectl, namespace, release,
-                                                                   sole_operator, tmp_path):
+def test_operator_reconciles_with_only_the_charts_namespaced_rbac(
+    cluster, kubectl, namespace, release, sole_operator, tmp_path
+):
     rel = release("epd")
     rel.install({"watchNamespaces": [namespace]})
     kubeconfig = token_kubeconfig(cluster, namespace, rel.fullname, tmp_path / "operator.kubeconfig")
@@ -55,7 +64,8 @@ def test_operator_reconciles_with_only_the_charts_namespaced_rbac(cluster, kubec
         return kubectl("--kubeconfig", str(kubeconfig), *args, check=check)
 
     assert as_operator("auth", "whoami", "-o", "jsonpath={.status.userInfo.username}", check=True).stdout == (
-        f"system:serviceaccount:{namespace}:{rel.fullname}")
+        f"system:serviceaccount:{namespace}:{rel.fullname}"
+    )
 
     # The pod's arguments, as rendered and installed; the harness adds its own free ports
     # for --liveness and --metrics-port (later flags win) and --standalone (already there).
@@ -66,25 +76,55 @@ def test_operator_reconciles_with_only_the_charts_namespaced_rbac(cluster, kubec
     try:
         kubectl("apply", "-n", namespace, "-f", str(EXAMPLE))
         kubectl("apply", "-n", namespace, "-f", str(POOLS_EXAMPLE))
-        kubectl("wait", "--for=condition=Ready", "epd/qwen-vl-regular", "epd/qwen-vl-pools", "-n", namespace,
-                "--timeout=120s", timeout=130)
+        kubectl(
+            "wait",
+            "--for=condition=Ready",
+            "epd/qwen-vl-regular",
+            "epd/qwen-vl-pools",
+            "-n",
+            namespace,
+            "--timeout=120s",
+            timeout=130,
+        )
         # The Pools units' readiness gate was written by this operator (kwok's pod-ready writes no reason).
         unit = json.loads(kubectl("get", "pod", "qwen-vl-pools-default-0", "-n", namespace, "-o", "json").stdout)
         gate = next(c for c in unit["status"]["conditions"] if c["type"] == GATE)
         assert (gate["status"], gate.get("reason")) == ("True", "EncodersReady"), gate
         # It was this operator: its own metrics count the ready unit.
         metrics = operator.metrics()
-        assert any(line.startswith("epd_ready_units{") and f'namespace="{namespace}"' in line
-                   and 'name="qwen-vl-regular"' in line and line.endswith(" 1.0")
-                   for line in metrics.splitlines()), metrics
+        assert any(
+            line.startswith("epd_ready_units{")
+            and f'namespace="{namespace}"' in line
+            and 'name="qwen-vl-regular"' in line
+            and line.endswith(" 1.0")
+            for line in metrics.splitlines()
+        ), metrics
         # A spec change: before its first apply to a child it created, the operator reads the child
         # and takes over its fields (get, then a patch of managedFields).
-        kubectl("patch", "epd", "qwen-vl-regular", "-n", namespace, "--type=merge",
-                "-p", json.dumps({"spec": {"env": [{"name": "EXTRA_SETTING", "value": "1"}]}}))
+        kubectl(
+            "patch",
+            "epd",
+            "qwen-vl-regular",
+            "-n",
+            namespace,
+            "--type=merge",
+            "-p",
+            json.dumps({"spec": {"env": [{"name": "EXTRA_SETTING", "value": "1"}]}}),
+        )
 
         def changed() -> bool:
-            sts = json.loads(kubectl("get", "statefulset", "qwen-vl-regular-default", "-n", namespace, "-o", "json",
-                                     "--show-managed-fields").stdout)
+            sts = json.loads(
+                kubectl(
+                    "get",
+                    "statefulset",
+                    "qwen-vl-regular-default",
+                    "-n",
+                    namespace,
+                    "-o",
+                    "json",
+                    "--show-managed-fields",
+                ).stdout
+            )
             ours = [e["operation"] for e in sts["metadata"]["managedFields"] if e["manager"] == "epd-operator"]
             env = sts["spec"]["template"]["spec"]["containers"][0].get("env") or []
             return ours == ["Apply"] and {"name": "EXTRA_SETTING", "value": "1"} in env
@@ -117,11 +157,16 @@ def test_operator_reconciles_with_only_the_charts_namespaced_rbac(cluster, kubec
     ]:
         answer = as_operator("auth", "can-i", verb, resource, *where).stdout.strip()
         assert answer == "no", f"the operator may {verb} {resource} {' '.join(where)}"
-    for verb, resource, *extra in [("list", "epddeployments.epd.vime.dev"),
-                                   ("patch", "epddeployments.epd.vime.dev", "--subresource=status"),
-                                   ("patch", "statefulsets.apps"), ("get", "services"), ("delete", "services"),
-                                   ("watch", "pods"),
-                                   ("patch", "poddisruptionbudgets.policy"),
-                                   ("patch", "pods", "--subresource=status"), ("create", "events")]:
+    for verb, resource, *extra in [
+        ("list", "epddeployments.epd.vime.dev"),
+        ("patch", "epddeployments.epd.vime.dev", "--subresource=status"),
+        ("patch", "statefulsets.apps"),
+        ("get", "services"),
+        ("delete", "services"),
+        ("watch", "pods"),
+        ("patch", "poddisruptionbudgets.policy"),
+        ("patch", "pods", "--subresource=status"),
+        ("create", "events"),
+    ]:
         answer = as_operator("auth", "can-i", verb, resource, *extra, "-n", namespace).stdout.strip()
         assert answer == "yes", f"the operator may not {verb} {resource} {' '.join(extra)}"

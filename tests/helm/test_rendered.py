@@ -23,11 +23,18 @@ NAMESPACED_RULES = [
     # Units and their Services: watched (indexes), created (POST), server-side applied (a PATCH),
     # read once before the first apply to a child the operator created (its managedFields),
     # deleted when a model leaves the spec.
-    {"apiGroups": ["apps"], "resources": ["statefulsets"], "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
+    {
+        "apiGroups": ["apps"],
+        "resources": ["statefulsets"],
+        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
+    },
     {"apiGroups": [""], "resources": ["services"], "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
     # Each model's (and encoder pool's) PodDisruptionBudget, the same way.
-    {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"],
-     "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
+    {
+        "apiGroups": ["policy"],
+        "resources": ["poddisruptionbudgets"],
+        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
+    },
     # Unit pods: read for the status.
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
     # A Pools model's unit pods: the encoders-ready readiness gate's condition, nothing else.
@@ -39,8 +46,11 @@ NAMESPACED_RULES = [
 # update, no deletecollection, no escalate/bind/impersonate.
 WRITE_AND_WATCH = {"get", "list", "watch", "create", "patch", "delete"}
 # kopf watches CRDs in every mode, to notice CRD changes without a restart.
-CRD_RULE = {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"],
-            "verbs": ["list", "watch"]}
+CRD_RULE = {
+    "apiGroups": ["apiextensions.k8s.io"],
+    "resources": ["customresourcedefinitions"],
+    "verbs": ["list", "watch"],
+}
 
 
 @pytest.fixture(scope="module", params=sorted(GOLDEN_CASES))
@@ -105,8 +115,9 @@ def test_all_namespaces_rbac_is_one_cluster_role_with_only_the_needed_rules():
     (binding,) = find(docs, "ClusterRoleBinding")
     (sa,) = find(docs, "ServiceAccount")
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"],
-                                    "namespace": sa["metadata"]["namespace"]}]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": sa["metadata"]["namespace"]}
+    ]
 
 
 def test_namespaced_rbac_is_a_role_per_watched_namespace():

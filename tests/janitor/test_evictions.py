@@ -14,8 +14,8 @@ import yaml
 
 from epd_dev.paths import REPO
 from epd_operator.cli import build_parser
-from epd_operator.ec.scrape import JanitorMetrics, JanitorScraper, eviction_report, fallback_report, parse_metrics
 from epd_operator.ec.janitor import scan_store
+from epd_operator.ec.scrape import JanitorMetrics, JanitorScraper, eviction_report, fallback_report, parse_metrics
 from epd_operator.reconciler import IndexedDeployment, Indexes, Reconciler
 from epd_operator.settings import Settings
 from epd_operator.status import PodSummary
@@ -56,8 +56,9 @@ def _metrics(port: int) -> JanitorMetrics | None:
 
 def test_parses_a_real_janitors_metrics(janitor):
     port, size = janitor
-    assert _metrics(port) == JanitorMetrics(budget_evictions=4, store_bytes=2 * size, budget_bytes=2 * size,
-                                            fallback_encodes=1)
+    assert _metrics(port) == JanitorMetrics(
+        budget_evictions=4, store_bytes=2 * size, budget_bytes=2 * size, fallback_encodes=1
+    )
 
 
 def test_text_without_janitor_metrics_is_none():
@@ -75,7 +76,8 @@ def test_reports_only_growth():
 def test_first_sight_reports_what_the_janitor_counted_if_anything():
     assert eviction_report(UNIT, None, JanitorMetrics(0, 0, 100)) is None
     assert "2 EC entries evicted for budget since its janitor started" in eviction_report(
-        UNIT, None, JanitorMetrics(2, 0, 100))
+        UNIT, None, JanitorMetrics(2, 0, 100)
+    )
 
 
 def test_fallback_encodes_report_only_growth_and_say_what_to_do():
@@ -85,26 +87,33 @@ def test_fallback_encodes_report_only_growth_and_say_what_to_do():
     assert "Prime each image on this unit's encoder" in message and "docs/operations.md" in message
     assert fallback_report(UNIT, 5, metrics) is None
     assert "5 images encoded by its consumers themselves since its janitor started" in fallback_report(
-        UNIT, None, metrics)
+        UNIT, None, metrics
+    )
     assert ": 1 image encoded" in fallback_report(UNIT, 7, JanitorMetrics(0, 0, 100, fallback_encodes=1))  # new janitor
     # A janitor older than this count exports none: nothing to report, nothing made up.
     assert fallback_report(UNIT, None, JanitorMetrics(0, 0, 100)) is None
 
 
 def test_a_janitor_without_the_fallback_counter_parses_with_none():
-    text = "# TYPE epd_ec_evictions_total counter\nepd_ec_evictions_total{path=\"/s\",reason=\"budget\"} 3\n"
+    text = '# TYPE epd_ec_evictions_total counter\nepd_ec_evictions_total{path="/s",reason="budget"} 3\n'
     assert parse_metrics(text) == JanitorMetrics(budget_evictions=3, store_bytes=0, budget_bytes=0)
 
 
 def test_a_counter_below_the_last_report_is_a_new_janitor():
     assert "1 EC entries evicted for budget since its janitor started" in eviction_report(
-        UNIT, 5, JanitorMetrics(1, 0, 100))
+        UNIT, 5, JanitorMetrics(1, 0, 100)
+    )
     assert eviction_report(UNIT, 5, JanitorMetrics(0, 0, 100)) is None
 
 
 def _pod(name: str, ip: str) -> PodSummary:
-    return PodSummary.of({"metadata": {"name": name}, "spec": {},
-                          "status": {"phase": "Running", "podIP": ip, "containerStatuses": [{"name": "janitor", "ready": True}]}})
+    return PodSummary.of(
+        {
+            "metadata": {"name": name},
+            "spec": {},
+            "status": {"phase": "Running", "podIP": ip, "containerStatuses": [{"name": "janitor", "ready": True}]},
+        }
+    )
 
 
 @pytest.fixture
@@ -113,8 +122,11 @@ def reported(janitor):
     status it asks to rewrite."""
     port, _size = janitor
     calls = {"events": [], "status": []}
-    calls["scraper"] = JanitorScraper(warn=lambda body, reason, message: calls["events"].append((reason, message)),
-                                      changed=calls["status"].append, port=port)
+    calls["scraper"] = JanitorScraper(
+        warn=lambda body, reason, message: calls["events"].append((reason, message)),
+        changed=calls["status"].append,
+        port=port,
+    )
     return calls
 
 
@@ -186,8 +198,14 @@ async def test_a_status_written_before_fallbacks_were_counted_reports_them_once(
 
 
 def _indexed(status: dict) -> IndexedDeployment:
-    return IndexedDeployment.of({"apiVersion": "epd.vime.dev/v1alpha1", "kind": "EPDDeployment",
-                                 "metadata": {"namespace": "ns", "name": "d"}, "status": status})
+    return IndexedDeployment.of(
+        {
+            "apiVersion": "epd.vime.dev/v1alpha1",
+            "kind": "EPDDeployment",
+            "metadata": {"namespace": "ns", "name": "d"},
+            "status": status,
+        }
+    )
 
 
 async def test_the_counts_reach_the_status_the_reconciler_writes(janitor):
@@ -207,7 +225,9 @@ async def test_the_counts_reach_the_status_the_reconciler_writes(janitor):
     reconciler = Reconciler(Settings(janitor_image="epd-operator:test"), kube=Kube(), warn=lambda *_: None)
     reconciler.scraper = JanitorScraper(warn=lambda *_: None, changed=lambda _key: None, port=port)
     pods = {key: [_pod(unit, "127.0.0.1")]}
-    reconciler.watch(Indexes(deployments={key: [IndexedDeployment.of(body)]}, unit_sets={}, unit_services={}, unit_pods=pods))
+    reconciler.watch(
+        Indexes(deployments={key: [IndexedDeployment.of(body)]}, unit_sets={}, unit_services={}, unit_pods=pods)
+    )
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3, connect=1)) as session:
         await reconciler.scraper.scrape(session, {key: [IndexedDeployment.of(body)]}, pods)
     await reconciler.write_status(body, reconciler.plan(body))

@@ -28,20 +28,20 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from epd_dev.vllm import payloads, tiny_model
+from epd_dev.vllm.serving import tiny_manifest
+from epd_dev.vllm.unit_runner import UnitRunner
 from epd_operator.ec.janitor import EMBEDDING_FILE, GRACE_SECONDS
 from epd_operator.ec.scrape import JanitorScraper
 from epd_operator.reconciler import IndexedDeployment
 from epd_operator.status import PodSummary
-from epd_dev.vllm import payloads, tiny_model
-from epd_dev.vllm.serving import tiny_manifest
-from epd_dev.vllm.unit_runner import UnitRunner
+from tests.helm.dashboard import ENGINE_METRICS, read_metric_names
 from tests.vllm.conftest import (  # noqa: F401 - fixtures, reused
     serving_python,
     start_unit,
     tiny_model_dir,
     vllm_timings,
 )
-from tests.helm.dashboard import ENGINE_METRICS, read_metric_names
 
 pytestmark = pytest.mark.vllm
 
@@ -57,7 +57,8 @@ SETTLED_AFTER = GRACE_SECONDS + 4.0
 @pytest.fixture(scope="module")
 def unit(tiny_model_dir, tmp_path_factory):
     manifest = tiny_manifest(
-        "janitor", tiny_model_dir,
+        "janitor",
+        tiny_model_dir,
         [{"workerType": "encoder", "numGpus": 1}, {"workerType": "regular", "numGpus": 1}],
         ecStorage={"maxBytes": BUDGET},
     )
@@ -84,9 +85,7 @@ def janitor(unit, tmp_path):
         assert proc.wait(timeout=10) == 0
 
 
-def test_a_small_budget_holds_while_a_real_encoder_primes_and_the_consumer_keeps_answering(
-    unit, janitor, vllm_timings
-):
+def test_a_small_budget_holds_while_a_real_encoder_primes_and_the_consumer_keeps_answering(unit, janitor, vllm_timings):
     port, log = janitor
     store = Path(unit.ec_storage_path)
     encoder, consumer = unit.sidecars[0], unit.consumers[0]
@@ -122,8 +121,9 @@ def test_a_small_budget_holds_while_a_real_encoder_primes_and_the_consumer_keeps
     # A consumer's cache miss (an image never primed): vLLM 0.32 encodes it itself, silently,
     # and its existence check leaves an empty folder, which the janitor removes once the grace
     # period is over.
-    rendered = consumer.post("/v1/chat/completions/render",
-                             payloads.greedy(payloads.messages(payloads.image_part((1, 2, 3)))))
+    rendered = consumer.post(
+        "/v1/chat/completions/render", payloads.greedy(payloads.messages(payloads.image_part((1, 2, 3))))
+    )
     tokens, _ = payloads.output(consumer.post("/inference/v1/generate", rendered))
     assert len(tokens) == 6
     miss = store / payloads.image_hashes(rendered)[0]
@@ -174,16 +174,29 @@ def test_a_request_whose_image_was_not_primed_counts_one_fallback_encode_and_a_p
     assert [h for line in reported for h in line["mm_hashes"]] == [hashes["unprimed"]]
 
     events = []
-    scraper = JanitorScraper(warn=lambda _body, reason, message: events.append((reason, message)),
-                             changed=lambda _key: None, port=port)
-    pod = PodSummary.of({"metadata": {"name": unit.name},
-                         "status": {"phase": "Running", "podIP": "127.0.0.1",
-                                    "containerStatuses": [{"name": "janitor", "ready": True}]}})
+    scraper = JanitorScraper(
+        warn=lambda _body, reason, message: events.append((reason, message)), changed=lambda _key: None, port=port
+    )
+    pod = PodSummary.of(
+        {
+            "metadata": {"name": unit.name},
+            "status": {
+                "phase": "Running",
+                "podIP": "127.0.0.1",
+                "containerStatuses": [{"name": "janitor", "ready": True}],
+            },
+        }
+    )
 
     async def scrape_once():
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3, connect=1)) as session:
-            deployment = IndexedDeployment.of({"apiVersion": "epd.vime.dev/v1alpha1", "kind": "EPDDeployment",
-                                               "metadata": {"namespace": "ns", "name": "janitor"}})
+            deployment = IndexedDeployment.of(
+                {
+                    "apiVersion": "epd.vime.dev/v1alpha1",
+                    "kind": "EPDDeployment",
+                    "metadata": {"namespace": "ns", "name": "janitor"},
+                }
+            )
             await scraper.scrape(session, {("ns", "janitor"): [deployment]}, {("ns", "janitor"): [pod]})
 
     asyncio.run(scrape_once())
@@ -197,8 +210,9 @@ def test_the_engines_export_the_metrics_the_dashboard_may_name(unit):
     encoder, consumer = unit.sidecars[0], unit.consumers[0]
     part = payloads.image_part((5, 6, 7))
     prime(encoder, part)  # every engine has served a request: its request metrics have samples
-    consumer.post("/inference/v1/generate",
-                  consumer.post("/v1/chat/completions/render", payloads.greedy(payloads.messages(part))))
+    consumer.post(
+        "/inference/v1/generate", consumer.post("/v1/chat/completions/render", payloads.greedy(payloads.messages(part)))
+    )
     exported = set()
     for engine in (encoder, consumer):
         with urllib.request.urlopen(engine.url + "/metrics", timeout=10) as response:
@@ -210,13 +224,21 @@ def test_the_engines_export_the_metrics_the_dashboard_may_name(unit):
     recorded = read_metric_names(ENGINE_METRICS)
     assert recorded <= exported, (
         f"{sorted(recorded - exported)} are recorded in {ENGINE_METRICS.name} but not exported by vLLM now: "
-        "rerun with UPDATE_GOLDEN=1 and fix the dashboard panels that name them")
+        "rerun with UPDATE_GOLDEN=1 and fix the dashboard panels that name them"
+    )
 
 
 def prime(encoder, part: dict) -> None:
     """Vime's prime_encoder request for one image: an image-only message, one token."""
-    encoder.post("/v1/chat/completions", {"model": tiny_model.SERVED_NAME, "max_tokens": 1, "stream": False,
-                                          "messages": [{"role": "user", "content": [part]}]})
+    encoder.post(
+        "/v1/chat/completions",
+        {
+            "model": tiny_model.SERVED_NAME,
+            "max_tokens": 1,
+            "stream": False,
+            "messages": [{"role": "user", "content": [part]}],
+        },
+    )
 
 
 def scrape(port: int) -> dict:

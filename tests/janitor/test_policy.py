@@ -109,7 +109,10 @@ def test_only_a_folder_without_any_file_is_a_consumers_cache_miss(store):
     writing(store, "abandoned", age=30)  # an encoder's failed write: not a consumer's fallback
     publish(store, "primed", age=30)
     assert {e.name: is_cache_miss(e) for e in scan_store(str(store))} == {
-        "miss": True, "abandoned": False, "primed": False}
+        "miss": True,
+        "abandoned": False,
+        "primed": False,
+    }
 
 
 def test_a_missing_store_is_empty_and_never_created(store):

@@ -193,7 +193,8 @@ def test_the_cli_stops_promptly_on_sigterm(store):
     cli = Path(sys.executable).with_name("epd-operator")
     proc = subprocess.Popen(
         [str(cli), "janitor", "--path", str(store), "--max-bytes", "1000", "--interval", "0.1"],
-        stdout=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert json.loads(proc.stdout.readline())["event"] == "started"

@@ -49,8 +49,12 @@ def test_every_unit_with_encoders_runs_a_janitor_on_its_ec_store():
     assert janitor["command"] == ["epd-operator", "janitor"]
     # Default budget: 80% of the 16Gi shm; no TTL.
     assert janitor["args"] == [
-        "--path", plan.ec_storage_path, "--max-bytes", str(int(16 * 2**30 * 0.8)),
-        "--metrics-port", str(JANITOR_METRICS_PORT),
+        "--path",
+        plan.ec_storage_path,
+        "--max-bytes",
+        str(int(16 * 2**30 * 0.8)),
+        "--metrics-port",
+        str(JANITOR_METRICS_PORT),
     ]
     # It sees the store where the engines write it: the unit's memory-backed emptyDir.
     assert janitor["volumeMounts"] == [{"name": "dshm", "mountPath": "/dev/shm"}]
@@ -74,7 +78,10 @@ def test_the_janitor_command_is_what_the_cli_parses():
     janitor = janitor_of(pods["default"])
     args = build_parser().parse_args([*janitor["command"][1:], *janitor["args"]])
     assert (args.path, args.max_bytes, args.ttl_seconds, args.metrics_port) == (
-        [plan.ec_storage_path], 5000, 600, JANITOR_METRICS_PORT
+        [plan.ec_storage_path],
+        5000,
+        600,
+        JANITOR_METRICS_PORT,
     )
 
 
@@ -89,8 +96,9 @@ def test_nothing_in_the_unit_creates_the_store():
     _, _, pods = rendered("encoder-prefill-decode.yaml")
     pod = pods["default"]
     assert [c["name"] for c in pod["initContainers"]] == ["encoder-0"]  # no init step preparing it
-    commands = json.dumps([[*c.get("command", []), *c.get("args", [])] for c in [*pod["initContainers"],
-                                                                                  *pod["containers"]]])
+    commands = json.dumps(
+        [[*c.get("command", []), *c.get("args", [])] for c in [*pod["initContainers"], *pod["containers"]]]
+    )
     assert "mkdir" not in commands and "install -d" not in commands
 
 
@@ -104,17 +112,29 @@ def test_a_store_on_a_user_volume_is_mounted_into_the_janitor():
     )
     assert plan.ec_storage_path.startswith("/ec/vime-ec-")
     assert janitor_of(pods["default"])["volumeMounts"] == [
-        {"name": "dshm", "mountPath": "/dev/shm"}, {"name": "ec", "mountPath": "/ec"}
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "ec", "mountPath": "/ec"},
     ]
 
 
 @pytest.mark.parametrize(
     ("quantity", "expected"),
     [
-        ("16Gi", 16 * 2**30), ("512Mi", 512 * 2**20), ("1Ki", 1024), ("2Ti", 2 * 2**40),
-        ("1k", 1000), ("5M", 5 * 10**6), ("3G", 3 * 10**9), ("1T", 10**12),
-        ("1024", 1024), ("1e9", 10**9), ("1E3", 1000), ("1.5Gi", 3 * 2**29), ("0.5k", 500),
-        ("+1Mi", 2**20), ("1.0001", 2),  # byte quantities round up, as Kubernetes does
+        ("16Gi", 16 * 2**30),
+        ("512Mi", 512 * 2**20),
+        ("1Ki", 1024),
+        ("2Ti", 2 * 2**40),
+        ("1k", 1000),
+        ("5M", 5 * 10**6),
+        ("3G", 3 * 10**9),
+        ("1T", 10**12),
+        ("1024", 1024),
+        ("1e9", 10**9),
+        ("1E3", 1000),
+        ("1.5Gi", 3 * 2**29),
+        ("0.5k", 500),
+        ("+1Mi", 2**20),
+        ("1.0001", 2),  # byte quantities round up, as Kubernetes does
     ],
 )
 def test_quantities(quantity, expected):

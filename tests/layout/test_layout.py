@@ -18,8 +18,21 @@ def _modules(*trees: str) -> list[Path]:
 
 
 def test_the_wheel_ships_only_the_product(tmp_path: Path) -> None:
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(tmp_path), str(REPO)], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(REPO),
+        ],
+        check=True,
+    )
     (wheel,) = tmp_path.glob("epd_operator-*.whl")
     files = zipfile.ZipFile(wheel).namelist()
     packages = {name.split("/", 1)[0] for name in files if not name.split("/", 1)[0].endswith(".dist-info")}
@@ -47,8 +60,11 @@ def test_no_module_imports_a_private_name_of_another() -> None:
                 if private:
                     offenders.append(f"{path.relative_to(REPO)}:{node.lineno}: from {node.module} import {private}")
             elif isinstance(node, ast.Import):
-                private = [a.name for a in node.names if any(p.startswith("_") and not p.startswith("__")
-                                                                 for p in a.name.split("."))]
+                private = [
+                    a.name
+                    for a in node.names
+                    if any(p.startswith("_") and not p.startswith("__") for p in a.name.split("."))
+                ]
                 if private:
                     offenders.append(f"{path.relative_to(REPO)}:{node.lineno}: import {private}")
     assert offenders == []
@@ -56,6 +72,11 @@ def test_no_module_imports_a_private_name_of_another() -> None:
 
 def test_nothing_refers_to_files_outside_the_repository() -> None:
     tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
-    offenders = [name for name in tracked.split() if (REPO / name).is_file() and not name.startswith("tests/layout/")
-                 and any(word in (REPO / name).read_text(errors="replace") for word in ("../shared", "facts.md"))]
+    offenders = [
+        name
+        for name in tracked.split()
+        if (REPO / name).is_file()
+        and not name.startswith("tests/layout/")
+        and any(word in (REPO / name).read_text(errors="replace") for word in ("../shared", "facts.md"))
+    ]
     assert offenders == []

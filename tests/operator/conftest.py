@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 
@@ -12,9 +12,8 @@ def crd_without_cel(cluster, crd) -> Iterator[None]:
     """The CRD as on a cluster without CEL validation, so only the operator can refuse a layout."""
     import yaml
 
-    from epd_operator.crd import build_crd
-
     from epd_dev.operator_process import CRD
+    from epd_operator.crd import build_crd
 
     def strip(node):
         if isinstance(node, dict):

@@ -10,15 +10,13 @@ import pytest
 import yaml
 
 import epd_operator.reconciler as reconciler_module
-
+from epd_dev.paths import REPO
 from epd_operator.kube import KubeError
 from epd_operator.managedfields import owned_by_update
 from epd_operator.reconciler import IndexedDeployment, Indexes, Reconciler
 from epd_operator.resources import ANNOTATION_SPEC_HASH, FIELD_MANAGER, is_headless
 from epd_operator.settings import Settings
 from epd_operator.status import PodSummary, StatefulSetSummary
-
-from epd_dev.paths import REPO
 
 KEY = ("ns", "qwen-vl-regular")
 
@@ -36,10 +34,17 @@ class RecordingKube:
         return [(kind, name) for v, kind, name in self.calls if v == verb]
 
     def _keep(self, obj: dict, operation: str) -> None:
-        entry = {"manager": FIELD_MANAGER, "operation": operation, "apiVersion": obj["apiVersion"],
-                 "fieldsType": "FieldsV1", "fieldsV1": {"f:spec": {}}}
+        entry = {
+            "manager": FIELD_MANAGER,
+            "operation": operation,
+            "apiVersion": obj["apiVersion"],
+            "fieldsType": "FieldsV1",
+            "fieldsV1": {"f:spec": {}},
+        }
         self.live[obj["kind"], obj["metadata"]["name"]] = {
-            **obj, "metadata": {**obj["metadata"], "resourceVersion": "1", "managedFields": [entry]}}
+            **obj,
+            "metadata": {**obj["metadata"], "resourceVersion": "1", "managedFields": [entry]},
+        }
 
     async def create(self, obj):
         self.calls.append(("create", obj["kind"], obj["metadata"]["name"]))
@@ -97,21 +102,32 @@ def indexes_after(children: list[dict], api: RecordingKube | None = None) -> tup
     """The StatefulSet, Service and budget indexes as the operator's watches would fill them; a
     child whose fields an Update entry owns in `api` (or, without it, any) says so, as the
     handlers' indexes do."""
+
     def entry(child):
         ref = child["kind"], child["metadata"]["name"]
         updated = api is None or owned_by_update(api.live[ref]["metadata"]["managedFields"], FIELD_MANAGER)
         return child["metadata"]["name"], child["metadata"]["annotations"][ANNOTATION_SPEC_HASH], updated
-    sets = [StatefulSetSummary(name, digest, True, 1, 1, "r", "r", updated)
-            for name, digest, updated in (entry(c) for c in children if c["kind"] == "StatefulSet")]
-    services = [(name, digest, is_headless(c), updated)
-                for c in children if c["kind"] == "Service" for name, digest, updated in [entry(c)]]
+
+    sets = [
+        StatefulSetSummary(name, digest, True, 1, 1, "r", "r", updated)
+        for name, digest, updated in (entry(c) for c in children if c["kind"] == "StatefulSet")
+    ]
+    services = [
+        (name, digest, is_headless(c), updated)
+        for c in children
+        if c["kind"] == "Service"
+        for name, digest, updated in [entry(c)]
+    ]
     budgets = [entry(c) for c in children if c["kind"] == "PodDisruptionBudget"]
     return {KEY: sets}, {KEY: services}, {KEY: budgets}
 
 
-async def converge(reconciler: Reconciler, b: kopf.Body, sets: dict, services: dict, budgets: dict | None = None) -> None:
-    reconciler.watch(Indexes(deployments={}, unit_sets=sets, unit_services=services, unit_pods={},
-                             unit_budgets=budgets or {}))
+async def converge(
+    reconciler: Reconciler, b: kopf.Body, sets: dict, services: dict, budgets: dict | None = None
+) -> None:
+    reconciler.watch(
+        Indexes(deployments={}, unit_sets=sets, unit_services=services, unit_pods={}, unit_budgets=budgets or {})
+    )
     await reconciler.converge(b, reconciler.plan(b))
 
 
@@ -129,8 +145,12 @@ async def created(reconciler: Reconciler, api: RecordingKube, b: kopf.Body) -> t
     return indexes_after(desired(reconciler, b), api)
 
 
-CHILDREN = [("PodDisruptionBudget", "qwen-vl-regular-default"), ("Service", "qwen-vl-regular-default"),
-            ("Service", "qwen-vl-regular-default-units"), ("StatefulSet", "qwen-vl-regular-default")]
+CHILDREN = [
+    ("PodDisruptionBudget", "qwen-vl-regular-default"),
+    ("Service", "qwen-vl-regular-default"),
+    ("Service", "qwen-vl-regular-default-units"),
+    ("StatefulSet", "qwen-vl-regular-default"),
+]
 
 
 async def test_first_pass_creates_every_child_then_writes_nothing_while_they_match(api, reconciler):
@@ -169,12 +189,17 @@ async def test_a_child_the_indexes_do_not_show_yet_is_applied_when_it_exists(api
     await converge(restarted, body(), {}, {})
     for child in CHILDREN:
         assert [call for call in api.calls if call[1:] == child] == [
-            ("create", *child), ("get", *child), ("own", *child), ("apply", *child)]
+            ("create", *child),
+            ("get", *child),
+            ("own", *child),
+            ("apply", *child),
+        ]
 
 
 async def test_a_child_created_is_not_created_again_until_its_watch_event_or_the_settle_time(api):
-    reconciler = Reconciler(Settings(janitor_image="epd-operator:test", janitor_scrape_interval=0,
-                                     created_settle_seconds=0.3), kube=api)
+    reconciler = Reconciler(
+        Settings(janitor_image="epd-operator:test", janitor_scrape_interval=0, created_settle_seconds=0.3), kube=api
+    )
     try:
         await converge(reconciler, body(), {}, {})
         api.calls.clear()
@@ -189,8 +214,9 @@ async def test_a_child_created_is_not_created_again_until_its_watch_event_or_the
         assert api.calls == [("create", "StatefulSet", "qwen-vl-regular-default")]
         # No event of any within the settle time: they count as missing again, and a reconcile
         # was queued for then, which POSTs them (409: they exist) and takes them over.
-        reconciler.watch(Indexes(deployments={KEY: [IndexedDeployment.of(body())]}, unit_sets={},
-                                 unit_services={}, unit_pods={}))
+        reconciler.watch(
+            Indexes(deployments={KEY: [IndexedDeployment.of(body())]}, unit_sets={}, unit_services={}, unit_pods={})
+        )
         api.calls.clear()
         await asyncio.sleep(0.6)
         assert {call[1:] for call in api.calls if call[0] == "create"} == set(CHILDREN)
@@ -204,9 +230,11 @@ async def test_children_of_a_removed_model_are_deleted(api, reconciler):
     services[KEY].append(("qwen-vl-regular-old", "hash", False, False))
     budgets[KEY].append(("qwen-vl-regular-old", "hash", False))
     await converge(reconciler, body(), sets, services, budgets)
-    assert sorted(api.calls) == [("delete", "PodDisruptionBudget", "qwen-vl-regular-old"),
-                                 ("delete", "Service", "qwen-vl-regular-old"),
-                                 ("delete", "StatefulSet", "qwen-vl-regular-old")]
+    assert sorted(api.calls) == [
+        ("delete", "PodDisruptionBudget", "qwen-vl-regular-old"),
+        ("delete", "Service", "qwen-vl-regular-old"),
+        ("delete", "StatefulSet", "qwen-vl-regular-old"),
+    ]
 
 
 @pytest.mark.parametrize("headless", [True, False])
@@ -221,7 +249,9 @@ async def test_a_front_service_changing_headlessness_is_deleted_then_created(api
 async def test_a_front_service_still_going_after_the_delete_is_left_to_its_deleted_event(api, reconciler):
     indexes = await created(reconciler, api, body())
     front = ("Service", "qwen-vl-regular-default")
-    api.delete = lambda kind, _namespace, name: api.calls.append(("delete", kind, name)) or asyncio.sleep(0)  # a finalizer holds it
+    api.delete = lambda kind, _namespace, name: (
+        api.calls.append(("delete", kind, name)) or asyncio.sleep(0)
+    )  # a finalizer holds it
     await converge(reconciler, body(generation=2, service={"headless": True}), *indexes)
     # Applying to the old one would only patch a Service on its way out.
     assert api.calls == [("delete", *front), ("create", *front)]
@@ -236,18 +266,28 @@ async def test_a_front_service_changing_type_is_applied_in_place(api, reconciler
 
 async def test_the_events_tell_a_rollouts_story(api):
     events: list[tuple[str, str]] = []
-    reconciler = Reconciler(Settings(janitor_image="epd-operator:test"), kube=api,
-                            warn=lambda _b, reason, message: events.append((reason, message)),
-                            inform=lambda _b, reason, message: events.append((reason, message)))
+    reconciler = Reconciler(
+        Settings(janitor_image="epd-operator:test"),
+        kube=api,
+        warn=lambda _b, reason, message: events.append((reason, message)),
+        inform=lambda _b, reason, message: events.append((reason, message)),
+    )
     name = "qwen-vl-regular-default"
 
     def pod(revision: str, ready: bool) -> PodSummary:
         containers = [{"name": "regular-0", "ready": ready, "started": True}]
-        return PodSummary.of({"metadata": {"name": f"{name}-0", "labels": {"controller-revision-hash": revision}},
-                              "spec": {"nodeName": "n"},
-                              "status": {"podIP": "10.0.0.1", "conditions": [{"type": "Ready", "status": str(ready)}],
-                                         "initContainerStatuses": [{"name": "encoder-0", "ready": True, "started": True}],
-                                         "containerStatuses": containers}})
+        return PodSummary.of(
+            {
+                "metadata": {"name": f"{name}-0", "labels": {"controller-revision-hash": revision}},
+                "spec": {"nodeName": "n"},
+                "status": {
+                    "podIP": "10.0.0.1",
+                    "conditions": [{"type": "Ready", "status": str(ready)}],
+                    "initContainerStatuses": [{"name": "encoder-0", "ready": True, "started": True}],
+                    "containerStatuses": containers,
+                },
+            }
+        )
 
     async def write(b: kopf.Body, sets: list, pods: list) -> dict:
         reconciler.watch(Indexes(deployments={}, unit_sets={KEY: sets}, unit_services={}, unit_pods={KEY: pods}))
@@ -267,8 +307,6 @@ async def test_the_events_tell_a_rollouts_story(api):
     assert [reason for reason, _ in events] == ["RolloutComplete"]
 
 
-
-
 # --------------------------------------------------------------------------- placement Pools (issue #16)
 
 
@@ -281,18 +319,22 @@ def pools_body(generation: int, placement: str) -> kopf.Body:
 async def test_switching_to_pools_adds_the_pool_and_back_deletes_it(api, reconciler):
     unit_indexes = await created(reconciler, api, body())
     await converge(reconciler, pools_body(2, "Pools"), *unit_indexes)
-    assert sorted(api.written("create")) == [("PodDisruptionBudget", "qwen-vl-regular-default-encoders"),
-                                             ("Service", "qwen-vl-regular-default-encoders"),
-                                             ("StatefulSet", "qwen-vl-regular-default-encoders")]
+    assert sorted(api.written("create")) == [
+        ("PodDisruptionBudget", "qwen-vl-regular-default-encoders"),
+        ("Service", "qwen-vl-regular-default-encoders"),
+        ("StatefulSet", "qwen-vl-regular-default-encoders"),
+    ]
     assert api.written("apply") == [("StatefulSet", "qwen-vl-regular-default")]
     assert api.written("delete") == []
     pool_indexes = indexes_after(desired(reconciler, pools_body(2, "Pools")))
     api.calls.clear()
     await converge(reconciler, pools_body(3, "Unit"), *pool_indexes)
     assert api.written("apply") == [("StatefulSet", "qwen-vl-regular-default")] and api.written("create") == []
-    assert sorted(api.written("delete")) == [("PodDisruptionBudget", "qwen-vl-regular-default-encoders"),
-                                             ("Service", "qwen-vl-regular-default-encoders"),
-                                             ("StatefulSet", "qwen-vl-regular-default-encoders")]
+    assert sorted(api.written("delete")) == [
+        ("PodDisruptionBudget", "qwen-vl-regular-default-encoders"),
+        ("Service", "qwen-vl-regular-default-encoders"),
+        ("StatefulSet", "qwen-vl-regular-default-encoders"),
+    ]
 
 
 class GateRecordingKube(RecordingKube):
@@ -306,25 +348,40 @@ class GateRecordingKube(RecordingKube):
 
 def summary(name: str, ready: bool, containers: list[str], *conditions: dict) -> PodSummary:
     """A running pod as the operator's index keeps it."""
-    return PodSummary.of({"metadata": {"name": name}, "spec": {"nodeName": "n"},
-                          "status": {"phase": "Running", "podIP": "10.0.0.1",
-                                     "conditions": [{"type": "Ready", "status": str(ready)}, *conditions],
-                                     "containerStatuses": [{"name": c, "ready": ready, "started": True,
-                                                            "image": "vllm"} for c in containers]}})
+    return PodSummary.of(
+        {
+            "metadata": {"name": name},
+            "spec": {"nodeName": "n"},
+            "status": {
+                "phase": "Running",
+                "podIP": "10.0.0.1",
+                "conditions": [{"type": "Ready", "status": str(ready)}, *conditions],
+                "containerStatuses": [
+                    {"name": c, "ready": ready, "started": True, "image": "vllm"} for c in containers
+                ],
+            },
+        }
+    )
 
 
 async def test_the_gate_is_patched_once_per_change_of_the_pool():
     api = GateRecordingKube()
     reconciler = Reconciler(Settings(janitor_image="epd-operator:test"), kube=api)
     b = pools_body(2, "Pools")
-    pods = [summary("qwen-vl-regular-default-encoders-0", True, ["encoder-0"]),
-            summary("qwen-vl-regular-default-0", False, ["regular-0"])]
+    pods = [
+        summary("qwen-vl-regular-default-encoders-0", True, ["encoder-0"]),
+        summary("qwen-vl-regular-default-0", False, ["regular-0"]),
+    ]
     reconciler.watch(Indexes(deployments={}, unit_sets={}, unit_services={}, unit_pods={KEY: pods}))
     await reconciler.open_gates(b, reconciler.plan(b))
     assert api.conditions == [("qwen-vl-regular-default-0", "epd.vime.dev/encoders-ready", "True")]
     # The pod now carries that condition: nothing to write again.
-    gate = {"type": "epd.vime.dev/encoders-ready", "status": "True", "reason": "EncodersReady",
-            "message": "encoder pool qwen-vl-regular-default-encoders has a ready encoder"}
+    gate = {
+        "type": "epd.vime.dev/encoders-ready",
+        "status": "True",
+        "reason": "EncodersReady",
+        "message": "encoder pool qwen-vl-regular-default-encoders has a ready encoder",
+    }
     pods[1] = summary("qwen-vl-regular-default-0", False, ["regular-0"], gate)
     await reconciler.open_gates(b, reconciler.plan(b))
     assert len(api.conditions) == 1
@@ -334,13 +391,22 @@ async def test_the_gate_is_patched_once_per_change_of_the_pool():
 
 
 def test_a_pod_summary_keeps_what_status_reads_and_nothing_else():
-    pod = {"metadata": {"name": "u-0", "labels": {"controller-revision-hash": "u-5d8f", "app": "x"},
-                        "managedFields": [{"manager": "kubelet"}]},
-           "spec": {"nodeName": "node-1", "containers": [{"name": "regular-0", "args": ["--port", "8101"]}]},
-           "status": {"phase": "Running", "podIP": "10.0.0.7",
-                      "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": "2026-11-30T10:00:00Z"}],
-                      "containerStatuses": [{"name": "regular-0", "ready": True, "started": True, "image": "vllm",
-                                             "state": {"running": {}}}]}}
+    pod = {
+        "metadata": {
+            "name": "u-0",
+            "labels": {"controller-revision-hash": "u-5d8f", "app": "x"},
+            "managedFields": [{"manager": "kubelet"}],
+        },
+        "spec": {"nodeName": "node-1", "containers": [{"name": "regular-0", "args": ["--port", "8101"]}]},
+        "status": {
+            "phase": "Running",
+            "podIP": "10.0.0.7",
+            "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": "2026-11-30T10:00:00Z"}],
+            "containerStatuses": [
+                {"name": "regular-0", "ready": True, "started": True, "image": "vllm", "state": {"running": {}}}
+            ],
+        },
+    }
 
     kept = PodSummary.of(pod)
 
@@ -349,9 +415,13 @@ def test_a_pod_summary_keeps_what_status_reads_and_nothing_else():
         "name": "u-0",
         "metadata": {"deletionTimestamp": None, "labels": {"controller-revision-hash": "u-5d8f"}},
         "spec": {"nodeName": "node-1"},
-        "status": {"phase": "Running", "podIP": "10.0.0.7", "conditions": [{"type": "Ready", "status": "True"}],
-                   "initContainerStatuses": [],
-                   "containerStatuses": [{"name": "regular-0", "ready": True, "started": True}]},
+        "status": {
+            "phase": "Running",
+            "podIP": "10.0.0.7",
+            "conditions": [{"type": "Ready", "status": "True"}],
+            "initContainerStatuses": [],
+            "containerStatuses": [{"name": "regular-0", "ready": True, "started": True}],
+        },
     }
     kept.tree()["status"]["phase"] = "Failed"  # a reader's copy: the index is not changed
     assert kept.tree()["status"]["phase"] == "Running"
@@ -359,8 +429,12 @@ def test_a_pod_summary_keeps_what_status_reads_and_nothing_else():
 
 def test_the_deployments_index_keeps_what_a_reconcile_reads_and_gives_it_back_whole():
     full = dict(body())
-    full["metadata"] = {**full["metadata"], "managedFields": [{"manager": "kubectl"}], "resourceVersion": "7",
-                        "annotations": {"kubectl.kubernetes.io/last-applied-configuration": "{...}"}}
+    full["metadata"] = {
+        **full["metadata"],
+        "managedFields": [{"manager": "kubectl"}],
+        "resourceVersion": "7",
+        "annotations": {"kubectl.kubernetes.io/last-applied-configuration": "{...}"},
+    }
     full["status"] = {"observedGeneration": 1, "conditions": [{"type": "Ready", "status": "False"}]}
 
     indexed = IndexedDeployment.of(full)
@@ -369,15 +443,22 @@ def test_the_deployments_index_keeps_what_a_reconcile_reads_and_gives_it_back_wh
     assert indexed.status() == full["status"]
     rebuilt = indexed.body()
     assert rebuilt["spec"] == full["spec"] and rebuilt["status"] == full["status"]
-    assert set(rebuilt["metadata"]) == {"name", "namespace", "uid", "generation"}  # no managedFields, no last-applied copy
+    assert set(rebuilt["metadata"]) == {
+        "name",
+        "namespace",
+        "uid",
+        "generation",
+    }  # no managedFields, no last-applied copy
     assert (rebuilt["apiVersion"], rebuilt["kind"]) == (full["apiVersion"], full["kind"])
     assert indexed.body() is not rebuilt  # each reconcile decodes its own copy: none can alter the index
 
 
 async def test_the_stage_metrics_time_what_a_reconcile_wrote_and_skip_what_it_did_not(api, reconciler):
     def count(stage: str) -> float:
-        return reconciler.metrics.registry.get_sample_value(
-            "epd_reconcile_stage_duration_seconds_count", {"stage": stage}) or 0
+        return (
+            reconciler.metrics.registry.get_sample_value("epd_reconcile_stage_duration_seconds_count", {"stage": stage})
+            or 0
+        )
 
     sets, services, budgets = indexes_after(desired(reconciler, body()))
     reconciler.watch(Indexes(deployments={}, unit_sets={}, unit_services={}, unit_pods={}))
@@ -385,8 +466,9 @@ async def test_the_stage_metrics_time_what_a_reconcile_wrote_and_skip_what_it_di
     assert (count("plan"), count("children"), count("status")) == (1, 1, 1)
 
     # The children in place: the status changes (their StatefulSet is seen), nothing is applied.
-    reconciler.watch(Indexes(deployments={}, unit_sets=sets, unit_services=services, unit_pods={},
-                             unit_budgets=budgets))
+    reconciler.watch(
+        Indexes(deployments={}, unit_sets=sets, unit_services=services, unit_pods={}, unit_budgets=budgets)
+    )
     await reconciler.reconcile(kopf.Body({**body(), "status": api.statuses[-1]}))
     assert (count("plan"), count("children"), count("status")) == (2, 1, 2)
     # Nothing changed since: planned again, neither stage timed.
@@ -428,7 +510,9 @@ async def test_a_refused_child_is_said_in_the_status_once_retried_and_cleared_wh
         assert status["observedGeneration"] == 1 and status["phase"] == "Degraded"
         condition = degraded(status)
         assert (condition["status"], condition["reason"]) == ("True", "ApplyFailed")
-        assert "POST /api/v1/namespaces/ns/services: 403" in condition["message"] and api.REFUSAL in condition["message"]
+        assert (
+            "POST /api/v1/namespaces/ns/services: 403" in condition["message"] and api.REFUSAL in condition["message"]
+        )
         assert ("create", "StatefulSet", "qwen-vl-regular-default") in api.calls  # the others were written
 
         # Retried while the refusal lasts: the same status, so no further write.

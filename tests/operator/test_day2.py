@@ -32,16 +32,24 @@ def apply(cluster, namespace: str, **spec) -> None:
 
 def ready_units(cluster, namespace: str, count: int, timeout: float = 120, *, updated: bool = False) -> dict:
     """Until `count` units are Ready (and, with `updated`, all of them run the current spec)."""
+
     def check():
         obj = epd(cluster, namespace, NAME)
         fresh = obj and obj.get("status", {}).get("observedGeneration") == obj["metadata"]["generation"]
         done = fresh and obj["status"].get("ready") == f"{count}/{count}"
-        rolled = done and obj["status"].get("updated") == f"{count}/{count}" \
+        rolled = (
+            done
+            and obj["status"].get("updated") == f"{count}/{count}"
             and condition(obj, "Progressing").get("reason") == "Complete"
+        )
         return obj if done and (not updated or rolled) else None
 
-    return wait_for(check, timeout, f"{count} ready units" + (" on the current spec" if updated else ""),
-                    lambda: json.dumps((epd(cluster, namespace, NAME) or {}).get("status"), indent=1))
+    return wait_for(
+        check,
+        timeout,
+        f"{count} ready units" + (" on the current spec" if updated else ""),
+        lambda: json.dumps((epd(cluster, namespace, NAME) or {}).get("status"), indent=1),
+    )
 
 
 def pods(cluster, namespace: str) -> list[dict]:
@@ -55,22 +63,32 @@ def test_kubectl_scale_and_an_hpa_drive_the_units(cluster, namespace, epd_operat
     obj = ready_units(cluster, namespace, 3)
     assert get_json(cluster, "statefulset", STS, "-n", namespace)["spec"]["replicas"] == 3
     assert obj["status"]["replicas"] == 3 and len(pods(cluster, namespace)) == 3
-    scale = json.loads(cluster.kubectl(
-        "get", "--raw", f"/apis/epd.vime.dev/v1alpha1/namespaces/{namespace}/epddeployments/{NAME}/scale").stdout)
+    scale = json.loads(
+        cluster.kubectl(
+            "get", "--raw", f"/apis/epd.vime.dev/v1alpha1/namespaces/{namespace}/epddeployments/{NAME}/scale"
+        ).stdout
+    )
     assert scale["spec"]["replicas"] == 3 and scale["status"]["replicas"] == 3
     # The HPA controller finds the unit pods through the selector the scale subresource reports.
     selector = scale["status"]["selector"]
     assert {p["metadata"]["name"] for p in pods(cluster, namespace)} == {
-        p["metadata"]["name"] for p in get_json(cluster, "pods", "-n", namespace, "-l", selector)["items"]}
+        p["metadata"]["name"] for p in get_json(cluster, "pods", "-n", namespace, "-l", selector)["items"]
+    }
 
     hpa = {
-        "apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
         "metadata": {"name": NAME},
         "spec": {
             "scaleTargetRef": {"apiVersion": "epd.vime.dev/v1alpha1", "kind": "EPDDeployment", "name": NAME},
-            "minReplicas": 1, "maxReplicas": 4,
-            "metrics": [{"type": "Resource", "resource": {"name": "cpu",
-                                                           "target": {"type": "Utilization", "averageUtilization": 70}}}],
+            "minReplicas": 1,
+            "maxReplicas": 4,
+            "metrics": [
+                {
+                    "type": "Resource",
+                    "resource": {"name": "cpu", "target": {"type": "Utilization", "averageUtilization": 70}},
+                }
+            ],
         },
     }
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(hpa))
@@ -81,8 +99,12 @@ def test_kubectl_scale_and_an_hpa_drive_the_units(cluster, namespace, epd_operat
         return found if found.get("status") == "True" else None
 
     # No metrics server here, so the HPA cannot compute a recommendation; it resolved its target.
-    able = wait_for(able_to_scale, 90, "the HPA to resolve its scale target",
-                    lambda: cluster.kubectl("describe", "hpa", NAME, "-n", namespace, check=False).stdout)
+    able = wait_for(
+        able_to_scale,
+        90,
+        "the HPA to resolve its scale target",
+        lambda: cluster.kubectl("describe", "hpa", NAME, "-n", namespace, check=False).stdout,
+    )
     assert able["reason"] == "SucceededGetScale"
 
 
@@ -94,8 +116,11 @@ def test_the_disruption_budget_refuses_a_second_eviction(cluster, namespace, epd
     budget = get_json(cluster, "pdb", STS, "-n", namespace)
     assert budget["spec"]["maxUnavailable"] == 1
     assert budget["metadata"]["ownerReferences"][0]["name"] == NAME
-    wait_for(lambda: (get_json(cluster, "pdb", STS, "-n", namespace) or {}).get("status", {})
-             .get("disruptionsAllowed") == 1, 60, "the disruption controller to allow one disruption")
+    wait_for(
+        lambda: (get_json(cluster, "pdb", STS, "-n", namespace) or {}).get("status", {}).get("disruptionsAllowed") == 1,
+        60,
+        "the disruption controller to allow one disruption",
+    )
 
     core = client.CoreV1Api(k8s_api)
 
@@ -146,8 +171,12 @@ def test_a_rollout_stops_at_a_revision_that_never_becomes_ready(cluster, namespa
         return {e["reason"] for e in events["items"]}
 
     # kopf posts Events in the background.
-    wait_for(lambda: {"RolloutStarted", "RolloutStalled", "RolloutComplete"} <= reasons(), 30,
-             "the rollout's Events", lambda: str(reasons()))
+    wait_for(
+        lambda: {"RolloutStarted", "RolloutStalled", "RolloutComplete"} <= reasons(),
+        30,
+        "the rollout's Events",
+        lambda: str(reasons()),
+    )
     wide = cluster.kubectl("get", "epd", NAME, "-n", namespace, "-o", "wide").stdout
     assert "UPDATED" in wide.splitlines()[0] and "3/3" in wide.splitlines()[1]
 
@@ -155,9 +184,14 @@ def test_a_rollout_stops_at_a_revision_that_never_becomes_ready(cluster, namespa
 def test_the_front_service_moves_between_cluster_ip_headless_and_load_balancer(cluster, namespace, epd_operator):
     """clusterIP cannot change on a Service: the operator re-creates the front Service when
     headless flips, and applies a type change in place, with no failed reconcile on the way."""
+
     def front(want):
-        return wait_for(lambda: (s := get_json(cluster, "service", STS, "-n", namespace)) and want(s["spec"]) and s,
-                        60, "the front Service", lambda: json.dumps(get_json(cluster, "service", STS, "-n", namespace)))
+        return wait_for(
+            lambda: (s := get_json(cluster, "service", STS, "-n", namespace)) and want(s["spec"]) and s,
+            60,
+            "the front Service",
+            lambda: json.dumps(get_json(cluster, "service", STS, "-n", namespace)),
+        )
 
     apply(cluster, namespace)
     ready_units(cluster, namespace, 1)
@@ -183,24 +217,40 @@ def test_what_the_spec_stops_setting_leaves_children_the_operator_created(cluste
     """Children are created by POST, which leaves their fields to an Update entry of the field
     manager; the operator turns it into its Apply entry before the next apply, or an env var or
     annotation dropped from the spec would stay on the child forever."""
+
     def env(sts):
         return {e["name"] for c in sts["spec"]["template"]["spec"]["containers"] for e in c.get("env") or []}
 
     def managers(obj):
-        return sorted((e["manager"], e["operation"]) for e in obj["metadata"]["managedFields"]
-                      if e["manager"] == "epd-operator")
+        return sorted(
+            (e["manager"], e["operation"]) for e in obj["metadata"]["managedFields"] if e["manager"] == "epd-operator"
+        )
 
-    apply(cluster, namespace, env=[{"name": "EXTRA_SETTING", "value": "1"}],
-          service={"annotations": {"lb.example/internal": "true"}})
-    created = wait_for(lambda: get_json(cluster, "statefulset", STS, "-n", namespace, "--show-managed-fields"), 60,
-                       "the StatefulSet")
+    apply(
+        cluster,
+        namespace,
+        env=[{"name": "EXTRA_SETTING", "value": "1"}],
+        service={"annotations": {"lb.example/internal": "true"}},
+    )
+    created = wait_for(
+        lambda: get_json(cluster, "statefulset", STS, "-n", namespace, "--show-managed-fields"), 60, "the StatefulSet"
+    )
     assert "EXTRA_SETTING" in env(created)
     assert managers(created) == [("epd-operator", "Update")], "created by POST"
     apply(cluster, namespace)  # neither any more
-    wait_for(lambda: "EXTRA_SETTING" not in env(get_json(cluster, "statefulset", STS, "-n", namespace)), 60,
-             "the env var gone", lambda: json.dumps(get_json(cluster, "statefulset", STS, "-n", namespace)["spec"]))
-    wait_for(lambda: "lb.example/internal" not in get_json(cluster, "service", STS, "-n", namespace)["metadata"]["annotations"],
-             60, "the annotation gone")
+    wait_for(
+        lambda: "EXTRA_SETTING" not in env(get_json(cluster, "statefulset", STS, "-n", namespace)),
+        60,
+        "the env var gone",
+        lambda: json.dumps(get_json(cluster, "statefulset", STS, "-n", namespace)["spec"]),
+    )
+    wait_for(
+        lambda: (
+            "lb.example/internal" not in get_json(cluster, "service", STS, "-n", namespace)["metadata"]["annotations"]
+        ),
+        60,
+        "the annotation gone",
+    )
     sts = get_json(cluster, "statefulset", STS, "-n", namespace, "--show-managed-fields")
     service = get_json(cluster, "service", STS, "-n", namespace, "--show-managed-fields")
     assert managers(sts) == managers(service) == [("epd-operator", "Apply")]

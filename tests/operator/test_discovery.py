@@ -6,8 +6,8 @@ import pytest
 import yaml
 
 from epd_client import discover
-
 from epd_dev.operator_process import get_json
+
 from .test_reconcile import EXAMPLES, apply, wait_condition
 
 pytestmark = pytest.mark.cluster
@@ -23,8 +23,10 @@ def test_discover_reads_units_from_the_live_status(cluster, namespace, epd_opera
 
     model = endpoints.model("default")
     assert model.served_name == "Qwen/Qwen2.5-VL-7B-Instruct"
-    pods = {p["metadata"]["name"]: p for p in get_json(
-        cluster, "pods", "-n", namespace, "-l", "epd.vime.dev/deployment=qwen-vl-pd")["items"]}
+    pods = {
+        p["metadata"]["name"]: p
+        for p in get_json(cluster, "pods", "-n", namespace, "-l", "epd.vime.dev/deployment=qwen-vl-pd")["items"]
+    }
     assert sorted(u.name for u in model.ready_units()) == sorted(pods)
     for unit in model.units:
         ip = pods[unit.pod]["status"]["podIP"]

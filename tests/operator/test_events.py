@@ -28,8 +28,15 @@ def watching(api: RecordingKube | None = None) -> Reconciler:
     """A Reconciler whose indexes hold the EPDDeployment and none of its children yet."""
     reconciler = Reconciler(Settings(janitor_image="epd-operator:test"), kube=api or RecordingKube())
     sets, services, budgets = indexes_after([])
-    reconciler.watch(Indexes(deployments={KEY: [IndexedDeployment.of(body())]}, unit_sets=sets, unit_services=services, unit_pods={},
-                             unit_budgets=budgets))
+    reconciler.watch(
+        Indexes(
+            deployments={KEY: [IndexedDeployment.of(body())]},
+            unit_sets=sets,
+            unit_services=services,
+            unit_pods={},
+            unit_budgets=budgets,
+        )
+    )
     return reconciler
 
 
@@ -47,8 +54,14 @@ def child(reconciler: Reconciler, kind: str, digest: str | None = None) -> kopf.
 
 async def child_event(reconciler: Reconciler, type: str, obj: kopf.Body) -> None:
     handler = handlers.set_changed if obj["kind"] == "StatefulSet" else handlers.child_changed
-    await handler(memo=kopf.Memo(reconciler=reconciler), type=type, namespace=KEY[0],
-                  labels={LABEL_DEPLOYMENT: KEY[1]}, body=obj, meta=obj.metadata)
+    await handler(
+        memo=kopf.Memo(reconciler=reconciler),
+        type=type,
+        namespace=KEY[0],
+        labels={LABEL_DEPLOYMENT: KEY[1]},
+        body=obj,
+        meta=obj.metadata,
+    )
 
 
 @pytest.mark.parametrize("kind", ["Service", "PodDisruptionBudget"])
@@ -85,8 +98,9 @@ async def test_the_echo_of_our_status_queues_nothing_an_edit_or_a_new_generation
     queued = Queued(reconciler)
 
     async def event(b: kopf.Body) -> None:
-        await handlers.epd_changed(memo=kopf.Memo(reconciler=reconciler), type="MODIFIED", namespace=KEY[0],
-                                   name=KEY[1], body=b)
+        await handlers.epd_changed(
+            memo=kopf.Memo(reconciler=reconciler), type="MODIFIED", namespace=KEY[0], name=KEY[1], body=b
+        )
 
     echo = copy.deepcopy(dict(body()))
     echo["status"] = api.statuses[-1]
@@ -103,13 +117,18 @@ async def test_the_echo_of_our_status_queues_nothing_an_edit_or_a_new_generation
 
 @pytest.mark.parametrize("kind", ["StatefulSet", "Service", "PodDisruptionBudget"])
 async def test_the_child_indexes_say_whether_the_posts_update_entry_still_owns_fields(reconciler, kind):
-    index = {"StatefulSet": handlers.unit_sets, "Service": handlers.unit_services,
-             "PodDisruptionBudget": handlers.unit_budgets}[kind]
+    index = {
+        "StatefulSet": handlers.unit_sets,
+        "Service": handlers.unit_services,
+        "PodDisruptionBudget": handlers.unit_budgets,
+    }[kind]
 
     async def indexed(operation: str) -> bool:
         obj = child(reconciler, kind)
         obj["metadata"]["managedFields"] = [{"manager": FIELD_MANAGER, "operation": operation, "fieldsV1": {}}]
-        (entry,) = (await index(namespace=KEY[0], labels={LABEL_DEPLOYMENT: KEY[1]}, body=obj, meta=obj.metadata)).values()
+        (entry,) = (
+            await index(namespace=KEY[0], labels={LABEL_DEPLOYMENT: KEY[1]}, body=obj, meta=obj.metadata)
+        ).values()
         return entry.owned_by_update if kind == "StatefulSet" else entry[-1]
 
     assert await indexed("Update")  # created by POST: the next apply reads and takes it over first

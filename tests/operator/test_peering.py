@@ -10,6 +10,7 @@ import yaml
 
 from epd_dev.operator_process import OperatorProcess, wait_for
 from epd_dev.paths import REPO
+
 from .test_reconcile import EXAMPLES, apply, wait_condition
 
 pytestmark = pytest.mark.cluster
@@ -27,14 +28,21 @@ def reconciles(operator: OperatorProcess) -> float:
 @pytest.fixture
 def peers(cluster, crd, tmp_path: Path):
     cluster.kubectl("apply", "--server-side", "-f", str(PEERING_CRDS))
-    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(
-        {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": "epd-test-peering"}}))
+    cluster.kubectl(
+        "apply",
+        "-f",
+        "-",
+        input=yaml.safe_dump(
+            {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": "epd-test-peering"}}
+        ),
+    )
     others = OperatorProcess.running(cluster.kubeconfig)
     for operator in others:  # only these two may reconcile while the test runs
         operator.stop()
     args = ["--all-namespaces", "--peering", "epd-test-peering", "--priority", "random"]
-    replicas = [OperatorProcess(cluster.kubeconfig, tmp_path / f"replica-{i}", extra_args=args).start()
-                for i in range(2)]
+    replicas = [
+        OperatorProcess(cluster.kubeconfig, tmp_path / f"replica-{i}", extra_args=args).start() for i in range(2)
+    ]
     yield replicas
     for replica in replicas:
         replica.stop()

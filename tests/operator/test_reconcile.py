@@ -41,8 +41,12 @@ def wait_condition(cluster, namespace: str, name: str, kind: str, status: str, t
         fresh = current and current.get("observedGeneration") == obj["metadata"]["generation"]
         return obj if fresh and current["status"] == status else None
 
-    return wait_for(check, timeout, f"epd/{name} {kind}={status}",
-                    lambda: json.dumps((epd(cluster, namespace, name) or {}).get("status"), indent=1))
+    return wait_for(
+        check,
+        timeout,
+        f"epd/{name} {kind}={status}",
+        lambda: json.dumps((epd(cluster, namespace, name) or {}).get("status"), indent=1),
+    )
 
 
 def children(cluster, namespace: str, name: str) -> dict[str, list[dict]]:
@@ -56,8 +60,9 @@ def children(cluster, namespace: str, name: str) -> dict[str, list[dict]]:
 def test_encoder_regular_topology_becomes_ready(cluster, namespace, epd_operator):
     apply(cluster, namespace, EXAMPLES / "encoder-regular.yaml")
     # `kubectl wait` works on the Ready condition, as users will call it.
-    cluster.kubectl("wait", "--for=condition=Ready", "epd/qwen-vl-regular", "-n", namespace, "--timeout=120s",
-                    timeout=130)
+    cluster.kubectl(
+        "wait", "--for=condition=Ready", "epd/qwen-vl-regular", "-n", namespace, "--timeout=120s", timeout=130
+    )
     obj = epd(cluster, namespace, "qwen-vl-regular")
     kids = children(cluster, namespace, "qwen-vl-regular")
 
@@ -125,14 +130,22 @@ def test_second_reconcile_changes_nothing(cluster, namespace, epd_operator):
     apply(cluster, namespace, EXAMPLES / "encoder-regular.yaml")
     wait_condition(cluster, namespace, "qwen-vl-regular", "Ready", "True", timeout=120)
     time.sleep(1)  # let the last status write settle
-    before = {(k, o["metadata"]["name"]): o["metadata"]["resourceVersion"]
-              for k, objs in children(cluster, namespace, "qwen-vl-regular").items() if k != "pods" for o in objs}
+    before = {
+        (k, o["metadata"]["name"]): o["metadata"]["resourceVersion"]
+        for k, objs in children(cluster, namespace, "qwen-vl-regular").items()
+        if k != "pods"
+        for o in objs
+    }
     status_before = epd(cluster, namespace, "qwen-vl-regular")["status"]
     # Any event on the object makes the operator reconcile it again.
     cluster.kubectl("annotate", "epd/qwen-vl-regular", "-n", namespace, "touched=1")
     time.sleep(3)
-    after = {(k, o["metadata"]["name"]): o["metadata"]["resourceVersion"]
-             for k, objs in children(cluster, namespace, "qwen-vl-regular").items() if k != "pods" for o in objs}
+    after = {
+        (k, o["metadata"]["name"]): o["metadata"]["resourceVersion"]
+        for k, objs in children(cluster, namespace, "qwen-vl-regular").items()
+        if k != "pods"
+        for o in objs
+    }
     assert after == before
     assert epd(cluster, namespace, "qwen-vl-regular")["status"] == status_before
 
@@ -155,10 +168,12 @@ def test_unready_encoder_takes_its_unit_out_and_recovers(cluster, namespace, epd
     assert units["qwen-vl-regular-default-0"]["ready"] is True
     assert obj["status"]["ready"] == "1/2" and obj["status"]["phase"] == "Degraded"
     # The kubelet's verdict and ours agree: the sick unit's pod is out of the Service.
-    endpoints = get_json(cluster, "endpointslices", "-n", namespace, "-l",
-                         "kubernetes.io/service-name=qwen-vl-regular-default")["items"]
-    ready_pods = {e["targetRef"]["name"] for s in endpoints for e in s.get("endpoints") or []
-                  if e["conditions"].get("ready")}
+    endpoints = get_json(
+        cluster, "endpointslices", "-n", namespace, "-l", "kubernetes.io/service-name=qwen-vl-regular-default"
+    )["items"]
+    ready_pods = {
+        e["targetRef"]["name"] for s in endpoints for e in s.get("endpoints") or [] if e["conditions"].get("ready")
+    }
     assert sick not in ready_pods
 
     cluster.kubectl("annotate", "pod", sick, "-n", namespace, f"{SIMULATE_ENCODER_UNREADY}=false", "--overwrite")
@@ -175,8 +190,9 @@ def test_spec_change_rolls_the_units(cluster, namespace, epd_operator):
 
     def rolled():
         pods = children(cluster, namespace, "qwen-vl-regular")["pods"]
-        return [p for p in pods if p["metadata"]["uid"] != old_pod["metadata"]["uid"]
-                and p.get("status", {}).get("podIP")]
+        return [
+            p for p in pods if p["metadata"]["uid"] != old_pod["metadata"]["uid"] and p.get("status", {}).get("podIP")
+        ]
 
     (new_pod,) = wait_for(rolled, 90, "the unit pod to be replaced")
     regular = next(c for c in new_pod["spec"]["containers"] if c["name"] == "regular-0")
@@ -188,16 +204,20 @@ def test_deleting_the_deployment_removes_everything(cluster, namespace, epd_oper
     apply(cluster, namespace, EXAMPLES / "encoder-prefill-decode.yaml")
     wait_condition(cluster, namespace, "qwen-vl-pd", "Ready", "True", timeout=120)
     cluster.kubectl("delete", "epd/qwen-vl-pd", "-n", namespace, "--wait=true", timeout=60)
-    wait_for(lambda: not any(children(cluster, namespace, "qwen-vl-pd").values()), 90,
-             "garbage collection of every child")
+    wait_for(
+        lambda: not any(children(cluster, namespace, "qwen-vl-pd").values()), 90, "garbage collection of every child"
+    )
 
 
 def test_deleted_child_is_recreated(cluster, namespace, epd_operator):
     apply(cluster, namespace, EXAMPLES / "encoder-regular.yaml")
     wait_condition(cluster, namespace, "qwen-vl-regular", "Ready", "True", timeout=120)
     cluster.kubectl("delete", "service", "qwen-vl-regular-default", "-n", namespace)
-    wait_for(lambda: get_json(cluster, "service", "qwen-vl-regular-default", "-n", namespace), 30,
-             "the deleted Service to come back")
+    wait_for(
+        lambda: get_json(cluster, "service", "qwen-vl-regular-default", "-n", namespace),
+        30,
+        "the deleted Service to come back",
+    )
 
 
 def test_invalid_spec_creates_nothing_and_is_reported(cluster, namespace, epd_operator, crd_without_cel):
@@ -206,27 +226,38 @@ def test_invalid_spec_creates_nothing_and_is_reported(cluster, namespace, epd_op
     apply(cluster, namespace, manifest)
     obj = wait_condition(cluster, namespace, "qwen-vl-regular", "Validated", "False", timeout=60)
     assert obj["status"]["phase"] == "Invalid"
-    assert "model 'default': encoder+prefill is incomplete: add a decode group" in condition(obj, "Validated")["message"]
+    assert (
+        "model 'default': encoder+prefill is incomplete: add a decode group" in condition(obj, "Validated")["message"]
+    )
 
     def warning():
-        events = get_json(cluster, "events", "-n", namespace,
-                          "--field-selector", "involvedObject.name=qwen-vl-regular,type=Warning")["items"]
+        events = get_json(
+            cluster, "events", "-n", namespace, "--field-selector", "involvedObject.name=qwen-vl-regular,type=Warning"
+        )["items"]
         return [e for e in events if e["reason"] == "InvalidSpec"]
 
     (event,) = wait_for(warning, 30, "a Warning Event")
     assert "add a decode group" in event["message"]
     assert not any(children(cluster, namespace, "qwen-vl-regular").values())
-    assert 'epd_invalid_specs 1.0' in epd_operator.metrics()
+    assert "epd_invalid_specs 1.0" in epd_operator.metrics()
 
 
 def test_a_child_the_api_server_refuses_is_reported_in_the_status_and_created_once_allowed(
-        cluster, namespace, epd_operator):
-    quota = {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "one-service"},
-             "spec": {"hard": {"services": "1"}}}
+    cluster, namespace, epd_operator
+):
+    quota = {
+        "apiVersion": "v1",
+        "kind": "ResourceQuota",
+        "metadata": {"name": "one-service"},
+        "spec": {"hard": {"services": "1"}},
+    }
     apply(cluster, namespace, quota)
     # Quota admission refuses every Service until the quota controller has counted the usage.
-    wait_for(lambda: get_json(cluster, "resourcequota", "one-service", "-n", namespace).get("status", {}).get("hard"),
-             30, "the quota counted")
+    wait_for(
+        lambda: get_json(cluster, "resourcequota", "one-service", "-n", namespace).get("status", {}).get("hard"),
+        30,
+        "the quota counted",
+    )
     apply(cluster, namespace, EXAMPLES / "encoder-regular.yaml")  # two Services: one is refused
     obj = wait_condition(cluster, namespace, "qwen-vl-regular", "Degraded", "True", timeout=60)
     degraded = condition(obj, "Degraded")
@@ -237,8 +268,12 @@ def test_a_child_the_api_server_refuses_is_reported_in_the_status_and_created_on
     # The quota raised: the next attempt (a pod event's, or the backoff's, at most 60 s apart) goes through.
     quota["spec"]["hard"]["services"] = "2"
     apply(cluster, namespace, quota)
-    wait_for(lambda: condition(epd(cluster, namespace, "qwen-vl-regular"), "Degraded").get("reason") == "AsExpected",
-             90, "the refusal cleared", lambda: json.dumps(epd(cluster, namespace, "qwen-vl-regular")["status"], indent=1))
+    wait_for(
+        lambda: condition(epd(cluster, namespace, "qwen-vl-regular"), "Degraded").get("reason") == "AsExpected",
+        90,
+        "the refusal cleared",
+        lambda: json.dumps(epd(cluster, namespace, "qwen-vl-regular")["status"], indent=1),
+    )
     assert len(children(cluster, namespace, "qwen-vl-regular")["services"]) == 2
     wait_condition(cluster, namespace, "qwen-vl-regular", "Ready", "True", timeout=60)
 
@@ -280,7 +315,9 @@ def pod_condition(pod: dict, kind: str) -> dict:
 
 
 def ready_endpoints(cluster, namespace: str, service: str) -> set[str]:
-    slices = get_json(cluster, "endpointslices", "-n", namespace, "-l", f"kubernetes.io/service-name={service}")["items"]
+    slices = get_json(cluster, "endpointslices", "-n", namespace, "-l", f"kubernetes.io/service-name={service}")[
+        "items"
+    ]
     return {e["targetRef"]["name"] for s in slices for e in s.get("endpoints") or [] if e["conditions"].get("ready")}
 
 
@@ -288,14 +325,18 @@ def test_pools_put_encoders_and_consumer_units_on_different_nodes(cluster, names
     apply(cluster, namespace, EXAMPLES / "encoder-pools.yaml")  # 2 encoder pool pods, 3 units
     obj = wait_condition(cluster, namespace, POOLS, "Ready", "True", timeout=120)
     pool, units = pool_and_unit_pods(cluster, namespace, POOLS)
-    assert sorted(p["metadata"]["name"] for p in pool) == ["qwen-vl-pools-default-encoders-0",
-                                                           "qwen-vl-pools-default-encoders-1"]
+    assert sorted(p["metadata"]["name"] for p in pool) == [
+        "qwen-vl-pools-default-encoders-0",
+        "qwen-vl-pools-default-encoders-1",
+    ]
     assert sorted(p["metadata"]["name"] for p in units) == [f"qwen-vl-pools-default-{i}" for i in range(3)]
     encoder_nodes = {p["spec"]["nodeName"] for p in pool}
     unit_nodes = {p["spec"]["nodeName"] for p in units}
     assert encoder_nodes and unit_nodes and not encoder_nodes & unit_nodes, (encoder_nodes, unit_nodes)
     for unit in units:
-        assert [c["name"] for c in unit["spec"]["containers"]] == ["regular-0"] and not unit["spec"].get("initContainers")
+        assert [c["name"] for c in unit["spec"]["containers"]] == ["regular-0"] and not unit["spec"].get(
+            "initContainers"
+        )
         gate = pod_condition(unit, GATE)
         assert (gate["status"], gate["reason"]) == ("True", "EncodersReady"), gate
     (model,) = obj["status"]["models"]
@@ -307,14 +348,21 @@ def test_pools_put_encoders_and_consumer_units_on_different_nodes(cluster, names
     unit_names = {p["metadata"]["name"] for p in units}
     pool_names = {p["metadata"]["name"] for p in pool}
     # (The endpoint slice controller follows pod readiness a moment later than the status.)
-    wait_for(lambda: ready_endpoints(cluster, namespace, "qwen-vl-pools-default") == unit_names, 30,
-             "the model's Service to list the units, and only them")
-    wait_for(lambda: ready_endpoints(cluster, namespace, "qwen-vl-pools-default-encoders") == pool_names, 30,
-             "the encoder pool Service to list the pool's pods, and only them")
+    wait_for(
+        lambda: ready_endpoints(cluster, namespace, "qwen-vl-pools-default") == unit_names,
+        30,
+        "the model's Service to list the units, and only them",
+    )
+    wait_for(
+        lambda: ready_endpoints(cluster, namespace, "qwen-vl-pools-default-encoders") == pool_names,
+        30,
+        "the encoder pool Service to list the pool's pods, and only them",
+    )
 
 
 def test_the_readiness_gate_closes_when_every_encoder_is_unready_and_opens_when_one_recovers(
-        cluster, namespace, epd_operator):
+    cluster, namespace, epd_operator
+):
     apply(cluster, namespace, EXAMPLES / "encoder-pools.yaml")
     wait_condition(cluster, namespace, POOLS, "Ready", "True", timeout=120)
     encoders = ["qwen-vl-pools-default-encoders-0", "qwen-vl-pools-default-encoders-1"]
@@ -322,24 +370,35 @@ def test_the_readiness_gate_closes_when_every_encoder_is_unready_and_opens_when_
         cluster.kubectl("annotate", "pod", pod, "-n", namespace, f"{SIMULATE_ENCODER_UNREADY}=true", "--overwrite")
 
     obj = wait_condition(cluster, namespace, POOLS, "EncodersReady", "False")
-    wait_for(lambda: condition(epd(cluster, namespace, POOLS), "EncodersReady").get("reason") == "NoReadyEncoder", 30,
-             "EncodersReady reason NoReadyEncoder")
+    wait_for(
+        lambda: condition(epd(cluster, namespace, POOLS), "EncodersReady").get("reason") == "NoReadyEncoder",
+        30,
+        "EncodersReady reason NoReadyEncoder",
+    )
     obj = epd(cluster, namespace, POOLS)
-    assert "encoder pool qwen-vl-pools-default-encoders of model default has no ready encoder" in \
-        condition(obj, "EncodersReady")["message"]
+    assert (
+        "encoder pool qwen-vl-pools-default-encoders of model default has no ready encoder"
+        in condition(obj, "EncodersReady")["message"]
+    )
 
     def gates_closed():
         _pool, units = pool_and_unit_pods(cluster, namespace, POOLS)
-        closed = [u for u in units if pod_condition(u, GATE).get("status") == "False"
-                  and pod_condition(u, "Ready").get("status") == "False"]
+        closed = [
+            u
+            for u in units
+            if pod_condition(u, GATE).get("status") == "False" and pod_condition(u, "Ready").get("status") == "False"
+        ]
         return units if len(closed) == len(units) == 3 else None
 
     for unit in wait_for(gates_closed, 60, "every unit's gate closed and the unit unready"):
         gate = pod_condition(unit, GATE)
         assert gate["reason"] == "NoReadyEncoder"
         assert gate["message"] == "encoder pool qwen-vl-pools-default-encoders has no ready encoder"
-    wait_for(lambda: not ready_endpoints(cluster, namespace, "qwen-vl-pools-default"), 30,
-             "no unit left in the model's Service")
+    wait_for(
+        lambda: not ready_endpoints(cluster, namespace, "qwen-vl-pools-default"),
+        30,
+        "no unit left in the model's Service",
+    )
     obj = wait_condition(cluster, namespace, POOLS, "Ready", "False")
     assert all(u["reason"] == "NoReadyEncoder" for u in obj["status"]["models"][0]["units"])
     assert obj["status"]["models"][0]["encoderUrls"] == []
@@ -348,14 +407,25 @@ def test_the_readiness_gate_closes_when_every_encoder_is_unready_and_opens_when_
 
     def gates_open():
         _pool, units = pool_and_unit_pods(cluster, namespace, POOLS)
-        return all(pod_condition(u, GATE).get("status") == "True" and pod_condition(u, "Ready").get("status") == "True"
-                   for u in units) and len(units) == 3
+        return (
+            all(
+                pod_condition(u, GATE).get("status") == "True" and pod_condition(u, "Ready").get("status") == "True"
+                for u in units
+            )
+            and len(units) == 3
+        )
 
     wait_for(gates_open, 60, "every unit's gate open again with one encoder back")
-    wait_for(lambda: len(ready_endpoints(cluster, namespace, "qwen-vl-pools-default")) == 3, 30,
-             "the units back in the model's Service")
-    obj = wait_for(lambda: (o := epd(cluster, namespace, POOLS))["status"]["models"][0]["readyUnits"] == 3 and o, 30,
-                   "3 ready units in the status")
+    wait_for(
+        lambda: len(ready_endpoints(cluster, namespace, "qwen-vl-pools-default")) == 3,
+        30,
+        "the units back in the model's Service",
+    )
+    obj = wait_for(
+        lambda: (o := epd(cluster, namespace, POOLS))["status"]["models"][0]["readyUnits"] == 3 and o,
+        30,
+        "3 ready units in the status",
+    )
     (model,) = obj["status"]["models"]
     assert len(model["encoderUrls"]) == 1 and model["encoderPool"]["readyPods"] == 1
     # One encoder is still down: the deployment says so, but every unit serves.
@@ -367,21 +437,31 @@ def test_scaling_one_pool_leaves_the_others_pods_alone(cluster, namespace, epd_o
     manifest["spec"]["models"][0]["encoderPool"].pop("affinity")  # 4 nodes: room for every shape below
     apply(cluster, namespace, manifest)
     wait_condition(cluster, namespace, POOLS, "Ready", "True", timeout=120)
-    wait_for(lambda: condition(epd(cluster, namespace, POOLS), "Progressing").get("status") == "False", 60,
-             "the rollout to finish")
+    wait_for(
+        lambda: condition(epd(cluster, namespace, POOLS), "Progressing").get("status") == "False",
+        60,
+        "the rollout to finish",
+    )
 
     def uids() -> tuple[dict[str, str], dict[str, str]]:
         pool, units = pool_and_unit_pods(cluster, namespace, POOLS)
-        return ({p["metadata"]["name"]: p["metadata"]["uid"] for p in pool},
-                {p["metadata"]["name"]: p["metadata"]["uid"] for p in units})
+        return (
+            {p["metadata"]["name"]: p["metadata"]["uid"] for p in pool},
+            {p["metadata"]["name"]: p["metadata"]["uid"] for p in units},
+        )
 
     def ready_counts(pool_pods: int, units: int):
         def check():
             obj = epd(cluster, namespace, POOLS)
             model = obj["status"]["models"][0]
             fresh = obj["status"].get("observedGeneration") == obj["metadata"]["generation"]
-            return fresh and model["encoderPool"]["readyPods"] == pool_pods and model["readyUnits"] == units \
+            return (
+                fresh
+                and model["encoderPool"]["readyPods"] == pool_pods
+                and model["readyUnits"] == units
                 and condition(obj, "Ready")["status"] == "True"
+            )
+
         return check
 
     pool_before, units_before = uids()
@@ -413,8 +493,11 @@ def test_switching_unit_to_pools_and_back_converges_with_no_orphan(cluster, name
     obj = wait_condition(cluster, namespace, name, "Ready", "True", timeout=120)
     assert obj["status"]["models"][0]["placement"] == "Pools"
     assert names("statefulsets") == ["qwen-vl-regular-default", "qwen-vl-regular-default-encoders"]
-    assert names("services") == ["qwen-vl-regular-default", "qwen-vl-regular-default-encoders",
-                                 "qwen-vl-regular-default-units"]
+    assert names("services") == [
+        "qwen-vl-regular-default",
+        "qwen-vl-regular-default-encoders",
+        "qwen-vl-regular-default-units",
+    ]
 
     def pods_are(pool_count: int):
         def check():
@@ -422,6 +505,7 @@ def test_switching_unit_to_pools_and_back_converges_with_no_orphan(cluster, name
             pool, units = pool_and_unit_pods(cluster, namespace, name)
             shaped = all(bool(u["spec"].get("initContainers")) == (pool_count == 0) for u in units)
             return len(pods) == pool_count + 1 and len(pool) == pool_count and len(units) == 1 and shaped
+
         return check
 
     wait_for(pods_are(2), 90, "the unit without encoders and 2 encoder pool pods")

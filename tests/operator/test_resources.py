@@ -23,9 +23,13 @@ def children_of(example: str, **spec_changes):
 def test_a_statefulset_two_services_and_a_disruption_budget_per_model():
     kinds = [(c["kind"], c["metadata"]["name"]) for c in children_of("multi-model-overrides.yaml")]
     assert kinds == [
-        ("StatefulSet", "rl-rollout-actor"), ("Service", "rl-rollout-actor-units"), ("Service", "rl-rollout-actor"),
+        ("StatefulSet", "rl-rollout-actor"),
+        ("Service", "rl-rollout-actor-units"),
+        ("Service", "rl-rollout-actor"),
         ("PodDisruptionBudget", "rl-rollout-actor"),
-        ("StatefulSet", "rl-rollout-reward"), ("Service", "rl-rollout-reward-units"), ("Service", "rl-rollout-reward"),
+        ("StatefulSet", "rl-rollout-reward"),
+        ("Service", "rl-rollout-reward-units"),
+        ("Service", "rl-rollout-reward"),
         ("PodDisruptionBudget", "rl-rollout-reward"),
     ]
 
@@ -58,7 +62,8 @@ def test_every_engine_shares_one_memory_backed_shm_and_gets_its_gpus():
     assert [c["resources"]["limits"]["nvidia.com/gpu"] for c in engines] == [1, 1, 2, 2]
     for container in engines:
         assert container["volumeMounts"][:2] == [
-            {"name": "dshm", "mountPath": "/dev/shm"}, {"name": "models", "mountPath": "/models", "readOnly": True}
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "models", "mountPath": "/models", "readOnly": True},
         ]
     ports = [p["containerPort"] for c in pod["initContainers"] + pod["containers"] for p in c["ports"]]
     assert len(ports) == len(set(ports))
@@ -72,7 +77,10 @@ def test_router_only_with_several_consumers_and_front_service_targets_it():
     assert router["ports"] == [{"name": "http", "containerPort": 8000}]
     # Text-only: no encoder, no EC store, so no janitor either.
     assert [c["name"] for c in reward["spec"]["template"]["spec"]["containers"]] == ["regular-0"]
-    assert "initContainers" not in reward["spec"]["template"]["spec"] or not reward["spec"]["template"]["spec"]["initContainers"]
+    assert (
+        "initContainers" not in reward["spec"]["template"]["spec"]
+        or not reward["spec"]["template"]["spec"]["initContainers"]
+    )
     for front in (actor_front, reward_front):
         assert [p["targetPort"] for p in front["spec"]["ports"]] == ["http"]
 
@@ -81,8 +89,9 @@ def test_the_front_service_takes_its_type_annotations_and_headlessness_from_the_
     _, units, front, _ = children_of("encoder-regular.yaml")
     assert front["spec"]["type"] == "ClusterIP" and "clusterIP" not in front["spec"], "the API server allocates one"
     assert "annotations" not in front["metadata"]
-    _, _, front, _ = children_of("encoder-regular.yaml", service={"type": "LoadBalancer",
-                                                                 "annotations": {"lb.example/internal": "true"}})
+    _, _, front, _ = children_of(
+        "encoder-regular.yaml", service={"type": "LoadBalancer", "annotations": {"lb.example/internal": "true"}}
+    )
     assert front["spec"]["type"] == "LoadBalancer"
     assert front["metadata"]["annotations"] == {"lb.example/internal": "true"}
     _, headless_units, front, _ = children_of("encoder-regular.yaml", service={"headless": True})
@@ -92,8 +101,10 @@ def test_the_front_service_takes_its_type_annotations_and_headlessness_from_the_
 
 def test_user_env_replaces_rendered_env_of_the_same_name():
     manifest = yaml.safe_load((EXAMPLES / "encoder-prefill-decode.yaml").read_text())
-    manifest["spec"]["env"] = [{"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "value": "0.0.0.0"},
-                               {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}]
+    manifest["spec"]["env"] = [
+        {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "value": "0.0.0.0"},
+        {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}},
+    ]
     checked = validate(manifest["spec"])
     sts = desired_children(checked.spec, "pd", render(checked, namespace="ns", name="pd", uid="u"), IMAGE)[0]
     prefill = sts["spec"]["template"]["spec"]["containers"][0]
@@ -143,24 +154,34 @@ def _selects(selector: dict, labels: dict) -> bool:
 def test_pools_model_gets_an_encoder_pool_of_its_own():
     children = pools_children()
     assert list(children) == [
-        ("StatefulSet", "qwen-vl-pools-default"), ("Service", "qwen-vl-pools-default-units"),
-        ("Service", "qwen-vl-pools-default"), ("PodDisruptionBudget", "qwen-vl-pools-default"),
-        ("StatefulSet", "qwen-vl-pools-default-encoders"), ("Service", "qwen-vl-pools-default-encoders"),
+        ("StatefulSet", "qwen-vl-pools-default"),
+        ("Service", "qwen-vl-pools-default-units"),
+        ("Service", "qwen-vl-pools-default"),
+        ("PodDisruptionBudget", "qwen-vl-pools-default"),
+        ("StatefulSet", "qwen-vl-pools-default-encoders"),
+        ("Service", "qwen-vl-pools-default-encoders"),
         ("PodDisruptionBudget", "qwen-vl-pools-default-encoders"),
     ]
     budget = children[("PodDisruptionBudget", "qwen-vl-pools-default-encoders")]
     assert budget["spec"]["selector"] == children[("StatefulSet", "qwen-vl-pools-default-encoders")]["spec"]["selector"]
-    units, pool = children[("StatefulSet", "qwen-vl-pools-default")], children[("StatefulSet", "qwen-vl-pools-default-encoders")]
+    units, pool = (
+        children[("StatefulSet", "qwen-vl-pools-default")],
+        children[("StatefulSet", "qwen-vl-pools-default-encoders")],
+    )
     assert units["spec"]["replicas"] == 3 and pool["spec"]["replicas"] == 2
     assert pool["spec"]["serviceName"] == "qwen-vl-pools-default-encoders"
     unit_pod, pool_pod = units["spec"]["template"], pool["spec"]["template"]
     # The unit: today's pod minus the encoders and the janitor, behind the readiness gate.
-    assert not unit_pod["spec"]["initContainers"] and [c["name"] for c in unit_pod["spec"]["containers"]] == ["regular-0"]
+    assert not unit_pod["spec"]["initContainers"] and [c["name"] for c in unit_pod["spec"]["containers"]] == [
+        "regular-0"
+    ]
     assert unit_pod["spec"]["readinessGates"] == [{"conditionType": "epd.vime.dev/encoders-ready"}]
     assert "epd.vime.dev/ec-storage-path" not in unit_pod["metadata"]["annotations"]
     # The pool pod: the encoders as plain containers (nothing in it waits for them), no gate, its own shm.
     (encoder,) = pool_pod["spec"]["containers"]
-    assert encoder["name"] == "encoder-0" and "restartPolicy" not in encoder and "initContainers" not in pool_pod["spec"]
+    assert (
+        encoder["name"] == "encoder-0" and "restartPolicy" not in encoder and "initContainers" not in pool_pod["spec"]
+    )
     assert "readinessGates" not in pool_pod["spec"]
     assert pool_pod["spec"]["volumes"][0] == {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}
     assert pool_pod["spec"]["affinity"]["podAntiAffinity"]  # encoderPool.affinity, not spec.affinity
@@ -184,14 +205,17 @@ def test_no_service_of_the_units_selects_a_pool_pod_and_the_pool_service_only_po
 
 
 def test_pool_encoders_announce_their_pod_ip_and_a_declared_side_channel_port():
-    pool = pools_children(serverGroups=[{"workerType": "encoder", "numGpus": 2},
-                                        {"workerType": "regular", "numGpus": 1}])
+    pool = pools_children(
+        serverGroups=[{"workerType": "encoder", "numGpus": 2}, {"workerType": "regular", "numGpus": 1}]
+    )
     containers = pool[("StatefulSet", "qwen-vl-pools-default-encoders")]["spec"]["template"]["spec"]["containers"]
     sides = []
     for container in containers:
         env = {e["name"]: e for e in container["env"]}
-        assert env["VLLM_EC_SIDE_CHANNEL_HOST"] == {"name": "VLLM_EC_SIDE_CHANNEL_HOST",
-                                                   "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+        assert env["VLLM_EC_SIDE_CHANNEL_HOST"] == {
+            "name": "VLLM_EC_SIDE_CHANNEL_HOST",
+            "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}},
+        }
         assert env["VLLM_USE_V2_MODEL_RUNNER"]["value"] == "1"
         side = next(p for p in container["ports"] if p["name"].startswith("ec-side-"))
         assert env["VLLM_EC_SIDE_CHANNEL_PORT"]["value"] == str(side["containerPort"])
@@ -201,13 +225,17 @@ def test_pool_encoders_announce_their_pod_ip_and_a_declared_side_channel_port():
 
 def test_user_env_still_wins_over_the_side_channel_host():
     manifest = yaml.safe_load((EXAMPLES / "encoder-pools.yaml").read_text())
-    manifest["spec"]["models"][0]["serverGroups"][0]["env"] = [{"name": "VLLM_EC_SIDE_CHANNEL_HOST", "value": "enc.example"}]
+    manifest["spec"]["models"][0]["serverGroups"][0]["env"] = [
+        {"name": "VLLM_EC_SIDE_CHANNEL_HOST", "value": "enc.example"}
+    ]
     checked = validate(manifest["spec"])
     children = desired_children(checked.spec, "p", render(checked, namespace="ns", name="p", uid="u"), IMAGE)
-    (encoder,) = next(c for c in children if c["metadata"]["name"] == "p-default-encoders"
-                      and c["kind"] == "StatefulSet")["spec"]["template"]["spec"]["containers"]
+    (encoder,) = next(
+        c for c in children if c["metadata"]["name"] == "p-default-encoders" and c["kind"] == "StatefulSet"
+    )["spec"]["template"]["spec"]["containers"]
     assert [e for e in encoder["env"] if e["name"] == "VLLM_EC_SIDE_CHANNEL_HOST"] == [
-        {"name": "VLLM_EC_SIDE_CHANNEL_HOST", "value": "enc.example"}]
+        {"name": "VLLM_EC_SIDE_CHANNEL_HOST", "value": "enc.example"}
+    ]
 
 
 def test_encoder_pool_scheduling_falls_back_to_the_spec():

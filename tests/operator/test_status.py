@@ -22,16 +22,28 @@ def setup(replicas=1, **spec_changes):
 
 def unit_set(replicas=1, *, updated=None, current="rev-1", update="rev-1"):
     """The unit StatefulSet's summary: rolled out unless told otherwise."""
-    return {"d-default": StatefulSetSummary("d-default", "hash", True, replicas,
-                                           replicas if updated is None else updated, current, update)}
+    return {
+        "d-default": StatefulSetSummary(
+            "d-default", "hash", True, replicas, replicas if updated is None else updated, current, update
+        )
+    }
 
 
 def rolling(replicas, updated):
     return unit_set(replicas, updated=updated, current="rev-1", update="rev-2")
 
 
-def pod(name, *, encoder_ready=True, encoder_started=True, consumer_ready=True, consumer_started=None, ready=None,
-        ip="10.0.0.5", revision="rev-1"):
+def pod(
+    name,
+    *,
+    encoder_ready=True,
+    encoder_started=True,
+    consumer_ready=True,
+    consumer_started=None,
+    ready=None,
+    ip="10.0.0.5",
+    revision="rev-1",
+):
     ready = encoder_ready and consumer_ready if ready is None else ready
     consumer_started = consumer_ready if consumer_started is None else consumer_started
     return {
@@ -49,9 +61,16 @@ def pod(name, *, encoder_ready=True, encoder_started=True, consumer_ready=True, 
 
 def status_of(pods, replicas=1, sets=None, previous=None):
     spec, plans = setup(replicas)
-    return compute_status(deployment="d", spec=spec, plans=plans, pods={p["name"]: p for p in pods},
-                          stateful_sets=unit_set(replicas) if sets is None else sets, generation=3, previous=previous,
-                          now=NOW)
+    return compute_status(
+        deployment="d",
+        spec=spec,
+        plans=plans,
+        pods={p["name"]: p for p in pods},
+        stateful_sets=unit_set(replicas) if sets is None else sets,
+        generation=3,
+        previous=previous,
+        now=NOW,
+    )
 
 
 def conditions(status):
@@ -62,8 +81,13 @@ def test_all_units_ready():
     status = status_of([pod("d-default-0")])
     assert status["phase"] == "Ready" and status["ready"] == "1/1" and status["observedGeneration"] == 3
     assert {k: c["status"] for k, c in conditions(status).items()} == {
-        "Validated": "True", "EncodersReady": "True", "Ready": "True", "Progressing": "False", "Degraded": "False",
-        "ECBudgetSufficient": "True"}
+        "Validated": "True",
+        "EncodersReady": "True",
+        "Ready": "True",
+        "Progressing": "False",
+        "Degraded": "False",
+        "ECBudgetSufficient": "True",
+    }
     unit = status["models"][0]["units"][0]
     assert unit["encoderUrls"] == ["http://10.0.0.5:8100"] and unit["consumerUrls"] == ["http://10.0.0.5:8101"]
 
@@ -93,8 +117,16 @@ def test_missing_pods_are_pending_units():
 def test_unschedulable_unit_is_degraded_with_the_scheduler_message():
     p = pod("d-default-0", ready=False)
     p["spec"] = {}  # no node
-    p["status"] = {"conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-                                   "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu."}]}
+    p["status"] = {
+        "conditions": [
+            {
+                "type": "PodScheduled",
+                "status": "False",
+                "reason": "Unschedulable",
+                "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu.",
+            }
+        ]
+    }
     status = status_of([p])
     c = conditions(status)
     assert c["Degraded"]["reason"] == "Unschedulable" and "Insufficient nvidia.com/gpu" in c["Degraded"]["message"]
@@ -105,27 +137,54 @@ def test_a_bound_ready_pod_is_a_ready_unit_despite_a_stale_scheduler_error():
     server restart, yet it recorded PodScheduled False (SchedulerError, pods/binding forbidden)
     on the pod, which then ran and became Ready on its node; nothing rewrites that condition."""
     p = pod("d-default-0")
-    p["status"]["conditions"][0] = {"type": "PodScheduled", "status": "False", "reason": "SchedulerError",
-                                    "message": 'pods "d-default-0" is forbidden: cannot create pods/binding'}
+    p["status"]["conditions"][0] = {
+        "type": "PodScheduled",
+        "status": "False",
+        "reason": "SchedulerError",
+        "message": 'pods "d-default-0" is forbidden: cannot create pods/binding',
+    }
     status = status_of([p])
     assert status["models"][0]["units"][0]["ready"] is True and conditions(status)["Ready"]["status"] == "True"
 
 
 def test_transition_time_is_kept_while_a_condition_holds():
     first = status_of([pod("d-default-0")])
-    later = compute_status(deployment="d", spec=setup()[0], plans=setup()[1], pods={"d-default-0": pod("d-default-0")},
-                           stateful_sets=unit_set(), generation=3, previous=first, now="2026-11-29T13:00:00Z")
+    later = compute_status(
+        deployment="d",
+        spec=setup()[0],
+        plans=setup()[1],
+        pods={"d-default-0": pod("d-default-0")},
+        stateful_sets=unit_set(),
+        generation=3,
+        previous=first,
+        now="2026-11-29T13:00:00Z",
+    )
     assert conditions(later)["Ready"]["lastTransitionTime"] == NOW
-    flipped = compute_status(deployment="d", spec=setup()[0], plans=setup()[1],
-                             pods={"d-default-0": pod("d-default-0", consumer_ready=False)},
-                             stateful_sets=unit_set(), generation=3, previous=first, now="2026-11-29T13:00:00Z")
+    flipped = compute_status(
+        deployment="d",
+        spec=setup()[0],
+        plans=setup()[1],
+        pods={"d-default-0": pod("d-default-0", consumer_ready=False)},
+        stateful_sets=unit_set(),
+        generation=3,
+        previous=first,
+        now="2026-11-29T13:00:00Z",
+    )
     assert conditions(flipped)["Ready"]["lastTransitionTime"] == "2026-11-29T13:00:00Z"
 
 
 def test_too_small_ec_budget_is_a_warning_condition():
     spec, plans = setup(shm={"sizeLimit": "1Gi"})
-    status = compute_status(deployment="d", spec=spec, plans=plans, pods={"d-default-0": pod("d-default-0")},
-                            stateful_sets=unit_set(), generation=3, previous=None, now=NOW)
+    status = compute_status(
+        deployment="d",
+        spec=spec,
+        plans=plans,
+        pods={"d-default-0": pod("d-default-0")},
+        stateful_sets=unit_set(),
+        generation=3,
+        previous=None,
+        now=NOW,
+    )
     budget = conditions(status)["ECBudgetSufficient"]
     assert budget["status"] == "False" and budget["reason"] == "BudgetTooSmall"
     assert "model default: EC budget" in budget["message"] and "Raise shm.sizeLimit" in budget["message"]
@@ -136,8 +195,17 @@ def test_too_small_ec_budget_is_a_warning_condition():
 def test_scraped_ec_evictions_show_per_unit():
     spec, plans = setup(replicas=2)
     pods = {p["name"]: p for p in [pod("d-default-0"), pod("d-default-1")]}
-    status = compute_status(deployment="d", spec=spec, plans=plans, pods=pods, stateful_sets=unit_set(), generation=3,
-                            previous=None, now=NOW, evictions={"d-default-0": 12})
+    status = compute_status(
+        deployment="d",
+        spec=spec,
+        plans=plans,
+        pods=pods,
+        stateful_sets=unit_set(),
+        generation=3,
+        previous=None,
+        now=NOW,
+        evictions={"d-default-0": 12},
+    )
     units = status["models"][0]["units"]
     assert units[0]["ecEvictions"] == 12
     assert "ecEvictions" not in units[1]  # not scraped (yet): no note rather than a made-up 0
@@ -189,7 +257,9 @@ def pools_setup(replicas=2, encoder_replicas=2):
 
 def pool_pod(name, *, ready=True, started=True, ip="10.0.1.1"):
     return {
-        "name": name, "metadata": {}, "spec": {"nodeName": "node-e"},
+        "name": name,
+        "metadata": {},
+        "spec": {"nodeName": "node-e"},
         "status": {
             "podIP": ip,
             "conditions": [{"type": "PodScheduled", "status": "True"}, {"type": "Ready", "status": str(ready)}],
@@ -203,30 +273,55 @@ def unit_pod(name, *, gate=None, ready=True, ip="10.0.2.1"):
     if gate is not None:
         conditions.append({"type": GATE, **gate})
     return {
-        "name": name, "metadata": {}, "spec": {"nodeName": "node-u"},
-        "status": {"podIP": ip, "conditions": conditions,
-                   "containerStatuses": [{"name": "regular-0", "ready": True, "started": True}]},
+        "name": name,
+        "metadata": {},
+        "spec": {"nodeName": "node-u"},
+        "status": {
+            "podIP": ip,
+            "conditions": conditions,
+            "containerStatuses": [{"name": "regular-0", "ready": True, "started": True}],
+        },
     }
 
 
 def pools_status(pods):
     spec, plans = pools_setup()
     sets = {**unit_set(2), "d-default-encoders": StatefulSetSummary("d-default-encoders", "h", True, 2, 2, "e", "e")}
-    return compute_status(deployment="d", spec=spec, plans=plans, pods={p["name"]: p for p in pods},
-                          stateful_sets=sets, generation=3, previous=None, now=NOW)
+    return compute_status(
+        deployment="d",
+        spec=spec,
+        plans=plans,
+        pods={p["name"]: p for p in pods},
+        stateful_sets=sets,
+        generation=3,
+        previous=None,
+        now=NOW,
+    )
 
 
 def test_pools_status_lists_the_pools_ready_encoders_and_the_units_consumers():
-    status = pools_status([pool_pod("d-default-encoders-0"), pool_pod("d-default-encoders-1", ready=False),
-                           unit_pod("d-default-0"), unit_pod("d-default-1", ip="10.0.2.2")])
+    status = pools_status(
+        [
+            pool_pod("d-default-encoders-0"),
+            pool_pod("d-default-encoders-1", ready=False),
+            unit_pod("d-default-0"),
+            unit_pod("d-default-1", ip="10.0.2.2"),
+        ]
+    )
     (model,) = status["models"]
     assert model["placement"] == "Pools" and "ecStoragePath" not in model
     assert model["encoderUrls"] == ["http://10.0.1.1:8100"]  # ready encoders only: where priming goes
     pool = model["encoderPool"]
     assert (pool["name"], pool["service"], pool["replicas"], pool["readyPods"]) == (
-        "d-default-encoders", "d-default-encoders", 2, 1)
+        "d-default-encoders",
+        "d-default-encoders",
+        2,
+        1,
+    )
     assert [(p["pod"], p["ready"], p.get("reason")) for p in pool["pods"]] == [
-        ("d-default-encoders-0", True, None), ("d-default-encoders-1", False, "EncoderUnready")]
+        ("d-default-encoders-0", True, None),
+        ("d-default-encoders-1", False, "EncoderUnready"),
+    ]
     assert pool["pods"][0]["engines"] == [{"name": "encoder-0", "role": "encoder", "url": "http://10.0.1.1:8100"}]
     # Units hold the consumers only: their engines and URLs.
     assert model["readyUnits"] == 2 and status["ready"] == "2/2"
@@ -241,11 +336,19 @@ def test_pools_status_lists_the_pools_ready_encoders_and_the_units_consumers():
 
 
 def test_a_pool_without_a_ready_encoder_takes_every_unit_out_and_is_named():
-    status = pools_status([pool_pod("d-default-encoders-0", ready=False), pool_pod("d-default-encoders-1", ready=False),
-                           unit_pod("d-default-0", ready=False), unit_pod("d-default-1", ready=False)])
+    status = pools_status(
+        [
+            pool_pod("d-default-encoders-0", ready=False),
+            pool_pod("d-default-encoders-1", ready=False),
+            unit_pod("d-default-0", ready=False),
+            unit_pod("d-default-1", ready=False),
+        ]
+    )
     c = conditions(status)
     assert c["EncodersReady"]["status"] == "False" and c["EncodersReady"]["reason"] == "NoReadyEncoder"
-    assert c["EncodersReady"]["message"].startswith("encoder pool d-default-encoders of model default has no ready encoder")
+    assert c["EncodersReady"]["message"].startswith(
+        "encoder pool d-default-encoders of model default has no ready encoder"
+    )
     units = status["models"][0]["units"]
     assert [(u["ready"], u["reason"]) for u in units] == [(False, "NoReadyEncoder")] * 2
     assert "encoder pool d-default-encoders has no ready encoder" in units[0]["message"]
@@ -261,8 +364,14 @@ def test_a_unit_is_not_ready_while_its_pool_has_no_ready_encoder_even_if_its_pod
 
 
 def test_every_encoder_ready_makes_everything_ready():
-    status = pools_status([pool_pod("d-default-encoders-0"), pool_pod("d-default-encoders-1", ip="10.0.1.2"),
-                           unit_pod("d-default-0"), unit_pod("d-default-1")])
+    status = pools_status(
+        [
+            pool_pod("d-default-encoders-0"),
+            pool_pod("d-default-encoders-1", ip="10.0.1.2"),
+            unit_pod("d-default-0"),
+            unit_pod("d-default-1"),
+        ]
+    )
     assert status["phase"] == "Ready"
     assert conditions(status)["EncodersReady"]["reason"] == "EncodersReady"
     assert status["models"][0]["encoderUrls"] == ["http://10.0.1.1:8100", "http://10.0.1.2:8100"]
@@ -276,20 +385,36 @@ def gates(pods):
 def test_the_gate_opens_while_one_encoder_is_ready_and_closes_when_none_is():
     units = [unit_pod("d-default-0"), unit_pod("d-default-1")]
     opened = gates([pool_pod("d-default-encoders-0", ready=False), pool_pod("d-default-encoders-1"), *units])
-    assert opened == {name: {"type": GATE, "status": "True", "reason": "EncodersReady",
-                             "message": "encoder pool d-default-encoders has a ready encoder", "lastTransitionTime": NOW}
-                      for name in ("d-default-0", "d-default-1")}
+    assert opened == {
+        name: {
+            "type": GATE,
+            "status": "True",
+            "reason": "EncodersReady",
+            "message": "encoder pool d-default-encoders has a ready encoder",
+            "lastTransitionTime": NOW,
+        }
+        for name in ("d-default-0", "d-default-1")
+    }
     closed = gates([pool_pod("d-default-encoders-0", ready=False), *units])
     assert {n: (g["status"], g["reason"]) for n, g in closed.items()} == {
-        "d-default-0": ("False", "NoReadyEncoder"), "d-default-1": ("False", "NoReadyEncoder")}
+        "d-default-0": ("False", "NoReadyEncoder"),
+        "d-default-1": ("False", "NoReadyEncoder"),
+    }
     assert closed["d-default-0"]["message"] == "encoder pool d-default-encoders has no ready encoder"
 
 
 def test_only_pods_whose_gate_differs_are_patched():
-    current = {k: v for k, v in gates([pool_pod("d-default-encoders-0"), unit_pod("d-default-0")])["d-default-0"].items()
-               if k != "lastTransitionTime"}
-    pods = [pool_pod("d-default-encoders-0"), unit_pod("d-default-0", gate=current), unit_pod("d-default-1"),
-            {**unit_pod("d-default-2"), "metadata": {"deletionTimestamp": "x"}}]
+    current = {
+        k: v
+        for k, v in gates([pool_pod("d-default-encoders-0"), unit_pod("d-default-0")])["d-default-0"].items()
+        if k != "lastTransitionTime"
+    }
+    pods = [
+        pool_pod("d-default-encoders-0"),
+        unit_pod("d-default-0", gate=current),
+        unit_pod("d-default-1"),
+        {**unit_pod("d-default-2"), "metadata": {"deletionTimestamp": "x"}},
+    ]
     assert list(gates(pods)) == ["d-default-1"]  # -0 already says so, -2 is beyond replicas (and terminating)
 
 
@@ -301,12 +426,29 @@ def test_unit_models_have_no_gates():
 def test_scraped_fallback_encodes_show_per_unit_per_model_and_in_all():
     spec, plans = setup(replicas=3)
     pods = {p["name"]: p for p in [pod("d-default-0"), pod("d-default-1"), pod("d-default-2")]}
-    status = compute_status(deployment="d", spec=spec, plans=plans, pods=pods, stateful_sets=unit_set(2), generation=3,
-                            previous=None, now=NOW, fallback_encodes={"d-default-0": 2, "d-default-1": 0})
+    status = compute_status(
+        deployment="d",
+        spec=spec,
+        plans=plans,
+        pods=pods,
+        stateful_sets=unit_set(2),
+        generation=3,
+        previous=None,
+        now=NOW,
+        fallback_encodes={"d-default-0": 2, "d-default-1": 0},
+    )
     (model,) = status["models"]
     assert [u.get("fallbackEncodes") for u in model["units"]] == [2, 0, None]
     assert model["fallbackEncodes"] == 2 and status["fallbackEncodes"] == 2
 
-    nothing_scraped = compute_status(deployment="d", spec=spec, plans=plans, pods=pods, stateful_sets=unit_set(2),
-                                     generation=3, previous=None, now=NOW)
+    nothing_scraped = compute_status(
+        deployment="d",
+        spec=spec,
+        plans=plans,
+        pods=pods,
+        stateful_sets=unit_set(2),
+        generation=3,
+        previous=None,
+        now=NOW,
+    )
     assert "fallbackEncodes" not in nothing_scraped and "fallbackEncodes" not in nothing_scraped["models"][0]

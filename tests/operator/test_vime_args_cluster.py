@@ -26,17 +26,18 @@ NAME = "rl-rollout"
 
 
 def unit_pods(cluster, namespace: str) -> dict[str, dict]:
-    out = cluster.kubectl("get", "pods", "-n", namespace, "-l", f"epd.vime.dev/deployment={NAME}",
-                          "-o", "json")
+    out = cluster.kubectl("get", "pods", "-n", namespace, "-l", f"epd.vime.dev/deployment={NAME}", "-o", "json")
     return {p["metadata"]["name"]: p for p in json.loads(out.stdout)["items"]}
 
 
 def engine_containers(pod: dict) -> list[tuple[str, str]]:
     """(container name, URL) of each vLLM engine of a unit pod, encoders (sidecars) first."""
     ip, spec = pod["status"]["podIP"], pod["spec"]
-    return [(c["name"], f"http://{ip}:{c['ports'][0]['containerPort']}")
-            for c in [*spec.get("initContainers", []), *spec["containers"]]
-            if c.get("command") == ["vllm", "serve"]]
+    return [
+        (c["name"], f"http://{ip}:{c['ports'][0]['containerPort']}")
+        for c in [*spec.get("initContainers", []), *spec["containers"]]
+        if c.get("command") == ["vllm", "serve"]
+    ]
 
 
 def port_of(pod: dict, container: str) -> int:

@@ -52,14 +52,29 @@ CASES: dict[str, dict[str, Any]] = {
                 "servedModelName": "actor",
                 "serverGroups": [
                     # Listed after the consumers: encoders still come first.
-                    {"workerType": "regular", "numGpus": 4, "numGpusPerEngine": 2,
-                     "overrides": {"max_model_len": 4096, "gpu-memory-utilization": 0.85,
-                                   "middleware": ["a.b:m1", "a.b:m2"]}},
-                    {"workerType": "encoder", "numGpus": 2,
-                     "overrides": {"mm_encoder_only": False, "enable_prefix_caching": True,
-                                   "enforce_eager": None,
-                                   "ec_transfer_config": {"ec_buffer_device": "cpu",
-                                                          "ec_connector_extra_config": {"shm_budget": "4Gi"}}}},
+                    {
+                        "workerType": "regular",
+                        "numGpus": 4,
+                        "numGpusPerEngine": 2,
+                        "overrides": {
+                            "max_model_len": 4096,
+                            "gpu-memory-utilization": 0.85,
+                            "middleware": ["a.b:m1", "a.b:m2"],
+                        },
+                    },
+                    {
+                        "workerType": "encoder",
+                        "numGpus": 2,
+                        "overrides": {
+                            "mm_encoder_only": False,
+                            "enable_prefix_caching": True,
+                            "enforce_eager": None,
+                            "ec_transfer_config": {
+                                "ec_buffer_device": "cpu",
+                                "ec_connector_extra_config": {"shm_budget": "4Gi"},
+                            },
+                        },
+                    },
                 ],
             }
         ],
@@ -72,10 +87,18 @@ CASES: dict[str, dict[str, Any]] = {
                 "model": MODEL,
                 "serverGroups": [
                     {"workerType": "encoder", "numGpus": 1, "overrides": {"disable_log_stats": True}},
-                    {"workerType": "prefill", "numGpus": 2,
-                     "overrides": {"enable_prefix_caching": False, "max_num_batched_tokens": 8192,
-                                   "kv_transfer_config": {"kv_buffer_device": "cpu",
-                                                          "kv_connector_extra_config": {"num_threads": 4}}}},
+                    {
+                        "workerType": "prefill",
+                        "numGpus": 2,
+                        "overrides": {
+                            "enable_prefix_caching": False,
+                            "max_num_batched_tokens": 8192,
+                            "kv_transfer_config": {
+                                "kv_buffer_device": "cpu",
+                                "kv_connector_extra_config": {"num_threads": 4},
+                            },
+                        },
+                    },
                     {"workerType": "decode", "numGpus": 1},
                     {"workerType": "prefill", "numGpus": 1},
                 ],
@@ -110,8 +133,13 @@ CASES: dict[str, dict[str, Any]] = {
                 "ecConnector": {"extraConfig": {"ec_cpu_bytes": 2147483648, "consumer_ack_timeout_s": 30}},
                 "serverGroups": [
                     {"workerType": "encoder", "numGpus": 1},
-                    {"workerType": "prefill", "numGpus": 1,
-                     "overrides": {"ec_transfer_config": {"ec_connector_extra_config": {"ec_cpu_bytes": "1073741824"}}}},
+                    {
+                        "workerType": "prefill",
+                        "numGpus": 1,
+                        "overrides": {
+                            "ec_transfer_config": {"ec_connector_extra_config": {"ec_cpu_bytes": "1073741824"}}
+                        },
+                    },
                     {"workerType": "decode", "numGpus": 1},
                 ],
             }
@@ -120,10 +148,12 @@ CASES: dict[str, dict[str, Any]] = {
     # No encoder group: no EC configuration at all.
     "text-only": {
         "models": [
-            {"name": "chat", "model": "Qwen/Qwen3-0.6B",
-             "serverGroups": [{"workerType": "regular", "numGpus": 1}]},
-            {"name": "chat-pd", "model": "Qwen/Qwen3-0.6B",
-             "serverGroups": [{"workerType": "prefill", "numGpus": 1}, {"workerType": "decode", "numGpus": 1}]},
+            {"name": "chat", "model": "Qwen/Qwen3-0.6B", "serverGroups": [{"workerType": "regular", "numGpus": 1}]},
+            {
+                "name": "chat-pd",
+                "model": "Qwen/Qwen3-0.6B",
+                "serverGroups": [{"workerType": "prefill", "numGpus": 1}, {"workerType": "decode", "numGpus": 1}],
+            },
         ],
     },
 }

@@ -9,8 +9,9 @@ parser, to operator/epd_operator/templates/vllm-<minor>/engine_args.txt (`make e
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from epd_dev.vllm import envs
 
@@ -28,9 +29,7 @@ def accepted_names(actions: Iterable[dict[str, Any]]) -> list[str]:
     not names of their own: one key per argument keeps each flag single. `--help` is no argument.
     """
     return sorted(
-        a["dest"]
-        for a in actions
-        if a["kind"] != "_HelpAction" and "--" + a["dest"].replace("_", "-") in a["options"]
+        a["dest"] for a in actions if a["kind"] != "_HelpAction" and "--" + a["dest"].replace("_", "-") in a["options"]
     )
 
 

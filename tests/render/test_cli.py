@@ -9,8 +9,9 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "encoder-p
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "epd_operator.cli", "render", *args],
-                          capture_output=True, text=True, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "epd_operator.cli", "render", *args], capture_output=True, text=True, check=False
+    )
 
 
 def test_render_prints_one_line_per_engine_and_router():
@@ -18,8 +19,11 @@ def test_render_prints_one_line_per_engine_and_router():
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert [line.split("]")[0] + "]" for line in lines] == [
-        "[default group=0 engine=0 encoder-0]", "[default group=1 engine=1 prefill-0]",
-        "[default group=2 engine=2 decode-0]", "[default router]"]
+        "[default group=0 engine=0 encoder-0]",
+        "[default group=1 engine=1 prefill-0]",
+        "[default group=2 engine=2 decode-0]",
+        "[default router]",
+    ]
     assert "--mm-encoder-only" in lines[0] and "--disable-prefix-caching" in lines[0]  # the image is v0.33
 
 

@@ -126,8 +126,13 @@ def test_every_rendered_engine_command_means_what_the_rules_say(vllm_parser: Vll
 
 def test_every_rendered_environment_variable_is_one_vllm_reads(vllm_parser: VllmParser) -> None:
     known = vllm_parser.envs()
-    rendered = {name for case in CASES for plan in plans(case, vllm_parser.version) for cmd in plan.engines
-                for name in [*cmd.env, *cmd.field_env]}
+    rendered = {
+        name
+        for case in CASES
+        for plan in plans(case, vllm_parser.version)
+        for cmd in plan.engines
+        for name in [*cmd.env, *cmd.field_env]
+    }
     assert {"VLLM_USE_V2_MODEL_RUNNER", "VLLM_EC_SIDE_CHANNEL_HOST", "VLLM_EC_SIDE_CHANNEL_PORT"} <= rendered
     assert rendered - known == set(), f"vLLM {vllm_parser.version} reads no such variables"
 

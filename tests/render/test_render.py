@@ -84,8 +84,9 @@ def test_served_model_name_from_spec() -> None:
 
 
 def test_tensor_parallel_size_is_gpus_per_engine() -> None:
-    plan = plan_of(spec([{"workerType": "encoder", "numGpus": 1},
-                         {"workerType": "regular", "numGpus": 4, "numGpusPerEngine": 2}]))
+    plan = plan_of(
+        spec([{"workerType": "encoder", "numGpus": 1}, {"workerType": "regular", "numGpus": 4, "numGpusPerEngine": 2}])
+    )
     regulars = [cmd for cmd in plan.engines if cmd.worker_type == "regular"]
     assert len(regulars) == 2
     assert [(flag_value(c, "--tensor-parallel-size"), c.gpus) for c in regulars] == [("2", 2), ("2", 2)]
@@ -96,13 +97,18 @@ def test_tensor_parallel_size_is_gpus_per_engine() -> None:
 
 
 def test_encoders_first_ports_and_names_per_type_across_groups() -> None:
-    plan = plan_of(spec([
-        {"workerType": "prefill", "numGpus": 1},
-        {"workerType": "encoder", "numGpus": 1},
-        {"workerType": "decode", "numGpus": 2},
-        {"workerType": "encoder", "numGpus": 1},
-        {"workerType": "prefill", "numGpus": 1},
-    ], ports={"engineBase": 9000, "nixlSideChannelBase": 7000}))
+    plan = plan_of(
+        spec(
+            [
+                {"workerType": "prefill", "numGpus": 1},
+                {"workerType": "encoder", "numGpus": 1},
+                {"workerType": "decode", "numGpus": 2},
+                {"workerType": "encoder", "numGpus": 1},
+                {"workerType": "prefill", "numGpus": 1},
+            ],
+            ports={"engineBase": 9000, "nixlSideChannelBase": 7000},
+        )
+    )
     assert [(c.container_name, c.group_index, c.engine_index, c.port, c.nixl_port) for c in plan.engines] == [
         ("encoder-0", 1, 0, 9000, None),
         ("encoder-1", 3, 1, 9001, None),
@@ -143,18 +149,28 @@ def test_ec_role_from_worker_type(layout: list[dict[str, Any]]) -> None:
 
 
 def test_text_only_models_get_no_ec_config() -> None:
-    for layout in ([{"workerType": "regular", "numGpus": 2}],
-                   [{"workerType": "prefill", "numGpus": 1}, {"workerType": "decode", "numGpus": 1}]):
+    for layout in (
+        [{"workerType": "regular", "numGpus": 2}],
+        [{"workerType": "prefill", "numGpus": 1}, {"workerType": "decode", "numGpus": 1}],
+    ):
         plan = plan_of(spec(layout))
         assert plan.ec_storage_path is None
         assert all(ec_config(cmd) is None for cmd in plan.engines)
 
 
 def test_ec_connector_spec_fields() -> None:
-    plan = plan_of(spec(ENC_REG, ecConnector={
-        "name": "ECCPUConnector", "modulePath": "my.ec", "storageRoot": "/mnt/ec/", "pathPrefix": "x-",
-        "extraConfig": {"ec_enable_nixl": True, "shared_storage_path": "/elsewhere"},
-    }))
+    plan = plan_of(
+        spec(
+            ENC_REG,
+            ecConnector={
+                "name": "ECCPUConnector",
+                "modulePath": "my.ec",
+                "storageRoot": "/mnt/ec/",
+                "pathPrefix": "x-",
+                "extraConfig": {"ec_enable_nixl": True, "shared_storage_path": "/elsewhere"},
+            },
+        )
+    )
     assert plan.ec_storage_path.startswith("/mnt/ec/x-demo-default-")
     for cmd in plan.engines:
         assert ec_config(cmd) == {
@@ -221,14 +237,21 @@ def test_kv_transfer_for_prefill_and_decode_only() -> None:
     roles = {cmd.worker_type: kv_config(cmd) for cmd in plan.engines}
     assert roles == {
         "encoder": None,
-        "prefill": {"kv_connector": "MooncakeConnector", "kv_role": "kv_producer",
-                    "kv_connector_extra_config": {"num_workers": 2}},
-        "decode": {"kv_connector": "MooncakeConnector", "kv_role": "kv_consumer",
-                   "kv_connector_extra_config": {"num_workers": 2}},
+        "prefill": {
+            "kv_connector": "MooncakeConnector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"num_workers": 2},
+        },
+        "decode": {
+            "kv_connector": "MooncakeConnector",
+            "kv_role": "kv_consumer",
+            "kv_connector_extra_config": {"num_workers": 2},
+        },
     }
     assert kv_config(by_type(plan_of(spec(ENC_REG)))["regular"]) is None
     assert kv_config(by_type(plan_of(spec(ENC_PD)))["prefill"]) == {
-        "kv_connector": "NixlConnector", "kv_role": "kv_producer"
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_producer",
     }
 
 
@@ -251,9 +274,17 @@ def test_overrides_replace_encoder_defaults(version: str) -> None:
 
 
 def test_ec_transfer_config_override_is_deep_merged() -> None:
-    layout = with_overrides(ENC_REG, "regular", {"ec_transfer_config": {
-        "ec_role": "ec_both", "ec_buffer_device": "cpu", "ec_connector_extra_config": {"extra": 1},
-    }})
+    layout = with_overrides(
+        ENC_REG,
+        "regular",
+        {
+            "ec_transfer_config": {
+                "ec_role": "ec_both",
+                "ec_buffer_device": "cpu",
+                "ec_connector_extra_config": {"extra": 1},
+            }
+        },
+    )
     plan = plan_of(spec(layout))
     assert ec_config(by_type(plan)["regular"]) == {
         "ec_connector": "ECExampleConnector",
@@ -266,14 +297,21 @@ def test_ec_transfer_config_override_is_deep_merged() -> None:
 def test_kv_transfer_config_override_is_deep_merged() -> None:
     layout = with_overrides(ENC_PD, "decode", {"kv_transfer_config": {"kv_buffer_device": "cpu"}})
     assert kv_config(by_type(plan_of(spec(layout)))["decode"]) == {
-        "kv_connector": "NixlConnector", "kv_role": "kv_consumer", "kv_buffer_device": "cpu"
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_consumer",
+        "kv_buffer_device": "cpu",
     }
 
 
 def test_override_null_removes_a_default_and_a_nested_key() -> None:
-    layout = with_overrides(ENC_REG, "encoder", {
-        "enforce_eager": None, "ec_transfer_config": {"ec_connector_extra_config": {"shared_storage_path": None}},
-    })
+    layout = with_overrides(
+        ENC_REG,
+        "encoder",
+        {
+            "enforce_eager": None,
+            "ec_transfer_config": {"ec_connector_extra_config": {"shared_storage_path": None}},
+        },
+    )
     encoder = by_type(plan_of(spec(layout)))["encoder"]
     assert "--enforce-eager" not in encoder.args
     assert ec_config(encoder)["ec_connector_extra_config"] == {}
@@ -295,8 +333,12 @@ def test_new_override_args_are_appended_in_a_stable_order() -> None:
 
 @pytest.mark.parametrize(
     ("key", "field"),
-    [("port", "ports.engineBase"), ("model", "models[].model"), ("served-model-name", "models[].servedModelName"),
-     ("tensor_parallel_size", "serverGroups[].numGpusPerEngine")],
+    [
+        ("port", "ports.engineBase"),
+        ("model", "models[].model"),
+        ("served-model-name", "models[].servedModelName"),
+        ("tensor_parallel_size", "serverGroups[].numGpusPerEngine"),
+    ],
 )
 def test_overriding_operator_wiring_is_rejected(key: str, field: str) -> None:
     with pytest.raises(SpecError) as error:
@@ -318,9 +360,16 @@ def test_overriding_operator_wiring_is_rejected(key: str, field: str) -> None:
         ("0.32", {"disable_sliding_window": False}, ["--no-disable-sliding-window"]),
         ("0.33", {"mm_encoder_only": False, "enforce_eager": True}, ["--no-mm-encoder-only", "--enforce-eager"]),
         ("0.32", {"disable_log_stats": False, "headless": True}, ["--headless"]),
-        ("0.33", {"max_model_len": 4096, "gpu_memory_utilization": 0.9},
-         ["--max-model-len", "4096", "--gpu-memory-utilization", "0.9"]),
-        ("0.33", {"hf_overrides": {"b": [1, True], "a": {"z": None}}}, ["--hf-overrides", '{"a":{"z":null},"b":[1,true]}']),
+        (
+            "0.33",
+            {"max_model_len": 4096, "gpu_memory_utilization": 0.9},
+            ["--max-model-len", "4096", "--gpu-memory-utilization", "0.9"],
+        ),
+        (
+            "0.33",
+            {"hf_overrides": {"b": [1, True], "a": {"z": None}}},
+            ["--hf-overrides", '{"a":{"z":null},"b":[1,true]}'],
+        ),
         ("0.33", {"allowed_media_domains": ["a.com", "b.com"]}, ["--allowed-media-domains", "a.com", "b.com"]),
         ("0.33", {"middleware": ["m1", "m2"]}, ["--middleware", "m1", "--middleware", "m2"]),
         ("0.33", {"lora_modules": [{"name": "x", "path": "/x"}]}, ["--lora-modules", '{"name":"x","path":"/x"}']),
@@ -350,26 +399,56 @@ def test_no_router_for_a_single_consumer() -> None:
 
 
 def test_router_for_several_regular_engines() -> None:
-    plan = plan_of(spec([{"workerType": "encoder", "numGpus": 2}, {"workerType": "regular", "numGpus": 2}],
-                        router={"policy": "power_of_two", "requestTimeoutSeconds": 60, "extraArgs": ["--log-level", "debug"]},
-                        ports={"router": 9999}))
+    plan = plan_of(
+        spec(
+            [{"workerType": "encoder", "numGpus": 2}, {"workerType": "regular", "numGpus": 2}],
+            router={"policy": "power_of_two", "requestTimeoutSeconds": 60, "extraArgs": ["--log-level", "debug"]},
+            ports={"router": 9999},
+        )
+    )
     router = plan.router
     assert (router.container_name, router.port) == ("router", 9999)
     assert router.args == [
-        "vllm-router", "--host", "0.0.0.0", "--port", "9999", "--request-timeout-secs", "60",
-        "--policy", "power_of_two", "--worker-urls", "http://127.0.0.1:8102", "http://127.0.0.1:8103",
-        "--log-level", "debug",
+        "vllm-router",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "9999",
+        "--request-timeout-secs",
+        "60",
+        "--policy",
+        "power_of_two",
+        "--worker-urls",
+        "http://127.0.0.1:8102",
+        "http://127.0.0.1:8103",
+        "--log-level",
+        "debug",
     ]
 
 
 def test_router_for_prefill_decode_never_lists_encoders() -> None:
-    plan = plan_of(spec([{"workerType": "encoder", "numGpus": 2}, {"workerType": "prefill", "numGpus": 2},
-                         {"workerType": "decode", "numGpus": 1}]))
+    plan = plan_of(
+        spec(
+            [
+                {"workerType": "encoder", "numGpus": 2},
+                {"workerType": "prefill", "numGpus": 2},
+                {"workerType": "decode", "numGpus": 1},
+            ]
+        )
+    )
     args = plan.router.args
-    assert args[args.index("--policy"):] == [
-        "--policy", "round_robin", "--vllm-pd-disaggregation",
-        "--prefill", "http://127.0.0.1:8102", "--prefill", "http://127.0.0.1:8103",
-        "--decode", "http://127.0.0.1:8104", "--kv-connector", "nixl",
+    assert args[args.index("--policy") :] == [
+        "--policy",
+        "round_robin",
+        "--vllm-pd-disaggregation",
+        "--prefill",
+        "http://127.0.0.1:8102",
+        "--prefill",
+        "http://127.0.0.1:8103",
+        "--decode",
+        "http://127.0.0.1:8104",
+        "--kv-connector",
+        "nixl",
     ]
     encoder_urls = {f"http://127.0.0.1:{c.port}" for c in plan.engines if c.worker_type == "encoder"}
     assert not encoder_urls & set(args)
@@ -406,7 +485,10 @@ def test_commands_json() -> None:
     plan = plan_of(spec(ENC_PD))
     entries = commands_json([plan])
     assert [(e["model"], e["workerType"], e["engineIndex"]) for e in entries] == [
-        ("default", "encoder", 0), ("default", "prefill", 1), ("default", "decode", 2), ("default", "router", -1)
+        ("default", "encoder", 0),
+        ("default", "prefill", 1),
+        ("default", "decode", 2),
+        ("default", "router", -1),
     ]
     assert entries[1]["args"] == plan.engines[1].args and entries[1]["env"] == plan.engines[1].env
     assert set(entries[0]) == {"model", "workerType", "engineIndex", "args", "env", "fieldEnv"}
@@ -414,9 +496,12 @@ def test_commands_json() -> None:
 
 
 def test_user_strings_survive_the_yaml_templates_verbatim() -> None:
-    tricky = "a'b<c>&: #d \"e\" {f}"
-    raw = spec([{"workerType": "encoder", "numGpus": 1}, {"workerType": "regular", "numGpus": 2}],
-               ecConnector={"extraConfig": {tricky: tricky}}, router={"extraArgs": ["--api-key", tricky]})
+    tricky = 'a\'b<c>&: #d "e" {f}'
+    raw = spec(
+        [{"workerType": "encoder", "numGpus": 1}, {"workerType": "regular", "numGpus": 2}],
+        ecConnector={"extraConfig": {tricky: tricky}},
+        router={"extraArgs": ["--api-key", tricky]},
+    )
     raw["models"][0]["servedModelName"] = tricky
     plan = plan_of(raw)
     assert flag_value(plan.engines[0], "--served-model-name") == tricky
@@ -427,7 +512,11 @@ def test_user_strings_survive_the_yaml_templates_verbatim() -> None:
 # Found by fuzzing: a character beyond U+FFFF became a JSON surrogate pair that YAML refuses.
 @pytest.mark.parametrize("text", ["𐀀", "\x85", "\x80", "\u2028", "\ufffe", "é", "<&>'\"\\"])
 def test_any_text_reaches_the_command_unchanged(text: str) -> None:
-    plan = plan_of(spec([{"workerType": "regular", "numGpus": 2, "overrides": {"chat_template": f"t{text}"}}],
-                        router={"extraArgs": [f"--x{text}"]}))
+    plan = plan_of(
+        spec(
+            [{"workerType": "regular", "numGpus": 2, "overrides": {"chat_template": f"t{text}"}}],
+            router={"extraArgs": [f"--x{text}"]},
+        )
+    )
     assert plan.router is not None and plan.router.args[-1] == f"--x{text}"
     assert all(flag_value(engine, "--chat-template") == f"t{text}" for engine in plan.engines)

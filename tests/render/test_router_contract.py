@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from epd_dev.vllm import envs
 from epd_operator.render import render
 from epd_operator.validation import validate
-from epd_dev.vllm import envs
 
 from .cases import CASES, OBJECT, VERSIONS, plans, raw_spec
 
@@ -47,8 +47,12 @@ def test_every_rendered_router_command_is_read_as_intended(router_binary: Path) 
         if plan.router
     }
     assert {key.split("/")[0] for key in routers} == {
-        "encoder-prefill-decode", "overrides-regular", "overrides-prefill-decode", "text-only",
-        "pools-regular", "pools-prefill-decode",
+        "encoder-prefill-decode",
+        "overrides-regular",
+        "overrides-prefill-decode",
+        "text-only",
+        "pools-regular",
+        "pools-prefill-decode",
     }
     results = _launcher_parse(router_binary, {key: plan.router.args for key, (plan, _) in routers.items()})
     for key, (plan, version) in routers.items():
@@ -72,10 +76,13 @@ def test_every_rendered_router_command_is_read_as_intended(router_binary: Path) 
 
 
 def test_the_launcher_rejects_what_it_does_not_know(router_binary: Path) -> None:
-    results = _launcher_parse(router_binary, {
-        "unknown-flag": ["vllm-router", "--no-such-flag"],
-        "pd-without-decode": ["vllm-router", "--vllm-pd-disaggregation", "--prefill", "http://127.0.0.1:1"],
-    })
+    results = _launcher_parse(
+        router_binary,
+        {
+            "unknown-flag": ["vllm-router", "--no-such-flag"],
+            "pd-without-decode": ["vllm-router", "--vllm-pd-disaggregation", "--prefill", "http://127.0.0.1:1"],
+        },
+    )
     assert results["unknown-flag"]["exit_code"] == 2
     assert "PD disaggregation mode requires --decode" in results["pd-without-decode"]["error"]
 

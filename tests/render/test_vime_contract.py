@@ -25,8 +25,12 @@ def test_converted_vime_configs_mean_what_vime_configured(vllm_parser: VllmParse
     engines = {}
     for file, example in ACCEPTED.items():
         image = f"vllm/vllm-openai:v{version}.0"
-        assert main(["convert", "-f", str(example.path), "--hf-checkpoint", HF_CHECKPOINT, "--image", image,
-                     *example.flags]) == 0, capsys.readouterr().err
+        assert (
+            main(
+                ["convert", "-f", str(example.path), "--hf-checkpoint", HF_CHECKPOINT, "--image", image, *example.flags]
+            )
+            == 0
+        ), capsys.readouterr().err
         manifest = yaml.safe_load(capsys.readouterr().out)
         for plan in render(validate(manifest["spec"]), namespace="ns", name="vime", uid="uid"):
             for cmd in plan.engines:
@@ -37,13 +41,18 @@ def test_converted_vime_configs_mean_what_vime_configured(vllm_parser: VllmParse
     wrong = {}
     for key, (file, plan, cmd) in engines.items():
         understood = {**results[key]["namespace"], **results[key]["engine"]}
-        want = {"tensor_parallel_size": cmd.gpus, "model": ACCEPTED[file].paths[plan.name],
-                **(OVERRIDDEN if file == "overrides_vllm.yaml" else {})}
+        want = {
+            "tensor_parallel_size": cmd.gpus,
+            "model": ACCEPTED[file].paths[plan.name],
+            **(OVERRIDDEN if file == "overrides_vllm.yaml" else {}),
+        }
         got = {name: understood.get(name) for name in want}
         if got != want:
             wrong[key] = {"want": want, "got": got}
     assert not wrong, json.dumps(wrong, indent=1)
     # The sizes Vime documents, as vLLM reads them (the rest is in tests/api/test_convert.py).
     sizes = {key: results[key]["engine"]["tensor_parallel_size"] for key in engines if key.startswith("model_level_tp")}
-    assert sizes == {"model_level_tp.yaml/actor/encoder-0": 2, **{f"model_level_tp.yaml/actor/regular-{i}": 2
-                                                                   for i in range(3)}}
+    assert sizes == {
+        "model_level_tp.yaml/actor/encoder-0": 2,
+        **{f"model_level_tp.yaml/actor/regular-{i}": 2 for i in range(3)},
+    }

@@ -11,8 +11,8 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -20,7 +20,7 @@ from epd_dev.vllm import engines, envs, tiny_model, unit_runner
 from epd_dev.vllm.serving import aggregated_manifest
 
 _timings: dict[str, float] = {}  # printed in the terminal summary
-_vllm_seconds = [0.0]             # wall time of every `vllm` test, fixtures included
+_vllm_seconds = [0.0]  # wall time of every `vllm` test, fixtures included
 
 
 @contextlib.contextmanager
@@ -58,8 +58,8 @@ def aggregated(tiny_model_dir, tmp_path_factory) -> engines.Engine:
     """The reference: one engine serving the whole model, no EC config (a text-only model's
     rendered command). Session scope: every module compares against the same engine."""
     runner = unit_runner.UnitRunner.from_manifest(
-        aggregated_manifest(tiny_model_dir),
-        tmp_path_factory.mktemp("aggregated-logs"), uid=str(uuid.uuid4()))
+        aggregated_manifest(tiny_model_dir), tmp_path_factory.mktemp("aggregated-logs"), uid=str(uuid.uuid4())
+    )
     (engine,) = runner.consumers
     assert "--ec-transfer-config" not in engine.argv
     with start_unit(runner, "aggregated engine"):
@@ -80,8 +80,7 @@ def pytest_runtest_makereport(item, call):
     report = outcome.get_result()
     if report.failed:
         for engine in engines.RUNNING:
-            report.sections.append(
-                (f"{engine.name} log tail ({engine.log_path})", engine.log_tail(60)))
+            report.sections.append((f"{engine.name} log tail ({engine.log_path})", engine.log_tail(60)))
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -90,5 +89,4 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.section("vllm timings")
     for what, seconds in _timings.items():
         terminalreporter.write_line(f"{what}: {seconds:.1f}s")
-    terminalreporter.write_line(
-        f"vLLM tests took {_vllm_seconds[0]:.0f}s in all (engine starts and stops included)")
+    terminalreporter.write_line(f"vLLM tests took {_vllm_seconds[0]:.0f}s in all (engine starts and stops included)")

@@ -40,7 +40,8 @@ X, Y = (250, 250, 20), (120, 20, 120)
 @pytest.fixture(scope="module")
 def unit(tiny_model_dir, tmp_path_factory):
     manifest = tiny_manifest(
-        "tiny-rl", tiny_model_dir,
+        "tiny-rl",
+        tiny_model_dir,
         [{"workerType": "encoder", "numGpus": 1}, {"workerType": "regular", "numGpus": 1}],
         serverDevMode=True,
     )
@@ -54,19 +55,24 @@ def status(unit) -> dict:
     """The unit's EPDDeployment status as the operator writes it (engines listed)."""
     assert unit.router is None  # one consumer: render and generate go to it directly
     engines = [*unit.sidecars, *unit.consumers]
-    return {"models": [{
-        "name": MODEL,
-        "servedModelName": tiny_model.SERVED_NAME,
-        "ecStoragePath": unit.ec_storage_path,
-        "units": [{
-            "name": unit.name,
-            "ready": True,
-            "encoderUrls": [e.url for e in unit.sidecars],
-            "consumerUrls": [e.url for e in unit.consumers],
-            "engines": [{"name": e.name, "role": e.name.rsplit("-", 1)[0], "url": e.url}
-                        for e in engines],
-        }],
-    }]}
+    return {
+        "models": [
+            {
+                "name": MODEL,
+                "servedModelName": tiny_model.SERVED_NAME,
+                "ecStoragePath": unit.ec_storage_path,
+                "units": [
+                    {
+                        "name": unit.name,
+                        "ready": True,
+                        "encoderUrls": [e.url for e in unit.sidecars],
+                        "consumerUrls": [e.url for e in unit.consumers],
+                        "engines": [{"name": e.name, "role": e.name.rsplit("-", 1)[0], "url": e.url} for e in engines],
+                    }
+                ],
+            }
+        ]
+    }
 
 
 def reference(aggregated, msgs: list[dict]) -> tuple[list[int], list[float]]:
@@ -103,8 +109,7 @@ async def test_a_vime_rollout_runs_unchanged_against_vime_args(unit, status, agg
     """Vime's default multimodal generate: prime_encoder(args, messages) with no model name,
     then render and generate at the model's router address from vllm_model_routers."""
     args = vime_args(status)
-    assert args.vllm_model_encoder_endpoints == {
-        MODEL: (tiny_model.SERVED_NAME, [e.url for e in unit.sidecars])}
+    assert args.vllm_model_encoder_endpoints == {MODEL: (tiny_model.SERVED_NAME, [e.url for e in unit.sidecars])}
     ip, port = args.vllm_model_routers[MODEL]
     assert (args.vllm_router_ip, args.vllm_router_port) == (ip, port)
     msgs = messages(image_part((10, 200, 200)), image_part((200, 100, 0)), text="two pictures")

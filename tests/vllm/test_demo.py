@@ -47,6 +47,7 @@ def run_demo(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[st
 
 # --------------------------------------------------------------------------- REAL, headless
 
+
 @pytest.fixture
 def demo_dir(tmp_path):
     """The demo's folder; whatever a failing test leaves running there, `demo down` stops."""
@@ -57,10 +58,10 @@ def demo_dir(tmp_path):
 @pytest.mark.vllm
 @pytest.mark.cluster
 def test_the_demo_serves_through_the_operators_pod_and_down_leaves_nothing(
-        cluster, namespace, epd_operator, aggregated, demo_dir, capsys):
+    cluster, namespace, epd_operator, aggregated, demo_dir, capsys
+):
     port_base = free_port_range(demo.UNIT_PORTS)
-    answer = serve(cluster, demo_dir, namespace, port_base=port_base, reference=aggregated,
-                   records=Records(demo_dir))
+    answer = serve(cluster, demo_dir, namespace, port_base=port_base, reference=aggregated, records=Records(demo_dir))
     printed = capsys.readouterr().out
     recorded = json.loads((demo_dir / "serving.json").read_text())
 
@@ -78,15 +79,19 @@ def test_the_demo_serves_through_the_operators_pod_and_down_leaves_nothing(
     assert answer.served["decode-0"]["/inference/v1/generate"][0] == 1
     assert len(set(answer.image_hashes)) == len(PICTURES)
     assert {h: [f for f, _ in files] for h, files in answer.ec_files.items()} == {
-        h: [payloads.EMBEDDING_FILE] for h in answer.image_hashes}
+        h: [payloads.EMBEDDING_FILE] for h in answer.image_hashes
+    }
     assert answer.kv_files, "prefill handed no KV cache to decode"
 
     # What it prints for a second request works as printed (bash, against the running unit).
     out = io.StringIO()
     with redirect_stdout(out):
         print_explore(answer, cluster, namespace, demo_dir)
-    script = "\n".join(line.strip() for line in out.getvalue().splitlines()
-                       if line.strip().startswith(("IMG=", "curl ", sys.executable)))
+    script = "\n".join(
+        line.strip()
+        for line in out.getvalue().splitlines()
+        if line.strip().startswith(("IMG=", "curl ", sys.executable))
+    )
     ran = subprocess.run(["bash", "-euo", "pipefail", "-c", script], capture_output=True, text=True, timeout=120)
     assert ran.returncode == 0, ran.stderr
     prime, chat, client = ran.stdout.strip().splitlines()
@@ -100,13 +105,15 @@ def test_the_demo_serves_through_the_operators_pod_and_down_leaves_nothing(
     down = run_demo("down", "--dir", str(demo_dir))
     assert down.returncode == 0, down.stderr
     assert {e["name"]: engines.group_members(e["pid"]) for e in recorded["engines"]} == {
-        e["name"]: [] for e in recorded["engines"]}
+        e["name"]: [] for e in recorded["engines"]
+    }
     assert not any(Path(f).exists() for f in recorded["folders"])
     demo.check_ports(list(range(port_base, port_base + demo.UNIT_PORTS)), "")  # free again
     assert aggregated.proc.poll() is None, "the injected reference is not the demo's to stop"
 
 
 # --------------------------------------------------------------------------- an existing cluster
+
 
 @pytest.fixture
 def existing_cluster(cluster, tmp_path):
@@ -120,8 +127,11 @@ def existing_cluster(cluster, tmp_path):
         yield cluster
     finally:
         run_demo("down", "--dir", str(tmp_path))
-        wait_for(lambda: cluster.kubectl("get", "namespace", demo.NAMESPACE, check=False).returncode != 0,
-                 120, f"namespace {demo.NAMESPACE} to be deleted")
+        wait_for(
+            lambda: cluster.kubectl("get", "namespace", demo.NAMESPACE, check=False).returncode != 0,
+            120,
+            f"namespace {demo.NAMESPACE} to be deleted",
+        )
         for operator in running:
             operator.start()
 
@@ -165,10 +175,14 @@ def test_ctrl_c_in_the_middle_stops_what_the_demo_started(existing_cluster, tmp_
     try:
         # A shell's background jobs inherit SIGINT ignored (and Python then installs no handler):
         # give the demo the disposition a terminal's Ctrl-C meets.
-        proc = subprocess.Popen([*DEMO, "up", "--dir", str(tmp_path), "--kubeconfig",
-                                 str(existing_cluster.kubeconfig)],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        proc = subprocess.Popen(
+            [*DEMO, "up", "--dir", str(tmp_path), "--kubeconfig", str(existing_cluster.kubeconfig)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=REPO,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
         wait_for(lambda: (tmp_path / "operator.pid").exists() or proc.poll() is not None, 120, "the operator's start")
         pid = operator_pid(tmp_path)
         assert alive(pid)
@@ -187,6 +201,7 @@ def test_ctrl_c_in_the_middle_stops_what_the_demo_started(existing_cluster, tmp_
 
 # --------------------------------------------------------------------------- checks before anything starts
 
+
 def test_a_port_in_use_is_named_with_who_holds_it():
     with socket.socket() as sock:
         sock.bind(("0.0.0.0", 0))
@@ -202,7 +217,9 @@ def test_a_port_in_use_is_named_with_who_holds_it():
 def test_too_little_memory_says_how_much_the_engines_need(tmp_path):
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       32000000 kB\nMemAvailable:    4194304 kB\n")
-    with pytest.raises(demo.DemoError, match=r"4 vLLM engines need about 9 GiB \(2.25 GiB each\), 4.0 GiB is available"):
+    with pytest.raises(
+        demo.DemoError, match=r"4 vLLM engines need about 9 GiB \(2.25 GiB each\), 4.0 GiB is available"
+    ):
         demo.check_memory(4, meminfo)
     meminfo.write_text("MemAvailable:   16777216 kB\n")
     demo.check_memory(4, meminfo)  # 16 GiB: enough
@@ -228,8 +245,11 @@ def test_a_cache_folder_this_user_cannot_write_stops_the_demo_before_anything_st
     root.chmod(0o777)  # the demo's own folder stays writable
     code, out = _as_another_user(lambda: demo.main(["up", "--dir", str(root)]), {"EPD_CACHE": str(cache)}, cache)
     assert code == 1, out
-    assert re.search(rf"must be installed into {re.escape(str(cache))}/\S+, but {re.escape(str(cache))} is not a "
-                     "folder you can write", out), out
+    assert re.search(
+        rf"must be installed into {re.escape(str(cache))}/\S+, but {re.escape(str(cache))} is not a "
+        "folder you can write",
+        out,
+    ), out
     assert "point the cache elsewhere: make demo EPD_CACHE=" in out
     assert not (root / "serving.json").exists() and not (root / "operator.pid").exists()
     assert list(cache.iterdir()) == []

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from epd_client import EPDClient, Endpoints, prime_encoder
+from epd_client import Endpoints, EPDClient, prime_encoder
 from epd_dev.vllm import payloads, tiny_model
 from epd_dev.vllm.payloads import image_part, messages
 from epd_dev.vllm.serving import prefill_decode_groups, tiny_manifest
@@ -30,8 +30,10 @@ pytestmark = pytest.mark.vllm
 
 MODEL = "default"
 # Long enough for two 32-token KV blocks that cover the image's 16 placeholder tokens.
-TEXT = ("describe this picture in many words: colours, shapes, the ground, numbers "
-        "1 2 3 4 5 6 7 8 9 10 42 and the quick brown fox")
+TEXT = (
+    "describe this picture in many words: colours, shapes, the ground, numbers "
+    "1 2 3 4 5 6 7 8 9 10 42 and the quick brown fox"
+)
 KV_FILE_SUFFIX = ".safetensors"
 
 
@@ -52,8 +54,9 @@ def unit(tiny_model_dir, kv_store, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def endpoints(unit) -> Endpoints:
-    return Endpoints.from_urls([unit.sidecars[0].url], unit.router.url,
-                               model_name=MODEL, served_model_name=tiny_model.SERVED_NAME)
+    return Endpoints.from_urls(
+        [unit.sidecars[0].url], unit.router.url, model_name=MODEL, served_model_name=tiny_model.SERVED_NAME
+    )
 
 
 def reference(aggregated, msgs: list[dict]) -> tuple[list[int], list[float]]:
@@ -104,8 +107,9 @@ async def test_decode_continues_from_the_prefills_kv_cache(unit, endpoints, kv_s
     rendered = unit.router.post("/v1/chat/completions/render", payloads.greedy(msgs))
     kv_before = kv_entries(kv_store)
     # The router's first stage by hand: prefill computes the prompt and stores its KV blocks.
-    prefill.post("/inference/v1/generate",
-                 {**rendered, "sampling_params": {**rendered["sampling_params"], "max_tokens": 1}})
+    prefill.post(
+        "/inference/v1/generate", {**rendered, "sampling_params": {**rendered["sampling_params"], "max_tokens": 1}}
+    )
     (entry,) = kv_entries(kv_store) - kv_before
     for layer in (kv_store / entry).iterdir():
         _zero_tensor_data(layer)

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from epd_client import EPDClient, Endpoints, prime_encoder
+from epd_client import Endpoints, EPDClient, prime_encoder
 from epd_dev.operator_process import get_json, wait_for
 from epd_dev.vllm import payloads
 from epd_dev.vllm.payloads import EMBEDDING_FILE, image_part, messages
@@ -40,7 +40,7 @@ MODEL = "default"
 class RunningUnit:
     runner: UnitRunner
     endpoints: Endpoints  # from the operator's status, reachable here
-    store: Path           # the model's EC store, as the status names it
+    store: Path  # the model's EC store, as the status names it
 
     @property
     def encoder_url(self) -> str:
@@ -61,18 +61,25 @@ def vllm_namespace(cluster):
     """A namespace for the module (the `namespace` fixture is per test; engines are not)."""
     name = f"vllm-e2e-{uuid.uuid4().hex[:6]}"
     cluster.kubectl("create", "namespace", name)
-    wait_for(lambda: cluster.kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode == 0,
-             60, f"the default ServiceAccount of {name}")
+    wait_for(
+        lambda: cluster.kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode == 0,
+        60,
+        f"the default ServiceAccount of {name}",
+    )
     yield name
     cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 
 @pytest.fixture(scope="module")
 def unit(cluster, vllm_namespace, epd_operator, tiny_model_dir, tmp_path_factory):
-    manifest = tiny_manifest(NAME, tiny_model_dir, [
-        {"workerType": "encoder", "numGpus": 1},
-        {"workerType": "regular", "numGpus": 2},
-    ])
+    manifest = tiny_manifest(
+        NAME,
+        tiny_model_dir,
+        [
+            {"workerType": "encoder", "numGpus": 1},
+            {"workerType": "regular", "numGpus": 2},
+        ],
+    )
     cluster.kubectl("apply", "-n", vllm_namespace, "-f", "-", input=yaml.safe_dump(manifest))
 
     def ready_status():
@@ -102,8 +109,10 @@ def test_the_operators_pod_runs_as_one_unit(unit):
 async def test_prime_then_generate_through_the_router(unit, vllm_timings):
     red, green = image_part((200, 30, 30)), image_part((30, 160, 40))
     msgs = messages(red, green, red)  # two distinct images, one of them twice
-    before = {name: payloads.served_requests(e.url) for name, e in
-              [("encoder", unit.runner.sidecars[0]), *((e.name, e) for e in unit.runner.consumers)]}
+    before = {
+        name: payloads.served_requests(e.url)
+        for name, e in [("encoder", unit.runner.sidecars[0]), *((e.name, e) for e in unit.runner.consumers)]
+    }
 
     start = time.monotonic()
     await prime_encoder(unit.endpoints, msgs, model_name=MODEL)
@@ -121,13 +130,17 @@ async def test_prime_then_generate_through_the_router(unit, vllm_timings):
     tokens, logprobs = payloads.output(result)
     assert len(tokens) == 8 and len(logprobs) == 8
 
-    after = {name: payloads.served_requests(e.url) for name, e in
-             [("encoder", unit.runner.sidecars[0]), *((e.name, e) for e in unit.runner.consumers)]}
+    after = {
+        name: payloads.served_requests(e.url)
+        for name, e in [("encoder", unit.runner.sidecars[0]), *((e.name, e) for e in unit.runner.consumers)]
+    }
     primed = after["encoder"].get("/v1/chat/completions", 0) - before["encoder"].get("/v1/chat/completions", 0)
     assert primed == 6  # one image-only request per image part, for each of the two calls
     assert set(after["encoder"]) == {"/v1/chat/completions"}  # never rendered or generated on
-    generated = sum(after[c].get("/inference/v1/generate", 0) - before[c].get("/inference/v1/generate", 0)
-                    for c in ("regular-0", "regular-1"))
+    generated = sum(
+        after[c].get("/inference/v1/generate", 0) - before[c].get("/inference/v1/generate", 0)
+        for c in ("regular-0", "regular-1")
+    )
     assert generated == 1  # the router sent generate to a consumer
 
 
@@ -156,9 +169,11 @@ async def test_epd_output_equals_an_aggregated_engine(unit, aggregated):
     msgs = messages(image_part((10, 200, 200)), image_part((200, 100, 0)), text="two pictures")
     async with EPDClient(unit.endpoints) as client:
         epd_tokens, epd_logprobs = payloads.output(
-            await client.generate(payloads.greedy(msgs, max_tokens=8), model_name=MODEL))
-    reference = aggregated.post("/inference/v1/generate",
-                                aggregated.post("/v1/chat/completions/render", payloads.greedy(msgs, max_tokens=8)))
+            await client.generate(payloads.greedy(msgs, max_tokens=8), model_name=MODEL)
+        )
+    reference = aggregated.post(
+        "/inference/v1/generate", aggregated.post("/v1/chat/completions/render", payloads.greedy(msgs, max_tokens=8))
+    )
     ref_tokens, ref_logprobs = payloads.output(reference)
     assert epd_tokens == ref_tokens
     assert epd_logprobs == pytest.approx(ref_logprobs, abs=1e-3)
@@ -169,7 +184,8 @@ async def test_text_only_requests_bypass_the_encoder(unit):
     store_before = payloads.ec_entries(unit.store)
     async with EPDClient(unit.endpoints) as client:
         result = await client.generate(
-            payloads.greedy([{"role": "user", "content": "no picture here"}]), model_name=MODEL)
+            payloads.greedy([{"role": "user", "content": "no picture here"}]), model_name=MODEL
+        )
     assert len(payloads.output(result)[0]) == 6
     assert payloads.served_requests(unit.encoder_url) == encoder_before
     assert payloads.ec_entries(unit.store) == store_before
@@ -189,6 +205,7 @@ def test_cache_miss_is_encoded_by_the_consumer_leaving_an_empty_folder(unit, agg
 
     assert payloads.ec_entries(unit.store)[mm_hash] == []
     assert payloads.served_requests(unit.encoder_url) == encoder_before
-    reference = aggregated.post("/inference/v1/generate",
-                                aggregated.post("/v1/chat/completions/render", payloads.greedy(msgs)))
+    reference = aggregated.post(
+        "/inference/v1/generate", aggregated.post("/v1/chat/completions/render", payloads.greedy(msgs))
+    )
     assert out[0] == payloads.output(reference)[0]

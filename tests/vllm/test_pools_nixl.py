@@ -29,8 +29,8 @@ from pathlib import Path
 import pytest
 
 from epd_dev.vllm import ec_transport_probe, engines, nodes
-from epd_dev.vllm.unit_runner import UnitRunner, free_port_range
 from epd_dev.vllm.serving import tiny_manifest
+from epd_dev.vllm.unit_runner import UnitRunner, free_port_range
 
 pytestmark = pytest.mark.vllm
 
@@ -45,8 +45,10 @@ _TABLE_ROW = re.compile(r"\|\s*([a-z_]+)/[A-Za-z0-9_:.]+\s*\|\s*$")
 def two_nodes(tmp_path_factory) -> tuple[nodes.Node, nodes.Node]:
     nodes.check_available()  # raises, saying why, where namespaces cannot be made
     shm = tmp_path_factory.mktemp("node-shm")
-    return (nodes.Node("kwok-node-0", "127.0.0.2", shm / "node-0"),
-            nodes.Node("kwok-node-1", "127.0.0.3", shm / "node-1"))
+    return (
+        nodes.Node("kwok-node-0", "127.0.0.2", shm / "node-0"),
+        nodes.Node("kwok-node-1", "127.0.0.3", shm / "node-1"),
+    )
 
 
 def _read_transports(ucx_output: str) -> set[str]:
@@ -73,10 +75,20 @@ def test_the_connectors_transport_moves_an_embedding_between_nodes(two_nodes, se
     port = free_port_range(1)
     start = time.monotonic()
     try:
-        serve = subprocess.Popen(producer.wrap([str(serving_python), probe, "serve", producer.address, str(port)]),
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        read = subprocess.run(consumer.wrap([str(serving_python), probe, "read", producer.address, str(port)]),
-                              capture_output=True, text=True, env=env, timeout=400)
+        serve = subprocess.Popen(
+            producer.wrap([str(serving_python), probe, "serve", producer.address, str(port)]),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        read = subprocess.run(
+            consumer.wrap([str(serving_python), probe, "read", producer.address, str(port)]),
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=400,
+        )
         served, _ = serve.communicate(timeout=200)
     finally:
         for node in two_nodes:
@@ -102,7 +114,7 @@ class PoolsPods:
     """A Pools model's pods as the operator renders them, each on its node (not started)."""
 
     encoder_pool: UnitRunner  # the encoder pool's first pod, on node 0
-    unit: UnitRunner          # the first consumer unit, on node 1
+    unit: UnitRunner  # the first consumer unit, on node 1
     ports: dict
 
 
@@ -110,16 +122,22 @@ class PoolsPods:
 def pools_pods(two_nodes, tiny_model_dir, tmp_path_factory) -> PoolsPods:
     """One encoder in the pool, a unit of two regular consumers (so it has its router)."""
     # A small /dev/shm keeps each rendered ECCPUConnector region small (it is pre-faulted).
-    manifest = tiny_manifest("tiny-pools", tiny_model_dir, [
-        {"workerType": "encoder", "numGpus": 1},
-        {"workerType": "regular", "numGpus": 2},
-    ], shm={"sizeLimit": "256Mi"})
+    manifest = tiny_manifest(
+        "tiny-pools",
+        tiny_model_dir,
+        [
+            {"workerType": "encoder", "numGpus": 1},
+            {"workerType": "regular", "numGpus": 2},
+        ],
+        shm={"sizeLimit": "256Mi"},
+    )
     manifest["spec"]["models"][0]["placement"] = "Pools"
     uid, logs = str(uuid.uuid4()), tmp_path_factory.mktemp("pools-logs")
     return PoolsPods(
         UnitRunner.encoder_pool_from_manifest(manifest, logs, uid=uid, node=two_nodes[0]),
         UnitRunner.from_manifest(manifest, logs, uid=uid, node=two_nodes[1]),
-        manifest["spec"]["ports"])
+        manifest["spec"]["ports"],
+    )
 
 
 def _ec_config(engine) -> dict:
@@ -128,7 +146,7 @@ def _ec_config(engine) -> dict:
 
 def test_the_operators_pools_pods_run_on_their_nodes(pools_pods, two_nodes):
     pool, unit = pools_pods.encoder_pool, pools_pods.unit
-    encoder, = pool.pool_encoders
+    (encoder,) = pool.pool_encoders
     assert (pool.sidecars, pool.consumers, pool.router) == ([], [], None)
     assert unit.sidecars == unit.pool_encoders == []
     assert [e.name for e in unit.consumers] == ["regular-0", "regular-1"]
@@ -136,7 +154,7 @@ def test_the_operators_pools_pods_run_on_their_nodes(pools_pods, two_nodes):
         on_node = node.wrap([])
         for engine in runner.engines:
             # Every container in its node's namespaces, listening on its node's address only.
-            assert engine.argv[:len(on_node)] == on_node
+            assert engine.argv[: len(on_node)] == on_node
             assert engine.argv[engine.argv.index("--host") + 1] == node.address
             assert engine.url == f"http://{node.address}:{engine.port}"
     # Both pods number their engines from the same port: only their addresses tell them apart.
@@ -174,6 +192,7 @@ def test_eccpu_connector_cannot_start_on_the_cpu_build(pools_pods, vllm_timings)
     assert message.startswith("encoder-0: exited"), message[:500]
     assert "Model Runner V2 requires Triton." in message
     assert "Triton is installed, but doesn't include CPU backend" in (
-        (pool.log_dir / "encoder-0.log").read_text(errors="replace"))
+        (pool.log_dir / "encoder-0.log").read_text(errors="replace")
+    )
     # start() stopped what it started; the node's /dev/shm went with the pod.
     assert not pool.node.shm_dir.exists()

@@ -49,8 +49,7 @@ class Result:
 
 def sample_messages(sample: int, images: int) -> list[dict]:
     parts = [
-        {"type": "image_url", "image_url": {"url": f"https://images.test/{sample}/{i}.png"}}
-        for i in range(images)
+        {"type": "image_url", "image_url": {"url": f"https://images.test/{sample}/{i}.png"}} for i in range(images)
     ]
     return [{"role": "user", "content": [{"type": "text", "text": "describe"}, *parts]}]
 
@@ -119,8 +118,7 @@ async def measure(url: str, cli: argparse.Namespace) -> dict[str, list[Result]]:
     # The same connections split into pools of 8, as EPDClient does: isolates what the
     # library adds (retry, deadline, task group) from httpcore's cost per pooled connection.
     shards = [
-        httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=8))
-        for _ in range(max(1, cli.pool // 8))
+        httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=8)) for _ in range(max(1, cli.pool // 8))
     ]
     next_shard = itertools.cycle(shards)
     client = EPDClient(endpoints, max_concurrency=cli.pool)
@@ -143,9 +141,7 @@ async def measure(url: str, cli: argparse.Namespace) -> dict[str, list[Result]]:
     }
     results: dict[str, list[Result]] = {name: [] for name in methods}
     for prime, samples in methods.values():  # warm connections, caches and code
-        await run(
-            prime, max(cli.concurrency, samples // 20), cli.images_per_sample, cli.concurrency
-        )
+        await run(prime, max(cli.concurrency, samples // 20), cli.images_per_sample, cli.concurrency)
     for _ in range(cli.repeats):  # interleaved, so load from elsewhere hits all methods alike
         for name, (prime, samples) in methods.items():
             results[name].append(await run(prime, samples, cli.images_per_sample, cli.concurrency))
@@ -167,8 +163,7 @@ def report(results: dict[str, list[Result]], cli: argparse.Namespace) -> None:
         f"httpx {httpx.__version__}\n"
     )
     print(
-        f"{'method':36} {'images/s':>8} {'p50 ms':>7} {'p99 ms':>7} {'CPU us/img':>10} "
-        f"{'time/raw':>8} {'CPU/raw':>7}"
+        f"{'method':36} {'images/s':>8} {'p50 ms':>7} {'p99 ms':>7} {'CPU us/img':>10} {'time/raw':>8} {'CPU/raw':>7}"
     )
     baseline = None
     for name, runs in results.items():

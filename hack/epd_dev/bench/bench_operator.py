@@ -61,6 +61,7 @@ import aiohttp
 import httpx
 import kopf
 import yaml
+
 from epd_operator.kube import Kube
 from epd_operator.reconciler import Reconciler
 from epd_operator.settings import Settings
@@ -109,8 +110,7 @@ class Watch(threading.Thread):
     """One watch stream; ``on_event(type, object, arrival)`` runs on this thread, with the
     arrival time (time.monotonic) taken before the event is even decoded."""
 
-    def __init__(self, cluster: LocalCluster, path: str, on_event: Callable[[str, dict, float], None],
-                 **params: str):
+    def __init__(self, cluster: LocalCluster, path: str, on_event: Callable[[str, dict, float], None], **params: str):
         super().__init__(daemon=True, name=f"watch {path}")
         self.cluster, self.path, self.on_event, self.params = cluster, path, on_event, params
         self.established = threading.Event()
@@ -121,8 +121,9 @@ class Watch(threading.Thread):
     def run(self) -> None:
         version = ""  # resume from the last event seen when the server ends the stream
         try:
-            with httpx.Client(base_url=self.cluster.server, verify=tls_context(self.cluster),
-                              timeout=httpx.Timeout(30, read=None)) as http:
+            with httpx.Client(
+                base_url=self.cluster.server, verify=tls_context(self.cluster), timeout=httpx.Timeout(30, read=None)
+            ) as http:
                 while not self._stopping:
                     params = {"watch": "1", **self.params, **({"resourceVersion": version} if version else {})}
                     with http.stream("GET", self.path, params=params) as response:
@@ -195,8 +196,14 @@ class Recorder:
                 self.times["child"][owner] = max(at, self.times["child"].get(owner, at))
             self._changed.notify_all()
 
-    def wait(self, done: Callable[[], bool], timeout: float, what: str, watches: list[Watch],
-             progress: Callable[[], str] | None = None) -> None:
+    def wait(
+        self,
+        done: Callable[[], bool],
+        timeout: float,
+        what: str,
+        watches: list[Watch],
+        progress: Callable[[], str] | None = None,
+    ) -> None:
         deadline = time.monotonic() + timeout
         next_report = time.monotonic() + PROGRESS_SECONDS
         with self._changed:
@@ -219,10 +226,14 @@ class Recorder:
 def settle(rec: Recorder, names: list[str], what: str, timeout: float, watches: list[Watch]) -> list[str]:
     """Wait until every name is marked ``what``; the names that are not after ``timeout``."""
     with contextlib.suppress(TimeoutError):
-        rec.wait(lambda: len(rec.times[what]) == len(names), timeout, f"{len(names)} {what}", watches,
-                 progress=lambda: f"{len(rec.times[what])}/{len(names)} {what}")
+        rec.wait(
+            lambda: len(rec.times[what]) == len(names),
+            timeout,
+            f"{len(names)} {what}",
+            watches,
+            progress=lambda: f"{len(rec.times[what])}/{len(names)} {what}",
+        )
     return [x for x in names if x not in rec.times[what]]
-
 
 
 def deployment_manifest(name: str) -> dict[str, Any]:
@@ -245,8 +256,9 @@ def deployment_manifest(name: str) -> dict[str, Any]:
 def apply(cluster: LocalCluster, namespace: str, documents: list[dict[str, Any]]) -> float:
     """One `kubectl apply` of every document; returns the seconds it took."""
     began = time.monotonic()
-    cluster.kubectl("apply", "--server-side", "-n", namespace, "-f", "-",
-                    input=yaml.safe_dump_all(documents), timeout=900)
+    cluster.kubectl(
+        "apply", "--server-side", "-n", namespace, "-f", "-", input=yaml.safe_dump_all(documents), timeout=900
+    )
     return time.monotonic() - began
 
 
@@ -260,7 +272,6 @@ def create_all(api: Api, namespace: str, documents: list[dict[str, Any]], worker
         for future in [pool.submit(api.call, "POST", path, json=doc) for doc in documents]:
             future.result()
     return time.monotonic() - began
-
 
 
 def delete_namespaces(cluster: LocalCluster, api: Api, names: list[str], timeout: float = 600) -> None:
@@ -311,7 +322,9 @@ def reconcile_stats(operator: OperatorProcess) -> dict[str, float]:
             stats[f"reconciles_{result}"] += float(line.rsplit(" ", 1)[1])
         elif line.startswith("epd_reconcile_duration_seconds_sum "):
             stats["reconcile_seconds"] += float(line.rsplit(" ", 1)[1])
-        elif line.startswith(("epd_reconcile_stage_duration_seconds_sum{", "epd_reconcile_stage_duration_seconds_count{")):
+        elif line.startswith(
+            ("epd_reconcile_stage_duration_seconds_sum{", "epd_reconcile_stage_duration_seconds_count{")
+        ):
             stage = line.split('stage="', 1)[1].split('"', 1)[0]
             stats[f"stage_{stage}_{line.split('{', 1)[0].rsplit('_', 1)[1]}"] += float(line.rsplit(" ", 1)[1])
     return dict(stats)
@@ -364,8 +377,9 @@ class Latencies:
         return percentile(self.seconds, 99) * 1000
 
 
-def epd_streams(namespace: str, rec: Recorder, *, pods: bool = False,
-                seen: Callable[[float], None] = lambda at: None) -> list[Stream]:
+def epd_streams(
+    namespace: str, rec: Recorder, *, pods: bool = False, seen: Callable[[float], None] = lambda at: None
+) -> list[Stream]:
     """Watches marking, per EPDDeployment: "created", "status" (observedGeneration is the
     generation), "converged" (that, and its StatefulSet and both Services exist: the operator's
     work), "ready" (Ready for the generation) and, as "child", when its last child appeared.
@@ -403,13 +417,25 @@ def epd_streams(namespace: str, rec: Recorder, *, pods: bool = False,
         # Not children that count for convergence, but the operator watches them: kcm's disruption
         # controller updates their status for minutes after the last unit is Ready, and a window
         # with such events is not idle.
-        streams.append((f"/apis/policy/v1/namespaces/{namespace}/poddisruptionbudgets",
-                        lambda _type, _obj, at: seen(at), {"labelSelector": OURS}))
+        streams.append(
+            (
+                f"/apis/policy/v1/namespaces/{namespace}/poddisruptionbudgets",
+                lambda _type, _obj, at: seen(at),
+                {"labelSelector": OURS},
+            )
+        )
     return streams
 
 
-def measure_epds(cluster: LocalCluster, api: Api, namespace: str, n: int, kcm: str,
-                 timeout: float = 600, spec: dict[str, Any] | None = None) -> Latencies:
+def measure_epds(
+    cluster: LocalCluster,
+    api: Api,
+    namespace: str,
+    n: int,
+    kcm: str,
+    timeout: float = 600,
+    spec: dict[str, Any] | None = None,
+) -> Latencies:
     """Creation -> StatefulSet + 2 Services + status.observedGeneration, per EPDDeployment;
     then waits until every one is Ready so the next run starts on an idle cluster."""
     rec = Recorder()
@@ -428,8 +454,9 @@ def measure_epds(cluster: LocalCluster, api: Api, namespace: str, n: int, kcm: s
     return Latencies("EPDDeployment -> children + status", n, kcm, seconds, took, api_requests=requests)
 
 
-def measure_deployments(cluster: LocalCluster, api: Api, namespace: str, n: int, kcm: str,
-                        timeout: float = 600) -> Latencies:
+def measure_deployments(
+    cluster: LocalCluster, api: Api, namespace: str, n: int, kcm: str, timeout: float = 600
+) -> Latencies:
     """Creation -> pod created by kube-controller-manager, per one-pod Deployment; then waits
     until every pod runs."""
     rec = Recorder()
@@ -507,16 +534,27 @@ def apiserver_requests(api: Api) -> dict[tuple[str, str], tuple[float, float]]:
     return {key: (count, seconds) for key, (count, seconds) in totals.items()}
 
 
-def request_delta(before: dict[tuple[str, str], tuple[float, float]],
-                  after: dict[tuple[str, str], tuple[float, float]]) -> dict[tuple[str, str], tuple[float, float]]:
+def request_delta(
+    before: dict[tuple[str, str], tuple[float, float]], after: dict[tuple[str, str], tuple[float, float]]
+) -> dict[tuple[str, str], tuple[float, float]]:
     zero = (0.0, 0.0)
     delta = {k: (c - before.get(k, zero)[0], s - before.get(k, zero)[1]) for k, (c, s) in after.items()}
     return {k: v for k, v in delta.items() if v[0] > 0}
 
 
-def measure_scale(cluster: LocalCluster, api: Api, operator: OperatorProcess, namespace: str, n: int,
-                  kcm: str, *, idle_seconds: float = 30, profile_dir: Path | None = None,
-                  timeout: float = 600, spec: dict[str, Any] | None = None) -> Scale:
+def measure_scale(
+    cluster: LocalCluster,
+    api: Api,
+    operator: OperatorProcess,
+    namespace: str,
+    n: int,
+    kcm: str,
+    *,
+    idle_seconds: float = 30,
+    profile_dir: Path | None = None,
+    timeout: float = 600,
+    spec: dict[str, Any] | None = None,
+) -> Scale:
     """Create n EPDDeployments; time until all are converged and Ready; then wait until the
     cluster is quiet (kcm works off its rate-limited backlog of StatefulSet status updates
     for a while after the last unit is Ready) and measure the operator's idle CPU."""
@@ -537,8 +575,13 @@ def measure_scale(cluster: LocalCluster, api: Api, operator: OperatorProcess, na
             began = time.monotonic()
             cpu_before = {name: cpu_seconds(p) for name, p in processes.items()}
             took = create_all(api, namespace, [epd_manifest(name, **(spec or {})) for name in names])
-            rec.wait(lambda: len(rec.times["converged"]) == n, timeout, f"{n} EPDDeployments converged", watches,
-                     progress=lambda: f"{len(rec.times['converged'])}/{n} converged")
+            rec.wait(
+                lambda: len(rec.times["converged"]) == n,
+                timeout,
+                f"{n} EPDDeployments converged",
+                watches,
+                progress=lambda: f"{len(rec.times['converged'])}/{n} converged",
+            )
             at_converged = reconcile_stats(operator)
             cpu_converged = {name: cpu_seconds(p) - cpu_before[name] for name, p in processes.items()}
             stuck = settle(rec, names, "ready", timeout, watches)
@@ -553,28 +596,42 @@ def measure_scale(cluster: LocalCluster, api: Api, operator: OperatorProcess, na
             idle_events = seen["events"] - events
     after = reconcile_stats(operator)
     return Scale(
-        n, kcm, took,
+        n,
+        kcm,
+        took,
         reconciled_seconds=max(rec.times["converged"].values()) - began,
-        ready_seconds=math.inf if stuck else max(rec.times["ready"].values()) - began, not_ready=stuck,
-        quiet_seconds=quiet, cpu_seconds=cpu, peak_rss_mb=memory_mb(pid, "VmHWM"), rss_mb=memory_mb(pid, "VmRSS"),
-        idle_cpu_percent=idle, idle_seconds=idle_seconds, idle_events=idle_events,
+        ready_seconds=math.inf if stuck else max(rec.times["ready"].values()) - began,
+        not_ready=stuck,
+        quiet_seconds=quiet,
+        cpu_seconds=cpu,
+        peak_rss_mb=memory_mb(pid, "VmHWM"),
+        rss_mb=memory_mb(pid, "VmRSS"),
+        idle_cpu_percent=idle,
+        idle_seconds=idle_seconds,
+        idle_events=idle_events,
         reconciles={k: after.get(k, 0) - before.get(k, 0) for k in after},
         reconciles_converged={k: at_converged.get(k, 0) - before.get(k, 0) for k in at_converged},
-        api_requests=requests, cpu_to_converged=cpu_converged,
-        profile=[*(profile.lines if profile else []), *(idle_profile.lines if idle_profile else [])])
+        api_requests=requests,
+        cpu_to_converged=cpu_converged,
+        profile=[*(profile.lines if profile else []), *(idle_profile.lines if idle_profile else [])],
+    )
 
 
-async def write_like_the_operator(cluster: LocalCluster, namespace: str, documents: list[dict[str, Any]],
-                                  *, creators: int = 8, workers: int = 16) -> None:
+async def write_like_the_operator(
+    cluster: LocalCluster, namespace: str, documents: list[dict[str, Any]], *, creators: int = 8, workers: int = 16
+) -> None:
     """A STAND-IN for the operator, to measure the floor: the API server's share of convergence.
     POSTs the EPDDeployments (8 at a time, as ``create_all``) and, for each as soon as its POST
     returns, makes the operator's writes through its own client (``Kube``): the children its
     Reconciler plans (spec-hash annotations included), created by POST in parallel, then a
     status patch for the generation (only observedGeneration: the least such a write can be);
     ``workers`` at a time, as the operator's queue. No watch, no kopf event handling, no index."""
-    connection = kopf.ConnectionInfo(server=cluster.server, ca_path=cluster.pki / "ca.crt",
-                                     certificate_path=cluster.pki / "admin.crt",
-                                     private_key_path=cluster.pki / "admin.key")
+    connection = kopf.ConnectionInfo(
+        server=cluster.server,
+        ca_path=cluster.pki / "ca.crt",
+        certificate_path=cluster.pki / "admin.crt",
+        private_key_path=cluster.pki / "admin.key",
+    )
     kube = Kube(connection)
     reconciler = Reconciler(Settings(janitor_image="epd-operator:bench"), kube=kube)
     created, controlled = asyncio.Semaphore(creators), asyncio.Semaphore(workers)
@@ -599,8 +656,9 @@ async def write_like_the_operator(cluster: LocalCluster, namespace: str, documen
             await kube.aclose()
 
 
-def measure_floor(cluster: LocalCluster, api: Api, namespace: str, n: int, timeout: float = 600,
-                  spec: dict[str, Any] | None = None) -> float:
+def measure_floor(
+    cluster: LocalCluster, api: Api, namespace: str, n: int, timeout: float = 600, spec: dict[str, Any] | None = None
+) -> float:
     """Seconds from the first POST until n EPDDeployments converged, written by the stand-in
     above (the operator must not run meanwhile)."""
     rec = Recorder()
@@ -631,9 +689,24 @@ def py_spy(pid: int, folder: Path | None, name: str) -> Iterator[Profile | None]
     binary = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     folder.mkdir(parents=True, exist_ok=True)
     profile = Profile(folder / f"operator-{name}.txt")
-    spy = subprocess.Popen([binary, "record", "--pid", str(pid), "--rate", "100", "--nonblocking",
-                            "--format", "raw", "--output", str(profile.path)],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    spy = subprocess.Popen(
+        [
+            binary,
+            "record",
+            "--pid",
+            str(pid),
+            "--rate",
+            "100",
+            "--nonblocking",
+            "--format",
+            "raw",
+            "--output",
+            str(profile.path),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         yield profile
     finally:
@@ -698,8 +771,7 @@ class Results:
             return None
         mean_n = statistics.fmean(n for n, _ in points)
         mean_mb = statistics.fmean(mb for _, mb in points)
-        slope = (sum((n - mean_n) * (mb - mean_mb) for n, mb in points)
-                 / sum((n - mean_n) ** 2 for n, _ in points))
+        slope = sum((n - mean_n) * (mb - mean_mb) for n, mb in points) / sum((n - mean_n) ** 2 for n, _ in points)
         return slope * 1024
 
     def keys(self) -> dict[str, float]:
@@ -746,10 +818,18 @@ class Results:
 def machine() -> str:
     load = os.getloadavg()
     memory = int(Path("/proc/meminfo").read_text().split()[1]) // 1024 // 1024
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    return (f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores ({cpu}), {memory} GiB, "
-            f"Python {platform.python_version()}, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    return (
+        f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores ({cpu}), {memory} GiB, "
+        f"Python {platform.python_version()}, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}"
+    )
 
 
 def report_scale(s: Scale, out: Callable[[str], None]) -> None:
@@ -763,29 +843,40 @@ def report_scale(s: Scale, out: Callable[[str], None]) -> None:
     out(f"  operator CPU until all Ready       {s.cpu_seconds:6.1f} s")
     out(f"  operator peak RSS (VmHWM)          {s.peak_rss_mb:6.1f} MB (after idling {s.rss_mb:.1f} MB)")
     out(f"  last event (EPD, child or pod)     {s.quiet_seconds:6.1f} s after the apply began")
-    out(f"  operator idle CPU over {s.idle_seconds:.0f} s        {s.idle_cpu_percent:6.2f} % "
-        f"({s.idle_events} events meanwhile)")
+    out(
+        f"  operator idle CPU over {s.idle_seconds:.0f} s        {s.idle_cpu_percent:6.2f} % "
+        f"({s.idle_events} events meanwhile)"
+    )
     per = s.reconciles.get("reconcile_seconds", 0) / max(1, s.reconciles.get("reconciles_success", 0))
-    out(f"  reconciles {json.dumps({k: round(v, 1) for k, v in s.reconciles.items()})}"
-        f" ({per * 1000:.1f} ms each on average)")
-    out(f"  reconciles per EPDDeployment       {s.reconciles_per_epd:6.2f} until converged, "
-        f"{s.reconciles_per_epd_to_idle:.2f} until idle")
+    out(
+        f"  reconciles {json.dumps({k: round(v, 1) for k, v in s.reconciles.items()})}"
+        f" ({per * 1000:.1f} ms each on average)"
+    )
+    out(
+        f"  reconciles per EPDDeployment       {s.reconciles_per_epd:6.2f} until converged, "
+        f"{s.reconciles_per_epd_to_idle:.2f} until idle"
+    )
     if s.cpu_to_converged:
         spent = sorted(s.cpu_to_converged.items(), key=lambda kv: -kv[1])
-        out(f"  CPU seconds until converged ({s.reconciled_seconds:.1f} s, 2 cores: "
+        out(
+            f"  CPU seconds until converged ({s.reconciled_seconds:.1f} s, 2 cores: "
             f"{s.reconciled_seconds * (os.cpu_count() or 1):.0f} CPU-s offered): "
-            + ", ".join(f"{name} {seconds:.1f}" for name, seconds in spent))
+            + ", ".join(f"{name} {seconds:.1f}" for name, seconds in spent)
+        )
     if s.api_requests:
         report_requests(s.api_requests, "first POST to all Ready", out)
     for line in s.profile:
         out(f"  {line}")
 
 
-def report_requests(requests: dict[tuple[str, str], tuple[float, float]], window: str,
-                    out: Callable[[str], None], top: int = 12) -> None:
+def report_requests(
+    requests: dict[tuple[str, str], tuple[float, float]], window: str, out: Callable[[str], None], top: int = 12
+) -> None:
     count, seconds = sum(c for c, _ in requests.values()), sum(s for _, s in requests.values())
-    out(f"  API server, {window} (apiserver_request_duration_seconds, watches left out): "
-        f"{count:.0f} requests, {seconds:.1f} s in all")
+    out(
+        f"  API server, {window} (apiserver_request_duration_seconds, watches left out): "
+        f"{count:.0f} requests, {seconds:.1f} s in all"
+    )
     out("  | verb | resource | requests | mean ms | total s |")
     out("  | --- | --- | ---: | ---: | ---: |")
     for (verb, resource), (count, seconds) in sorted(requests.items(), key=lambda kv: -kv[1][1])[:top]:
@@ -795,19 +886,27 @@ def report_requests(requests: dict[tuple[str, str], tuple[float, float]], window
 def report(results: Results, out: Callable[[str], None] = print) -> None:
     out("")
     out(f"machine: {results.machine}")
-    out(f"EPDDeployments: docs/examples/encoder-regular.yaml{' with ' + json.dumps(results.spec) if results.spec else ''}")
+    out(
+        f"EPDDeployments: docs/examples/encoder-regular.yaml{' with ' + json.dumps(results.spec) if results.spec else ''}"
+    )
     if results.latencies:
         out("")
-        out("| N | kube-controller-manager client | EPD p50 ms | EPD p99 ms | kcm p50 ms | kcm p99 ms "
-            "| p50 ratio | p99 ratio | apply s (EPD / Deployment) | operator stages, mean ms (plan / children / status) |")
+        out(
+            "| N | kube-controller-manager client | EPD p50 ms | EPD p99 ms | kcm p50 ms | kcm p99 ms "
+            "| p50 ratio | p99 ratio | apply s (EPD / Deployment) | operator stages, mean ms (plan / children / status) |"
+        )
         out("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for epd, deploy in results.latencies:
-            out(f"| {epd.n} | {epd.kcm} | {epd.p50_ms:.0f} | {epd.p99_ms:.0f} | {deploy.p50_ms:.0f} "
+            out(
+                f"| {epd.n} | {epd.kcm} | {epd.p50_ms:.0f} | {epd.p99_ms:.0f} | {deploy.p50_ms:.0f} "
                 f"| {deploy.p99_ms:.0f} | {epd.p50_ms / deploy.p50_ms:.2f}x | {epd.p99_ms / deploy.p99_ms:.2f}x "
-                f"| {epd.apply_seconds:.1f} / {deploy.apply_seconds:.1f} | {format_stages(epd.stages_ms)} |")
+                f"| {epd.apply_seconds:.1f} / {deploy.apply_seconds:.1f} | {format_stages(epd.stages_ms)} |"
+            )
         for epd, deploy in results.latencies:
-            for latencies, what in ((epd, "EPDDeployments, until all converged"),
-                                    (deploy, "Deployments, until every pod exists")):
+            for latencies, what in (
+                (epd, "EPDDeployments, until all converged"),
+                (deploy, "Deployments, until every pod exists"),
+            ):
                 if latencies.api_requests:
                     out("")
                     report_requests(latencies.api_requests, f"{latencies.n} {what}, kcm {latencies.kcm}", out, top=8)
@@ -815,17 +914,23 @@ def report(results: Results, out: Callable[[str], None] = print) -> None:
         report_scale(s, out)
     if results.scales:
         out("")
-        out("| EPDDeployments | run | created s | converged s | Ready s | reconciles/EPD (converged / idle) "
-            "| operator CPU s | peak RSS MB | RSS after idle MB | idle CPU % |")
+        out(
+            "| EPDDeployments | run | created s | converged s | Ready s | reconciles/EPD (converged / idle) "
+            "| operator CPU s | peak RSS MB | RSS after idle MB | idle CPU % |"
+        )
         out("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for n in dict.fromkeys(s.n for s in results.scales):
             for i, s in enumerate(results.runs(n), 1):
-                out(f"| {n} | {i} | {s.apply_seconds:.1f} | {s.reconciled_seconds:.1f} | {s.ready_seconds:.1f} "
+                out(
+                    f"| {n} | {i} | {s.apply_seconds:.1f} | {s.reconciled_seconds:.1f} | {s.ready_seconds:.1f} "
                     f"| {s.reconciles_per_epd:.2f} / {s.reconciles_per_epd_to_idle:.2f} | {s.cpu_seconds:.1f} "
-                    f"| {s.peak_rss_mb:.1f} | {s.rss_mb:.1f} | {s.idle_cpu_percent:.2f} |")
+                    f"| {s.peak_rss_mb:.1f} | {s.rss_mb:.1f} | {s.idle_cpu_percent:.2f} |"
+                )
     for n, seconds in results.floors.items():
-        out(f"floor: {n} EPDDeployments converged in {seconds:.1f} s with the operator stopped and a stand-in "
-            "making its writes (no watch, kopf or index): what the API server needs")
+        out(
+            f"floor: {n} EPDDeployments converged in {seconds:.1f} s with the operator stopped and a stand-in "
+            "making its writes (no watch, kopf or index): what the API server needs"
+        )
     keys = results.keys()
     out("")
     for key, value in keys.items():
@@ -840,8 +945,15 @@ def report(results: Results, out: Callable[[str], None] = print) -> None:
 # --------------------------------------------------------------------------------- main
 
 
-def run_latency(cluster: LocalCluster, api: Api, operator: OperatorProcess, sizes: list[int], kcm: str,
-                results: Results, spec: dict[str, Any] | None = None) -> list[str]:
+def run_latency(
+    cluster: LocalCluster,
+    api: Api,
+    operator: OperatorProcess,
+    sizes: list[int],
+    kcm: str,
+    results: Results,
+    spec: dict[str, Any] | None = None,
+) -> list[str]:
     """Both latency runs per size; returns the namespaces used (their objects are kept until
     the caller deletes them: a namespace deletion keeps kcm busy for a while)."""
     used = []
@@ -856,8 +968,10 @@ def run_latency(cluster: LocalCluster, api: Api, operator: OperatorProcess, size
         log(f"{n} Deployments, kcm {kcm}")
         deploy = measure_deployments(cluster, api, deploy_ns, n, kcm)
         check_alive(operator)
-        log(f"  EPD p50 {epd.p50_ms:.0f} ms p99 {epd.p99_ms:.0f} ms; kcm p50 {deploy.p50_ms:.0f} ms "
-            f"p99 {deploy.p99_ms:.0f} ms; operator stages {format_stages(epd.stages_ms)}")
+        log(
+            f"  EPD p50 {epd.p50_ms:.0f} ms p99 {epd.p99_ms:.0f} ms; kcm p50 {deploy.p50_ms:.0f} ms "
+            f"p99 {deploy.p99_ms:.0f} ms; operator stages {format_stages(epd.stages_ms)}"
+        )
         results.latencies.append((epd, deploy))
         used += [epd_ns, deploy_ns]
     return used
@@ -872,11 +986,23 @@ def warm_up(cluster: LocalCluster, api: Api) -> str:
     return namespace
 
 
-def benchmark(cluster: LocalCluster, api: Api, operator: OperatorProcess, *, sizes: list[int],
-              scales: list[int], repeat: int = 1, idle_seconds: float = 30, profile_dir: Path | None = None,
-              restart_kcm: Callable[[tuple[str, ...]], object] | None = None,
-              scale_kcm_raised: bool = False, scale_timeout: float = 600, floor: bool = False,
-              cleanup: bool = True, spec: dict[str, Any] | None = None) -> Results:
+def benchmark(
+    cluster: LocalCluster,
+    api: Api,
+    operator: OperatorProcess,
+    *,
+    sizes: list[int],
+    scales: list[int],
+    repeat: int = 1,
+    idle_seconds: float = 30,
+    profile_dir: Path | None = None,
+    restart_kcm: Callable[[tuple[str, ...]], object] | None = None,
+    scale_kcm_raised: bool = False,
+    scale_timeout: float = 600,
+    floor: bool = False,
+    cleanup: bool = True,
+    spec: dict[str, Any] | None = None,
+) -> Results:
     """Every measurement, on a running cluster with the CRD and a running operator. With
     ``restart_kcm(extra_args)`` the latency runs are repeated with kcm's client limit raised
     (and, with ``scale_kcm_raised``, the scale runs too). Each scale run, ``repeat`` times per
@@ -908,10 +1034,22 @@ def benchmark(cluster: LocalCluster, api: Api, operator: OperatorProcess, *, siz
             operator.start()
             namespace = create_namespace(cluster, api, f"bench-scale-{n}-{uuid.uuid4().hex[:5]}")
             used = [namespace]
-            s = measure_scale(cluster, api, operator, namespace, n, KCM_RAISED if raised else KCM_DEFAULT,
-                              idle_seconds=idle_seconds, profile_dir=profile_dir, timeout=scale_timeout, spec=spec)
-            log(f"  converged {s.reconciled_seconds:.1f} s, Ready {s.ready_seconds:.1f} s, peak RSS "
-                f"{s.peak_rss_mb:.1f} MB, reconciles/EPD {s.reconciles_per_epd:.2f} / {s.reconciles_per_epd_to_idle:.2f}")
+            s = measure_scale(
+                cluster,
+                api,
+                operator,
+                namespace,
+                n,
+                KCM_RAISED if raised else KCM_DEFAULT,
+                idle_seconds=idle_seconds,
+                profile_dir=profile_dir,
+                timeout=scale_timeout,
+                spec=spec,
+            )
+            log(
+                f"  converged {s.reconciled_seconds:.1f} s, Ready {s.ready_seconds:.1f} s, peak RSS "
+                f"{s.peak_rss_mb:.1f} MB, reconciles/EPD {s.reconciles_per_epd:.2f} / {s.reconciles_per_epd_to_idle:.2f}"
+            )
             results.scales.append(s)
             check_alive(operator)
         if floor:
@@ -931,27 +1069,51 @@ def benchmark(cluster: LocalCluster, api: Api, operator: OperatorProcess, *, siz
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "epd-bench",
-                        help="cluster folder (a leftover cluster there is replaced)")
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "epd-bench",
+        help="cluster folder (a leftover cluster there is replaced)",
+    )
     parser.add_argument("--nodes", type=int, default=100)
     parser.add_argument("--sizes", type=int, nargs="*", default=[50, 200], help="latency run sizes")
-    parser.add_argument("--scale", type=int, nargs="*", default=[1000],
-                        help="EPDDeployments per scale run; several sizes give the RSS slope (none: skip)")
+    parser.add_argument(
+        "--scale",
+        type=int,
+        nargs="*",
+        default=[1000],
+        help="EPDDeployments per scale run; several sizes give the RSS slope (none: skip)",
+    )
     parser.add_argument("--repeat", type=int, default=1, help="runs per scale size (3: min/median/max)")
-    parser.add_argument("--gpus-per-node", type=int, default=GPUS_PER_NODE,
-                        help="GPUs each kwok node advertises (a unit of the example takes 2)")
+    parser.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=GPUS_PER_NODE,
+        help="GPUs each kwok node advertises (a unit of the example takes 2)",
+    )
     parser.add_argument("--scale-timeout", type=float, default=600, help="seconds each scale run may take to Ready")
-    parser.add_argument("--floor", action="store_true",
-                        help="per scale size, also the floor: the operator's writes made by a stand-in")
-    parser.add_argument("--scale-kcm-raised", action="store_true",
-                        help="scale runs with kcm at 200 QPS too (5,000 pods take 10+ min at 20 QPS)")
+    parser.add_argument(
+        "--floor", action="store_true", help="per scale size, also the floor: the operator's writes made by a stand-in"
+    )
+    parser.add_argument(
+        "--scale-kcm-raised",
+        action="store_true",
+        help="scale runs with kcm at 200 QPS too (5,000 pods take 10+ min at 20 QPS)",
+    )
     parser.add_argument("--idle-seconds", type=float, default=30)
     parser.add_argument("--no-kcm-raised", action="store_true", help="skip the runs with kcm at 200 QPS")
     parser.add_argument("--profile", type=Path, default=None, help="py-spy the scale run into this folder")
-    parser.add_argument("--headless-front-service", action="store_true",
-                        help="every EPDDeployment with spec.service.headless: no ClusterIP to allocate")
-    parser.add_argument("--operator-src", type=Path, default=None,
-                        help="run the operator from this source folder (holding epd_operator/): A/B a change")
+    parser.add_argument(
+        "--headless-front-service",
+        action="store_true",
+        help="every EPDDeployment with spec.service.headless: no ClusterIP to allocate",
+    )
+    parser.add_argument(
+        "--operator-src",
+        type=Path,
+        default=None,
+        help="run the operator from this source folder (holding epd_operator/): A/B a change",
+    )
     args = parser.parse_args(argv)
     # `kill` (SIGTERM) unwinds like Ctrl-C, so the cluster and the operator are stopped too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -959,18 +1121,28 @@ def main(argv: list[str] | None = None) -> int:
     log(f"machine: {machine()}")
     # The operator runs from source in a venv of its runtime dependencies, as the image has it.
     source = args.operator_src or REPO / "operator"
-    with session(args.dir, args.nodes, operator_python=runtime_python(), operator_src=source,
-                 gpus_per_node=args.gpus_per_node) as (
-            cluster, api, operator):
-        results = benchmark(cluster, api, operator, sizes=args.sizes, scales=args.scale, repeat=args.repeat,
-                            idle_seconds=args.idle_seconds, profile_dir=args.profile,
-                            scale_kcm_raised=args.scale_kcm_raised, scale_timeout=args.scale_timeout,
-                            floor=args.floor, cleanup=False,
-                            spec={"service": {"headless": True}} if args.headless_front_service else None,
-                            restart_kcm=None if args.no_kcm_raised else
-                            lambda extra: cluster.restart("kube-controller-manager", extra))
+    with session(
+        args.dir, args.nodes, operator_python=runtime_python(), operator_src=source, gpus_per_node=args.gpus_per_node
+    ) as (cluster, api, operator):
+        results = benchmark(
+            cluster,
+            api,
+            operator,
+            sizes=args.sizes,
+            scales=args.scale,
+            repeat=args.repeat,
+            idle_seconds=args.idle_seconds,
+            profile_dir=args.profile,
+            scale_kcm_raised=args.scale_kcm_raised,
+            scale_timeout=args.scale_timeout,
+            floor=args.floor,
+            cleanup=False,
+            spec={"service": {"headless": True}} if args.headless_front_service else None,
+            restart_kcm=None if args.no_kcm_raised else lambda extra: cluster.restart("kube-controller-manager", extra),
+        )
     report(results)
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

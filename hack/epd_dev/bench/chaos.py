@@ -28,9 +28,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 import yaml
@@ -92,9 +93,16 @@ class Churn:
             replicas = rng.choice([r for r in (0, 1, 2) if r == 0 or units + r <= max_units])
             return Desired(replicas, rng.choice(MODEL_NAMES), rng.choice(MAX_MODEL_LENS))
 
-        while kinds := [k for k, ok in (("create", fresh), ("update", budget["update"] and live),
-                                        ("delete", budget["delete"] and live),
-                                        ("recreate", budget["recreate"] and gone)) if ok]:
+        while kinds := [
+            k
+            for k, ok in (
+                ("create", fresh),
+                ("update", budget["update"] and live),
+                ("delete", budget["delete"] and live),
+                ("recreate", budget["recreate"] and gone),
+            )
+            if ok
+        ]:
             kind = rng.choice(kinds)
             size = rng.randint(1, max(1, objects // 20))
             if kind in ("create", "recreate"):
@@ -181,7 +189,8 @@ def inspect(api: Api, namespace: str, final: dict[str, Desired]) -> Verdict:
     for obj in [*sets, *services]:
         children[obj["metadata"]["labels"][LABEL_DEPLOYMENT]].append(obj)
     running: collections.Counter[str] = collections.Counter(
-        p["metadata"]["labels"][LABEL_DEPLOYMENT] for p in pods if not p["metadata"].get("deletionTimestamp"))
+        p["metadata"]["labels"][LABEL_DEPLOYMENT] for p in pods if not p["metadata"].get("deletionTimestamp")
+    )
     for name, epd in sorted(epds.items()):
         want = final.get(name)
         if want is None:
@@ -212,8 +221,9 @@ def last_words(operator: OperatorProcess) -> str:
     return operator.tail(3).replace("\n", " | ")
 
 
-def settle(api: Api, operator: OperatorProcess, namespace: str, final: dict[str, Desired],
-           timeout: float) -> tuple[Verdict, float]:
+def settle(
+    api: Api, operator: OperatorProcess, namespace: str, final: dict[str, Desired], timeout: float
+) -> tuple[Verdict, float]:
     """Look until everything is clean, the operator died or ``timeout`` passed; the last
     verdict and how long it took."""
     began = time.monotonic()
@@ -230,8 +240,10 @@ def settle(api: Api, operator: OperatorProcess, namespace: str, final: dict[str,
             return verdict, waited
         if time.monotonic() - last_log > 15:
             last_log = time.monotonic()
-            log(f"orphans={len(verdict.orphans)} duplicates={len(verdict.duplicates)} "
-                f"unconverged={len(verdict.unconverged)}")
+            log(
+                f"orphans={len(verdict.orphans)} duplicates={len(verdict.duplicates)} "
+                f"unconverged={len(verdict.unconverged)}"
+            )
         time.sleep(2)
 
 
@@ -246,23 +258,40 @@ class Result:
 
     def lines(self) -> list[str]:
         v = self.verdict
-        restart = ("none" if self.apiserver_restart_seconds is None
-                   else f"killed and back in {self.apiserver_restart_seconds:.1f} s")
+        restart = (
+            "none"
+            if self.apiserver_restart_seconds is None
+            else f"killed and back in {self.apiserver_restart_seconds:.1f} s"
+        )
         out = [
             f"churn: {dict(self.counts)} in {self.churn_seconds:.0f} s",
             f"operator kill -9: {self.kills}; kube-apiserver: {restart}",
             f"settled in {self.settle_seconds:.0f} s after the churn",
         ]
-        for what, items in (("orphans", v.orphans), ("duplicates", v.duplicates), ("unconverged", v.unconverged),
-                            ("operator_crashes", v.crashes)):
+        for what, items in (
+            ("orphans", v.orphans),
+            ("duplicates", v.duplicates),
+            ("unconverged", v.unconverged),
+            ("operator_crashes", v.crashes),
+        ):
             out.append(f"{what}={len(items)}")
             out += [f"  {item}" for item in items[:20]]
         return out
 
 
-def run(cluster: LocalCluster, api: Api, operator: OperatorProcess, namespace: str, *, objects: int, kills: int,
-        seed: int, max_units: int, restart_apiserver: Callable[[], float] | None = None,
-        settle_timeout: float = 600) -> Result:
+def run(
+    cluster: LocalCluster,
+    api: Api,
+    operator: OperatorProcess,
+    namespace: str,
+    *,
+    objects: int,
+    kills: int,
+    seed: int,
+    max_units: int,
+    restart_apiserver: Callable[[], float] | None = None,
+    settle_timeout: float = 600,
+) -> Result:
     """The churn on one thread; kills (and the API server restart, half-way) on this one.
 
     Kill k waits for its step of the churn, then a random 0-1 s (the operator is busy
@@ -331,15 +360,23 @@ def run(cluster: LocalCluster, api: Api, operator: OperatorProcess, namespace: s
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "epd-chaos",
-                        help="cluster folder (a leftover cluster there is replaced)")
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "epd-chaos",
+        help="cluster folder (a leftover cluster there is replaced)",
+    )
     parser.add_argument("--nodes", type=int, default=40)
     parser.add_argument("--objects", type=int, default=500)
     parser.add_argument("--kills", type=int, default=20)
     parser.add_argument("--seed", type=int, default=None, help="default: random (printed)")
     parser.add_argument("--settle", type=float, default=600, help="seconds to wait for convergence")
-    parser.add_argument("--operator-src", type=Path, default=None,
-                        help="run the operator from this source folder (holding epd_operator/): A/B a change")
+    parser.add_argument(
+        "--operator-src",
+        type=Path,
+        default=None,
+        help="run the operator from this source folder (holding epd_operator/): A/B a change",
+    )
     args = parser.parse_args(argv)
     # `kill` (SIGTERM) unwinds like Ctrl-C, so the cluster and the operator are stopped too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -349,14 +386,24 @@ def main(argv: list[str] | None = None) -> int:
     with session(args.dir, args.nodes, operator_src=args.operator_src) as (cluster, api, operator):
         namespace = create_namespace(cluster, api, "chaos")
         gpus = sum(int(n["status"]["allocatable"]["nvidia.com/gpu"]) for n in api.items("/api/v1/nodes"))
-        result = run(cluster, api, operator, namespace, objects=args.objects, kills=args.kills, seed=seed,
-                     max_units=gpus // 2, settle_timeout=args.settle,
-                     restart_apiserver=lambda: cluster.restart("kube-apiserver", hard=True))
+        result = run(
+            cluster,
+            api,
+            operator,
+            namespace,
+            objects=args.objects,
+            kills=args.kills,
+            seed=seed,
+            max_units=gpus // 2,
+            settle_timeout=args.settle,
+            restart_apiserver=lambda: cluster.restart("kube-apiserver", hard=True),
+        )
         for line in result.lines():
             print(line)
         if not result.verdict.clean:
             print(f"--- operator log (tail) ---\n{operator.tail(60)}", file=sys.stderr)
     return 0 if result.verdict.clean else 1
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -40,8 +40,9 @@ def runtime_python() -> Path:
     RSS the shipped operator does not have). Versions pinned to the test venv's; cached by them.
     The operator itself runs from source (PYTHONPATH), so it need not be reinstalled."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    frozen = subprocess.run([sys.executable, "-m", "pip", "freeze", "--exclude-editable"],
-                            check=True, capture_output=True, text=True).stdout
+    frozen = subprocess.run(
+        [sys.executable, "-m", "pip", "freeze", "--exclude-editable"], check=True, capture_output=True, text=True
+    ).stdout
     key = hashlib.sha256(("\n".join(project["dependencies"]) + frozen).encode()).hexdigest()[:12]
     venv = cache_root() / "runtime" / key
     python = venv / "bin" / "python"
@@ -53,8 +54,21 @@ def runtime_python() -> Path:
     subprocess.run([sys.executable, "-m", "venv", str(partial)], check=True)
     constraints = partial / "constraints.txt"
     constraints.write_text(frozen)
-    subprocess.run([str(partial / "bin" / "python"), "-m", "pip", "install", "--disable-pip-version-check",
-                    "--progress-bar", "off", "-c", str(constraints), *project["dependencies"]], check=True)
+    subprocess.run(
+        [
+            str(partial / "bin" / "python"),
+            "-m",
+            "pip",
+            "install",
+            "--disable-pip-version-check",
+            "--progress-bar",
+            "off",
+            "-c",
+            str(constraints),
+            *project["dependencies"],
+        ],
+        check=True,
+    )
     partial.rename(venv)  # a venv's scripts name their folder, but `python -m` works from anywhere
     return python
 
@@ -73,8 +87,12 @@ def set_node_gpus(cluster: LocalCluster, gpus: int) -> None:
     patch = {"status": {key: {"nvidia.com/gpu": str(gpus)} for key in ("capacity", "allocatable")}}
     try:
         for name in cluster.node_names:
-            api.call("PATCH", f"/api/v1/nodes/{name}/status", json=patch,
-                     headers={"Content-Type": "application/merge-patch+json"})
+            api.call(
+                "PATCH",
+                f"/api/v1/nodes/{name}/status",
+                json=patch,
+                headers={"Content-Type": "application/merge-patch+json"},
+            )
     finally:
         api.close()
 
@@ -110,8 +128,11 @@ def converged(epd: dict[str, Any]) -> bool:
     generation = epd["metadata"].get("generation")
     status = epd.get("status") or {}
     ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), {})
-    return (status.get("observedGeneration") == generation and ready.get("status") == "True"
-            and ready.get("observedGeneration") == generation)
+    return (
+        status.get("observedGeneration") == generation
+        and ready.get("status") == "True"
+        and ready.get("observedGeneration") == generation
+    )
 
 
 def epd_manifest(name: str, **spec: Any) -> dict[str, Any]:
@@ -133,20 +154,28 @@ def create_namespace(cluster: LocalCluster, api: Api, name: str) -> str:
 
 
 @contextlib.contextmanager
-def session(folder: Path, nodes: int, *, operator_python: Path | None = None,
-            operator_src: Path | None = None, gpus_per_node: int = GPUS_PER_NODE,
-            ) -> Iterator[tuple[LocalCluster, Api, OperatorProcess]]:
+def session(
+    folder: Path,
+    nodes: int,
+    *,
+    operator_python: Path | None = None,
+    operator_src: Path | None = None,
+    gpus_per_node: int = GPUS_PER_NODE,
+) -> Iterator[tuple[LocalCluster, Api, OperatorProcess]]:
     """A started cluster (GPU nodes, the CRD), its admin API and a started operator, all
     stopped at the end. The operator runs from `operator_src` (default: this clone's) and
     without the janitor scrape loop: kwok pods have no janitor, so it would only add noise."""
     cluster = start_cluster(folder, nodes, gpus_per_node)
     api = Api(cluster)
     env = {"PYTHONPATH": str(operator_src.resolve())} if operator_src else None
-    operator = OperatorProcess(cluster.kubeconfig, folder / "operator", env=env,
-                               python=operator_python or sys.executable,
-                               # An image name of its own: a source tree has no installed version to name it by.
-                               extra_args=["--all-namespaces", "--janitor-scrape-interval", "0",
-                                           "--janitor-image", "epd-operator:bench"])
+    operator = OperatorProcess(
+        cluster.kubeconfig,
+        folder / "operator",
+        env=env,
+        python=operator_python or sys.executable,
+        # An image name of its own: a source tree has no installed version to name it by.
+        extra_args=["--all-namespaces", "--janitor-scrape-interval", "0", "--janitor-image", "epd-operator:bench"],
+    )
     try:
         operator.start()
         yield cluster, api, operator

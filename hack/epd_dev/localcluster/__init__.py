@@ -8,11 +8,11 @@ from .binaries import ETCD_VERSION, HELM_VERSION, K8S_VERSION, KWOK_VERSION
 from .cluster import ClusterBusy, ClusterError, LocalCluster
 
 __all__ = [
-    "ClusterBusy",
-    "ClusterError",
     "ETCD_VERSION",
     "HELM_VERSION",
     "K8S_VERSION",
     "KWOK_VERSION",
+    "ClusterBusy",
+    "ClusterError",
     "LocalCluster",
 ]

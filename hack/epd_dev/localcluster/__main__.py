@@ -6,8 +6,8 @@ import argparse
 import json
 import sys
 
-from .cluster import ClusterError, LocalCluster
 from ..paths import REPO
+from .cluster import ClusterError, LocalCluster
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,8 +18,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", choices=("up", "down", "status"))
     parser.add_argument("--dir", help="cluster folder (default: .cluster in the repo root)")
     parser.add_argument("--nodes", type=int, default=4, help="fake GPU nodes (default 4)")
-    parser.add_argument("--recreate", action="store_true",
-                        help="up: start fresh even if a healthy cluster already runs in --dir")
+    parser.add_argument(
+        "--recreate", action="store_true", help="up: start fresh even if a healthy cluster already runs in --dir"
+    )
     args = parser.parse_args(argv)
 
     cluster = LocalCluster(args.dir or REPO / ".cluster", nodes=args.nodes)

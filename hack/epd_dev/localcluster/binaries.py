@@ -62,20 +62,37 @@ class Binary:
 
 BINARIES: tuple[Binary, ...] = (
     # Biggest first: it compiles most of the shared packages.
-    Binary("kube-apiserver", "kubernetes", "k8s.io/kubernetes/cmd/kube-apiserver",
-           ("--version",), f"Kubernetes {K8S_VERSION}"),
-    Binary("kube-controller-manager", "kubernetes", "k8s.io/kubernetes/cmd/kube-controller-manager",
-           ("--version",), f"Kubernetes {K8S_VERSION}"),
-    Binary("kube-scheduler", "kubernetes", "k8s.io/kubernetes/cmd/kube-scheduler",
-           ("--version",), f"Kubernetes {K8S_VERSION}"),
-    Binary("kubectl", "kubernetes", "k8s.io/kubernetes/cmd/kubectl",
-           ("version", "--client"), f"Client Version: {K8S_VERSION}"),
-    Binary("etcd", "etcd", ".",
-           ("--version",), f"etcd Version: {ETCD_VERSION.lstrip('v')}"),
-    Binary("kwok", "kwok", "sigs.k8s.io/kwok/cmd/kwok",
-           ("--version",), KWOK_VERSION),
-    Binary("helm", "helm", "helm.sh/helm/v3/cmd/helm",
-           ("version", "--short"), HELM_VERSION),
+    Binary(
+        "kube-apiserver",
+        "kubernetes",
+        "k8s.io/kubernetes/cmd/kube-apiserver",
+        ("--version",),
+        f"Kubernetes {K8S_VERSION}",
+    ),
+    Binary(
+        "kube-controller-manager",
+        "kubernetes",
+        "k8s.io/kubernetes/cmd/kube-controller-manager",
+        ("--version",),
+        f"Kubernetes {K8S_VERSION}",
+    ),
+    Binary(
+        "kube-scheduler",
+        "kubernetes",
+        "k8s.io/kubernetes/cmd/kube-scheduler",
+        ("--version",),
+        f"Kubernetes {K8S_VERSION}",
+    ),
+    Binary(
+        "kubectl",
+        "kubernetes",
+        "k8s.io/kubernetes/cmd/kubectl",
+        ("version", "--client"),
+        f"Client Version: {K8S_VERSION}",
+    ),
+    Binary("etcd", "etcd", ".", ("--version",), f"etcd Version: {ETCD_VERSION.lstrip('v')}"),
+    Binary("kwok", "kwok", "sigs.k8s.io/kwok/cmd/kwok", ("--version",), KWOK_VERSION),
+    Binary("helm", "helm", "helm.sh/helm/v3/cmd/helm", ("version", "--short"), HELM_VERSION),
 )
 NAMES = tuple(b.name for b in BINARIES)
 
@@ -113,7 +130,7 @@ def _check_pins() -> None:
     """Refuse to build if a go.mod disagrees with the versions named in the key."""
     for module, path, version in _PINS:
         gomod = (_go_dir() / module / "go.mod").read_text()
-        if not re.search(rf"^\s*(require\s+)?{re.escape(path)} {re.escape(version)}\b", gomod, re.M):
+        if not re.search(rf"^\s*(require\s+)?{re.escape(path)} {re.escape(version)}\b", gomod, re.MULTILINE):
             raise SystemExit(
                 f"{_go_dir() / module / 'go.mod'} does not require {path} {version}; "
                 "update the version constants in hack/epd_dev/localcluster/binaries.py with it"
@@ -126,10 +143,7 @@ def cache_key() -> str:
         if path.suffix in (".go", ".mod", ".sum"):
             digest.update(str(path.relative_to(_go_dir())).encode() + b"\0")
             digest.update(path.read_bytes() + b"\0")
-    return (
-        f"k8s-{K8S_VERSION}_etcd-{ETCD_VERSION}_kwok-{KWOK_VERSION}_helm-{HELM_VERSION}"
-        f"_{digest.hexdigest()[:12]}"
-    )
+    return f"k8s-{K8S_VERSION}_etcd-{ETCD_VERSION}_kwok-{KWOK_VERSION}_helm-{HELM_VERSION}_{digest.hexdigest()[:12]}"
 
 
 def cache_root() -> Path:
@@ -155,9 +169,7 @@ def missing_binaries() -> list[str]:
 def version_of(path: Path, binary: Binary) -> str | None:
     """The binary's version output if it contains the expected version."""
     try:
-        out = subprocess.run(
-            [str(path), *binary.version_args], capture_output=True, text=True, timeout=60
-        )
+        out = subprocess.run([str(path), *binary.version_args], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired):
         return None
     text = (out.stdout + out.stderr).strip()
@@ -200,8 +212,15 @@ def _fmt(seconds: float) -> str:
 def _go_build(binary: Binary, out: Path) -> None:
     tmp = out.with_name(f".{out.name}.tmp")
     cmd = [
-        "go", "build", "-buildvcs=false", "-trimpath",
-        "-ldflags", _ldflags(binary), "-o", str(tmp), binary.package,
+        "go",
+        "build",
+        "-buildvcs=false",
+        "-trimpath",
+        "-ldflags",
+        _ldflags(binary),
+        "-o",
+        str(tmp),
+        binary.package,
     ]
     # Static binaries like upstream's releases; same env as the warm-up build.
     env = {**os.environ, "CGO_ENABLED": "0"}
@@ -227,8 +246,7 @@ def _go_build(binary: Binary, out: Path) -> None:
 def _write_kwok_stages(dest: Path) -> None:
     kwok_src = Path(_go("kwok", "list", "-m", "-f", "{{.Dir}}", "sigs.k8s.io/kwok"))
     docs = [
-        f"# From sigs.k8s.io/kwok@{KWOK_VERSION} {name} (Apache-2.0)\n"
-        + (kwok_src / name).read_text().strip()
+        f"# From sigs.k8s.io/kwok@{KWOK_VERSION} {name} (Apache-2.0)\n" + (kwok_src / name).read_text().strip()
         for name in KWOK_STAGE_FILES
     ]
     dest.write_text("\n---\n".join(docs) + "\n")
@@ -279,8 +297,12 @@ def build(force: bool = False) -> Path:
 
         _write_kwok_stages(staging / KWOK_STAGES)
         manifest = {
-            "kubernetes": K8S_VERSION, "etcd": ETCD_VERSION, "kwok": KWOK_VERSION,
-            "helm": HELM_VERSION, "key": key, "build_seconds": timings,
+            "kubernetes": K8S_VERSION,
+            "etcd": ETCD_VERSION,
+            "kwok": KWOK_VERSION,
+            "helm": HELM_VERSION,
+            "key": key,
+            "build_seconds": timings,
             "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
@@ -292,11 +314,15 @@ def build(force: bool = False) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m epd_dev.localcluster.build", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m epd_dev.localcluster.build",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--force", action="store_true", help="rebuild even if cached")
-    parser.add_argument("--print-bin-dir", action="store_true",
-                        help="print the cache's bin folder and exit (builds nothing)")
+    parser.add_argument(
+        "--print-bin-dir", action="store_true", help="print the cache's bin folder and exit (builds nothing)"
+    )
     args = parser.parse_args(argv)
     if args.print_bin_dir:
         print(bin_dir())

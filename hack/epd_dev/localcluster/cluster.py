@@ -31,9 +31,10 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from . import binaries
 
@@ -106,8 +107,9 @@ def _alive(proc: _Proc) -> bool:
 
 def alive_components(state: dict[str, Any]) -> list[str]:
     """The components of a `state.json` snapshot that still run (same pid, same start time)."""
-    return [name for name, rec in state.get("processes", {}).items()
-            if _alive(_Proc(name, rec["pid"], rec["start_ticks"]))]
+    return [
+        name for name, rec in state.get("processes", {}).items() if _alive(_Proc(name, rec["pid"], rec["start_ticks"]))
+    ]
 
 
 def _free_ports(n: int) -> list[int]:
@@ -169,8 +171,7 @@ class LocalCluster:
         # etcd vanished first does not finish a graceful shutdown.
         self.die_with_parent = die_with_parent
         self.extra_stages = (
-            [Path(p) for p in extra_stages] if extra_stages is not None
-            else sorted(EXTRA_STAGES_DIR.glob("*.yaml"))
+            [Path(p) for p in extra_stages] if extra_stages is not None else sorted(EXTRA_STAGES_DIR.glob("*.yaml"))
         )
         self._log = log or (lambda msg: print(f"[cluster] {msg}", flush=True))
         self._procs: dict[str, _Proc] = {}
@@ -225,14 +226,14 @@ class LocalCluster:
 
     # ------------------------------------------------------------- lifecycle
 
-    def __enter__(self) -> "LocalCluster":
+    def __enter__(self) -> LocalCluster:
         self.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def start(self, timeout: float = 180) -> "LocalCluster":
+    def start(self, timeout: float = 180) -> LocalCluster:
         """Start a fresh cluster, killing whatever an earlier run left in ``dir``."""
         missing = [n for n in binaries.NAMES if not os.access(self.bin_dir / n, os.X_OK)]
         if missing:
@@ -279,15 +280,16 @@ class LocalCluster:
             self._spawn("kube-controller-manager", self._controller_manager_args())
             self._spawn("kube-scheduler", self._scheduler_args())
             self._spawn("kwok", self._kwok_args())
-            self._wait("kube-controller-manager healthy",
-                       lambda: self._https_ok(ports["controller-manager"]), deadline,
-                       "kube-controller-manager")
-            self._wait("kube-scheduler healthy",
-                       lambda: self._https_ok(ports["scheduler"]), deadline, "kube-scheduler")
+            self._wait(
+                "kube-controller-manager healthy",
+                lambda: self._https_ok(ports["controller-manager"]),
+                deadline,
+                "kube-controller-manager",
+            )
+            self._wait("kube-scheduler healthy", lambda: self._https_ok(ports["scheduler"]), deadline, "kube-scheduler")
             self._wait("kwok healthy", self._kwok_healthy, deadline, "kwok")
             self._wait(f"{self.nodes} nodes Ready and untainted", self._nodes_ready, deadline, "kwok")
-            self._wait("default ServiceAccount", self._default_sa_exists, deadline,
-                       "kube-controller-manager")
+            self._wait("default ServiceAccount", self._default_sa_exists, deadline, "kube-controller-manager")
         except BaseException:
             self.stop(quiet=True)
             raise
@@ -326,8 +328,9 @@ class LocalCluster:
             self.state_file.unlink()
         return [p.name for p in reversed(running)]
 
-    def restart(self, component: str, extra_args: tuple[str, ...] = (), *, hard: bool = False,
-                timeout: float = 120) -> float:
+    def restart(
+        self, component: str, extra_args: tuple[str, ...] = (), *, hard: bool = False, timeout: float = 120
+    ) -> float:
         """Stop ``component`` (SIGKILL if ``hard``, else SIGTERM) and start it again with its
         usual flags plus ``extra_args``; wait until it is healthy and return the seconds taken.
 
@@ -335,8 +338,10 @@ class LocalCluster:
         the cluster (it reaps the old process)."""
         checks: dict[str, tuple[Callable[[], list[str]], Callable[[], bool]]] = {
             "kube-apiserver": (self._apiserver_args, self._apiserver_ready),
-            "kube-controller-manager": (self._controller_manager_args,
-                                        lambda: self._https_ok(self._ports["controller-manager"])),
+            "kube-controller-manager": (
+                self._controller_manager_args,
+                lambda: self._https_ok(self._ports["controller-manager"]),
+            ),
         }
         if component not in checks:
             raise ValueError(f"cannot restart {component!r}: only {', '.join(checks)}")
@@ -390,12 +395,12 @@ class LocalCluster:
 
     # ---------------------------------------------------------------- helpers
 
-    def kubectl(self, *args: str, input: str | None = None, check: bool = True,
-                timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60
+    ) -> subprocess.CompletedProcess[str]:
         """Run the real kubectl against this cluster; raise ClusterError on failure if ``check``."""
         cmd = [str(self.bin_dir / "kubectl"), "--kubeconfig", str(self.kubeconfig), *args]
-        out = subprocess.run(cmd, input=input, capture_output=True, text=True,
-                             timeout=timeout, env=self.env())
+        out = subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=timeout, env=self.env())
         if check and out.returncode != 0:
             raise ClusterError(f"kubectl {' '.join(args)} failed ({out.returncode}): {out.stderr.strip()}")
         return out
@@ -403,9 +408,12 @@ class LocalCluster:
     def api(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
         """Minimal admin REST call: (status, decoded JSON body)."""
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.server + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json",
-                                              "Accept": "application/json"})
+        req = urllib.request.Request(
+            self.server + path,
+            data=data,
+            method=method,
+            headers={"Content-Type": "application/json", "Accept": "application/json"},
+        )
         try:
             with urllib.request.urlopen(req, context=self._admin_tls(), timeout=10) as resp:
                 status, raw = resp.status, resp.read()
@@ -433,10 +441,18 @@ class LocalCluster:
         from .pki import PKI  # cryptography is only needed when starting a cluster
 
         pki = PKI(self.pki)
-        pki.issue("apiserver", "kube-apiserver",
-                  dns=("localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
-                       "kubernetes.default.svc.cluster.local"),
-                  ips=("127.0.0.1", FIRST_SERVICE_IP))
+        pki.issue(
+            "apiserver",
+            "kube-apiserver",
+            dns=(
+                "localhost",
+                "kubernetes",
+                "kubernetes.default",
+                "kubernetes.default.svc",
+                "kubernetes.default.svc.cluster.local",
+            ),
+            ips=("127.0.0.1", FIRST_SERVICE_IP),
+        )
         pki.service_account_keys()
         pki.issue("front-proxy-client", "front-proxy-client")
         # Each component gets its own identity so the bootstrap RBAC roles are
@@ -463,13 +479,13 @@ kind: Config
 clusters:
 - name: epd-local
   cluster:
-    server: https://127.0.0.1:{self._ports['apiserver']}
-    certificate-authority-data: {_b64(self.pki / 'ca.crt')}
+    server: https://127.0.0.1:{self._ports["apiserver"]}
+    certificate-authority-data: {_b64(self.pki / "ca.crt")}
 users:
 - name: {user}
   user:
-    client-certificate-data: {_b64(self.pki / f'{user}.crt')}
-    client-key-data: {_b64(self.pki / f'{user}.key')}
+    client-certificate-data: {_b64(self.pki / f"{user}.crt")}
+    client-key-data: {_b64(self.pki / f"{user}.key")}
 contexts:
 - name: epd-local
   context:
@@ -489,21 +505,27 @@ current-context: epd-local
         client = f"http://127.0.0.1:{self._ports['etcd']}"
         peer = f"http://127.0.0.1:{self._ports['etcd-peer']}"
         return [
-            "--name=local", f"--data-dir={self.dir / 'etcd'}",
-            f"--listen-client-urls={client}", f"--advertise-client-urls={client}",
-            f"--listen-peer-urls={peer}", f"--initial-advertise-peer-urls={peer}",
+            "--name=local",
+            f"--data-dir={self.dir / 'etcd'}",
+            f"--listen-client-urls={client}",
+            f"--advertise-client-urls={client}",
+            f"--listen-peer-urls={peer}",
+            f"--initial-advertise-peer-urls={peer}",
             f"--initial-cluster=local={peer}",
             # Throwaway data: skipping fsync keeps 2-core machines responsive.
-            "--unsafe-no-fsync", "--log-level=warn",
+            "--unsafe-no-fsync",
+            "--log-level=warn",
         ]
 
     def _apiserver_args(self) -> list[str]:
         pki = self.pki
         return [
             f"--etcd-servers=http://127.0.0.1:{self._ports['etcd']}",
-            "--bind-address=127.0.0.1", f"--advertise-address={ADVERTISE_ADDRESS}",
+            "--bind-address=127.0.0.1",
+            f"--advertise-address={ADVERTISE_ADDRESS}",
             f"--secure-port={self._ports['apiserver']}",
-            f"--tls-cert-file={pki / 'apiserver.crt'}", f"--tls-private-key-file={pki / 'apiserver.key'}",
+            f"--tls-cert-file={pki / 'apiserver.crt'}",
+            f"--tls-private-key-file={pki / 'apiserver.key'}",
             f"--cert-dir={self.dir / 'run' / 'apiserver'}",
             f"--client-ca-file={pki / 'ca.crt'}",
             "--authorization-mode=Node,RBAC",
@@ -520,34 +542,44 @@ current-context: epd-local
             "--requestheader-extra-headers-prefix=X-Remote-Extra-",
             f"--proxy-client-cert-file={pki / 'front-proxy-client.crt'}",
             f"--proxy-client-key-file={pki / 'front-proxy-client.key'}",
-            "--allow-privileged=true", "--profiling=false",
+            "--allow-privileged=true",
+            "--profiling=false",
         ]
 
     def _controller_manager_args(self) -> list[str]:
         kc = self.dir / "kubeconfigs" / "controller-manager.kubeconfig"
         pki = self.pki
         return [
-            f"--kubeconfig={kc}", f"--authentication-kubeconfig={kc}", f"--authorization-kubeconfig={kc}",
-            "--bind-address=127.0.0.1", f"--secure-port={self._ports['controller-manager']}",
+            f"--kubeconfig={kc}",
+            f"--authentication-kubeconfig={kc}",
+            f"--authorization-kubeconfig={kc}",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={self._ports['controller-manager']}",
             f"--cert-dir={self.dir / 'run' / 'controller-manager'}",
             f"--root-ca-file={pki / 'ca.crt'}",
             f"--service-account-private-key-file={pki / 'sa.key'}",
             "--use-service-account-credentials=true",
-            f"--cluster-signing-cert-file={pki / 'ca.crt'}", f"--cluster-signing-key-file={pki / 'ca.key'}",
+            f"--cluster-signing-cert-file={pki / 'ca.crt'}",
+            f"--cluster-signing-key-file={pki / 'ca.key'}",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
             # Default set: deployment, replicaset, garbage-collector, namespace,
             # serviceaccount(-token), nodelifecycle, job, ... (all upstream defaults).
             "--controllers=*",
-            "--leader-elect=false", "--profiling=false",
+            "--leader-elect=false",
+            "--profiling=false",
         ]
 
     def _scheduler_args(self) -> list[str]:
         kc = self.dir / "kubeconfigs" / "scheduler.kubeconfig"
         return [
-            f"--kubeconfig={kc}", f"--authentication-kubeconfig={kc}", f"--authorization-kubeconfig={kc}",
-            "--bind-address=127.0.0.1", f"--secure-port={self._ports['scheduler']}",
+            f"--kubeconfig={kc}",
+            f"--authentication-kubeconfig={kc}",
+            f"--authorization-kubeconfig={kc}",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={self._ports['scheduler']}",
             f"--cert-dir={self.dir / 'run' / 'scheduler'}",
-            "--leader-elect=false", "--profiling=false",
+            "--leader-elect=false",
+            "--profiling=false",
         ]
 
     def _kwok_args(self) -> list[str]:
@@ -595,7 +627,9 @@ current-context: epd-local
         try:
             popen = subprocess.Popen(
                 [str(self.bin_dir / name), *args],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
                 cwd=self.dir / "run",
                 # Own process group: Ctrl-C in the launching shell does not reach
                 # it, and stop() can signal the whole group.

@@ -41,7 +41,7 @@ class PKI:
     def __init__(self, folder: Path) -> None:
         self.dir = folder
         self.dir.mkdir(parents=True, exist_ok=True)
-        now = dt.datetime.now(dt.timezone.utc) - dt.timedelta(minutes=5)  # clock skew slack
+        now = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=5)  # clock skew slack
         self._not_before, self._not_after = now, now + _VALID
         self._ca_key = ec.generate_private_key(ec.SECP256R1())
         self._ca_name = _name("epd-local-ca")
@@ -50,9 +50,15 @@ class PKI:
             .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
             .add_extension(
                 x509.KeyUsage(
-                    digital_signature=True, key_cert_sign=True, crl_sign=True,
-                    content_commitment=False, key_encipherment=False, data_encipherment=False,
-                    key_agreement=False, encipher_only=False, decipher_only=False,
+                    digital_signature=True,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    encipher_only=False,
+                    decipher_only=False,
                 ),
                 critical=True,
             )
@@ -112,8 +118,6 @@ class PKI:
         private, public = self.dir / "sa.key", self.dir / "sa.pub"
         _write_key(key, private)
         public.write_bytes(
-            key.public_key().public_bytes(
-                serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-            )
+            key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
         )
         return private, public

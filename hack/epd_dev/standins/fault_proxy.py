@@ -125,25 +125,19 @@ class FaultProxy(Served):
 
     async def _forward(self, request: Request, writer: asyncio.StreamWriter) -> int:
         try:
-            up_reader, up_writer = await asyncio.open_connection(
-                self.upstream_host, self.upstream_port
-            )
+            up_reader, up_writer = await asyncio.open_connection(self.upstream_host, self.upstream_port)
         except OSError:
             # What a router answers when its engine is down.
             writer.write(response_bytes(502, b'{"error": "upstream unreachable"}', close=True))
             await writer.drain()
             return 502
         try:
-            headers = [
-                (k, v) for k, v in request.headers if k.lower() not in ("host", "connection")
-            ]
+            headers = [(k, v) for k, v in request.headers if k.lower() not in ("host", "connection")]
             headers += [
                 ("host", f"{self.upstream_host}:{self.upstream_port}"),
                 ("connection", "close"),
             ]
-            head = f"{request.method} {request.target} HTTP/1.1\r\n" + "".join(
-                f"{k}: {v}\r\n" for k, v in headers
-            )
+            head = f"{request.method} {request.target} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers)
             up_writer.write(head.encode("latin-1") + b"\r\n" + request.body)
             await up_writer.drain()
 
@@ -152,14 +146,9 @@ class FaultProxy(Served):
             kept = [
                 line
                 for line in lines
-                if line
-                and line.split(":", 1)[0].strip().lower() not in ("connection", "keep-alive")
+                if line and line.split(":", 1)[0].strip().lower() not in ("connection", "keep-alive")
             ]
-            writer.write(
-                ("\r\n".join([status_line, *kept, "connection: close"]) + "\r\n\r\n").encode(
-                    "latin-1"
-                )
-            )
+            writer.write(("\r\n".join([status_line, *kept, "connection: close"]) + "\r\n\r\n").encode("latin-1"))
             while chunk := await up_reader.read(65536):
                 writer.write(chunk)
                 await writer.drain()

@@ -57,9 +57,7 @@ async def read_request(reader: asyncio.StreamReader) -> Request | None:
     return request
 
 
-def response_bytes(
-    status: int, body: bytes, *, content_type: str = "application/json", close: bool = False
-) -> bytes:
+def response_bytes(status: int, body: bytes, *, content_type: str = "application/json", close: bool = False) -> bytes:
     head = [
         f"HTTP/1.1 {status} {REASONS.get(status, 'Unknown')}",
         f"content-type: {content_type}",

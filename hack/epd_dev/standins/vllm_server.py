@@ -66,8 +66,13 @@ class StandinServer(Served):
     """In-process use: ``with StandinServer(delay=0.2) as server: ... server.url``."""
 
     def __init__(
-        self, *, delay: float = 0.0, ec_store: set[str] | None = None, port: int = 0,
-        ec_transfer: bool = False, mm_metadata: bool = True,
+        self,
+        *,
+        delay: float = 0.0,
+        ec_store: set[str] | None = None,
+        port: int = 0,
+        ec_transfer: bool = False,
+        mm_metadata: bool = True,
     ) -> None:
         self.delay = delay
         self.ec_store = ec_store if ec_store is not None else set()
@@ -138,8 +143,14 @@ class StandinServer(Served):
         pull it (its side channel; here this server's own address) and how big it is."""
         host, port = self.url.removeprefix("http://").rsplit(":", 1)
         return {
-            mm_hash(url): {"item_indices": [i], "metadata": {}, "peer_host": host, "peer_port": int(port),
-                           "size_bytes": 4096, "shape": [4, 512]}
+            mm_hash(url): {
+                "item_indices": [i],
+                "metadata": {},
+                "peer_host": host,
+                "peer_port": int(port),
+                "size_bytes": 4096,
+                "shape": [4, 512],
+            }
             for i, url in enumerate(urls)
         }
 
@@ -194,9 +205,7 @@ def _image_urls(body: dict[str, Any]) -> list[str]:
         for message in body.get("messages") or []
         if isinstance(message.get("content"), list)
         for part in message["content"]
-        if isinstance(part, dict)
-        and part.get("type") == "image_url"
-        and isinstance(part["image_url"].get("url"), str)
+        if isinstance(part, dict) and part.get("type") == "image_url" and isinstance(part["image_url"].get("url"), str)
     ]
 
 

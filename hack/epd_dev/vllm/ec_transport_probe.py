@@ -49,8 +49,13 @@ def _side(name: str):
     # One block per embedding row, as create_ec_shared_region sizes them.
     block_size = EMBEDDING_SHAPE[1] * torch.empty(0, dtype=torch.bfloat16).element_size()
     region = ECSharedRegion(engine_id=f"probe-{name}", num_blocks=NUM_BLOCKS, block_size_bytes=block_size)
-    data = NixlDataTransport(agent_name=name, base_ptr=region.blocks.data_ptr(), num_blocks=NUM_BLOCKS,
-                             block_size_bytes=block_size, total_size_bytes=NUM_BLOCKS * block_size)
+    data = NixlDataTransport(
+        agent_name=name,
+        base_ptr=region.blocks.data_ptr(),
+        num_blocks=NUM_BLOCKS,
+        block_size_bytes=block_size,
+        total_size_bytes=NUM_BLOCKS * block_size,
+    )
     compat = compute_ec_compatibility_hash("probe", "probe-model", "torch.bfloat16", block_size)
     return region, EmbeddingCache(NUM_BLOCKS), data, compat
 
@@ -100,8 +105,9 @@ def read(address: str, port: int) -> dict:
     region, cache, data, compat = _side("consumer")
     entry = cache.alloc(MM_HASH, EMBEDDING_SHAPE[0], EMBEDDING_SHAPE)
     transport, peer = ZmqClientTransport(), (address, port)
-    session = ConsumerSession(addr=peer, zmq_conn=transport.connect(peer), transport=transport,
-                              data=data, compat_hash=compat)
+    session = ConsumerSession(
+        addr=peer, zmq_conn=transport.connect(peer), transport=transport, data=data, compat_hash=compat
+    )
     deadline = time.monotonic() + TIMEOUT_S
     session.start_xfer(MM_HASH, list(entry.block_ids), deadline)
     outcome = "timeout"
@@ -116,8 +122,7 @@ def read(address: str, port: int) -> dict:
             break
         time.sleep(0.01)
     equal = outcome == "completed" and bool(torch.equal(_read_rows(region, entry), _embedding()))
-    return {"side": "read", "outcome": outcome, "embedding_equal": equal,
-            "shm": sorted(os.listdir("/dev/shm"))}
+    return {"side": "read", "outcome": outcome, "embedding_equal": equal, "shm": sorted(os.listdir("/dev/shm"))}
 
 
 def main(argv: list[str]) -> int:

@@ -36,7 +36,7 @@ class EngineFailed(RuntimeError):
 
 
 # Engines started and not yet stopped: failure reports attach their log tails.
-RUNNING: list["Engine"] = []
+RUNNING: list[Engine] = []
 
 _PR_SET_PDEATHSIG = 1
 
@@ -49,9 +49,18 @@ def _die_with_parent() -> None:
 class Engine:
     """One server process: `argv` is run as is, with `env` added to os.environ."""
 
-    def __init__(self, name: str, argv: list[str], *, port: int, log_dir: Path,
-                 env: dict[str, str] | None = None, health_path: str = "/health",
-                 host: str = "127.0.0.1", die_with_parent: bool = True) -> None:
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        *,
+        port: int,
+        log_dir: Path,
+        env: dict[str, str] | None = None,
+        health_path: str = "/health",
+        host: str = "127.0.0.1",
+        die_with_parent: bool = True,
+    ) -> None:
         self.name, self.argv, self.port, self.host = name, [str(a) for a in argv], port, host
         self.env = {**os.environ, **(env or {})}
         self.log_path = Path(log_dir) / f"{name}.log"
@@ -65,17 +74,22 @@ class Engine:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self) -> "Engine":
+    def start(self) -> Engine:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")
         log.write(("$ " + " ".join(self.argv) + "\n").encode())
         log.flush()
         self.started_at = time.monotonic()
         # A new session makes the engine's children one process group we can kill whole.
-        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=self.env,
-                                     start_new_session=True,
-                                     preexec_fn=_die_with_parent if self.die_with_parent else None)
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=self.env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent if self.die_with_parent else None,
+        )
         log.close()
         RUNNING.append(self)
         return self
@@ -88,8 +102,7 @@ class Engine:
         return "\n".join(text.splitlines()[-lines:])
 
     def fail(self, why: str) -> EngineFailed:
-        return EngineFailed(
-            f"{self.name}: {why}\n--- last lines of {self.log_path} ---\n{self.log_tail()}")
+        return EngineFailed(f"{self.name}: {why}\n--- last lines of {self.log_path} ---\n{self.log_tail()}")
 
     def wait_healthy(self, timeout: float = 300.0) -> float:
         """Polls /health until 200; returns seconds since start. Raises with the log tail."""
@@ -140,8 +153,9 @@ class Engine:
 
     def post(self, path: str, body: dict, timeout: float = 120.0) -> dict:
         data = json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method="POST",
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.url + path, data=data, method="POST", headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
                 return json.loads(resp.read())

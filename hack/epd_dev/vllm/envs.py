@@ -49,9 +49,18 @@ INSTALL_HINT = "make vllm-envs  (or: python -m epd_dev.vllm.envs install)"
 TORCH_FAMILY = ("torch", "torchaudio", "torchvision", "torchcodec")
 # CUDA-only requirements of the official wheels; parsing arguments does not need them.
 GPU_ONLY = (
-    "PyNvVideoCodec", "flashinfer-python", "apache-tvm-ffi", "tilelang",
-    "nvidia-cudnn-frontend", "nvtx", "fastsafetensors", "instanttensor",
-    "nvidia-cutlass-dsl", "quack-kernels", "tokenspeed-mla", "humming-kernels",
+    "PyNvVideoCodec",
+    "flashinfer-python",
+    "apache-tvm-ffi",
+    "tilelang",
+    "nvidia-cudnn-frontend",
+    "nvtx",
+    "fastsafetensors",
+    "instanttensor",
+    "nvidia-cutlass-dsl",
+    "quack-kernels",
+    "tokenspeed-mla",
+    "humming-kernels",
 )
 
 
@@ -126,6 +135,7 @@ class MissingEnvironment(RuntimeError):
 
 # --------------------------------------------------------------------------- paths
 
+
 def cache_root() -> Path:
     return paths.cache_root() / "vllm"
 
@@ -188,6 +198,7 @@ def router_binary() -> Path:
 
 # --------------------------------------------------------------------------- install
 
+
 def _log(msg: str) -> None:
     print(f"[vllm-envs] {msg}", flush=True)
 
@@ -201,7 +212,7 @@ def _fix_shebangs(venv: Path, old: Path, new: Path) -> None:
     """Entry-point scripts name their interpreter by absolute path; follow the rename."""
     old_b, new_b = str(old).encode(), str(new).encode()
     bindir = venv / "bin"
-    for script in (bindir.iterdir() if bindir.is_dir() else ()):
+    for script in bindir.iterdir() if bindir.is_dir() else ():
         if script.is_symlink() or not script.is_file():
             continue
         with open(script, "rb") as fh:
@@ -254,8 +265,7 @@ def _ensure_uv() -> Path | None:
 
     def build(tmp: Path) -> dict:
         _run([_base_python(), "-m", "venv", tmp])
-        _run([tmp / "bin" / "python", "-m", "pip", "install", "--disable-pip-version-check",
-              "-q", f"uv=={UV_VERSION}"])
+        _run([tmp / "bin" / "python", "-m", "pip", "install", "--disable-pip-version-check", "-q", f"uv=={UV_VERSION}"])
         return {"uv": UV_VERSION}
 
     try:
@@ -277,9 +287,9 @@ class _Installer:
         if uv:
             self.env.update(
                 UV_CACHE_DIR=str(cache_root() / "uv-cache"),
-                UV_LINK_MODE="hardlink",     # the cache shares the filesystem: no copies
+                UV_LINK_MODE="hardlink",  # the cache shares the filesystem: no copies
                 UV_PYTHON_DOWNLOADS="never",
-                UV_NO_CONFIG="1",            # a user's uv.toml must not change the recipe
+                UV_NO_CONFIG="1",  # a user's uv.toml must not change the recipe
             )
             self.env.pop("VIRTUAL_ENV", None)
 
@@ -294,8 +304,7 @@ class _Installer:
         if self.uv:
             _run([self.uv, "pip", "install", "--python", self.python, *args], env=self.env)
         else:
-            _run([self.python, "-m", "pip", "install", "--disable-pip-version-check",
-                  "--progress-bar", "off", *args])
+            _run([self.python, "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off", *args])
 
 
 _NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
@@ -320,14 +329,14 @@ def _requires_dist(venv: Path, dist: str, exclude: tuple[str, ...]) -> list[str]
     want = _normalize(dist)
     for meta in _site_packages(venv).glob("*.dist-info/METADATA"):
         head = meta.read_text(errors="replace").split("\n\n", 1)[0]
-        name = re.search(r"^Name:\s*(.+)$", head, re.M)
+        name = re.search(r"^Name:\s*(.+)$", head, re.MULTILINE)
         if name and _normalize(name.group(1).strip()) == want:
             break
     else:
         raise RuntimeError(f"{dist} is not installed in {venv}")
     skip = {_normalize(n) for n in exclude}
     reqs = []
-    for line in re.findall(r"^Requires-Dist:\s*(.+)$", head, re.M):
+    for line in re.findall(r"^Requires-Dist:\s*(.+)$", head, re.MULTILINE):
         marker = line.split(";", 1)[1] if ";" in line else ""
         if re.search(r"\bextra\s*==", marker):
             continue
@@ -364,8 +373,13 @@ def _install_env(name: str, uv: Path | None) -> dict:
                 code = "; ".join(f"import {m}" for m in spec.imports)
                 env = dict(os.environ, VLLM_TARGET_DEVICE="cpu")
                 _run([inst.python, "-c", code], env=env)
-        return {"name": name, "spec": asdict(spec), "installer": "uv" if uv else "pip",
-                "timings_s": timer.steps, "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        return {
+            "name": name,
+            "spec": asdict(spec),
+            "installer": "uv" if uv else "pip",
+            "timings_s": timer.steps,
+            "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
 
     return build_atomically(final, build)
 

@@ -30,8 +30,8 @@ class NodeUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class Node:
-    name: str      # the hostname its processes see (a kwok node's name)
-    address: str   # 127.0.0.x: the pod IP here
+    name: str  # the hostname its processes see (a kwok node's name)
+    address: str  # 127.0.0.x: the pod IP here
     shm_dir: Path  # the pod's /dev/shm; made on `prepare`, removed on `clean`
 
     def __post_init__(self) -> None:
@@ -51,9 +51,23 @@ class Node:
     def wrap(self, argv: list[str]) -> list[str]:
         """`argv` run on this node. `--kill-child`: a SIGTERM to the returned process reaches
         argv (PID 1 of its namespace) as the kubelet's would, and nothing outlives it."""
-        return ["unshare", "--mount", "--propagation", "private", "--uts", "--ipc",
-                "--pid", "--mount-proc", "--kill-child=SIGTERM",
-                "sh", "-c", _ENTER, self.name, str(self.shm_dir), *argv]
+        return [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "--uts",
+            "--ipc",
+            "--pid",
+            "--mount-proc",
+            "--kill-child=SIGTERM",
+            "sh",
+            "-c",
+            _ENTER,
+            self.name,
+            str(self.shm_dir),
+            *argv,
+        ]
 
 
 def check_available() -> None:
@@ -61,8 +75,6 @@ def check_available() -> None:
     if shutil.which("unshare") is None:
         raise NodeUnavailable("util-linux `unshare` is not installed (apt-get install util-linux)")
     with tempfile.TemporaryDirectory() as shm:
-        probe = subprocess.run(Node("probe", "127.0.0.2", Path(shm)).wrap(["true"]),
-                               capture_output=True, text=True)
+        probe = subprocess.run(Node("probe", "127.0.0.2", Path(shm)).wrap(["true"]), capture_output=True, text=True)
     if probe.returncode != 0:
-        raise NodeUnavailable(
-            f"cannot make a node's namespaces here (run as root): {probe.stderr.strip()}")
+        raise NodeUnavailable(f"cannot make a node's namespaces here (run as root): {probe.stderr.strip()}")

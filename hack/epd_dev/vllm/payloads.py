@@ -8,8 +8,8 @@ import re
 import struct
 import urllib.request
 import zlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from . import tiny_model
 
@@ -18,17 +18,20 @@ EMBEDDING_FILE = "encoder_cache.safetensors"
 
 def png(width: int, height: int, pixel: Callable[[int, int], tuple[int, int, int]]) -> bytes:
     """An RGB PNG whose pixel (x, y) is `pixel(x, y)` (standard library only)."""
-    raw = b"".join(b"\x00" + b"".join(bytes(pixel(x, y)) for x in range(width))  # filter byte + row
-                   for y in range(height))
+    raw = b"".join(
+        b"\x00" + b"".join(bytes(pixel(x, y)) for x in range(width))  # filter byte + row
+        for y in range(height)
+    )
 
     def chunk(kind: bytes, data: bytes) -> bytes:
-        return (struct.pack(">I", len(data)) + kind + data
-                + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF))
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
 
-    return (b"\x89PNG\r\n\x1a\n"
-            + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
-            + chunk(b"IDAT", zlib.compress(raw))
-            + chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+        + chunk(b"IDAT", zlib.compress(raw))
+        + chunk(b"IEND", b"")
+    )
 
 
 def data_url(png_bytes: bytes) -> str:
@@ -50,8 +53,14 @@ def messages(*parts: dict, text: str = "describe") -> list[dict]:
 
 def greedy(msgs: list[dict], max_tokens: int = 6) -> dict:
     """A render request whose generation is deterministic and of fixed length, with logprobs."""
-    return {"model": tiny_model.SERVED_NAME, "messages": msgs, "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "logprobs": True}
+    return {
+        "model": tiny_model.SERVED_NAME,
+        "messages": msgs,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": True,
+    }
 
 
 def output(generated: dict) -> tuple[list[int], list[float]]:
@@ -73,8 +82,12 @@ def ec_entries(store: Path) -> dict[str, list[str]]:
     return {d.name: sorted(f.name for f in d.iterdir()) for d in store.iterdir() if d.is_dir()}
 
 
-_HTTP_REQUESTS = re.compile(r'^http_requests_total\{handler="([^"]+)",method="[A-Z]+",status="[^"]+"\} (\S+)$', re.M)
-_HTTP_SECONDS = re.compile(r'^http_request_duration_seconds_sum\{handler="([^"]+)",method="[A-Z]+"\} (\S+)$', re.M)
+_HTTP_REQUESTS = re.compile(
+    r'^http_requests_total\{handler="([^"]+)",method="[A-Z]+",status="[^"]+"\} (\S+)$', re.MULTILINE
+)
+_HTTP_SECONDS = re.compile(
+    r'^http_request_duration_seconds_sum\{handler="([^"]+)",method="[A-Z]+"\} (\S+)$', re.MULTILINE
+)
 # Probes and scrapes: not requests anyone sent.
 _NOT_SERVED = ("/health", "/metrics")
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from epd_client import Endpoints, ModelEndpoints
 
@@ -27,8 +28,9 @@ IMAGE = "vllm/vllm-openai:v0.32.0"
 MODEL = "default"
 
 
-def tiny_manifest(name: str, model_dir: Path, groups: list[dict[str, Any]], *,
-                  port_base: int | None = None, **spec: Any) -> dict[str, Any]:
+def tiny_manifest(
+    name: str, model_dir: Path, groups: list[dict[str, Any]], *, port_base: int | None = None, **spec: Any
+) -> dict[str, Any]:
     """An EPDDeployment serving the tiny model with `groups` (serverGroups, camelCase), the CPU
     overrides merged under each group's own.
 
@@ -49,10 +51,20 @@ def tiny_manifest(name: str, model_dir: Path, groups: list[dict[str, Any]], *,
         "metadata": {"name": name},
         "spec": {
             "image": IMAGE,
-            "ports": {"router": base, "engineBase": base + 1, "nixlSideChannelBase": base + 1 + count,
-                      "ecSideChannelBase": base + 1 + 2 * count},
-            "models": [{"name": MODEL, "model": str(model_dir),
-                        "servedModelName": tiny_model.SERVED_NAME, "serverGroups": groups}],
+            "ports": {
+                "router": base,
+                "engineBase": base + 1,
+                "nixlSideChannelBase": base + 1 + count,
+                "ecSideChannelBase": base + 1 + 2 * count,
+            },
+            "models": [
+                {
+                    "name": MODEL,
+                    "model": str(model_dir),
+                    "servedModelName": tiny_model.SERVED_NAME,
+                    "serverGroups": groups,
+                }
+            ],
             **spec,
         },
     }
@@ -77,8 +89,7 @@ def in_process_workers(manifest: dict[str, Any]) -> dict[str, Any]:
 def aggregated_manifest(model_dir: Path, *, port_base: int | None = None) -> dict[str, Any]:
     """The reference: one engine serving the whole model, without any EC config (what the
     operator renders for a text-only model)."""
-    return tiny_manifest("tiny-aggregated", model_dir, [{"workerType": "regular", "numGpus": 1}],
-                         port_base=port_base)
+    return tiny_manifest("tiny-aggregated", model_dir, [{"workerType": "regular", "numGpus": 1}], port_base=port_base)
 
 
 def prefill_decode_groups(kv_store: Path) -> list[dict[str, Any]]:
@@ -92,9 +103,13 @@ def prefill_decode_groups(kv_store: Path) -> list[dict[str, Any]]:
     prompt but its last token; the CPU default block of 128 tokens would move nothing of short
     prompts, hence `block_size: 32`.
     """
-    kv = {"block_size": 32, "kv_transfer_config": {
-        "kv_connector": "ExampleConnector",
-        "kv_connector_extra_config": {"shared_storage_path": str(kv_store)}}}
+    kv = {
+        "block_size": 32,
+        "kv_transfer_config": {
+            "kv_connector": "ExampleConnector",
+            "kv_connector_extra_config": {"shared_storage_path": str(kv_store)},
+        },
+    }
     return [
         {"workerType": "encoder", "numGpus": 1},
         {"workerType": "prefill", "numGpus": 1, "overrides": kv},
@@ -112,7 +127,6 @@ def localized(status: Mapping[str, Any], runner: UnitRunner, model: str = MODEL)
         encoder_urls=tuple(map(runner.local_url, unit.encoder_urls)),
         consumer_urls=tuple(map(runner.local_url, unit.consumer_urls)),
         router_url=runner.local_url(unit.router_url) if unit.router_url else None,
-        engines=tuple(dataclasses.replace(e, url=runner.local_url(e.url) if e.url else None)
-                      for e in unit.engines),
+        engines=tuple(dataclasses.replace(e, url=runner.local_url(e.url) if e.url else None) for e in unit.engines),
     )
     return Endpoints((ModelEndpoints(found.name, (local,), found.served_model_name),))

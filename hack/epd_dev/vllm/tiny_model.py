@@ -51,8 +51,13 @@ def _build(out: Path) -> None:
     from safetensors.torch import load_file, save_file
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import (
-        CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
-        LlavaForConditionalGeneration, LlavaProcessor, PreTrainedTokenizerFast,
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+        PreTrainedTokenizerFast,
     )
 
     torch.manual_seed(SEED)
@@ -61,27 +66,56 @@ def _build(out: Path) -> None:
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(CORPUS, trainers.BpeTrainer(
-        vocab_size=512, special_tokens=SPECIAL_TOKENS, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.train_from_iterator(
+        CORPUS,
+        trainers.BpeTrainer(
+            vocab_size=512,
+            special_tokens=SPECIAL_TOKENS,
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-        extra_special_tokens={"image_token": "<image>"}, model_max_length=512)
+        tokenizer_object=bpe,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        extra_special_tokens={"image_token": "<image>"},
+        model_max_length=512,
+    )
     tokenizer.chat_template = CHAT_TEMPLATE
     ids = {t: bpe.token_to_id(t) for t in SPECIAL_TOKENS}
 
     config = LlavaConfig(
         vision_config=CLIPVisionConfig(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-            image_size=IMAGE_SIZE, patch_size=PATCH, projection_dim=64),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=IMAGE_SIZE,
+            patch_size=PATCH,
+            projection_dim=64,
+        ),
         text_config=LlamaConfig(
-            vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-            num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512,
-            bos_token_id=ids["<s>"], eos_token_id=ids["</s>"], pad_token_id=ids["<pad>"],
-            tie_word_embeddings=False),
-        image_token_index=ids["<image>"], image_seq_length=IMAGE_TOKENS,
-        vision_feature_select_strategy="default", vision_feature_layer=-2,
-        projector_hidden_act="gelu", tie_word_embeddings=False)
+            vocab_size=512,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            bos_token_id=ids["<s>"],
+            eos_token_id=ids["</s>"],
+            pad_token_id=ids["<pad>"],
+            tie_word_embeddings=False,
+        ),
+        image_token_index=ids["<image>"],
+        image_seq_length=IMAGE_TOKENS,
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-2,
+        projector_hidden_act="gelu",
+        tie_word_embeddings=False,
+    )
     model = LlavaForConditionalGeneration(config).to(torch.bfloat16).eval()
     model.save_pretrained(out, safe_serialization=True)
 
@@ -98,11 +132,16 @@ def _build(out: Path) -> None:
         save_file(renamed, weights, metadata={"format": "pt"})
 
     image_processor = CLIPImageProcessor(
-        size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+        size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+    )
     processor = LlavaProcessor(
-        image_processor=image_processor, tokenizer=tokenizer, patch_size=PATCH,
-        vision_feature_select_strategy="default", num_additional_image_tokens=1,
-        chat_template=CHAT_TEMPLATE)
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=PATCH,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=CHAT_TEMPLATE,
+    )
     processor.save_pretrained(out)
     tokenizer.save_pretrained(out)
 

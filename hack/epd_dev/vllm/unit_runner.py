@@ -35,11 +35,12 @@ containers).
 from __future__ import annotations
 
 import copy
-import shutil
 import random
+import shutil
 import socket
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from epd_operator.render import render
@@ -66,9 +67,16 @@ class UnitRunner:
     the pids); `die_with_parent=False` lets the engines outlive this process.
     """
 
-    def __init__(self, pod: dict[str, Any], log_dir: Path, *, ready_timeout: float = 600.0,
-                 node: Node | None = None, die_with_parent: bool = True,
-                 on_start: Callable[[engines.Engine], None] | None = None) -> None:
+    def __init__(
+        self,
+        pod: dict[str, Any],
+        log_dir: Path,
+        *,
+        ready_timeout: float = 600.0,
+        node: Node | None = None,
+        die_with_parent: bool = True,
+        on_start: Callable[[engines.Engine], None] | None = None,
+    ) -> None:
         self.pod = pod
         self.die_with_parent = die_with_parent
         self.on_start = on_start
@@ -95,8 +103,9 @@ class UnitRunner:
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def from_manifest(cls, manifest: dict[str, Any], log_dir: Path, *, uid: str,
-                      model: str = "default", **options: Any) -> "UnitRunner":
+    def from_manifest(
+        cls, manifest: dict[str, Any], log_dir: Path, *, uid: str, model: str = "default", **options: Any
+    ) -> UnitRunner:
         """The unit pod the operator would create for `model` of an EPDDeployment manifest,
         without a cluster: `uid` stands for the object's uid (it names the EC store). `options`
         are the constructor's."""
@@ -106,8 +115,9 @@ class UnitRunner:
         return cls(_pod(template, f"{name}-{model}-0"), log_dir, **options)
 
     @classmethod
-    def encoder_pool_from_manifest(cls, manifest: dict[str, Any], log_dir: Path, *, uid: str,
-                                   model: str = "default", **options: Any) -> "UnitRunner":
+    def encoder_pool_from_manifest(
+        cls, manifest: dict[str, Any], log_dir: Path, *, uid: str, model: str = "default", **options: Any
+    ) -> UnitRunner:
         """The first pod of the encoder pool the operator would create for `model` (placement
         Pools), without a cluster."""
         name, spec, plan = _plan(manifest, uid, model)
@@ -122,8 +132,7 @@ class UnitRunner:
         for var in container.get("env", []):
             env[var["name"]] = self._env_value(container["name"], var)
         if command[:2] == ["vllm", "serve"]:
-            argv = [str(envs.serving_python()), "-m", "vllm.entrypoints.openai.api_server",
-                    "--model", *command[2:]]
+            argv = [str(envs.serving_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", *command[2:]]
             env = {**env, **engines.CPU_ENV}
         elif command[:1] == ["vllm-router"]:
             argv = [str(envs.router_binary()), *command[1:]]
@@ -133,9 +142,16 @@ class UnitRunner:
         probe = (container.get("startupProbe") or container["readinessProbe"])["httpGet"]
         if self.node:
             argv = self.node.wrap(argv)
-        return engines.Engine(container["name"], argv, port=probe["port"], log_dir=self.log_dir,
-                              env=env, health_path=probe["path"], host=self.address,
-                              die_with_parent=self.die_with_parent)
+        return engines.Engine(
+            container["name"],
+            argv,
+            port=probe["port"],
+            log_dir=self.log_dir,
+            env=env,
+            health_path=probe["path"],
+            host=self.address,
+            die_with_parent=self.die_with_parent,
+        )
 
     def _env_value(self, container: str, var: dict[str, Any]) -> str:
         if "value" in var:
@@ -165,7 +181,7 @@ class UnitRunner:
         """In start order: sidecars, the main containers (a pool's encoders, consumers), router."""
         return [*self.sidecars, *self.pool_encoders, *self.consumers, *([self.router] if self.router else [])]
 
-    def start(self) -> "UnitRunner":
+    def start(self) -> UnitRunner:
         if self.node:
             self.node.prepare()  # an EC store is inside the node's fresh /dev/shm
         elif self.ec_storage_path and Path(self.ec_storage_path).exists():
@@ -199,7 +215,7 @@ class UnitRunner:
         elif self.ec_storage_path:
             shutil.rmtree(self.ec_storage_path, ignore_errors=True)
 
-    def __enter__(self) -> "UnitRunner":
+    def __enter__(self) -> UnitRunner:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -182,17 +182,22 @@ class StoreMetrics:
         self.registry = CollectorRegistry()
         labels = ["path"]
         self.bytes = Gauge("epd_ec_store_bytes", "Bytes the EC store holds.", labels, registry=self.registry)
-        self.entries = Gauge("epd_ec_store_entries", "<mm_hash> folders in the EC store.", labels,
-                             registry=self.registry)
-        self.budget = Gauge("epd_ec_store_budget_bytes", "The EC store's byte budget.", labels,
-                            registry=self.registry)
-        self.evictions = Counter("epd_ec_evictions", "Folders evicted, by reason.", [*labels, "reason"],
-                                 registry=self.registry)
-        self.failures = Counter("epd_ec_eviction_failures", "Evictions that failed (see the logs).", labels,
-                                registry=self.registry)
-        self.fallbacks = Counter("epd_ec_fallback_encodes",
-                                 "Images a consumer encoded itself: EC cache misses (empty <mm_hash> folders).",
-                                 labels, registry=self.registry)
+        self.entries = Gauge(
+            "epd_ec_store_entries", "<mm_hash> folders in the EC store.", labels, registry=self.registry
+        )
+        self.budget = Gauge("epd_ec_store_budget_bytes", "The EC store's byte budget.", labels, registry=self.registry)
+        self.evictions = Counter(
+            "epd_ec_evictions", "Folders evicted, by reason.", [*labels, "reason"], registry=self.registry
+        )
+        self.failures = Counter(
+            "epd_ec_eviction_failures", "Evictions that failed (see the logs).", labels, registry=self.registry
+        )
+        self.fallbacks = Counter(
+            "epd_ec_fallback_encodes",
+            "Images a consumer encoded itself: EC cache misses (empty <mm_hash> folders).",
+            labels,
+            registry=self.registry,
+        )
         for path in paths:  # every series exists from the start, so rate() and alerts see the first one
             self.budget.labels(path).set(max_bytes)
             self.bytes.labels(path)
@@ -256,8 +261,14 @@ def sweep(
     for reason, group in evicted.items():
         metrics.evictions.labels(path, reason).inc(len(group))
         # The youngest age tells whether budget evictions come close to what consumers still read.
-        _log("evicted", path=path, reason=reason, entries=len(group), bytes=sum(e.bytes for e in group),
-             youngest_age_seconds=round(now - max(e.newest_mtime for e in group), 1))
+        _log(
+            "evicted",
+            path=path,
+            reason=reason,
+            entries=len(group),
+            bytes=sum(e.bytes for e in group),
+            youngest_age_seconds=round(now - max(e.newest_mtime for e in group), 1),
+        )
     if misses:
         metrics.fallbacks.labels(path).inc(len(misses))
         # The mm_hashes let a client find which requests were not primed (docs/operations.md).
@@ -286,14 +297,26 @@ def run_janitor(
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
     metrics = StoreMetrics(paths, max_bytes)
     server = start_http_server(metrics_port, registry=metrics.registry)[0] if metrics_port else None
-    _log("started", paths=list(paths), max_bytes=max_bytes, ttl_seconds=ttl_seconds,
-         grace_seconds=grace_seconds, interval_seconds=interval_seconds)
+    _log(
+        "started",
+        paths=list(paths),
+        max_bytes=max_bytes,
+        ttl_seconds=ttl_seconds,
+        grace_seconds=grace_seconds,
+        interval_seconds=interval_seconds,
+    )
     states = {path: StoreState() for path in paths}
     try:
         while True:
             for path in paths:
-                sweep(path, metrics, states[path], max_bytes=max_bytes, ttl_seconds=ttl_seconds,
-                      grace_seconds=grace_seconds)
+                sweep(
+                    path,
+                    metrics,
+                    states[path],
+                    max_bytes=max_bytes,
+                    ttl_seconds=ttl_seconds,
+                    grace_seconds=grace_seconds,
+                )
             if stop.wait(interval_seconds):
                 return
     finally:

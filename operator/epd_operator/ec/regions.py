@@ -94,8 +94,10 @@ def region_errors(spec: EPDDeploymentSpec, index: int, model: ModelSpec) -> list
             )
     if errors:
         return errors
-    for pool, pod, field in ((True, "an encoder pool pod", f"{where}.encoderPool.shm.sizeLimit"),
-                             (False, "a unit", "spec.shm.sizeLimit")):
+    for pool, pod, field in (
+        (True, "an encoder pool pod", f"{where}.encoderPool.shm.sizeLimit"),
+        (False, "a unit", "spec.shm.sizeLimit"),
+    ):
         groups = _region_groups(model, pool=pool)
         total = sum(g.engines * cpu_bytes(spec, model, g) for g in groups)
         limit = pod_shm_limit(spec, model, pool=pool)

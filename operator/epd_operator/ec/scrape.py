@@ -21,7 +21,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from ..api import JANITOR_METRICS_PORT
 from .quantity import human_bytes
 
-
 logger = logging.getLogger(__name__)
 
 
@@ -39,8 +38,12 @@ class JanitorMetrics:
 def parse_metrics(text: str) -> JanitorMetrics | None:
     """The janitor's figures from its Prometheus text; None if the text has none of them
     (something else answers on the port). Raises ValueError for text that is not Prometheus'."""
-    wanted = {"epd_ec_evictions_total", "epd_ec_store_bytes", "epd_ec_store_budget_bytes",
-              "epd_ec_fallback_encodes_total"}
+    wanted = {
+        "epd_ec_evictions_total",
+        "epd_ec_store_bytes",
+        "epd_ec_store_budget_bytes",
+        "epd_ec_fallback_encodes_total",
+    }
     totals: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -123,8 +126,9 @@ class JanitorScraper:
     seconds (500 s at 5,000).
     """
 
-    def __init__(self, *, warn: Warn, changed: Callable[[Key], None], port: int = JANITOR_METRICS_PORT,
-                 rate: float = 10.0) -> None:
+    def __init__(
+        self, *, warn: Warn, changed: Callable[[Key], None], port: int = JANITOR_METRICS_PORT, rate: float = 10.0
+    ) -> None:
         if rate <= 0:
             raise ValueError("rate (janitors scraped per second) must be positive")
         self._warn = warn
@@ -135,13 +139,15 @@ class JanitorScraper:
 
     def evictions(self, key: Key) -> Mapping[str, int]:
         """Budget evictions by unit pod name, for the units of `key` scraped so far."""
-        return {unit: c.budget_evictions for unit, c in self._counts.get(key, {}).items()
-                if c.budget_evictions is not None}
+        return {
+            unit: c.budget_evictions for unit, c in self._counts.get(key, {}).items() if c.budget_evictions is not None
+        }
 
     def fallback_encodes(self, key: Key) -> Mapping[str, int]:
         """Consumers' fallback encodes by unit pod name, for the units of `key` scraped so far."""
-        return {unit: c.fallback_encodes for unit, c in self._counts.get(key, {}).items()
-                if c.fallback_encodes is not None}
+        return {
+            unit: c.fallback_encodes for unit, c in self._counts.get(key, {}).items() if c.fallback_encodes is not None
+        }
 
     async def run(self, interval: float, deployments: Mapping[Key, Any], unit_pods: Mapping[Key, Any]) -> None:
         """Scrape every `interval` seconds until cancelled; `deployments` and `unit_pods` are
@@ -156,8 +162,9 @@ class JanitorScraper:
                     logger.exception("scraping the EC janitors failed")
                 await asyncio.sleep(interval)
 
-    async def scrape(self, session: aiohttp.ClientSession, deployments: Mapping[Key, Any],
-                     unit_pods: Mapping[Key, Any]) -> None:
+    async def scrape(
+        self, session: aiohttp.ClientSession, deployments: Mapping[Key, Any], unit_pods: Mapping[Key, Any]
+    ) -> None:
         """One round: scrape every running unit's janitor, warn where its budget evictions or
         fallback encodes grew, and report deployments whose counts changed. Janitors that do not
         answer keep their last counts; units no longer running are forgotten."""
