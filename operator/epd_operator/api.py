@@ -1,7 +1,8 @@
 """EPDDeployment API (epd.vime.dev/v1alpha1): the pydantic models are the one source of truth.
 
 The CRD in `crds/` is generated from these models (see `crd.py`); the operator parses every
-object through them. Field names are camelCase on the wire, as Kubernetes spells them.
+object through them. Field names are camelCase on the wire, as Kubernetes spells them. One
+module, though past 350 lines, as Kubernetes keeps an API version's types in one types.go.
 """
 
 from __future__ import annotations
@@ -9,10 +10,11 @@ from __future__ import annotations
 import enum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic.alias_generators import to_camel
 
 from .ec.quantity import BYTE_QUANTITY
+from .engine_args import engine_arg_name, spelling_errors
 
 GROUP = "epd.vime.dev"
 VERSION = "v1alpha1"
@@ -113,7 +115,11 @@ class ServerGroup(Schema):
             "decode (KV consumer)."
         )
     )
-    num_gpus: int = Field(ge=1, le=1024, description="GPUs for the whole group, in each EPD unit.")
+    num_gpus: int = Field(
+        ge=1,
+        le=1024,
+        description="GPUs for the whole group, in each EPD unit (an encoder group of a Pools model: in each encoder pool pod).",
+    )
     num_gpus_per_engine: int = Field(
         default=1,
         ge=1,
@@ -131,6 +137,16 @@ class ServerGroup(Schema):
     resources: ResourceRequirements | None = Field(
         default=None, description="Extra resources (cpu, memory) for each engine container."
     )
+
+    @field_validator("overrides")
+    @classmethod
+    def _one_key_per_argument(cls, overrides: OpenObject) -> OpenObject:
+        """Each argument under vLLM's own snake_case name, once: everything after parsing reads
+        the overrides in that one spelling."""
+        doubled = spelling_errors(overrides)
+        if doubled:
+            raise ValueError("; ".join(doubled))
+        return {engine_arg_name(key): value for key, value in overrides.items()}
 
     @property
     def engines(self) -> int:
@@ -177,7 +193,8 @@ class EncoderPool(Schema):
 
 
 class ModelSpec(Schema):
-    """One served model and its server groups; each EPD unit of it is one pod on one node."""
+    """One served model and its server groups: each EPD unit of it is one pod on one node, holding every
+    engine (placement Unit) or its consumers only, fed by an encoder pool (placement Pools)."""
 
     name: str = Field(
         max_length=40,
@@ -197,7 +214,7 @@ class ModelSpec(Schema):
         ),
     )
 
-    # Placement (issue #16): the encoders of a model in their own pool, consumers on any node.
+    # Placement: the encoders of a model in its units, or in a pool of their own.
     placement: Placement = Field(
         default=Placement.unit,
         description=(
@@ -244,11 +261,19 @@ class ModelSpec(Schema):
         return any(t.is_pd for t in self.worker_types)
 
     @property
+    def encoder_engines(self) -> int:
+        return sum(g.engines for g in self.server_groups if g.worker_type.is_encoder)
+
+    @property
+    def consumer_engines(self) -> int:
+        """Every engine that is not an encoder: regular, prefill and decode."""
+        return sum(g.engines for g in self.server_groups if not g.worker_type.is_encoder)
+
+    @property
     def needs_router(self) -> bool:
         """vllm-router fronts the consumers when there is a choice to make: prefill/decode, or
         more than one consumer engine. Encoders are never behind it."""
-        consumers = sum(g.engines for g in self.server_groups if not g.worker_type.is_encoder)
-        return self.is_pd or consumers > 1
+        return self.is_pd or self.consumer_engines > 1
 
     @property
     def pooled(self) -> bool:
@@ -332,7 +357,7 @@ class FrontService(Schema):
 
 
 class Shm(Schema):
-    """The memory-backed emptyDir every engine of a unit mounts at /dev/shm."""
+    """The memory-backed emptyDir every engine of a pod (a unit, or an encoder pool pod) mounts at /dev/shm."""
 
     size_limit: str = Field(
         default="16Gi",
@@ -352,7 +377,8 @@ class ECStorage(Schema):
 
 
 class Ports(Schema):
-    """Ports inside each unit pod; engines get consecutive ports, encoders first."""
+    """Ports inside each pod; engines get consecutive ports, encoders first (with Pools, the pool pods'
+    encoders and the units' consumers are each numbered from engineBase)."""
 
     router: int = Field(default=8000, ge=1, le=65535, description="vllm-router HTTP port.")
     engine_base: int = Field(default=8100, ge=1, le=65000, description="First engine HTTP port.")
@@ -436,6 +462,11 @@ class EPDDeploymentSpec(Schema):
     def model(self, name: str) -> ModelSpec:
         return next(m for m in self.models if m.name == name)
 
+    def pool_shm(self, model: ModelSpec) -> Shm:
+        """The /dev/shm of the model's encoder pool pods (placement Pools): its own, else spec.shm."""
+        pool = model.encoder_pool
+        return pool.shm if pool is not None and pool.shm is not None else self.shm
+
 
 class Condition(Schema):
     """A Kubernetes-style condition."""
@@ -449,7 +480,8 @@ class Condition(Schema):
 
 
 class EngineStatus(Schema):
-    """One engine of a unit, for trainers that must reach every engine (weight sync, pause)."""
+    """One engine of a pod (a unit, or an encoder pool pod), for trainers that must reach every engine
+    (weight sync, pause)."""
 
     name: str = Field(description="Container name, e.g. encoder-0 or prefill-1.")
     role: WorkerType = Field(description="encoder, regular, prefill or decode.")

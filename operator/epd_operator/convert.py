@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import api
-from .engine_args import override_errors
+from .engine_args import engine_arg_name, override_errors
 from .validation import OWNED_ARGS, SpecError, validate, vllm_minor
 
 # Models that receive the trainer's weights, comma-separated: the operator syncs no weights, the
@@ -74,7 +74,7 @@ def vime_to_manifest(
     if num_gpus_per_engine < 1:
         raise SpecError([f"--num-gpus-per-engine: {num_gpus_per_engine} is not a GPU count: use 1 or more"])
     # Only the image (or vllmVersion) decides the version; the models are built below.
-    minor = vllm_minor(api.EPDDeploymentSpec.model_construct(image=image, vllm_version=vllm_version))
+    minor = vllm_minor(api.EPDDeploymentSpec.model_construct(image=image, vllm_version=vllm_version, models=[]))
     notes = [f"{key}: ignored: only the `vllm:` section describes engines" for key in vime if key != "vllm"]
     errors: list[str] = []
     models: list[_Model] = []
@@ -151,10 +151,11 @@ def _model(
         notes.append(f"{where} ({name}): only placeholder groups: no engines, so no model in the EPDDeployment")
         return None
 
-    paths = {path or entry.get("model_path") or hf_checkpoint for path in group_paths}
-    if None in paths:
+    found = {path or entry.get("model_path") or hf_checkpoint for path in group_paths}
+    if None in found:
         errors.append(f"{where}: no model path: set model_path, or pass --hf-checkpoint (as to Vime)")
         return None
+    paths = {str(path) for path in found}
     if len(paths) > 1:
         errors.append(
             f"{where}: its groups use different model paths ({', '.join(sorted(paths))}): Vime requires "
@@ -211,7 +212,7 @@ def _group(
     path = None
     engine_args: dict[str, Any] = {}
     for key, value in overrides.items():
-        name = key.replace("-", "_") if isinstance(key, str) else key
+        name = engine_arg_name(key)
         if name == "model_path":
             path = value
         elif isinstance(name, str) and name.startswith("disaggregation"):
@@ -220,7 +221,7 @@ def _group(
             engine_args[key] = value
     problems += override_errors(minor, engine_args, f"{where}.overrides")
     for key in engine_args:
-        name = key.replace("-", "_")
+        name = engine_arg_name(key)
         if name in OWNED_ARGS:
             instead = f"set {VIME_INSTEAD[name]} instead" if name in VIME_INSTEAD else "remove it"
             problems.append(f"{where}.overrides.{key}: the operator sets it (spec.{OWNED_ARGS[name]}): {instead}")

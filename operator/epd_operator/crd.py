@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import typing
 from typing import Any
 
 import yaml
@@ -72,16 +73,13 @@ def _object_defaults(model: type[api.Schema], schema: dict[str, Any]) -> None:
     for name, field in model.model_fields.items():
         prop = schema["properties"][field.alias or name]
         annotation = field.annotation
+        item = typing.get_args(annotation)[0] if typing.get_origin(annotation) is list else None
         if isinstance(annotation, type) and issubclass(annotation, api.Schema):
             if field.default_factory is not None:
                 prop["default"] = {}
             _object_defaults(annotation, prop)
-        elif (
-            getattr(annotation, "__origin__", None) is list
-            and isinstance(annotation.__args__[0], type)
-            and issubclass(annotation.__args__[0], api.Schema)
-        ):
-            _object_defaults(annotation.__args__[0], prop["items"])
+        elif isinstance(item, type) and issubclass(item, api.Schema):
+            _object_defaults(item, prop["items"])
 
 
 def _has(worker_type: str) -> str:
@@ -168,7 +166,7 @@ def _add_cel_rules(spec: dict[str, Any]) -> None:
 
 def _schema(model: type[api.Schema]) -> dict[str, Any]:
     raw = model.model_json_schema(by_alias=True, mode="validation")
-    schema = _inline(raw, raw.get("$defs", {}))
+    schema: dict[str, Any] = _inline(raw, raw.get("$defs", {}))
     _object_defaults(model, schema)
     return schema
 

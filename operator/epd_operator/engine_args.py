@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 import functools
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from importlib import resources
 from typing import Any
 
@@ -37,6 +37,21 @@ SGLANG_EQUIVALENTS = {
 }
 # SGLang switches whose vLLM equivalent reads the other way round (true there is false here).
 INVERTED_EQUIVALENTS = frozenset({"disable_radix_cache"})
+
+
+def engine_arg_name(key: Any) -> Any:
+    """One spelling per argument: vLLM accepts `max-model-len` and `max_model_len` alike, and its
+    own is snake_case. A key that is no argument name at all is kept as written, for
+    override_errors to name it so."""
+    return key.replace("-", "_") if isinstance(key, str) and OVERRIDE_KEY.match(key) else key
+
+
+def spelling_errors(keys: Iterable[Any]) -> list[str]:
+    """Keys that set one argument twice, in two spellings."""
+    spellings: dict[Any, list[Any]] = {}
+    for key in keys:
+        spellings.setdefault(engine_arg_name(key), []).append(key)
+    return [f"{' and '.join(map(repr, k))} both set {name}: keep one" for name, k in spellings.items() if len(k) > 1]
 
 
 @functools.cache
@@ -67,22 +82,17 @@ def override_errors(minor: str, overrides: Mapping[str, Any], where: str) -> lis
     """
     errors = []
     known = known_engine_args(minor)
-    spellings: dict[str, list[str]] = {}
     for key in overrides:
         if not (isinstance(key, str) and OVERRIDE_KEY.match(key)):
             hint = _did_you_mean(minor, key) or " such as max_model_len"
             errors.append(f"{where}: {key!r} is not a vLLM engine argument name: use snake_case{hint}")
             continue
-        name = key.replace("-", "_")
-        spellings.setdefault(name, []).append(key)
+        name = engine_arg_name(key)
         if name not in known:
             origin = " (SGLang's name)" if name in SGLANG_EQUIVALENTS else ""
             hint = _did_you_mean(minor, key) or ": remove it, or use an argument `vllm serve --help` lists"
             errors.append(f"{where}.{key}: not an engine argument of vLLM {minor}{origin}{hint}")
-    for name, keys in spellings.items():
-        if len(keys) > 1:
-            errors.append(f"{where}: {' and '.join(map(repr, keys))} both set {name}: keep one")
-    return errors
+    return errors + [f"{where}: {message}" for message in spelling_errors(overrides)]
 
 
 def _did_you_mean(minor: str, key: Any) -> str:

@@ -1,23 +1,61 @@
-"""kopf registrations, nothing else: indexes of what the operator watches, and handlers that
-only queue the key of the EPDDeployment concerned. The Reconciler (in kopf's memo, made by
-runner.py) does the work.
+"""kopf registrations: the indexes of what the operator watches, handlers that only queue the key
+of the EPDDeployment concerned, and the event filters (controller-runtime's predicates) that
+decide when an event needs no reconcile. The Reconciler (in kopf's memo, made by runner.py) does
+the work.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import kopf
 
 from . import api
-from .managedfields import owned_by_update
-from .reconciler import IndexedDeployment, Indexes
-from .resources import ANNOTATION_SPEC_HASH, FIELD_MANAGER, LABEL_DEPLOYMENT, LABEL_MANAGED_BY, is_headless
-from .status import PodSummary, StatefulSetSummary
+from .indexes import (
+    BudgetSummary,
+    DeploymentSummary,
+    Indexes,
+    Key,
+    PodSummary,
+    Ref,
+    ServiceSummary,
+    StatefulSetSummary,
+    owner_key,
+)
+from .reconciler import Reconciler
+from .resources import ANNOTATION_SPEC_HASH, FIELD_MANAGER, LABEL_MANAGED_BY
 
 EPD = (api.GROUP, api.VERSION, api.PLURAL)
 OURS = {LABEL_MANAGED_BY: FIELD_MANAGER}
+
+
+# ---------------------------------------------------------------------------- event filters
+
+
+def echoes_status(reconciler: Reconciler, body: kopf.Body) -> bool:
+    """An EPDDeployment event that only brings back the status this operator last wrote, for a
+    generation and labels already planned: a reconcile would find nothing to do. (A status
+    edited by someone else, a new generation or new labels is not an echo.)"""
+    key = (body.metadata.namespace or "", body.metadata.name or "")
+    status = dict(body.get("status") or {})
+    return (
+        status.get("observedGeneration") == body.metadata.get("generation")
+        and reconciler.plans.checked(body.metadata) is not None
+        and reconciler.status.echoes(key, status)
+    )
+
+
+def confirms(reconciler: Reconciler, key: Key, ref: Ref, digest: str | None) -> bool:
+    """A child at the desired state planned for its owner's current generation and labels (an
+    event about it only confirms what was applied); False while that is not planned yet."""
+    owner = reconciler.indexes.deployment(key)
+    checked = reconciler.plans.checked(owner.metadata) if owner is not None else None
+    return checked is not None and digest is not None and checked.digests.get(ref) == digest
+
+
+# ---------------------------------------------------------------------------- wiring
 
 
 @kopf.on.login()
@@ -47,16 +85,17 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 
 
 @kopf.on.startup()
-async def keep_indexes(
-    memo: kopf.Memo,
-    deployments: kopf.Index,
-    unit_sets: kopf.Index,
-    unit_services: kopf.Index,
-    unit_pods: kopf.Index,
-    unit_budgets: kopf.Index,
-    **_: Any,
-) -> None:
-    memo.reconciler.watch(Indexes(deployments, unit_sets, unit_services, unit_pods, unit_budgets))
+async def keep_indexes(memo: kopf.Memo, **indexes: Any) -> None:
+    # kopf passes every index by its handler's name (below) among the keyword arguments.
+    memo.reconciler.watch(
+        Indexes(
+            deployments=indexes["deployments"],
+            stateful_sets=indexes["stateful_sets"],
+            services=indexes["services"],
+            budgets=indexes["budgets"],
+            pods=indexes["pods"],
+        )
+    )
 
 
 @kopf.on.cleanup()
@@ -64,95 +103,64 @@ async def close(memo: kopf.Memo, **_: Any) -> None:
     await memo.reconciler.aclose()
 
 
-# Indexes keep only what status and reconcile read: every unit's whole pod (managedFields,
-# container specs) and kubectl's last-applied copy of every spec would dominate memory at scale.
 # Indexers are coroutines: kopf runs plain functions in a thread pool, a thread hop per event.
-@kopf.index("pods", labels=OURS)
-async def unit_pods(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[Any, Any]:
-    return {(namespace, labels[LABEL_DEPLOYMENT]): PodSummary.of(body)}
+@kopf.index(*EPD)
+async def deployments(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> dict[Key, DeploymentSummary]:
+    return {(namespace or "", name): DeploymentSummary.of(body)}
 
 
 @kopf.index("statefulsets", labels=OURS)
-async def unit_sets(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[Any, Any]:
-    status, spec, meta = body.status, body.spec, body.metadata
-    summary = StatefulSetSummary(
-        name=meta.name,
-        spec_hash=meta.annotations.get(ANNOTATION_SPEC_HASH),
-        observed=status.get("observedGeneration") == meta.get("generation"),
-        replicas=spec.get("replicas", 1),
-        updated_replicas=status.get("updatedReplicas", 0),
-        current_revision=status.get("currentRevision"),
-        update_revision=status.get("updateRevision"),
-        owned_by_update=_owned_by_update(meta),
-    )
-    return {(namespace, labels[LABEL_DEPLOYMENT]): summary}
+async def stateful_sets(
+    namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any
+) -> dict[Key, StatefulSetSummary]:
+    return {owner_key(namespace, labels): StatefulSetSummary.of(body)}
 
 
 @kopf.index("services", labels=OURS)
-async def unit_services(
-    namespace: str, labels: kopf.Labels, meta: kopf.Meta, body: kopf.Body, **_: Any
-) -> dict[Any, Any]:
-    return {
-        (namespace, labels[LABEL_DEPLOYMENT]): (
-            meta.name,
-            meta.annotations.get(ANNOTATION_SPEC_HASH),
-            is_headless(body),
-            _owned_by_update(meta),
-        )
-    }
+async def services(
+    namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any
+) -> dict[Key, ServiceSummary]:
+    return {owner_key(namespace, labels): ServiceSummary.of(body)}
 
 
 @kopf.index("policy", "v1", "poddisruptionbudgets", labels=OURS)
-async def unit_budgets(namespace: str, labels: kopf.Labels, meta: kopf.Meta, **_: Any) -> dict[Any, Any]:
-    return {
-        (namespace, labels[LABEL_DEPLOYMENT]): (
-            meta.name,
-            meta.annotations.get(ANNOTATION_SPEC_HASH),
-            _owned_by_update(meta),
-        )
-    }
+async def budgets(
+    namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any
+) -> dict[Key, BudgetSummary]:
+    return {owner_key(namespace, labels): BudgetSummary.of(body)}
 
 
-def _owned_by_update(meta: kopf.Meta) -> bool:
-    return owned_by_update(meta.get("managedFields") or [], FIELD_MANAGER)
-
-
-@kopf.index(*EPD)
-async def deployments(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
-    return {(namespace, name): IndexedDeployment.of(body)}
+@kopf.index("pods", labels=OURS)
+async def pods(namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any) -> dict[Key, PodSummary]:
+    return {owner_key(namespace, labels): PodSummary.of(body)}
 
 
 @kopf.on.event(*EPD)
-async def epd_changed(memo: kopf.Memo, type: str, namespace: str, name: str, body: kopf.Body, **_: Any) -> None:
+async def epd_changed(memo: kopf.Memo, type: str, namespace: str | None, name: str, body: kopf.Body, **_: Any) -> None:
+    key = (namespace or "", name)
     if type == "DELETED":
-        memo.reconciler.forget((namespace, name))
+        memo.reconciler.forget(key)
         return
-    if memo.reconciler.echoes_status(body):
+    if echoes_status(memo.reconciler, body):
         return  # the echo of our own status patch
     # A spec not reconciled yet goes before status refreshes of objects already converged.
-    memo.reconciler.enqueue(
-        (namespace, name), urgent=body.status.get("observedGeneration") != body.metadata.get("generation")
-    )
+    memo.reconciler.enqueue(key, urgent=body.status.get("observedGeneration") != body.metadata.get("generation"))
 
 
 @kopf.on.event("pods", labels=OURS)
-async def pod_changed(memo: kopf.Memo, namespace: str, labels: kopf.Labels, **_: Any) -> None:
-    memo.reconciler.enqueue_after(
-        (namespace, labels[LABEL_DEPLOYMENT]), memo.reconciler.settings.status_debounce_seconds
-    )
+async def pod_changed(memo: kopf.Memo, namespace: str | None, labels: Mapping[str, str], **_: Any) -> None:
+    memo.reconciler.enqueue_after(owner_key(namespace, labels), memo.reconciler.settings.status_debounce_seconds)
 
 
 # Children: a deleted one, or one not at the desired state of its owner's current generation,
 # queues a reconcile (which re-applies it); one that only confirms what was applied does not.
 @kopf.on.event("statefulsets", labels=OURS)
 async def set_changed(
-    memo: kopf.Memo, type: str | None, namespace: str, labels: kopf.Labels, meta: kopf.Meta, **_: Any
+    memo: kopf.Memo, type: str, namespace: str | None, labels: Mapping[str, str], meta: kopf.Meta, **_: Any
 ) -> None:
-    key = (namespace, labels[LABEL_DEPLOYMENT])
-    memo.reconciler.observed(key, "StatefulSet", meta.name)
-    if type != "DELETED" and memo.reconciler.confirms(
-        key, "StatefulSet", meta.name, meta.annotations.get(ANNOTATION_SPEC_HASH)
-    ):
+    key, ref = owner_key(namespace, labels), ("StatefulSet", meta.name or "")
+    memo.reconciler.expectations.observed(key, ref)
+    if type != "DELETED" and confirms(memo.reconciler, key, ref, meta.annotations.get(ANNOTATION_SPEC_HASH)):
         # The status reads its rollout fields: a refresh, coalesced with the pods' events.
         memo.reconciler.enqueue_after(key, memo.reconciler.settings.status_debounce_seconds)
     else:
@@ -162,17 +170,21 @@ async def set_changed(
 @kopf.on.event("services", labels=OURS)
 @kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=OURS)
 async def child_changed(
-    memo: kopf.Memo, type: str | None, namespace: str, labels: kopf.Labels, body: kopf.Body, meta: kopf.Meta, **_: Any
+    memo: kopf.Memo,
+    type: str,
+    namespace: str | None,
+    labels: Mapping[str, str],
+    body: kopf.Body,
+    meta: kopf.Meta,
+    **_: Any,
 ) -> None:
-    key = (namespace, labels[LABEL_DEPLOYMENT])
-    memo.reconciler.observed(key, body["kind"], meta.name)
+    key, ref = owner_key(namespace, labels), (body["kind"], meta.name or "")
+    memo.reconciler.expectations.observed(key, ref)
     # The status reads neither Services nor budgets: a confirming event has nothing to refresh.
-    if type == "DELETED" or not memo.reconciler.confirms(
-        key, body["kind"], meta.name, meta.annotations.get(ANNOTATION_SPEC_HASH)
-    ):
+    if type == "DELETED" or not confirms(memo.reconciler, key, ref, meta.annotations.get(ANNOTATION_SPEC_HASH)):
         memo.reconciler.enqueue(key)
 
 
 @kopf.on.probe(id="deployments")
-def count_deployments(deployments: kopf.Index, **_: Any) -> int:
-    return len(deployments)
+def count_deployments(**kwargs: Any) -> int:
+    return len(kwargs["deployments"])

@@ -10,6 +10,7 @@ operator's CPU re-scanning its queue of waiting requests.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -88,11 +89,13 @@ class Kube:
     async def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         """A child as it is now, None if there is none."""
         try:
-            return json.loads(await self._call("GET", _child_path(kind, namespace, name), None, "application/json"))  # type: ignore[no-any-return]
+            raw = await self._call("GET", _child_path(kind, namespace, name), None, "application/json")
         except KubeError as error:
             if error.status_code == 404:
                 return None
             raise
+        child: dict[str, Any] = json.loads(raw)
+        return child
 
     async def replace_managed_fields(
         self, kind: str, namespace: str, name: str, resource_version: str, entries: list[dict[str, Any]]
@@ -144,6 +147,40 @@ class Kube:
         except KubeError as error:
             if error.status_code != 404:  # deleted meanwhile: nothing left to report on
                 raise
+
+
+class KubeSession:
+    """The API client on kopf's latest credentials. kopf logs in again when credentials rotate
+    (kopf runs login handlers in a thread, the client needs the event loop): the next call then
+    gets a client on the new ones, and the old one is closed in the background. A client given
+    at construction (tests, benchmarks) is used as it is and never closed here."""
+
+    def __init__(self, kube: Kube | None = None) -> None:
+        self._kube = kube
+        self._owned = kube is None
+        self._connection: kopf.ConnectionInfo | None = None
+        self._closing: set[asyncio.Task[None]] = set()
+
+    def login(self, connection: kopf.ConnectionInfo) -> None:
+        self._connection = connection
+
+    @property
+    def client(self) -> Kube:
+        connection = self._connection
+        if self._owned and connection is not None and (self._kube is None or self._kube.connection is not connection):
+            if self._kube is not None:
+                task = asyncio.create_task(self._kube.aclose())
+                self._closing.add(task)  # keep a reference until done, or it may be garbage-collected
+                task.add_done_callback(self._closing.discard)
+            self._kube = Kube(connection)
+        if self._kube is None:
+            raise RuntimeError("no API client yet: kopf logs in before any handler runs")
+        return self._kube
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*self._closing, return_exceptions=True)
+        if self._kube is not None and self._owned:
+            await self._kube.aclose()
 
 
 def _child_path(kind: str, namespace: str, name: str = "") -> str:

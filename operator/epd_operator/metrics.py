@@ -32,7 +32,8 @@ class OperatorMetrics:
         self._stage_seconds = Histogram(
             "epd_reconcile_stage_duration_seconds",
             "Time of one stage of a reconcile: plan (validate and render, cached per generation), "
-            "apply (children applied or deleted; only reconciles that wrote) and status (only those that patched it).",
+            "children (children created, applied or deleted; only reconciles that wrote) and status "
+            "(only those that patched it).",
             ["stage"],
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
             registry=self.registry,

@@ -17,7 +17,6 @@ import hashlib
 import json
 import re
 import shlex
-from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import resources
@@ -28,6 +27,7 @@ import yaml
 
 from .api import EPDDeploymentSpec, ModelSpec, Placement, WorkerType
 from .ec.regions import cpu_bytes, uses_cpu_regions
+from .layout import slots
 from .validation import ROUTER_KV_CONNECTORS, CheckedSpec
 
 ROUTER = "router"
@@ -87,7 +87,7 @@ class ModelPlan:
     ec_storage_path: str | None  # None for text-only models
     engines: list[EngineCommand]  # encoders first, then consumers in group order
     router: RouterCommand | None
-    placement: str = Placement.unit.value
+    placement: Placement = Placement.unit
 
     @property
     def encoders(self) -> list[EngineCommand]:
@@ -101,7 +101,7 @@ class ModelPlan:
     @property
     def pooled(self) -> bool:
         """Placement Pools: the encoders run in the model's encoder pool, not in its units."""
-        return self.placement == Placement.pools.value
+        return self.placement is Placement.pools
 
     @property
     def unit_engines(self) -> list[EngineCommand]:
@@ -124,7 +124,7 @@ def render(checked: CheckedSpec, *, namespace: str, name: str, uid: str) -> list
             if model.has_encoders and not model.pooled
             else None
         )
-        plans.append(_model_plan(spec, checked.vllm_minor, index, model, path))
+        plans.append(_model_plan(spec, checked.vllm_minor, model, path))
     return plans
 
 
@@ -134,7 +134,7 @@ def ec_storage_path(spec: EPDDeploymentSpec, *, namespace: str, name: str, uid: 
     Readable, unique per EPDDeployment object (the uid changes when it is recreated) and model,
     stable across reconciles, and a single safe path component.
     """
-    digest = hashlib.sha256("\0".join((namespace, name, uid, model)).encode()).hexdigest()[:8]
+    digest = hashlib.sha256(f"{namespace}\x00{name}\x00{uid}\x00{model}".encode()).hexdigest()[:8]
     readable = re.sub(r"[^a-z0-9-]+", "-", f"{name}-{model}".lower()).strip("-")[:48].rstrip("-")
     root = spec.ec_connector.storage_root.rstrip("/")
     return f"{root}/{spec.ec_connector.path_prefix}{readable}-{digest}"
@@ -216,73 +216,59 @@ def commands_json(plans: list[ModelPlan]) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------- engines
 
 
-def _model_plan(spec: EPDDeploymentSpec, minor: str, m_index: int, model: ModelSpec, ec_path: str | None) -> ModelPlan:
+def _model_plan(spec: EPDDeploymentSpec, minor: str, model: ModelSpec, ec_path: str | None) -> ModelPlan:
     served = model.served_name
-    groups = list(enumerate(model.server_groups))
-    # Encoders first: they take the lowest ports and start (as sidecars) before the consumers.
-    ordered = [g for g in groups if g[1].worker_type.is_encoder] + [
-        g for g in groups if not g[1].worker_type.is_encoder
-    ]
-    engines: list[EngineCommand] = []
-    numbers: Counter[str] = Counter()
-    # With Pools the encoders and the consumers live in different pods, each numbered from 0.
-    pool_size = sum(g.engines for _, g in ordered if g.worker_type.is_encoder) if model.pooled else 0
     cpu_regions = uses_cpu_regions(model)
-    for g_index, group in ordered:
-        worker_type = group.worker_type
-        for _ in range(group.engines):
-            engine_index = len(engines) - (0 if worker_type.is_encoder else pool_size)
-            port = spec.ports.engine_base + engine_index
-            nixl_port = spec.ports.nixl_side_channel_base + engine_index if worker_type.is_pd else None
-            side_port = (
-                spec.ports.ec_side_channel_base + engine_index if cpu_regions and worker_type.is_encoder else None
+    engines: list[EngineCommand] = []
+    # Encoders first (layout.slots): they take the lowest ports and start, as sidecars, before
+    # the consumers.
+    for slot in slots(spec, model):
+        group, worker_type = model.server_groups[slot.group_index], slot.worker_type
+        defaults = _load_yaml(
+            _templates.get_template("engine.yaml.j2").render(
+                worker_type=worker_type.value,
+                ec_role=worker_type.ec_role,
+                kv_role=worker_type.kv_role,
+                served_model_name=served,
+                port=slot.port,
+                gpus=group.num_gpus_per_engine,
+                nixl_port=slot.nixl_port,
+                ec_storage_path=ec_path,
+                ec=spec.ec_connector,
+                kv=spec.kv_connector,
+                server_dev_mode=spec.server_dev_mode,
+                pools_ec=model.pools_connector if model.pooled else None,
+                ec_cpu_bytes=cpu_bytes(spec, model, group) if cpu_regions and worker_type.ec_role else None,
+                ec_side_channel_port=slot.ec_side_channel_port,
+                v2_model_runner=cpu_regions,
             )
-            defaults = _load_yaml(
-                _templates.get_template("engine.yaml.j2").render(
-                    worker_type=worker_type.value,
-                    ec_role=worker_type.ec_role,
-                    kv_role=worker_type.kv_role,
-                    served_model_name=served,
-                    port=port,
-                    gpus=group.num_gpus_per_engine,
-                    nixl_port=nixl_port,
-                    ec_storage_path=ec_path,
-                    ec=spec.ec_connector,
-                    kv=spec.kv_connector,
-                    server_dev_mode=spec.server_dev_mode,
-                    pools_ec=model.pools_connector if model.pooled else None,
-                    ec_cpu_bytes=cpu_bytes(spec, model, group) if cpu_regions and worker_type.ec_role else None,
-                    ec_side_channel_port=side_port,
-                    v2_model_runner=cpu_regions,
-                )
+        )
+        args = _apply_overrides(defaults["args"], group.overrides)
+        engines.append(
+            EngineCommand(
+                model=model.name,
+                worker_type=worker_type,
+                group_index=slot.group_index,
+                engine_index=slot.engine_index,
+                container_name=slot.container_name,
+                port=slot.port,
+                nixl_port=slot.nixl_port,
+                gpus=group.num_gpus_per_engine,
+                args=["vllm", "serve", model.model, *engine_flags(minor, args)],
+                env=defaults["env"] or {},
+                ec_side_channel_port=slot.ec_side_channel_port,
+                field_env=defaults.get("field_env") or {},
             )
-            args = _apply_overrides(defaults["args"], group.overrides)
-            engines.append(
-                EngineCommand(
-                    model=model.name,
-                    worker_type=worker_type,
-                    group_index=g_index,
-                    engine_index=engine_index,
-                    container_name=f"{worker_type.value}-{numbers[worker_type]}",
-                    port=port,
-                    nixl_port=nixl_port,
-                    gpus=group.num_gpus_per_engine,
-                    args=["vllm", "serve", model.model, *engine_flags(minor, args)],
-                    env=defaults["env"] or {},
-                    ec_side_channel_port=side_port,
-                    field_env=defaults.get("field_env") or {},
-                )
-            )
-            numbers[worker_type] += 1
-    return ModelPlan(model.name, served, ec_path, engines, _router(spec, model, engines), model.placement)
+        )
+    # Placement(): the API models keep enum values (Schema's use_enum_values), the plans the enum.
+    return ModelPlan(model.name, served, ec_path, engines, _router(spec, model, engines), Placement(model.placement))
 
 
 def _apply_overrides(defaults: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    # vLLM accepts both spellings of a flag; one key per argument keeps each flag single.
-    overrides = {key.replace("-", "_"): value for key, value in overrides.items()}
     # Sorted: args new to the defaults come in a stable order whatever the source's key order
     # (a reordered pod template would roll every unit).
-    return _merge_patch(defaults, {key: overrides[key] for key in sorted(overrides)})
+    merged: dict[str, Any] = _merge_patch(defaults, {key: overrides[key] for key in sorted(overrides)})
+    return merged
 
 
 def _merge_patch(target: Any, patch: Any) -> Any:

@@ -1,13 +1,19 @@
 """Desired Kubernetes objects for an EPDDeployment: pure functions of the validated spec.
 
-One EPD unit is one pod holding every engine of a model, because the default EC connector
-exchanges embeddings as files: encoders and the consumers reading them must share a node and a
-/dev/shm. Each model's units are the pods of one StatefulSet (see docs/architecture.md).
+With placement Unit, one EPD unit is one pod holding every engine of a model, because the
+default EC connector exchanges embeddings as files: encoders and the consumers reading them
+must share a node and a /dev/shm. With placement Pools the encoders form a pool of their own
+pods and the units hold the consumers. Each model's units are the pods of one StatefulSet, its
+encoder pool another (see docs/architecture.md).
+
+One module for every child (both placements' StatefulSets, Services, budgets and their pod
+templates), though past 350 lines: they share the labels, names and container builders.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -37,6 +43,12 @@ LABEL_ENCODER_POOL = f"{api.GROUP}/encoder-pool"
 # The readiness gate of a Pools model's units: True while its encoder pool has a ready encoder.
 ENCODERS_READY_GATE = f"{api.GROUP}/encoders-ready"
 JANITOR_METRICS_PORT = api.JANITOR_METRICS_PORT
+
+
+def digest(obj: Mapping[str, Any]) -> str:
+    """A short hash of a JSON document (a child's desired state, a status): equal exactly when
+    the documents are."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def child_name(deployment: str, model: str, suffix: str = "", limit: int = 52) -> str:
@@ -291,7 +303,7 @@ def services(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPlan) -> l
             "ports": [_service_port(plan, spec)],
         },
     }
-    front = {
+    front: dict[str, Any] = {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": {
@@ -341,7 +353,7 @@ def pool_pod_template(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelP
     pod waits for them), its own /dev/shm (their ECCPUConnector regions) and scheduling."""
     model = spec.model(plan.name)
     pool = model.encoder_pool or api.EncoderPool()
-    shm = {"medium": "Memory", "sizeLimit": (pool.shm or spec.shm).size_limit}
+    shm = {"medium": "Memory", "sizeLimit": spec.pool_shm(model).size_limit}
     pod_spec: dict[str, Any] = {
         "containers": [_engine_container(spec, model, c, False, sidecar=False) for c in plan.encoders],
         "volumes": [{"name": SHM_VOLUME, "emptyDir": shm}, *spec.volumes],

@@ -1,5 +1,8 @@
 """Observed pods -> unit readiness -> EPDDeployment status: pure functions.
 
+One module, though past 350 lines: every condition is computed from the same observed pods and
+StatefulSets, and one function writes them all, so that none can disagree with another.
+
 A unit is Ready only while its pod is Ready AND every encoder and consumer container is ready:
 the kubelet already makes an unready native-sidecar encoder unready the pod, and we check the
 containers too so that a consumer is never reported Ready while its encoders are unhealthy.
@@ -8,85 +11,21 @@ containers too so that a consumer is never reported Ready while its encoders are
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 from . import api
 from .ec.budget import budget_warning, effective_max_bytes
-from .render import ModelPlan
+from .indexes import REVISION_LABEL, Pod, StatefulSetSummary
+from .render import EngineCommand, ModelPlan, RouterCommand
 from .resources import ENCODERS_READY_GATE, child_name, pool_name, unit_pod_selector
 
-Pod = dict[str, Any]
-# The StatefulSet controller labels each pod with the revision of the template it was made from.
-REVISION_LABEL = "controller-revision-hash"
-
-
-@dataclass(frozen=True, slots=True)
-class PodSummary:
-    """What status, the readiness gates and the janitor scrape read of a unit or encoder pod,
-    kept in the operator's index as compact JSON text and decoded when read: its decoded tree
-    (a dict per condition and container, each value a string of its own) took 5 KB a pod, the
-    text 0.7 KB."""
-
-    name: str
-    summary_json: str
-
-    CONDITION_FIELDS: ClassVar[tuple[str, ...]] = ("type", "status", "reason", "message")
-    CONTAINER_FIELDS: ClassVar[tuple[str, ...]] = ("name", "ready", "started")
-
-    @classmethod
-    def of(cls, pod: Mapping[str, Any]) -> PodSummary:
-        metadata, status = pod["metadata"], pod.get("status") or {}
-
-        def pick(items: Any, fields: tuple[str, ...]) -> list[dict[str, Any]]:
-            return [{f: item[f] for f in fields if f in item} for item in items or []]
-
-        summary = {
-            "name": metadata["name"],
-            "metadata": {
-                "deletionTimestamp": metadata.get("deletionTimestamp"),
-                "labels": {REVISION_LABEL: (metadata.get("labels") or {}).get(REVISION_LABEL)},
-            },
-            "spec": {"nodeName": (pod.get("spec") or {}).get("nodeName")},
-            "status": {
-                "phase": status.get("phase"),
-                "podIP": status.get("podIP"),
-                "conditions": pick(status.get("conditions"), cls.CONDITION_FIELDS),
-                "initContainerStatuses": pick(status.get("initContainerStatuses"), cls.CONTAINER_FIELDS),
-                "containerStatuses": pick(status.get("containerStatuses"), cls.CONTAINER_FIELDS),
-            },
-        }
-        return cls(metadata["name"], json.dumps(summary, separators=(",", ":")))
-
-    def tree(self) -> dict[str, Any]:
-        """The summary as a pod-shaped dict (name, metadata, spec, status), a new copy each call."""
-        return json.loads(self.summary_json)  # type: ignore[no-any-return]
-
 
 @dataclass(frozen=True)
-class StatefulSetSummary:
-    """What status needs of a StatefulSet of units or encoders (the operator's index keeps only this)."""
+class ObservedPod:
+    """What one pod says about itself: a unit, or (kind "encoder pod") a pod of an encoder pool."""
 
-    name: str
-    spec_hash: str | None  # the operator's annotation: the desired state it was applied from
-    observed: bool  # status.observedGeneration == metadata.generation
-    replicas: int
-    updated_replicas: int
-    current_revision: str | None
-    update_revision: str | None
-    owned_by_update: bool = False  # not the status's: the reconciler's (see managedfields.py)
-
-    @property
-    def rolled_out(self) -> bool:
-        return (
-            self.observed and self.updated_replicas == self.replicas and self.current_revision == self.update_revision
-        )
-
-
-@dataclass(frozen=True)
-class Unit:
     name: str
     model: str
     exists: bool
@@ -101,10 +40,8 @@ class Unit:
 
 
 def _condition(pod: Pod, kind: str) -> dict[str, Any]:
-    for condition in pod.get("status", {}).get("conditions") or []:
-        if condition.get("type") == kind:
-            return condition
-    return {}
+    conditions: list[dict[str, Any]] = pod.get("status", {}).get("conditions") or []
+    return next((c for c in conditions if c.get("type") == kind), {})
 
 
 def _containers(pod: Pod) -> dict[str, dict[str, Any]]:
@@ -121,17 +58,17 @@ def observe_unit(
     ec_evictions: int | None = None,
     pool: Pool | None = None,
     fallback_encodes: int | None = None,
-) -> Unit:
+) -> ObservedPod:
     """What one unit's pod says about it; `pod` is None while it does not exist yet.
     `ec_evictions`, `fallback_encodes`: its janitor's counters, as the operator last scraped them.
     `pool`: the model's encoder pool (placement Pools), whose encoders the unit's consumers need."""
     if pod is None:
         status = api.UnitStatus(name=unit_name, pod=unit_name, reason="PodMissing", message="pod not created yet")
-        return Unit(unit_name, plan.name, False, False, True, False, "PodMissing", status.message or "", status)
+        return ObservedPod(unit_name, plan.name, False, False, True, False, "PodMissing", status.message or "", status)
     ip = pod.get("status", {}).get("podIP")
     containers = _containers(pod)
     encoders, consumers = plan.unit_encoders, plan.consumers
-    routed = [*consumers, *([plan.router] if plan.router else [])]
+    routed: list[EngineCommand | RouterCommand] = [*consumers, *([plan.router] if plan.router else [])]
 
     def ready(name: str) -> bool:
         return bool(containers.get(name, {}).get("ready"))
@@ -194,7 +131,7 @@ def observe_unit(
     )
     encoders_ready = not unready_encoders and (pool is None or bool(pool.ready_urls))
     revision = (pod.get("metadata", {}).get("labels") or {}).get(REVISION_LABEL)
-    return Unit(
+    return ObservedPod(
         unit_name, plan.name, True, is_ready, starting, encoders_ready, reason, message, status, revision=revision
     )
 
@@ -209,11 +146,11 @@ def unit_names(deployment: str, plan: ModelPlan, replicas: int) -> list[str]:
 
 @dataclass(frozen=True)
 class Pool:
-    """A Pools model's encoder pool, observed: each pod is a Unit of encoders only."""
+    """A Pools model's encoder pool, observed: each pod observed as a unit of encoders only."""
 
     name: str  # its StatefulSet
     model: str
-    members: list[Unit]
+    members: list[ObservedPod]
 
     @property
     def ready_urls(self) -> list[str]:
@@ -252,7 +189,7 @@ def observe_pool(deployment: str, spec: api.EPDDeploymentSpec, plan: ModelPlan, 
     """The encoder pool of a Pools model from its pods (by name)."""
     name = pool_name(deployment, plan.name)
     # A pool pod holds the model's encoders and nothing else: observed as a unit of that shape.
-    encoders_only = dataclasses.replace(plan, engines=plan.encoders, router=None, placement=api.Placement.unit.value)
+    encoders_only = dataclasses.replace(plan, engines=plan.encoders, router=None, placement=api.Placement.unit)
     members = [
         dataclasses.replace(observe_unit(encoders_only, pod_name, pods.get(pod_name)), kind="encoder pod")
         for pod_name in (f"{name}-{i}" for i in range(spec.model(plan.name).encoder_replicas))
@@ -356,9 +293,9 @@ def compute_status(
     name, for the units whose janitor the operator scraped; `write_error`: the API server's
     refusal of a child this reconcile had to write (the spec is not applied until it goes)."""
     models: list[api.ModelStatus] = []
-    units: list[Unit] = []
+    units: list[ObservedPod] = []
     pools: list[Pool] = []
-    stalled: list[Unit] = []  # updated pods that will not become Ready: their rollout waits on them
+    stalled: list[ObservedPod] = []  # updated pods that will not become Ready: their rollout waits on them
     updated_total = 0
     rolled_out = True  # every StatefulSet observed, all its pods on its current template
     new_revision = False  # a template change in flight (a scale changes no revision)
@@ -440,9 +377,12 @@ def compute_status(
 
     starting = [u for u in unready if u.starting]
     progressing = not rolled_out or bool(starting)
-    updated = f"{updated_total}/{len(units)} units updated"
+    units_updated = f"{updated_total}/{len(units)} units updated"
     if new_revision:
-        progress_reason, progress_message = "RollingOut", updated + (f"; {_describe(starting)}" if starting else "")
+        progress_reason, progress_message = (
+            "RollingOut",
+            units_updated + (f"; {_describe(starting)}" if starting else ""),
+        )
     elif starting or not rolled_out:
         progress_reason, progress_message = "UnitsStarting", _describe(starting)
     else:
@@ -471,7 +411,7 @@ def compute_status(
             "Degraded",
             True,
             "RolloutStalled",
-            f"rollout stopped at {updated}: {_describe(stalled)}; no further pod is replaced until it is "
+            f"rollout stopped at {units_updated}: {_describe(stalled)}; no further pod is replaced until it is "
             "Ready: fix the spec (or revert it) to go on",
         )
     else:
@@ -486,7 +426,7 @@ def compute_status(
             _describe(broken),
         )
 
-    warnings = [w for p in plans if (w := budget_warning(spec, p))]
+    warnings = [w for p in plans if (w := budget_warning(spec, spec.model(p.name)))]
     _set(
         conditions,
         before,
@@ -527,7 +467,7 @@ def _current(stateful_set: StatefulSetSummary | None) -> StatefulSetSummary | No
     return stateful_set if stateful_set and stateful_set.observed else None
 
 
-def _describe(units: list[Unit]) -> str:
+def _describe(units: list[ObservedPod]) -> str:
     return "; ".join(f"{u.kind} {u.name}: {u.reason}" + (f" ({u.message})" if u.message else "") for u in units)
 
 

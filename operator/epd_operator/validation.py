@@ -15,10 +15,11 @@ from typing import Any
 
 import pydantic
 
-from .api import DNS1123_LABEL, JANITOR_METRICS_PORT, EPDDeploymentSpec, ModelSpec, ServerGroup
+from .api import DNS1123_LABEL, EPDDeploymentSpec, ModelSpec, ServerGroup
 from .ec.quantity import BYTE_QUANTITY
 from .ec.regions import region_errors, uses_cpu_regions
 from .engine_args import override_errors
+from .layout import Block, pool_ports, unit_ports
 
 SUPPORTED_VLLM_VERSIONS = ("0.32", "0.33")
 
@@ -91,7 +92,7 @@ class ModelRule:
     violated_by: Callable[[ModelSpec], bool]
 
 
-# Placement rules (issue #16). The CRD defaults placement to Unit, so CEL always sees it.
+# Placement rules. The CRD defaults placement to Unit, so CEL always sees it.
 PLACEMENT_RULES: tuple[ModelRule, ...] = (
     ModelRule(
         "!(self.placement == 'Pools' && !self.serverGroups.exists(g, g.workerType == 'encoder'))",
@@ -147,45 +148,13 @@ class SpecError(ValueError):
 
 
 def port_errors(spec: EPDDeploymentSpec, index: int, model: ModelSpec) -> list[str]:
-    """Ports the model's unit would use twice, or past 65535: its engines could not all bind."""
+    """Ports a pod of the model would use twice, or past 65535: its engines could not all bind."""
     if model.pooled:
-        # A Pools model's unit holds its consumers only, numbered from ports.engineBase; no janitor.
-        consumers = sum(g.engines for g in model.server_groups if not g.worker_type.is_encoder)
-        return [
-            *_range_errors(model, _pool_port_ranges(spec, model)),
-            *_range_errors(model, _unit_port_ranges(spec, model, consumers, janitor=False)),
-        ]
-    engines = sum(g.engines for g in model.server_groups)
-    return _range_errors(model, _unit_port_ranges(spec, model, engines, janitor=model.has_encoders))
+        return [*_range_errors(model, pool_ports(spec, model)), *_range_errors(model, unit_ports(spec, model))]
+    return _range_errors(model, unit_ports(spec, model))
 
 
-def _unit_port_ranges(
-    spec: EPDDeploymentSpec, model: ModelSpec, engines: int, *, janitor: bool
-) -> dict[str, tuple[int, int]]:
-    """A unit pod with `engines` engines: their HTTP ports, the router's, prefill/decode NIXL side
-    channels, and the janitor's metrics port."""
-    ranges = {"ports.engineBase": (spec.ports.engine_base, spec.ports.engine_base + engines - 1)}
-    if model.needs_router:
-        ranges["ports.router"] = (spec.ports.router, spec.ports.router)
-    if model.is_pd:
-        base = spec.ports.nixl_side_channel_base
-        ranges["ports.nixlSideChannelBase"] = (base, base + engines - 1)
-    if janitor:
-        ranges["the EC janitor's metrics port"] = (JANITOR_METRICS_PORT, JANITOR_METRICS_PORT)
-    return ranges
-
-
-def _pool_port_ranges(spec: EPDDeploymentSpec, model: ModelSpec) -> dict[str, tuple[int, int]]:
-    """An encoder pool pod: its encoders' HTTP ports, and their EC side channels (ECCPUConnector)."""
-    encoders = sum(g.engines for g in model.server_groups if g.worker_type.is_encoder)
-    ranges = {"ports.engineBase": (spec.ports.engine_base, spec.ports.engine_base + encoders - 1)}
-    if uses_cpu_regions(model):
-        base = spec.ports.ec_side_channel_base
-        ranges["ports.ecSideChannelBase"] = (base, base + encoders - 1)
-    return ranges
-
-
-def _range_errors(model: ModelSpec, ranges: dict[str, tuple[int, int]]) -> list[str]:
+def _range_errors(model: ModelSpec, ranges: dict[str, Block]) -> list[str]:
     errors = []
     for name, (low, high) in ranges.items():
         if high > 65535 and name.startswith("ports."):
@@ -206,8 +175,7 @@ def _range_errors(model: ModelSpec, ranges: dict[str, tuple[int, int]]) -> list[
 def owned_arg_errors(group: ServerGroup, where: str) -> list[str]:
     """Override keys that set wiring the operator owns (engine_args.override_errors checks the rest)."""
     errors = []
-    for key in group.overrides:
-        name = str(key).replace("-", "_")  # vLLM accepts both spellings; one key per argument
+    for name in group.overrides:  # one spelling per argument: ServerGroup normalised them
         if name in OWNED_ARGS:
             errors.append(f"{where}.{name}: set by the operator from spec.{OWNED_ARGS[name]}; change that instead")
     return errors
@@ -239,8 +207,10 @@ def service_errors(spec: EPDDeploymentSpec) -> list[str]:
 def router_errors(spec: EPDDeploymentSpec, model: ModelSpec) -> list[str]:
     if model.is_pd and spec.kv_connector.name not in ROUTER_KV_CONNECTORS:
         return [
-            f"spec.kvConnector.name: vllm-router coordinates prefill/decode only with "
-            f"{', '.join(ROUTER_KV_CONNECTORS)} (model '{model.name}' has prefill/decode groups)"
+            (
+                f"spec.kvConnector.name: vllm-router coordinates prefill/decode only with "
+                f"{', '.join(ROUTER_KV_CONNECTORS)} (model '{model.name}' has prefill/decode groups)"
+            )
         ]
     return []
 
@@ -258,16 +228,20 @@ def vllm_minor(spec: EPDDeploymentSpec) -> str:
     if not match:
         raise SpecError(
             [
-                f"{source}: cannot tell the vLLM version from {text or spec.image!r}: "
-                f"set spec.vllmVersion to one of {', '.join(SUPPORTED_VLLM_VERSIONS)}"
+                (
+                    f"{source}: cannot tell the vLLM version from {text or spec.image!r}: "
+                    f"set spec.vllmVersion to one of {', '.join(SUPPORTED_VLLM_VERSIONS)}"
+                )
             ]
         )
     minor = f"{int(match[1])}.{int(match[2])}"
     if minor not in SUPPORTED_VLLM_VERSIONS:
         raise SpecError(
             [
-                f"{source}: vLLM {minor} is not supported: use one of "
-                f"{', '.join(SUPPORTED_VLLM_VERSIONS)} (argument templates exist only for those)"
+                (
+                    f"{source}: vLLM {minor} is not supported: use one of "
+                    f"{', '.join(SUPPORTED_VLLM_VERSIONS)} (argument templates exist only for those)"
+                )
             ]
         )
     return minor
@@ -293,6 +267,8 @@ def _pydantic_messages(error: pydantic.ValidationError) -> list[str]:
         hint = _PATTERN_HINTS.get((item.get("ctx") or {}).get("pattern", ""))
         if item["type"] == "string_pattern_mismatch" and hint:
             messages.append(f"{path}: {item['input']!r} is not {hint}")
+        elif item["type"] == "value_error":  # our own validators' messages, without pydantic's prefix
+            messages.append(f"{path}: {(item.get('ctx') or {}).get('error', item['msg'])}")
         else:
             messages.append(f"{path}: {item['msg']}")
     return messages
@@ -337,6 +313,6 @@ def validate(raw: dict[str, Any]) -> CheckedSpec:
                 f"spec.volumes: volume '{volume.get('name')}' uses hostPath: not allowed (use a PVC or emptyDir)"
             )
     errors += version_errors
-    if errors:
+    if errors or minor is None:
         raise SpecError(errors)
     return CheckedSpec(spec, minor)

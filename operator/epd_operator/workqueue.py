@@ -21,27 +21,28 @@ import asyncio
 import collections
 import logging
 from collections.abc import Awaitable, Callable, Hashable
+from typing import Generic, TypeVar
 
 logger = logging.getLogger(__name__)
 
+K = TypeVar("K", bound=Hashable)
 
-class WorkQueue:
-    def __init__(
-        self, reconcile: Callable[[Hashable], Awaitable[None]], *, workers: int, max_backoff: float = 60.0
-    ) -> None:
+
+class WorkQueue(Generic[K]):
+    def __init__(self, reconcile: Callable[[K], Awaitable[None]], *, workers: int, max_backoff: float = 60.0) -> None:
         self._reconcile = reconcile
         self._max_backoff = max_backoff
-        self._urgent: collections.deque[Hashable] = collections.deque()
-        self._normal: collections.deque[Hashable] = collections.deque()
+        self._urgent: collections.deque[K] = collections.deque()
+        self._normal: collections.deque[K] = collections.deque()
         self._entries = asyncio.Semaphore(0)  # counts the entries of both deques
-        self._dirty: set[Hashable] = set()  # waiting: in a deque, or to be re-queued when done
-        self._dirty_urgent: set[Hashable] = set()
-        self._processing: set[Hashable] = set()
-        self._failures: dict[Hashable, int] = {}
-        self._timers: dict[Hashable, asyncio.TimerHandle] = {}
+        self._dirty: set[K] = set()  # waiting: in a deque, or to be re-queued when done
+        self._dirty_urgent: set[K] = set()
+        self._processing: set[K] = set()
+        self._failures: dict[K, int] = {}
+        self._timers: dict[K, asyncio.TimerHandle] = {}
         self._workers = [asyncio.create_task(self._work()) for _ in range(workers)]
 
-    def add(self, key: Hashable, *, urgent: bool = False) -> None:
+    def add(self, key: K, *, urgent: bool = False) -> None:
         if key in self._dirty and (not urgent or key in self._dirty_urgent):
             return
         self._dirty.add(key)
@@ -50,11 +51,11 @@ class WorkQueue:
         if key not in self._processing:
             self._push(key)  # an urgent add of a key waiting as normal leaves a stale entry, skipped
 
-    def _push(self, key: Hashable) -> None:
+    def _push(self, key: K) -> None:
         (self._urgent if key in self._dirty_urgent else self._normal).append(key)
         self._entries.release()
 
-    def add_after(self, key: Hashable, delay: float) -> None:
+    def add_after(self, key: K, delay: float) -> None:
         if key in self._dirty:
             return  # waiting: its next reconcile starts later, and reads the indexes then
         loop = asyncio.get_running_loop()
@@ -65,11 +66,11 @@ class WorkQueue:
             waiting.cancel()
         self._timers[key] = loop.call_later(delay, self._fire, key)
 
-    def _fire(self, key: Hashable) -> None:
+    def _fire(self, key: K) -> None:
         del self._timers[key]
         self.add(key)
 
-    def forget(self, key: Hashable) -> None:
+    def forget(self, key: K) -> None:
         """The object is gone: drop its failure count (a queued key still runs, and finds nothing)."""
         self._failures.pop(key, None)
 
@@ -100,7 +101,7 @@ class WorkQueue:
             try:
                 await self._reconcile(key)
                 self._failures.pop(key, None)
-            except Exception as error:
+            except Exception as error:  # noqa: BLE001 - whatever failed, the key is retried with backoff
                 failures = self._failures[key] = self._failures.get(key, 0) + 1
                 delay = min(self._max_backoff, 2.0**failures)
                 logger.warning(f"reconciling {key} failed ({error}); retrying in {delay:.0f}s")

@@ -31,10 +31,14 @@ def refusals(overrides: dict[Any, Any], version: str = "0.33") -> list[str]:
 @pytest.mark.parametrize("version", SUPPORTED_VLLM_VERSIONS)
 def test_sglang_names_are_refused_naming_vllms(version: str) -> None:
     assert refusals({"mem_fraction_static": 0.85, "context_length": 32768}, version) == [
-        f"{WHERE}.mem_fraction_static: not an engine argument of vLLM {version} (SGLang's name): "
-        "did you mean `gpu_memory_utilization`?",
-        f"{WHERE}.context_length: not an engine argument of vLLM {version} (SGLang's name): "
-        "did you mean `max_model_len`?",
+        (
+            f"{WHERE}.mem_fraction_static: not an engine argument of vLLM {version} (SGLang's name): "
+            "did you mean `gpu_memory_utilization`?"
+        ),
+        (
+            f"{WHERE}.context_length: not an engine argument of vLLM {version} (SGLang's name): "
+            "did you mean `max_model_len`?"
+        ),
     ]
 
 

@@ -157,8 +157,10 @@ def test_a_headless_front_service_must_be_a_cluster_ip_one(kind):
     with pytest.raises(SpecError) as error:
         validate(spec_with("encoder", "regular", service={"type": kind, "headless": True}))
     assert error.value.errors == [
-        "spec.service.headless: a headless Service has no virtual IP, which a NodePort or LoadBalancer Service "
-        f"needs: set spec.service.type to ClusterIP, or headless to false (type is {kind})"
+        (
+            "spec.service.headless: a headless Service has no virtual IP, which a NodePort or LoadBalancer Service "
+            f"needs: set spec.service.type to ClusterIP, or headless to false (type is {kind})"
+        )
     ]
 
 
@@ -168,7 +170,7 @@ def test_max_unavailable_refuses_what_could_not_roll_or_drain(value):
         validate(spec_with("encoder", "regular", maxUnavailable=value))
 
 
-# --------------------------------------------------------------------------- placement Pools (issue #16)
+# --------------------------------------------------------------------------- placement Pools
 
 POOLS_CASES = {
     # name: (model changes, message that must be among the errors, or None when valid)
@@ -176,8 +178,10 @@ POOLS_CASES = {
     "pools-cpu": ({"placement": "Pools", "ecConnector": {"name": "ECCPUConnector"}}, None),
     "pools-example": (
         {"placement": "Pools", "ecConnector": {"name": "ECExampleConnector"}},
-        "model 'actor': placement Pools cannot use ECExampleConnector: it exchanges embeddings as files in a "
-        "node-local /dev/shm, which cannot span nodes; use ECCPUConnector",
+        (
+            "model 'actor': placement Pools cannot use ECExampleConnector: it exchanges embeddings as files in a "
+            "node-local /dev/shm, which cannot span nodes; use ECCPUConnector"
+        ),
     ),
     "unit-connector": (
         {"ecConnector": {"name": "ECCPUConnector"}},
@@ -233,9 +237,11 @@ def test_eccpuconnector_regions_must_fit_in_their_pods_shm():
     with pytest.raises(SpecError) as error:
         validate(spec)
     assert error.value.errors == [
-        "spec.models[0]: the ECCPUConnector regions of an encoder pool pod of model 'actor' take 16.0Gi of /dev/shm "
-        "(2 engines), more than 80% of its sizeLimit 16Gi (12.8Gi; vLLM needs the rest): lower ec_cpu_bytes or "
-        "raise spec.models[0].encoderPool.shm.sizeLimit"
+        (
+            "spec.models[0]: the ECCPUConnector regions of an encoder pool pod of model 'actor' take 16.0Gi of /dev/shm "
+            "(2 engines), more than 80% of its sizeLimit 16Gi (12.8Gi; vLLM needs the rest): lower ec_cpu_bytes or "
+            "raise spec.models[0].encoderPool.shm.sizeLimit"
+        )
     ]
     spec["models"][0]["encoderPool"] = {"shm": {"sizeLimit": "24Gi"}}
     validate(spec)  # the pool's own /dev/shm: the units keep spec.shm
@@ -276,8 +282,10 @@ def test_pool_pods_and_units_are_checked_for_ports_separately():
     with pytest.raises(SpecError) as error:
         validate(spec)
     assert error.value.errors == [
-        "spec.ports.engineBase: model 'actor' would use ports 8100-8101 for ports.engineBase and 8101-8102 "
-        "for ports.ecSideChannelBase: move one range"
+        (
+            "spec.ports.engineBase: model 'actor' would use ports 8100-8101 for ports.engineBase and 8101-8102 "
+            "for ports.ecSideChannelBase: move one range"
+        )
     ]
     # Consumers start at engineBase in their own pod, so a Unit's janitor port is no concern either.
     validate(pools_spec({"placement": "Pools"}) | {"ports": {"engineBase": 9400}})
@@ -288,7 +296,23 @@ def test_a_tiny_shm_leaves_no_room_for_a_region():
     with pytest.raises(SpecError) as error:
         validate(spec)
     assert error.value.errors == [
-        "spec.models[0]: an ECCPUConnector region of an encoder pool pod of model 'actor' would be 838860 bytes, "
-        "below 1Mi: too small for any image embedding; raise spec.models[0].encoderPool.shm.sizeLimit or set "
-        "ec_cpu_bytes"
+        (
+            "spec.models[0]: an ECCPUConnector region of an encoder pool pod of model 'actor' would be 838860 bytes, "
+            "below 1Mi: too small for any image embedding; raise spec.models[0].encoderPool.shm.sizeLimit or set "
+            "ec_cpu_bytes"
+        )
+    ]
+
+
+def test_overrides_are_read_in_one_spelling_and_two_spellings_of_one_argument_are_refused():
+    spec = spec_with("encoder", "regular")
+    spec["models"][0]["serverGroups"][1]["overrides"] = {"max-num-seqs": 8, "enforce_eager": True}
+    group = validate(spec).spec.models[0].server_groups[1]
+    assert group.overrides == {"max_num_seqs": 8, "enforce_eager": True}  # everything after reads this
+
+    spec["models"][0]["serverGroups"][1]["overrides"] = {"max-num-seqs": 8, "max_num_seqs": 16}
+    with pytest.raises(SpecError) as error:
+        validate(spec)
+    assert error.value.errors == [
+        "spec.models[0].serverGroups[1].overrides: 'max-num-seqs' and 'max_num_seqs' both set max_num_seqs: keep one"
     ]

@@ -16,9 +16,11 @@ from epd_dev.paths import REPO
 from epd_operator.cli import build_parser
 from epd_operator.ec.janitor import scan_store
 from epd_operator.ec.scrape import JanitorMetrics, JanitorScraper, eviction_report, fallback_report, parse_metrics
-from epd_operator.reconciler import IndexedDeployment, Indexes, Reconciler
-from epd_operator.settings import Settings
-from epd_operator.status import PodSummary
+from epd_operator.indexes import DeploymentSummary, Indexes, PodSummary
+from epd_operator.kube import KubeSession
+from epd_operator.metrics import OperatorMetrics
+from epd_operator.plans import PlanCache
+from epd_operator.status_writer import StatusWriter
 
 from .store import miss, new_store, publish
 from .test_run import free_port, janitor_thread, wait_for
@@ -133,7 +135,7 @@ def reported(janitor):
 async def _scrape(reported: dict, pods: list[dict], deployments: dict) -> None:
     scraper = reported["scraper"]
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3, connect=1)) as session:
-        await scraper.scrape(session, deployments, {KEY: pods})
+        await scraper.scrape(session, _indexes(deployments, {KEY: pods}))
 
 
 async def test_the_operator_warns_and_rewrites_the_status_when_evictions_grow(reported):
@@ -166,7 +168,7 @@ async def test_a_round_scrapes_at_most_rate_janitors_a_second(janitor):
     units = [f"d-default-{i}" for i in range(6)]
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3, connect=1)) as session:
         started = time.monotonic()
-        await scraper.scrape(session, {}, {KEY: [_pod(unit, "127.0.0.1") for unit in units]})
+        await scraper.scrape(session, _indexes({}, {KEY: [_pod(unit, "127.0.0.1") for unit in units]}))
         elapsed = time.monotonic() - started
     assert scraper.evictions(KEY) == {unit: 4 for unit in units}  # every one scraped
     assert elapsed >= 5 / 20  # six local scrapes take a few ms unspread
@@ -197,8 +199,12 @@ async def test_a_status_written_before_fallbacks_were_counted_reports_them_once(
     assert [reason for reason, _ in reported["events"]] == ["ECFallbackEncodes"]
 
 
-def _indexed(status: dict) -> IndexedDeployment:
-    return IndexedDeployment.of(
+def _indexes(deployments: dict, pods: dict) -> Indexes:
+    return Indexes(deployments=deployments, stateful_sets={}, services={}, budgets={}, pods=pods)
+
+
+def _indexed(status: dict) -> DeploymentSummary:
+    return DeploymentSummary.of(
         {
             "apiVersion": "epd.vime.dev/v1alpha1",
             "kind": "EPDDeployment",
@@ -222,15 +228,12 @@ async def test_the_counts_reach_the_status_the_reconciler_writes(janitor):
         async def patch_status(self, namespace, name, status):
             patched.append(status)
 
-    reconciler = Reconciler(Settings(janitor_image="epd-operator:test"), kube=Kube(), warn=lambda *_: None)
-    reconciler.scraper = JanitorScraper(warn=lambda *_: None, changed=lambda _key: None, port=port)
-    pods = {key: [_pod(unit, "127.0.0.1")]}
-    reconciler.watch(
-        Indexes(deployments={key: [IndexedDeployment.of(body)]}, unit_sets={}, unit_services={}, unit_pods=pods)
-    )
+    scraper = JanitorScraper(warn=lambda *_: None, changed=lambda _key: None, port=port)
+    writer = StatusWriter(KubeSession(Kube()), scraper, OperatorMetrics(), warn=lambda *_: None, inform=lambda *_: None)
+    indexes = _indexes({key: [DeploymentSummary.of(body)]}, {key: [_pod(unit, "127.0.0.1")]})
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3, connect=1)) as session:
-        await reconciler.scraper.scrape(session, {key: [IndexedDeployment.of(body)]}, pods)
-    await reconciler.write_status(body, reconciler.plan(body))
+        await scraper.scrape(session, indexes)
+    await writer.write(key, body, PlanCache(8, "epd-operator:test").plan(body), indexes)
 
     (status,) = patched
     (model,) = status["models"]

@@ -33,15 +33,9 @@ from epd_dev.vllm.serving import tiny_manifest
 from epd_dev.vllm.unit_runner import UnitRunner
 from epd_operator.ec.janitor import EMBEDDING_FILE, GRACE_SECONDS
 from epd_operator.ec.scrape import JanitorScraper
-from epd_operator.reconciler import IndexedDeployment
-from epd_operator.status import PodSummary
+from epd_operator.indexes import DeploymentSummary, Indexes, PodSummary
 from tests.helm.dashboard import ENGINE_METRICS, read_metric_names
-from tests.vllm.conftest import (  # noqa: F401 - fixtures, reused
-    serving_python,
-    start_unit,
-    tiny_model_dir,
-    vllm_timings,
-)
+from tests.vllm.conftest import start_unit
 
 pytestmark = pytest.mark.vllm
 
@@ -190,14 +184,18 @@ def test_a_request_whose_image_was_not_primed_counts_one_fallback_encode_and_a_p
 
     async def scrape_once():
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3, connect=1)) as session:
-            deployment = IndexedDeployment.of(
+            deployment = DeploymentSummary.of(
                 {
                     "apiVersion": "epd.vime.dev/v1alpha1",
                     "kind": "EPDDeployment",
                     "metadata": {"namespace": "ns", "name": "janitor"},
                 }
             )
-            await scraper.scrape(session, {("ns", "janitor"): [deployment]}, {("ns", "janitor"): [pod]})
+            key = ("ns", "janitor")
+            indexes = Indexes(
+                deployments={key: [deployment]}, stateful_sets={}, services={}, budgets={}, pods={key: [pod]}
+            )
+            await scraper.scrape(session, indexes)
 
     asyncio.run(scrape_once())
     (message,) = [m for reason, m in events if reason == "ECFallbackEncodes"]

@@ -156,28 +156,28 @@ def test_default_budget_is_80_percent_of_the_shm_size_limit():
 def test_default_budgets_raise_no_warning():
     for example in ("encoder-regular.yaml", "encoder-prefill-decode.yaml", "multi-model-overrides.yaml"):
         spec, plans, _ = rendered(example)
-        assert [budget_warning(spec, plan) for plan in plans] == [None] * len(plans), example
+        assert [budget_warning(spec, spec.model(plan.name)) for plan in plans] == [None] * len(plans), example
 
 
 def test_a_budget_smaller_than_one_image_per_running_sequence_is_warned_about():
     # 1Gi shm -> 0.8 GiB budget; one regular engine at vLLM's default 256 sequences needs ~2.3 GiB.
     spec, (plan,), _ = rendered("encoder-regular.yaml", shm={"sizeLimit": "1Gi"})
-    warning = budget_warning(spec, plan)
+    warning = budget_warning(spec, spec.model(plan.name))
     assert warning is not None and "fewer than one image per sequence" in warning and "256 sequences" in warning
-    assert budget_warning(spec, plan, embedding_bytes=ASSUMED_EMBEDDING_BYTES // 4) is None
+    assert budget_warning(spec, spec.model(plan.name), embedding_bytes=ASSUMED_EMBEDDING_BYTES // 4) is None
 
     # Fewer sequences per consumer fit.
     manifest_models = yaml.safe_load((EXAMPLES / "encoder-regular.yaml").read_text())["spec"]["models"]
     manifest_models[0]["serverGroups"][1]["overrides"] = {"max_num_seqs": 32}
     spec, (plan,), _ = rendered("encoder-regular.yaml", shm={"sizeLimit": "1Gi"}, models=manifest_models)
-    assert budget_warning(spec, plan) is None
+    assert budget_warning(spec, spec.model(plan.name)) is None
 
 
 def test_prefill_engines_count_as_consumers_and_decode_engines_do_not():
     spec, (plan,), _ = rendered("encoder-prefill-decode.yaml", shm={"sizeLimit": "1Gi"})
-    assert "(256 sequences" in budget_warning(spec, plan)
+    assert "(256 sequences" in budget_warning(spec, spec.model(plan.name))
 
 
 def test_a_budget_not_below_the_shm_size_limit_is_warned_about():
     spec, (plan,), _ = rendered("encoder-regular.yaml", ecStorage={"maxBytes": 16 * 2**30})
-    assert "not below shm.sizeLimit" in budget_warning(spec, plan)
+    assert "not below shm.sizeLimit" in budget_warning(spec, spec.model(plan.name))

@@ -3,20 +3,27 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import kopf
 import pytest
 import yaml
 
-import epd_operator.reconciler as reconciler_module
+import epd_operator.plans as plans_module
 from epd_dev.paths import REPO
+from epd_operator.indexes import (
+    BudgetSummary,
+    DeploymentSummary,
+    Indexes,
+    PodSummary,
+    ServiceSummary,
+    StatefulSetSummary,
+)
 from epd_operator.kube import KubeError
-from epd_operator.managedfields import owned_by_update
-from epd_operator.reconciler import IndexedDeployment, Indexes, Reconciler
-from epd_operator.resources import ANNOTATION_SPEC_HASH, FIELD_MANAGER, is_headless
+from epd_operator.reconciler import Reconciler
+from epd_operator.resources import FIELD_MANAGER
 from epd_operator.settings import Settings
-from epd_operator.status import PodSummary, StatefulSetSummary
 
 KEY = ("ns", "qwen-vl-regular")
 
@@ -98,49 +105,55 @@ def body(generation: int = 1, max_model_len: int | None = None, **spec_changes) 
     return kopf.Body(manifest)
 
 
-def indexes_after(children: list[dict], api: RecordingKube | None = None) -> tuple[dict, dict, dict]:
-    """The StatefulSet, Service and budget indexes as the operator's watches would fill them; a
-    child whose fields an Update entry owns in `api` (or, without it, any) says so, as the
-    handlers' indexes do."""
-
-    def entry(child):
-        ref = child["kind"], child["metadata"]["name"]
-        updated = api is None or owned_by_update(api.live[ref]["metadata"]["managedFields"], FIELD_MANAGER)
-        return child["metadata"]["name"], child["metadata"]["annotations"][ANNOTATION_SPEC_HASH], updated
-
-    sets = [
-        StatefulSetSummary(name, digest, True, 1, 1, "r", "r", updated)
-        for name, digest, updated in (entry(c) for c in children if c["kind"] == "StatefulSet")
-    ]
-    services = [
-        (name, digest, is_headless(c), updated)
-        for c in children
-        if c["kind"] == "Service"
-        for name, digest, updated in [entry(c)]
-    ]
-    budgets = [entry(c) for c in children if c["kind"] == "PodDisruptionBudget"]
-    return {KEY: sets}, {KEY: services}, {KEY: budgets}
+def watched(**indexes: dict) -> Indexes:
+    """Indexes holding what is given, empty otherwise."""
+    empty = {"deployments": {}, "stateful_sets": {}, "services": {}, "budgets": {}, "pods": {}}
+    return Indexes(**{**empty, **indexes})
 
 
-async def converge(
-    reconciler: Reconciler, b: kopf.Body, sets: dict, services: dict, budgets: dict | None = None
-) -> None:
-    reconciler.watch(
-        Indexes(deployments={}, unit_sets=sets, unit_services=services, unit_pods={}, unit_budgets=budgets or {})
+SUMMARIES = {"StatefulSet": StatefulSetSummary, "Service": ServiceSummary, "PodDisruptionBudget": BudgetSummary}
+
+
+def indexes_after(children: list[dict], api: RecordingKube | None = None) -> Indexes:
+    """The child indexes as the operator's watches would fill them: each child as `api` holds it
+    (its managedFields as the API server wrote them), or without `api` as a POST left it."""
+
+    def seen(child: dict) -> dict:
+        if api is not None:
+            child = api.live[child["kind"], child["metadata"]["name"]]
+        else:
+            update = {"manager": FIELD_MANAGER, "operation": "Update", "fieldsV1": {"f:spec": {}}}
+            child = {**child, "metadata": {**child["metadata"], "managedFields": [update]}}
+        if child["kind"] == "StatefulSet":  # rolled out
+            replicas = child["spec"]["replicas"]
+            child = {**child, "status": {"updatedReplicas": replicas, "currentRevision": "r", "updateRevision": "r"}}
+        return child
+
+    def of(kind: str) -> dict:
+        return {KEY: [SUMMARIES[kind].of(seen(c)) for c in children if c["kind"] == kind]}
+
+    return watched(stateful_sets=of("StatefulSet"), services=of("Service"), budgets=of("PodDisruptionBudget"))
+
+
+async def converge(reconciler: Reconciler, b: kopf.Body, indexes: Indexes | None = None) -> None:
+    indexes = indexes or watched()
+    reconciler.watch(indexes)
+    planned = reconciler.plans.plan(b)
+    await reconciler.children.converge(
+        KEY, planned, lambda: reconciler.plans.desired(b, planned), indexes.children(KEY)
     )
-    await reconciler.converge(b, reconciler.plan(b))
 
 
 def desired(reconciler: Reconciler, b: kopf.Body) -> list[dict]:
-    return reconciler.desired(b, reconciler.plan(b))
+    return reconciler.plans.desired(b, reconciler.plans.plan(b))
 
 
-async def created(reconciler: Reconciler, api: RecordingKube, b: kopf.Body) -> tuple[dict, dict, dict]:
+async def created(reconciler: Reconciler, api: RecordingKube, b: kopf.Body) -> Indexes:
     """The children of `b` created by a first pass, and the indexes showing them (their watch
     events came); calls cleared."""
-    await converge(reconciler, b, {}, {})
-    for kind, name in CHILDREN:
-        reconciler.observed(KEY, kind, name)
+    await converge(reconciler, b)
+    for child in CHILDREN:
+        reconciler.expectations.observed(KEY, child)
     api.calls.clear()
     return indexes_after(desired(reconciler, b), api)
 
@@ -154,31 +167,31 @@ CHILDREN = [
 
 
 async def test_first_pass_creates_every_child_then_writes_nothing_while_they_match(api, reconciler):
-    await converge(reconciler, body(), {}, {})
+    await converge(reconciler, body())
     assert sorted(api.calls) == [("create", *child) for child in CHILDREN]  # a POST each, nothing else
     indexes = indexes_after(desired(reconciler, body()))
     api.calls.clear()
-    await converge(reconciler, body(), *indexes)
+    await converge(reconciler, body(), indexes)
     assert api.calls == []
 
 
 async def test_a_deleted_child_and_only_it_is_created_again(api, reconciler):
-    sets, services, budgets = await created(reconciler, api, body())
+    indexes = await created(reconciler, api, body())
     del api.live["StatefulSet", "qwen-vl-regular-default"]
     # The StatefulSet shares its name with the front Service: the Service alone must not hide its loss.
-    await converge(reconciler, body(), {KEY: []}, services, budgets)
+    await converge(reconciler, body(), dataclasses.replace(indexes, stateful_sets={KEY: []}))
     assert api.calls == [("create", "StatefulSet", "qwen-vl-regular-default")]
 
 
 async def test_a_spec_change_takes_over_the_created_fields_then_applies_the_statefulset_only(api, reconciler):
     indexes = await created(reconciler, api, body())
-    await converge(reconciler, body(generation=2, max_model_len=4096), *indexes)
+    await converge(reconciler, body(generation=2, max_model_len=4096), indexes)
     sts = ("StatefulSet", "qwen-vl-regular-default")
     # Its Update entry becomes an Apply one first, or the apply could not remove a field.
     assert api.calls == [("get", *sts), ("own", *sts), ("apply", *sts)]
     api.calls.clear()
     indexes = indexes_after(desired(reconciler, body(generation=2, max_model_len=4096)), api)
-    await converge(reconciler, body(generation=3, max_model_len=2048), *indexes)
+    await converge(reconciler, body(generation=3, max_model_len=2048), indexes)
     assert api.calls == [("apply", *sts)]  # the index shows it owned by the apply: nothing to read
 
 
@@ -186,7 +199,7 @@ async def test_a_child_the_indexes_do_not_show_yet_is_applied_when_it_exists(api
     await created(reconciler, api, body())
     # A restarted operator whose indexes are not filled yet: each POST answers 409.
     restarted = Reconciler(Settings(janitor_image="epd-operator:test", janitor_scrape_interval=0), kube=api)
-    await converge(restarted, body(), {}, {})
+    await converge(restarted, body())
     for child in CHILDREN:
         assert [call for call in api.calls if call[1:] == child] == [
             ("create", *child),
@@ -201,22 +214,20 @@ async def test_a_child_created_is_not_created_again_until_its_watch_event_or_the
         Settings(janitor_image="epd-operator:test", janitor_scrape_interval=0, created_settle_seconds=0.3), kube=api
     )
     try:
-        await converge(reconciler, body(), {}, {})
+        await converge(reconciler, body())
         api.calls.clear()
         # A reconcile before any of their events came (a pod event, a status refresh): no second
         # POST, which for a Service would allocate and free a ClusterIP.
-        await converge(reconciler, body(), {}, {})
+        await converge(reconciler, body())
         assert api.calls == []
         # The StatefulSet's events came and it is gone (deleted by someone): created again.
-        reconciler.observed(KEY, "StatefulSet", "qwen-vl-regular-default")
+        reconciler.expectations.observed(KEY, ("StatefulSet", "qwen-vl-regular-default"))
         del api.live["StatefulSet", "qwen-vl-regular-default"]
-        await converge(reconciler, body(), {}, {})
+        await converge(reconciler, body())
         assert api.calls == [("create", "StatefulSet", "qwen-vl-regular-default")]
         # No event of any within the settle time: they count as missing again, and a reconcile
         # was queued for then, which POSTs them (409: they exist) and takes them over.
-        reconciler.watch(
-            Indexes(deployments={KEY: [IndexedDeployment.of(body())]}, unit_sets={}, unit_services={}, unit_pods={})
-        )
+        reconciler.watch(watched(deployments={KEY: [DeploymentSummary.of(body())]}))
         api.calls.clear()
         await asyncio.sleep(0.6)
         assert {call[1:] for call in api.calls if call[0] == "create"} == set(CHILDREN)
@@ -225,11 +236,12 @@ async def test_a_child_created_is_not_created_again_until_its_watch_event_or_the
 
 
 async def test_children_of_a_removed_model_are_deleted(api, reconciler):
-    sets, services, budgets = indexes_after(desired(reconciler, body()))
-    sets[KEY].append(StatefulSetSummary("qwen-vl-regular-old", "hash", True, 1, 1, "r", "r"))
-    services[KEY].append(("qwen-vl-regular-old", "hash", False, False))
-    budgets[KEY].append(("qwen-vl-regular-old", "hash", False))
-    await converge(reconciler, body(), sets, services, budgets)
+    indexes = indexes_after(desired(reconciler, body()))
+    old = {"name": "qwen-vl-regular-old", "spec_hash": "hash"}
+    indexes.stateful_sets[KEY].append(StatefulSetSummary(**old))
+    indexes.services[KEY].append(ServiceSummary(**old))
+    indexes.budgets[KEY].append(BudgetSummary(**old))
+    await converge(reconciler, body(), indexes)
     assert sorted(api.calls) == [
         ("delete", "PodDisruptionBudget", "qwen-vl-regular-old"),
         ("delete", "Service", "qwen-vl-regular-old"),
@@ -241,7 +253,7 @@ async def test_children_of_a_removed_model_are_deleted(api, reconciler):
 async def test_a_front_service_changing_headlessness_is_deleted_then_created(api, reconciler, headless):
     # Its clusterIP cannot change: an apply setting None is refused, one dropping it is ignored.
     indexes = await created(reconciler, api, body(service={"headless": not headless}))
-    await converge(reconciler, body(generation=2, service={"headless": headless}), *indexes)
+    await converge(reconciler, body(generation=2, service={"headless": headless}), indexes)
     front = "qwen-vl-regular-default"
     assert api.calls == [("delete", "Service", front), ("create", "Service", front)]
 
@@ -252,14 +264,14 @@ async def test_a_front_service_still_going_after_the_delete_is_left_to_its_delet
     api.delete = lambda kind, _namespace, name: (
         api.calls.append(("delete", kind, name)) or asyncio.sleep(0)
     )  # a finalizer holds it
-    await converge(reconciler, body(generation=2, service={"headless": True}), *indexes)
+    await converge(reconciler, body(generation=2, service={"headless": True}), indexes)
     # Applying to the old one would only patch a Service on its way out.
     assert api.calls == [("delete", *front), ("create", *front)]
 
 
 async def test_a_front_service_changing_type_is_applied_in_place(api, reconciler):
     indexes = await created(reconciler, api, body())
-    await converge(reconciler, body(generation=2, service={"type": "LoadBalancer"}), *indexes)
+    await converge(reconciler, body(generation=2, service={"type": "LoadBalancer"}), indexes)
     front = ("Service", "qwen-vl-regular-default")
     assert api.calls == [("get", *front), ("own", *front), ("apply", *front)]
 
@@ -290,24 +302,30 @@ async def test_the_events_tell_a_rollouts_story(api):
         )
 
     async def write(b: kopf.Body, sets: list, pods: list) -> dict:
-        reconciler.watch(Indexes(deployments={}, unit_sets={KEY: sets}, unit_services={}, unit_pods={KEY: pods}))
-        await reconciler.write_status(b, reconciler.plan(b))
+        await reconciler.status.write(
+            KEY, b, reconciler.plans.plan(b), watched(stateful_sets={KEY: sets}, pods={KEY: pods})
+        )
         return api.statuses[-1]
 
-    done = await write(body(), [StatefulSetSummary(name, "h", True, 1, 1, "r1", "r1")], [pod("r1", True)])
+    def unit_set(updated: int, current: str, update: str) -> StatefulSetSummary:
+        return StatefulSetSummary(
+            name=name, spec_hash="h", updated_replicas=updated, current_revision=current, update_revision=update
+        )
+
+    done = await write(body(), [unit_set(1, "r1", "r1")], [pod("r1", True)])
     assert events == []  # the first rollout of a new object is its creation, not news
     changed = kopf.Body({**body(generation=2, max_model_len=4096), "status": done})
-    stalled = await write(changed, [StatefulSetSummary(name, "h", True, 1, 0, "r1", "r2")], [pod("r2", False)])
+    stalled = await write(changed, [unit_set(0, "r1", "r2")], [pod("r2", False)])
     assert [reason for reason, _ in events] == ["RolloutStarted", "RolloutStalled"]
     assert events[0][1] == "rolling out generation 2: 0/1 units updated"
     assert "unit qwen-vl-regular-default-0: EngineUnready" in events[1][1]
     events.clear()
     fixed = kopf.Body({**body(generation=3), "status": stalled})
-    await write(fixed, [StatefulSetSummary(name, "h", True, 1, 1, "r3", "r3")], [pod("r3", True)])
+    await write(fixed, [unit_set(1, "r3", "r3")], [pod("r3", True)])
     assert [reason for reason, _ in events] == ["RolloutComplete"]
 
 
-# --------------------------------------------------------------------------- placement Pools (issue #16)
+# --------------------------------------------------------------------------- placement Pools
 
 
 def pools_body(generation: int, placement: str) -> kopf.Body:
@@ -318,7 +336,7 @@ def pools_body(generation: int, placement: str) -> kopf.Body:
 
 async def test_switching_to_pools_adds_the_pool_and_back_deletes_it(api, reconciler):
     unit_indexes = await created(reconciler, api, body())
-    await converge(reconciler, pools_body(2, "Pools"), *unit_indexes)
+    await converge(reconciler, pools_body(2, "Pools"), unit_indexes)
     assert sorted(api.written("create")) == [
         ("PodDisruptionBudget", "qwen-vl-regular-default-encoders"),
         ("Service", "qwen-vl-regular-default-encoders"),
@@ -328,7 +346,7 @@ async def test_switching_to_pools_adds_the_pool_and_back_deletes_it(api, reconci
     assert api.written("delete") == []
     pool_indexes = indexes_after(desired(reconciler, pools_body(2, "Pools")))
     api.calls.clear()
-    await converge(reconciler, pools_body(3, "Unit"), *pool_indexes)
+    await converge(reconciler, pools_body(3, "Unit"), pool_indexes)
     assert api.written("apply") == [("StatefulSet", "qwen-vl-regular-default")] and api.written("create") == []
     assert sorted(api.written("delete")) == [
         ("PodDisruptionBudget", "qwen-vl-regular-default-encoders"),
@@ -372,8 +390,8 @@ async def test_the_gate_is_patched_once_per_change_of_the_pool():
         summary("qwen-vl-regular-default-encoders-0", True, ["encoder-0"]),
         summary("qwen-vl-regular-default-0", False, ["regular-0"]),
     ]
-    reconciler.watch(Indexes(deployments={}, unit_sets={}, unit_services={}, unit_pods={KEY: pods}))
-    await reconciler.open_gates(b, reconciler.plan(b))
+    indexes = watched(pods={KEY: pods})
+    await reconciler.status.open_gates(KEY, reconciler.plans.plan(b), indexes)
     assert api.conditions == [("qwen-vl-regular-default-0", "epd.vime.dev/encoders-ready", "True")]
     # The pod now carries that condition: nothing to write again.
     gate = {
@@ -383,10 +401,10 @@ async def test_the_gate_is_patched_once_per_change_of_the_pool():
         "message": "encoder pool qwen-vl-regular-default-encoders has a ready encoder",
     }
     pods[1] = summary("qwen-vl-regular-default-0", False, ["regular-0"], gate)
-    await reconciler.open_gates(b, reconciler.plan(b))
+    await reconciler.status.open_gates(KEY, reconciler.plans.plan(b), indexes)
     assert len(api.conditions) == 1
     pods[0] = summary("qwen-vl-regular-default-encoders-0", False, ["encoder-0"])  # the pool's only encoder fails
-    await reconciler.open_gates(b, reconciler.plan(b))
+    await reconciler.status.open_gates(KEY, reconciler.plans.plan(b), indexes)
     assert api.conditions[1:] == [("qwen-vl-regular-default-0", "epd.vime.dev/encoders-ready", "False")]
 
 
@@ -437,11 +455,11 @@ def test_the_deployments_index_keeps_what_a_reconcile_reads_and_gives_it_back_wh
     }
     full["status"] = {"observedGeneration": 1, "conditions": [{"type": "Ready", "status": "False"}]}
 
-    indexed = IndexedDeployment.of(full)
+    indexed = DeploymentSummary.of(full)
 
     assert indexed.metadata["uid"] == "uid-1" and indexed.metadata.get("generation") == 1
     assert indexed.status() == full["status"]
-    rebuilt = indexed.body()
+    rebuilt = indexed.document()
     assert rebuilt["spec"] == full["spec"] and rebuilt["status"] == full["status"]
     assert set(rebuilt["metadata"]) == {
         "name",
@@ -450,7 +468,7 @@ def test_the_deployments_index_keeps_what_a_reconcile_reads_and_gives_it_back_wh
         "generation",
     }  # no managedFields, no last-applied copy
     assert (rebuilt["apiVersion"], rebuilt["kind"]) == (full["apiVersion"], full["kind"])
-    assert indexed.body() is not rebuilt  # each reconcile decodes its own copy: none can alter the index
+    assert indexed.document() is not rebuilt  # each reconcile decodes its own copy: none can alter the index
 
 
 async def test_the_stage_metrics_time_what_a_reconcile_wrote_and_skip_what_it_did_not(api, reconciler):
@@ -460,15 +478,13 @@ async def test_the_stage_metrics_time_what_a_reconcile_wrote_and_skip_what_it_di
             or 0
         )
 
-    sets, services, budgets = indexes_after(desired(reconciler, body()))
-    reconciler.watch(Indexes(deployments={}, unit_sets={}, unit_services={}, unit_pods={}))
+    children = indexes_after(desired(reconciler, body()))
+    reconciler.watch(watched())
     await reconciler.reconcile(body())
     assert (count("plan"), count("children"), count("status")) == (1, 1, 1)
 
     # The children in place: the status changes (their StatefulSet is seen), nothing is applied.
-    reconciler.watch(
-        Indexes(deployments={}, unit_sets=sets, unit_services=services, unit_pods={}, unit_budgets=budgets)
-    )
+    reconciler.watch(children)
     await reconciler.reconcile(kopf.Body({**body(), "status": api.statuses[-1]}))
     assert (count("plan"), count("children"), count("status")) == (2, 1, 2)
     # Nothing changed since: planned again, neither stage timed.
@@ -501,7 +517,7 @@ async def test_a_refused_child_is_said_in_the_status_once_retried_and_cleared_wh
     api = RefusingKube()
     reconciler = Reconciler(Settings(janitor_image="epd-operator:test", janitor_scrape_interval=0), kube=api)
     try:
-        reconciler.watch(Indexes(deployments={}, unit_sets={}, unit_services={}, unit_pods={}))
+        reconciler.watch(watched())
         with pytest.raises(KubeError, match="exceeded quota"):  # raised on: the work queue retries it
             await reconciler.reconcile(body())
         # The status went out with the children, then again once the refusal was known.
@@ -530,15 +546,15 @@ async def test_a_refused_child_is_said_in_the_status_once_retried_and_cleared_wh
 
 
 def test_a_cached_generation_is_not_validated_again_and_renders_the_same_plans(reconciler, monkeypatch):
-    first = reconciler.plan(body())
+    first = reconciler.plans.plan(body())
     calls = []
-    real = reconciler_module.validate
-    monkeypatch.setattr(reconciler_module, "validate", lambda raw: calls.append(raw) or real(raw))
+    real = plans_module.validate
+    monkeypatch.setattr(plans_module, "validate", lambda raw: calls.append(raw) or real(raw))
 
-    again = reconciler.plan(body())
+    again = reconciler.plans.plan(body())
 
     assert calls == []  # the cache held the checked spec
     assert (again.spec, again.plans, again.digests) == (first.spec, first.plans, first.digests)
     assert again.plans is not first.plans  # rendered anew: the cache keeps no rendered plans
-    reconciler.plan(body(generation=2))  # a new generation is validated
+    reconciler.plans.plan(body(generation=2))  # a new generation is validated
     assert len(calls) == 1

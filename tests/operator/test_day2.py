@@ -160,7 +160,7 @@ def test_a_rollout_stops_at_a_revision_that_never_becomes_ready(cluster, namespa
     time.sleep(5)  # longer than kwok takes to make a pod Ready: nothing else may move meanwhile
     images = sorted(p["spec"]["containers"][0]["image"] for p in pods(cluster, namespace))
     assert images == sorted([NEVER_READY_IMAGE, "vllm/vllm-openai:v0.33.0", "vllm/vllm-openai:v0.33.0"])
-    assert sum(not condition(p, "Ready").get("status") == "True" for p in pods(cluster, namespace)) == 1
+    assert sum(condition(p, "Ready").get("status") != "True" for p in pods(cluster, namespace)) == 1
 
     apply(cluster, namespace, replicas=3, image="vllm/vllm-openai:v0.33.1")  # the fix
     fixed = ready_units(cluster, namespace, 3, timeout=180, updated=True)

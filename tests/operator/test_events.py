@@ -9,11 +9,12 @@ import kopf
 import pytest
 
 from epd_operator import handlers
-from epd_operator.reconciler import IndexedDeployment, Indexes, Reconciler
+from epd_operator.indexes import DeploymentSummary
+from epd_operator.reconciler import Reconciler
 from epd_operator.resources import ANNOTATION_SPEC_HASH, FIELD_MANAGER, LABEL_DEPLOYMENT
 from epd_operator.settings import Settings
 
-from .test_converge import KEY, RecordingKube, body, indexes_after
+from .test_converge import KEY, RecordingKube, body, watched
 
 
 class Queued:
@@ -27,16 +28,7 @@ class Queued:
 def watching(api: RecordingKube | None = None) -> Reconciler:
     """A Reconciler whose indexes hold the EPDDeployment and none of its children yet."""
     reconciler = Reconciler(Settings(janitor_image="epd-operator:test"), kube=api or RecordingKube())
-    sets, services, budgets = indexes_after([])
-    reconciler.watch(
-        Indexes(
-            deployments={KEY: [IndexedDeployment.of(body())]},
-            unit_sets=sets,
-            unit_services=services,
-            unit_pods={},
-            unit_budgets=budgets,
-        )
-    )
+    reconciler.watch(watched(deployments={KEY: [DeploymentSummary.of(body())]}))
     return reconciler
 
 
@@ -46,7 +38,7 @@ def reconciler() -> Reconciler:
 
 
 def child(reconciler: Reconciler, kind: str, digest: str | None = None) -> kopf.Body:
-    planned = next(c for c in reconciler.desired(body(), reconciler.plan(body())) if c["kind"] == kind)
+    planned = next(c for c in reconciler.plans.desired(body(), reconciler.plans.plan(body())) if c["kind"] == kind)
     if digest:
         planned["metadata"]["annotations"][ANNOTATION_SPEC_HASH] = digest
     return kopf.Body(planned)
@@ -118,9 +110,9 @@ async def test_the_echo_of_our_status_queues_nothing_an_edit_or_a_new_generation
 @pytest.mark.parametrize("kind", ["StatefulSet", "Service", "PodDisruptionBudget"])
 async def test_the_child_indexes_say_whether_the_posts_update_entry_still_owns_fields(reconciler, kind):
     index = {
-        "StatefulSet": handlers.unit_sets,
-        "Service": handlers.unit_services,
-        "PodDisruptionBudget": handlers.unit_budgets,
+        "StatefulSet": handlers.stateful_sets,
+        "Service": handlers.services,
+        "PodDisruptionBudget": handlers.budgets,
     }[kind]
 
     async def indexed(operation: str) -> bool:
@@ -129,7 +121,7 @@ async def test_the_child_indexes_say_whether_the_posts_update_entry_still_owns_f
         (entry,) = (
             await index(namespace=KEY[0], labels={LABEL_DEPLOYMENT: KEY[1]}, body=obj, meta=obj.metadata)
         ).values()
-        return entry.owned_by_update if kind == "StatefulSet" else entry[-1]
+        return entry.owned_by_update
 
     assert await indexed("Update")  # created by POST: the next apply reads and takes it over first
     assert not await indexed("Apply")  # taken over: applied to without a read

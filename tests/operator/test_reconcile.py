@@ -295,7 +295,7 @@ def test_killed_operator_converges_without_duplicates(cluster, namespace, epd_op
         assert len(kids["statefulsets"]) == 1 and len(kids["services"]) == 2 and len(kids["pods"]) == 1
 
 
-# --------------------------------------------------------------------------- placement Pools (issue #16)
+# --------------------------------------------------------------------------- placement Pools
 
 POOLS = "qwen-vl-pools"
 GATE = "epd.vime.dev/encoders-ready"

@@ -135,7 +135,7 @@ def test_long_names_are_shortened_stably_within_limits():
     assert child_name("short", "actor") == "short-actor"
 
 
-# --------------------------------------------------------------------------- placement Pools (issue #16)
+# --------------------------------------------------------------------------- placement Pools
 
 
 def pools_children(**model_changes):

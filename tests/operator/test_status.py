@@ -4,8 +4,9 @@ from pathlib import Path
 
 import yaml
 
+from epd_operator.indexes import StatefulSetSummary
 from epd_operator.render import render
-from epd_operator.status import StatefulSetSummary, compute_status, encoder_gates
+from epd_operator.status import compute_status, encoder_gates
 from epd_operator.validation import validate
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
@@ -24,7 +25,12 @@ def unit_set(replicas=1, *, updated=None, current="rev-1", update="rev-1"):
     """The unit StatefulSet's summary: rolled out unless told otherwise."""
     return {
         "d-default": StatefulSetSummary(
-            "d-default", "hash", True, replicas, replicas if updated is None else updated, current, update
+            name="d-default",
+            spec_hash="hash",
+            replicas=replicas,
+            updated_replicas=replicas if updated is None else updated,
+            current_revision=current,
+            update_revision=update,
         )
     }
 
@@ -242,7 +248,7 @@ def test_an_old_unit_unready_during_a_rollout_is_not_the_rollouts_fault():
     assert conditions(status)["Degraded"]["reason"] == "EngineUnready"
 
 
-# --------------------------------------------------------------------------- placement Pools (issue #16)
+# --------------------------------------------------------------------------- placement Pools
 
 GATE = "epd.vime.dev/encoders-ready"
 
@@ -286,7 +292,17 @@ def unit_pod(name, *, gate=None, ready=True, ip="10.0.2.1"):
 
 def pools_status(pods):
     spec, plans = pools_setup()
-    sets = {**unit_set(2), "d-default-encoders": StatefulSetSummary("d-default-encoders", "h", True, 2, 2, "e", "e")}
+    sets = {
+        **unit_set(2),
+        "d-default-encoders": StatefulSetSummary(
+            name="d-default-encoders",
+            spec_hash="h",
+            replicas=2,
+            updated_replicas=2,
+            current_revision="e",
+            update_revision="e",
+        ),
+    }
     return compute_status(
         deployment="d",
         spec=spec,

@@ -1,5 +1,5 @@
 """The client reads Vime's rollout arguments and every engine of a model from the live status
-the operator wrote (issues #22 and #15)."""
+the operator wrote."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from epd_client import (
     EPDClient,
     VimeRolloutArgs,
     discover,
-    vime_args,
+    vime_rollout_args,
 )
 
 from .test_reconcile import EXAMPLES, apply, wait_condition
@@ -62,7 +62,7 @@ def test_vime_args_from_the_live_status(cluster, namespace, deployment):
     actor, reward = pods[f"{NAME}-actor-1"], pods[f"{NAME}-reward-0"]
     chosen = {"actor": f"{NAME}-actor-1", "reward": f"{NAME}-reward-0"}
 
-    args = vime_args(status, units=chosen)
+    args = vime_rollout_args(status, units=chosen)
 
     actor_ip, reward_ip = actor["status"]["podIP"], reward["status"]["podIP"]
     router = (actor_ip, port_of(actor, "router"))
@@ -75,9 +75,9 @@ def test_vime_args_from_the_live_status(cluster, namespace, deployment):
         vllm_router_port=router[1],
     )
     assert len(args.vllm_model_encoder_endpoints["actor"][1]) == 2
-    assert vime_args(discover(NAME, namespace, kubeconfig=str(cluster.kubeconfig)), units=chosen) == args
+    assert vime_rollout_args(discover(NAME, namespace, kubeconfig=str(cluster.kubeconfig)), units=chosen) == args
     with pytest.raises(EndpointsError, match=rf"'actor' has 2 units \({NAME}-actor-0, {NAME}-actor-1\)"):
-        vime_args(status)
+        vime_rollout_args(status)
 
 
 def test_every_engine_of_a_model_from_the_live_status(deployment):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 from epd_operator.workqueue import WorkQueue
 
@@ -72,7 +73,7 @@ async def test_a_failing_key_is_retried_with_backoff_until_it_succeeds():
         await asyncio.sleep(0.01)
     await queue.join()
     assert len(attempts) == 3
-    assert all(later - earlier >= 0.04 for earlier, later in zip(attempts, attempts[1:]))
+    assert all(later - earlier >= 0.04 for earlier, later in itertools.pairwise(attempts))
     assert queue._failures == {}  # success resets the count
     await queue.aclose()
 

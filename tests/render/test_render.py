@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 
+from epd_operator.api import Placement
+from epd_operator.layout import pool_ports, unit_ports
 from epd_operator.render import (
     EngineCommand,
     ModelPlan,
@@ -520,3 +522,29 @@ def test_any_text_reaches_the_command_unchanged(text: str) -> None:
     )
     assert plan.router is not None and plan.router.args[-1] == f"--x{text}"
     assert all(flag_value(engine, "--chat-template") == f"t{text}" for engine in plan.engines)
+
+
+@pytest.mark.parametrize("placement", ["Unit", "Pools"])
+def test_a_plan_carries_its_models_placement_as_the_enum(placement):
+    raw = spec([{"workerType": "encoder", "numGpus": 1}, {"workerType": "regular", "numGpus": 1}])
+    raw["models"][0]["placement"] = placement
+    plan = plan_of(raw)
+    assert plan.placement is Placement(placement)
+    assert plan.pooled is (placement == "Pools")
+
+
+@pytest.mark.parametrize("placement", ["Unit", "Pools"])
+def test_every_rendered_port_lies_in_a_block_its_pod_reserves_and_none_twice(placement):
+    groups = [{"workerType": t, "numGpus": 2} for t in ("encoder", "prefill", "decode")]
+    raw = spec(groups, ports={"engineBase": 9000, "nixlSideChannelBase": 7000, "ecSideChannelBase": 6000})
+    raw["models"][0]["placement"] = placement
+    checked = validate(raw)
+    model = checked.spec.models[0]
+    [plan] = render(checked, **OBJECT)
+    pods = {"unit": (unit_ports(checked.spec, model), plan.unit_engines)}
+    if placement == "Pools":
+        pods["pool"] = (pool_ports(checked.spec, model), plan.encoders)
+    for blocks, engines in pods.values():
+        used = [p for e in engines for p in (e.port, e.nixl_port, e.ec_side_channel_port) if p is not None]
+        assert len(used) == len(set(used))
+        assert all(any(low <= p <= high for low, high in blocks.values()) for p in used), (used, blocks)

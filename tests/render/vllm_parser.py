@@ -20,7 +20,7 @@ class VllmParser:
 
     def __init__(self, version: str, python: Path) -> None:
         self.version = version
-        self._log = tempfile.TemporaryFile("w+")
+        self._log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - the helper's stderr, kept for its lifetime
         self._proc = subprocess.Popen(
             [str(python), str(HELPER)],
             stdin=subprocess.PIPE,

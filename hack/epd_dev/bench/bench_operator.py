@@ -315,7 +315,7 @@ def check_alive(operator: OperatorProcess) -> None:
 
 def reconcile_stats(operator: OperatorProcess) -> dict[str, float]:
     """Totals of the operator's reconcile metrics (count by result, seconds)."""
-    stats: dict[str, float] = collections.Counter()
+    stats: collections.defaultdict[str, float] = collections.defaultdict(float)
     for line in operator.metrics().splitlines():
         if line.startswith("epd_reconciles_total{"):
             result = line.split('result="', 1)[1].split('"', 1)[0]
@@ -559,7 +559,7 @@ def measure_scale(
     cluster is quiet (kcm works off its rate-limited backlog of StatefulSet status updates
     for a while after the last unit is Ready) and measure the operator's idle CPU."""
     rec = Recorder()
-    seen = {"events": 0, "last": time.monotonic()}
+    seen: dict[str, float] = {"events": 0, "last": time.monotonic()}
 
     def count(at: float) -> None:
         seen["events"] += 1
@@ -593,7 +593,7 @@ def measure_scale(
             events, cpu0, idle0 = seen["events"], cpu_seconds(pid), time.monotonic()
             time.sleep(idle_seconds)
             idle = (cpu_seconds(pid) - cpu0) / (time.monotonic() - idle0) * 100
-            idle_events = seen["events"] - events
+            idle_events = int(seen["events"] - events)
     after = reconcile_stats(operator)
     return Scale(
         n,
@@ -645,7 +645,7 @@ async def write_like_the_operator(
                 body = await response.json()
             async with controlled:
                 owner = kopf.Body(body)
-                children = reconciler.desired(owner, reconciler.plan(owner))
+                children = reconciler.plans.desired(owner, reconciler.plans.plan(owner))
                 await asyncio.gather(*(kube.create(child) for child in children))
                 metadata = body["metadata"]
                 await kube.patch_status(namespace, metadata["name"], {"observedGeneration": metadata["generation"]})
@@ -736,11 +736,11 @@ def hottest(collapsed: Path, top: int = 15) -> list[str]:
         for frame in set(frames):
             total[frame] += weight
     lines = [f"py-spy: {samples} samples at 100 Hz ({collapsed})", "own %  total %  function"]
-    for frame, count in own.most_common(top):
-        lines.append(f"{100 * count / samples:5.1f}  {100 * total[frame] / samples:7.1f}  {frame}")
+    for frame, own_samples in own.most_common(top):
+        lines.append(f"{100 * own_samples / samples:5.1f}  {100 * total[frame] / samples:7.1f}  {frame}")
     lines.append("by total (inclusive):")
-    for frame, count in total.most_common(top + 10):
-        lines.append(f"       {100 * count / samples:7.1f}  {frame}")
+    for frame, total_samples in total.most_common(top + 10):
+        lines.append(f"       {100 * total_samples / samples:7.1f}  {frame}")
     return lines
 
 
@@ -792,17 +792,17 @@ class Results:
             keys["reconcile_p99_ratio_kcm_qps200"] = epd.p99_ms / deploy.p99_ms
         for n in dict.fromkeys(s.n for s in self.scales):
             runs = self.runs(n)
-            seconds = [s.reconciled_seconds for s in runs]
-            keys[f"scale_{n}_seconds"] = statistics.median(seconds)
+            converged = [s.reconciled_seconds for s in runs]
+            keys[f"scale_{n}_seconds"] = statistics.median(converged)
             if len(runs) > 1:
-                keys[f"scale_{n}_seconds_min"], keys[f"scale_{n}_seconds_max"] = min(seconds), max(seconds)
+                keys[f"scale_{n}_seconds_min"], keys[f"scale_{n}_seconds_max"] = min(converged), max(converged)
             keys[f"scale_{n}_ready_seconds"] = statistics.median(s.ready_seconds for s in runs)
             keys[f"operator_peak_rss_mb_{n}"] = max(s.peak_rss_mb for s in runs)
             keys[f"reconciles_per_epd_{n}"] = statistics.median(s.reconciles_per_epd for s in runs)
-        if (n := self.headline_scale) is not None:
-            runs = self.runs(n)
-            keys["operator_peak_rss_mb"] = keys[f"operator_peak_rss_mb_{n}"]
-            keys["reconciles_per_epd"] = keys[f"reconciles_per_epd_{n}"]
+        if (headline_n := self.headline_scale) is not None:
+            runs = self.runs(headline_n)
+            keys["operator_peak_rss_mb"] = keys[f"operator_peak_rss_mb_{headline_n}"]
+            keys["reconciles_per_epd"] = keys[f"reconciles_per_epd_{headline_n}"]
             keys["reconciles_per_epd_to_idle"] = statistics.median(s.reconciles_per_epd_to_idle for s in runs)
             keys["idle_cpu_percent"] = max(s.idle_cpu_percent for s in runs)
         for n, seconds in self.floors.items():

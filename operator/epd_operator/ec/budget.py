@@ -9,8 +9,7 @@ from typing import TYPE_CHECKING
 from .quantity import human_bytes, parse_quantity
 
 if TYPE_CHECKING:
-    from ..api import EPDDeploymentSpec
-    from ..render import ModelPlan
+    from ..api import EPDDeploymentSpec, ModelSpec
 
 DEFAULT_BUDGET_SHARE = Decimal("0.8")  # of shm.sizeLimit: /dev/shm also holds vLLM's own buffers
 
@@ -32,7 +31,7 @@ def effective_max_bytes(spec: EPDDeploymentSpec) -> int:
 
 
 def budget_warning(
-    spec: EPDDeploymentSpec, plan: ModelPlan, *, embedding_bytes: int = ASSUMED_EMBEDDING_BYTES
+    spec: EPDDeploymentSpec, model: ModelSpec, *, embedding_bytes: int = ASSUMED_EMBEDDING_BYTES
 ) -> str | None:
     """Why this model's EC budget is too small, or None (also for a text-only model).
 
@@ -41,27 +40,25 @@ def budget_warning(
     entries are evicted before the consumers read them and they silently encode the images
     themselves, which EPD exists to avoid.
     """
-    if plan.ec_storage_path is None:
-        return None
+    if not model.has_encoders or model.pooled:
+        return None  # no EC store: a text-only model, or encoders in a pool
     budget = effective_max_bytes(spec)
     shm = parse_quantity(spec.shm.size_limit)
     if budget >= shm:
         return (
-            f"model {plan.name}: ecStorage.maxBytes ({human_bytes(budget)}) is not below shm.sizeLimit "
+            f"model {model.name}: ecStorage.maxBytes ({human_bytes(budget)}) is not below shm.sizeLimit "
             f"({spec.shm.size_limit}); /dev/shm also holds vLLM's own shared memory, so it fills up "
             "(and the unit is evicted) before the janitor evicts anything"
         )
-    model = spec.model(plan.name)
     sequences = 0
-    for engine in plan.engines:
-        if engine.worker_type.is_ec_consumer:
-            overrides = model.server_groups[engine.group_index].overrides
-            seqs = overrides.get("max_num_seqs", overrides.get("max-num-seqs"))
-            sequences += seqs if isinstance(seqs, int) and seqs > 0 else VLLM_DEFAULT_MAX_NUM_SEQS
+    for group in model.server_groups:
+        if group.worker_type.is_ec_consumer:
+            seqs = group.overrides.get("max_num_seqs")
+            sequences += group.engines * (seqs if isinstance(seqs, int) and seqs > 0 else VLLM_DEFAULT_MAX_NUM_SEQS)
     needed = sequences * embedding_bytes
     if budget < needed:
         return (
-            f"model {plan.name}: EC budget {human_bytes(budget)} holds fewer than one image per sequence its "
+            f"model {model.name}: EC budget {human_bytes(budget)} holds fewer than one image per sequence its "
             f"consumers run at once ({sequences} sequences x ~{human_bytes(embedding_bytes)}, an assumed image "
             f"embedding size, = {human_bytes(needed)}); consumers will re-encode evicted images themselves. "
             "Raise shm.sizeLimit or ecStorage.maxBytes, or lower max_num_seqs"

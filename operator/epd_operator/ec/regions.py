@@ -30,9 +30,7 @@ def uses_cpu_regions(model: ModelSpec) -> bool:
 
 def pod_shm_limit(spec: EPDDeploymentSpec, model: ModelSpec, *, pool: bool) -> str:
     """The /dev/shm sizeLimit of the model's encoder pool pods (`pool`) or of its units."""
-    if pool and model.encoder_pool and model.encoder_pool.shm:
-        return model.encoder_pool.shm.size_limit
-    return spec.shm.size_limit
+    return (spec.pool_shm(model) if pool else spec.shm).size_limit
 
 
 def _in_pool(group: ServerGroup) -> bool:
@@ -46,8 +44,7 @@ def _region_groups(model: ModelSpec, *, pool: bool) -> list[ServerGroup]:
 
 def explicit_cpu_bytes(model: ModelSpec, group: ServerGroup) -> Any:
     """`ec_cpu_bytes` as the user set it (the group's overrides win over the model's connector), or None."""
-    overrides = {str(k).replace("-", "_"): v for k, v in group.overrides.items()}
-    transfer = overrides.get("ec_transfer_config")
+    transfer = group.overrides.get("ec_transfer_config")
     extra = transfer.get("ec_connector_extra_config") if isinstance(transfer, dict) else None
     if isinstance(extra, dict) and extra.get(CPU_BYTES) is not None:
         return extra[CPU_BYTES]

@@ -19,6 +19,8 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from ..api import JANITOR_METRICS_PORT
+from ..events import Post
+from ..indexes import Indexes, Key
 from .quantity import human_bytes
 
 logger = logging.getLogger(__name__)
@@ -104,10 +106,6 @@ def fallback_report(unit: str, previous: int | None, current: JanitorMetrics) ->
     )
 
 
-Key = tuple[str, str]  # (namespace, EPDDeployment name)
-Warn = Callable[[Any, str, str], None]  # (body, reason, message): posts a Warning Event
-
-
 class Counts(NamedTuple):
     """A unit's janitor counters, as last reported."""
 
@@ -127,7 +125,7 @@ class JanitorScraper:
     """
 
     def __init__(
-        self, *, warn: Warn, changed: Callable[[Key], None], port: int = JANITOR_METRICS_PORT, rate: float = 10.0
+        self, *, warn: Post, changed: Callable[[Key], None], port: int = JANITOR_METRICS_PORT, rate: float = 10.0
     ) -> None:
         if rate <= 0:
             raise ValueError("rate (janitors scraped per second) must be positive")
@@ -149,27 +147,24 @@ class JanitorScraper:
             unit: c.fallback_encodes for unit, c in self._counts.get(key, {}).items() if c.fallback_encodes is not None
         }
 
-    async def run(self, interval: float, deployments: Mapping[Key, Any], unit_pods: Mapping[Key, Any]) -> None:
-        """Scrape every `interval` seconds until cancelled; `deployments` and `unit_pods` are
-        the operator's live indexes."""
+    async def run(self, interval: float, indexes: Indexes) -> None:
+        """Scrape every `interval` seconds until cancelled; `indexes` are the operator's live ones."""
         # Short: an unreachable janitor (a pod just gone, kwok's fake pod IPs) must not hold up a round.
         timeout = aiohttp.ClientTimeout(total=3, connect=1)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while True:
                 try:
-                    await self.scrape(session, deployments, unit_pods)
+                    await self.scrape(session, indexes)
                 except Exception:  # a bug in one round must not end the reporting for good
                     logger.exception("scraping the EC janitors failed")
                 await asyncio.sleep(interval)
 
-    async def scrape(
-        self, session: aiohttp.ClientSession, deployments: Mapping[Key, Any], unit_pods: Mapping[Key, Any]
-    ) -> None:
+    async def scrape(self, session: aiohttp.ClientSession, indexes: Indexes) -> None:
         """One round: scrape every running unit's janitor, warn where its budget evictions or
         fallback encodes grew, and report deployments whose counts changed. Janitors that do not
         answer keep their last counts; units no longer running are forgotten."""
         targets = {
-            (key, pod.name): ip for key, pods in unit_pods.items() for pod in pods if (ip := _janitor_ip(pod.tree()))
+            (key, pod.name): ip for key, pods in indexes.pods.items() for pod in pods if (ip := _janitor_ip(pod.tree()))
         }
 
         async def scrape(ip: str) -> JanitorMetrics | None:
@@ -181,7 +176,7 @@ class JanitorScraper:
                 logger.debug("janitor at %s not scraped: %r", ip, error)  # normal while pods come and go
                 return None
 
-        scrapes = []
+        scrapes: list[asyncio.Task[JanitorMetrics | None]] = []
         async with asyncio.TaskGroup() as group:  # cancelled with the round: no scrape outlives it
             for ip in targets.values():
                 if scrapes:
@@ -193,14 +188,14 @@ class JanitorScraper:
             if current is None:
                 continue
             counts = self._counts.setdefault(key, {})
-            previous = counts[unit] if unit in counts else _reported(deployments, key, unit)
+            previous = counts[unit] if unit in counts else _reported(indexes, key, unit)
             for reason, message in (
                 ("ECEvicted", eviction_report(unit, previous.budget_evictions, current)),
                 ("ECFallbackEncodes", fallback_report(unit, previous.fallback_encodes, current)),
             ):
-                if message:
-                    for indexed in deployments.get(key, []):
-                        self._warn(indexed.reference, reason, message)
+                deployment = indexes.deployment(key)
+                if message and deployment is not None:
+                    self._warn(deployment.reference, reason, message)
             now = Counts(current.budget_evictions, current.fallback_encodes)
             if counts.get(unit) != now:
                 counts[unit] = now
@@ -224,11 +219,11 @@ def _janitor_ip(pod: dict[str, Any]) -> str | None:
     return status.get("podIP") if status.get("phase") == "Running" and has_janitor else None
 
 
-def _reported(deployments: Mapping[Key, Any], key: Key, unit: str) -> Counts:
+def _reported(indexes: Indexes, key: Key, unit: str) -> Counts:
     """The counts the status shows for `unit`: what this or an earlier operator process reported."""
-    for indexed in deployments.get(key, []):
-        for model in indexed.status().get("models") or []:
-            for status in model.get("units") or []:
-                if status.get("name") == unit:
-                    return Counts(status.get("ecEvictions"), status.get("fallbackEncodes"))
+    deployment = indexes.deployment(key)
+    for model in (deployment.status() if deployment else {}).get("models") or []:
+        for status in model.get("units") or []:
+            if status.get("name") == unit:
+                return Counts(status.get("ecEvictions"), status.get("fallbackEncodes"))
     return Counts(None, None)

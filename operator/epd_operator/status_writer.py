@@ -1,0 +1,146 @@
+"""The status writer: what the pods and StatefulSets say, written to the EPDDeployment's status
+(only when it changes), the Events of its milestones, and the readiness gates of Pools units
+(the operator's only write to a pod: `pods/status`).
+
+It remembers, per EPDDeployment, the hash of the status it last wrote (or found right), so the
+event filter can tell the echo of its own patch, and the API server's refusal of a child, which
+the status says until a write goes through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+
+from .ec.scrape import JanitorScraper
+from .events import Post
+from .indexes import Indexes, Key
+from .kube import KubeSession
+from .metrics import OperatorMetrics
+from .plans import Planned
+from .resources import digest
+from .status import compute_status, encoder_gates, invalid_status
+from .validation import SpecError
+
+KOPF_FIELD = "kopf"  # kopf's own bookkeeping in the status: not the operator's
+
+
+class StatusWriter:
+    def __init__(
+        self, session: KubeSession, scraper: JanitorScraper, metrics: OperatorMetrics, *, warn: Post, inform: Post
+    ) -> None:
+        self._session = session
+        self._scraper = scraper
+        self._metrics = metrics
+        self._warn = warn
+        self._inform = inform
+        self._written: dict[Key, str] = {}  # hash of the status last written (or found right)
+        self._refusals: dict[Key, str] = {}  # the API server's refusal of a child, until a write goes
+
+    def echoes(self, key: Key, status: Mapping[str, Any]) -> bool:
+        """Whether `status` is exactly what this operator last wrote (or found right) for the key."""
+        return key in self._written and self._written[key] == status_hash(status)
+
+    def refused(self, key: Key, refusal: str | None) -> bool:
+        """Record the API server's refusal of a child for this reconcile (None: every write went
+        through); True if that changes what the status must say."""
+        if refusal == self._refusals.get(key):
+            return False
+        if refusal is None:
+            del self._refusals[key]
+        else:
+            self._refusals[key] = refusal
+        return True
+
+    def forget(self, key: Key) -> None:
+        self._written.pop(key, None)
+        self._refusals.pop(key, None)
+
+    async def write(self, key: Key, body: kopf.Body, planned: Planned, indexes: Indexes) -> bool:
+        """Patch the status computed from the pods and StatefulSets the indexes show, if it
+        changed; True if it did (a refusal said again writes nothing)."""
+        namespace, name = key
+        previous = dict(body.status)
+        status = compute_status(
+            deployment=name,
+            spec=planned.spec,
+            plans=planned.plans,
+            pods=indexes.pod_trees(key),
+            stateful_sets={s.name: s for s in indexes.stateful_sets.get(key, ())},
+            generation=body.metadata.get("generation"),
+            previous=previous,
+            now=now(),
+            evictions=self._scraper.evictions(key),
+            fallback_encodes=self._scraper.fallback_encodes(key),
+            write_error=self._refusals.get(key),
+        )
+        self._metrics.set_ready_units(namespace, name, sum(m["readyUnits"] for m in status["models"]))
+        self._written[key] = status_hash(status)
+        if _same(status, previous):
+            return False
+        budget = _condition(status, "ECBudgetSufficient")
+        if (
+            budget["status"] == "False"
+            and _condition(previous, "ECBudgetSufficient").get("message") != budget["message"]
+        ):
+            self._warn(body, "ECBudgetTooSmall", budget["message"])
+        self._tell_the_rollout(body, previous, status)
+        await self._session.client.patch_status(namespace, name, status)
+        return True
+
+    async def report_invalid(self, key: Key, body: kopf.Body, error: SpecError) -> None:
+        """Validated=False with every rule's message, and one InvalidSpec Event per generation."""
+        status = invalid_status(error.errors, body.metadata.get("generation"), dict(body.status), now())
+        if _same(status, dict(body.status)):
+            return  # already reported for this generation
+        self._warn(body, "InvalidSpec", "; ".join(error.errors))
+        await self._session.client.patch_status(key[0], key[1], status)
+
+    async def open_gates(self, key: Key, planned: Planned, indexes: Indexes) -> None:
+        """Pools: set the encoders-ready readiness gate of each unit pod whose condition is not
+        yet what its encoder pool says (only those: an unchanged pool writes nothing)."""
+        if not any(plan.pooled for plan in planned.plans):
+            return
+        namespace, name = key
+        gates = encoder_gates(name, planned.spec, planned.plans, indexes.pod_trees(key), now())
+        kube = self._session.client
+        await asyncio.gather(*(kube.patch_pod_condition(namespace, pod, c) for pod, c in gates.items()))
+
+    def _tell_the_rollout(self, body: kopf.Body, previous: dict[str, Any], status: dict[str, Any]) -> None:
+        """Events at a rollout's milestones, so `kubectl describe` tells its story."""
+        before, current = _condition(previous, "Progressing"), _condition(status, "Progressing")
+        generation = body.metadata.get("generation")
+        if current["reason"] == "RollingOut" and before.get("reason") != "RollingOut" and previous.get("models"):
+            self._inform(body, "RolloutStarted", f"rolling out generation {generation}: {current['message']}")
+        elif before.get("reason") == "RollingOut" and current["reason"] != "RollingOut":
+            self._inform(body, "RolloutComplete", f"generation {generation}: every unit runs the current spec")
+        degraded = _condition(status, "Degraded")
+        if (
+            degraded["reason"] == "RolloutStalled"
+            and _condition(previous, "Degraded").get("reason") != "RolloutStalled"
+        ):
+            self._warn(body, "RolloutStalled", degraded["message"])
+
+
+def status_hash(status: Mapping[str, Any]) -> str:
+    return digest(_ours(status))
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _ours(status: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in status.items() if k != KOPF_FIELD}
+
+
+def _same(new: Mapping[str, Any], old: Mapping[str, Any]) -> bool:
+    return _ours(new) == _ours(old)
+
+
+def _condition(status: Mapping[str, Any], kind: str) -> dict[str, Any]:
+    return next((c for c in status.get("conditions") or [] if c.get("type") == kind), {})
