@@ -7,20 +7,20 @@ arguments. Imports neither kopf nor kubernetes (``discover`` loads the latter wh
 
 from ._client import EPDClient, Session, prime_encoder
 from ._discovery import discover
-from ._endpoints import Endpoints, Engine, ModelEndpoints, Unit, VimeArgs
+from ._endpoints import Endpoints, Engine, ModelEndpoints, SupportsEncoderEndpoints, Unit
 from ._errors import (
     DiscoveryError,
     EndpointsError,
     EngineError,
     EPDClientError,
-    ImageFailure,
+    MediaFailure,
     NoReadyUnitError,
     PrimeError,
     RequestError,
 )
 from ._retry import RetryPolicy
 from ._sync import generate_sync, prime_encoder_sync
-from ._vime import VimeRolloutArgs, vime_args
+from ._vime import VimeRolloutArgs, vime_rollout_args
 
 __all__ = [
     "DiscoveryError",
@@ -30,19 +30,19 @@ __all__ = [
     "EndpointsError",
     "Engine",
     "EngineError",
-    "ImageFailure",
+    "MediaFailure",
     "ModelEndpoints",
     "NoReadyUnitError",
     "PrimeError",
     "RequestError",
     "RetryPolicy",
     "Session",
+    "SupportsEncoderEndpoints",
     "Unit",
-    "VimeArgs",
     "VimeRolloutArgs",
     "discover",
     "generate_sync",
     "prime_encoder",
     "prime_encoder_sync",
-    "vime_args",
+    "vime_rollout_args",
 ]

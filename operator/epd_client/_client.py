@@ -7,11 +7,11 @@ import itertools
 from collections import Counter
 from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
-from typing import Any, Literal
+from typing import Any, Literal, Self
 from urllib.parse import urlencode
 
-from ._endpoints import Endpoints, Engine, ModelEndpoints, Unit, VimeArgs, rendezvous
-from ._errors import EndpointsError, EngineError, ImageFailure, NoReadyUnitError, PrimeError, RequestError
+from ._endpoints import Endpoints, Engine, ModelEndpoints, SupportsEncoderEndpoints, Unit, rendezvous
+from ._errors import EndpointsError, EngineError, MediaFailure, NoReadyUnitError, PrimeError, RequestError
 from ._http import Transport
 from ._media import MediaItem, Message, copy_messages, media_items, write_keys
 from ._retry import RetryPolicy
@@ -53,7 +53,7 @@ class EPDClient:
         self._outstanding: Counter[tuple[str, str]] = Counter()
         self._rotation = itertools.count()
 
-    async def __aenter__(self) -> EPDClient:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -199,7 +199,7 @@ class Session:
 
 
 async def prime_encoder(
-    target: VimeArgs | Endpoints | EPDClient,
+    target: SupportsEncoderEndpoints | Endpoints | EPDClient,
     messages: Iterable[Message],
     *,
     model_name: str = "default",
@@ -264,7 +264,7 @@ async def prime_encoder(
         return await client._prime_on(model, items)
 
 
-def _vime_model(args: VimeArgs, model_name: str) -> ModelEndpoints | None:
+def _vime_model(args: SupportsEncoderEndpoints, model_name: str) -> ModelEndpoints | None:
     """Vime's own choice (vime/rollout/vllm_rollout.py, prime_encoder): the named entry of
     ``vllm_model_encoder_endpoints``, else for "default" its only entry, else nothing."""
     configured = getattr(args, "vllm_model_encoder_endpoints", None) or {}
@@ -299,7 +299,7 @@ async def _prime(transport: Transport, model: ModelEndpoints, unit: Unit, items:
     if not items or not encoders:
         return {}
 
-    async def prime_one(index: int, item: MediaItem) -> TransferParams | ImageFailure:
+    async def prime_one(index: int, item: MediaItem) -> TransferParams | MediaFailure:
         body = {
             "model": model.served_name,
             "messages": [{"role": "user", "content": [item.part]}],
@@ -309,14 +309,14 @@ async def _prime(transport: Transport, model: ModelEndpoints, unit: Unit, items:
         try:
             response = await transport.post(encoders, _CHAT, body, first=index)
         except RequestError as exc:
-            return ImageFailure(index, _short(item.source), exc.urls, exc, item.kind)
+            return MediaFailure(index, _short(item.source), exc.urls, exc, item.kind)
         if not model.pooled:
             return {}
         params, missing = _announced(response.json())
         if missing:
             encoder = str(response.request.url).removesuffix(_CHAT)
             error = RequestError(_CHAT, (encoder,), attempts=1, reason=missing)
-            return ImageFailure(index, _short(item.source), (encoder,), error, item.kind)
+            return MediaFailure(index, _short(item.source), (encoder,), error, item.kind)
         return params
 
     # A failing item does not cancel the others, so the error can name every failure;
@@ -324,7 +324,7 @@ async def _prime(transport: Transport, model: ModelEndpoints, unit: Unit, items:
     async with asyncio.TaskGroup() as group:
         tasks = [group.create_task(prime_one(i, item)) for i, item in enumerate(items)]
     results = [t.result() for t in tasks]
-    failures = [r for r in results if isinstance(r, ImageFailure)]
+    failures = [r for r in results if isinstance(r, MediaFailure)]
     if failures:
         raise PrimeError(unit.name, len(items), failures)
     merged: TransferParams = {}

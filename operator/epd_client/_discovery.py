@@ -39,7 +39,8 @@ def discover(name: str, namespace: str, kubeconfig: str | None = None) -> Endpoi
     finally:
         api.close()
 
-    endpoints = Endpoints.from_status(obj.get("status") or {})
+    status = obj.get("status") if isinstance(obj, dict) else None
+    endpoints = Endpoints.from_status(status or {})
     if not endpoints.models:
         raise DiscoveryError(f"EPDDeployment {namespace}/{name} lists no models in its status yet")
     return endpoints

@@ -15,7 +15,7 @@ CONSUMER = "consumer"
 POOLS = "Pools"
 
 
-class VimeArgs(Protocol):
+class SupportsEncoderEndpoints(Protocol):
     """What Vime's rollout passes around: ``{model_name: (served model, [encoder URLs])}``."""
 
     @property
@@ -168,7 +168,7 @@ class Endpoints:
         return cls((ModelEndpoints(model_name, (unit,), served_model_name),))
 
     @classmethod
-    def from_vime_args(cls, args: VimeArgs) -> Endpoints:
+    def from_vime_args(cls, args: SupportsEncoderEndpoints) -> Endpoints:
         """Vime runs on one node, so each model's encoders form a single unit."""
         return cls(
             tuple(

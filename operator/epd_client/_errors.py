@@ -52,7 +52,7 @@ class RequestError(EPDClientError):
 
 
 @dataclass(frozen=True)
-class ImageFailure:
+class MediaFailure:
     """One media item (image, video or audio part) that could not be primed."""
 
     index: int
@@ -73,7 +73,7 @@ class PrimeError(EPDClientError):
     a broken encoder behind slower rollouts.
     """
 
-    def __init__(self, unit: str, total: int, failures: Sequence[ImageFailure]) -> None:
+    def __init__(self, unit: str, total: int, failures: Sequence[MediaFailure]) -> None:
         self.unit = unit
         self.failures = tuple(failures)
         details = "; ".join(

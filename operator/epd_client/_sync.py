@@ -8,7 +8,7 @@ from collections.abc import Callable, Coroutine, Iterable, Mapping
 from typing import Any, TypeVar
 
 from ._client import EPDClient, prime_encoder
-from ._endpoints import Endpoints, VimeArgs
+from ._endpoints import Endpoints, SupportsEncoderEndpoints
 from ._media import Message
 from ._retry import RetryPolicy
 
@@ -16,7 +16,7 @@ T = TypeVar("T")
 
 
 def prime_encoder_sync(
-    target: VimeArgs | Endpoints,
+    target: SupportsEncoderEndpoints | Endpoints,
     messages: Iterable[Message],
     *,
     model_name: str = "default",

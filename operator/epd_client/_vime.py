@@ -15,7 +15,7 @@ from ._errors import EndpointsError, NoReadyUnitError
 class VimeRolloutArgs:
     """What Vime's rollout code reads from ``args`` about its engines (names and types as
     Vime's ``start_rollout_servers`` sets them). Copy into Vime's own args with
-    ``vars(args).update(vars(vime_args(...)))``."""
+    ``vars(args).update(vars(vime_rollout_args(...)))``."""
 
     vllm_model_encoder_endpoints: dict[str, tuple[str, list[str]]]
     """Model name -> (served model, encoder URLs), for the models that have encoders."""
@@ -26,7 +26,7 @@ class VimeRolloutArgs:
     """The default model's entry in ``vllm_model_routers``."""
 
 
-def vime_args(
+def vime_rollout_args(
     source: Endpoints | Mapping[str, Any],
     *,
     default_model: str | None = None,

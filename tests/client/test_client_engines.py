@@ -1,5 +1,5 @@
 """A model's engines for the trainer: listed by role from the status, paused and resumed
-all at once (issue #15)."""
+all at once."""
 
 from __future__ import annotations
 

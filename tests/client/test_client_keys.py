@@ -1,4 +1,4 @@
-"""Weight-version keys (issue #15): with a version, every media part carries a ``uuid``
+"""Weight-version keys: with a version, every media part carries a ``uuid``
 derived from its content and the version, on the prime and on the render of the request."""
 
 from __future__ import annotations

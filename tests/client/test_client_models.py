@@ -1,5 +1,5 @@
 """Which model prime_encoder primes, for each form of target: as Vime's own prime_encoder
-chooses (vime/rollout/vllm_rollout.py), issue #22."""
+chooses (vime/rollout/vllm_rollout.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from epd_client import (
     ModelEndpoints,
     Unit,
     prime_encoder,
-    vime_args,
+    vime_rollout_args,
 )
 
 from .helpers import FAST, image_messages
@@ -54,7 +54,7 @@ def primed(deployment) -> dict[str, int]:
 
 # Each form of target for the same deployment; the Vime form is built the way a Vime
 # rollout on Kubernetes would get it.
-FORMS = ["endpoints", "client", "vime_args"]
+FORMS = ["endpoints", "client", "vime_rollout_args"]
 
 
 async def prime(form: str, endpoints: Endpoints, **kw) -> None:
@@ -64,7 +64,7 @@ async def prime(form: str, endpoints: Endpoints, **kw) -> None:
         async with EPDClient(endpoints, retry=FAST) as client:
             await prime_encoder(client, image_messages(2), **kw)
     else:
-        await prime_encoder(vime_args(endpoints), image_messages(2), **kw)
+        await prime_encoder(vime_rollout_args(endpoints), image_messages(2), **kw)
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -104,8 +104,8 @@ async def test_a_text_only_default_falls_back_to_the_only_epd_model(deployment, 
 
 async def test_without_a_single_epd_model_vime_args_are_a_no_op(deployment) -> None:
     """Vime's rule, kept for Vime args: no "default" entry and not exactly one entry."""
-    await prime("vime_args", deployment("actor", "critic"))
-    await prime("vime_args", deployment(text_only=("reward",)))
+    await prime("vime_rollout_args", deployment("actor", "critic"))
+    await prime("vime_rollout_args", deployment(text_only=("reward",)))
     assert primed(deployment) == {"actor": 0, "critic": 0}
 
 

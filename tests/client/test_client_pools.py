@@ -1,7 +1,7 @@
 """Placement Pools: a model's encoders form one pool priming for every unit, and the
 consumers pull each embedding from the encoder that computed it, so priming collects the
 encoders' ``ec_transfer_params`` and render/generate carry them (stand-in engines in vLLM's
-shapes; tests/render checks the rendered engines, the real cross-node run is issue #17's)."""
+shapes; tests/render checks the rendered engines, a real cross-node run is blocked on this CPU build: docs/testing.md)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from epd_client import (
     NoReadyUnitError,
     PrimeError,
     prime_encoder,
-    vime_args,
+    vime_rollout_args,
 )
 
 from .helpers import FAST, image_messages, image_urls
@@ -80,7 +80,7 @@ def test_status_of_a_pools_model() -> None:
     ]
     assert len(model.engines("encoder")) == 3
     # Vime's args name the pool's ready encoders for the model.
-    assert vime_args(status).vllm_model_encoder_endpoints == {
+    assert vime_rollout_args(status).vllm_model_encoder_endpoints == {
         "actor": ("served", ["http://10.0.1.1:8100", "http://10.0.1.2:8100"])
     }
 

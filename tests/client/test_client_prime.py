@@ -86,8 +86,8 @@ async def test_models_without_encoders_are_a_no_op(server) -> None:
     await prime_encoder(non_epd, image_messages(2))
     two_units = Endpoints((ModelEndpoints("default", (Unit("a", consumer_urls=(consumer.url,)), Unit("b"))),))
     await prime_encoder(two_units, image_messages(2))
-    vime_args = argparse.Namespace(vllm_model_encoder_endpoints={"other": ("m", ["http://x"])})
-    await prime_encoder(vime_args, image_messages(2), model_name="actor")
+    vime_rollout_args = argparse.Namespace(vllm_model_encoder_endpoints={"other": ("m", ["http://x"])})
+    await prime_encoder(vime_rollout_args, image_messages(2), model_name="actor")
     await prime_encoder(argparse.Namespace(vllm_model_encoder_endpoints={}), image_messages(1))
     assert consumer.records == []
 

@@ -1,4 +1,4 @@
-"""vime_args: Vime's rollout arguments from an EPDDeployment status (issue #22)."""
+"""vime_rollout_args: Vime's rollout arguments from an EPDDeployment status."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from epd_client import (
     NoReadyUnitError,
     VimeRolloutArgs,
     prime_encoder,
-    vime_args,
+    vime_rollout_args,
 )
 
 from .helpers import image_messages
@@ -48,7 +48,7 @@ STATUS = {
 
 
 def test_the_attributes_vimes_rollout_reads() -> None:
-    args = vime_args(STATUS, units={"actor": "rl-actor-1"})
+    args = vime_rollout_args(STATUS, units={"actor": "rl-actor-1"})
     assert args == VimeRolloutArgs(
         vllm_model_encoder_endpoints={"actor": ("actor-served", ["http://10.0.0.1:8001", "http://10.0.0.1:8002"])},
         vllm_model_routers={"actor": ("10.0.0.1", 8000), "reward": ("10.0.1.0", 8001)},
@@ -57,7 +57,7 @@ def test_the_attributes_vimes_rollout_reads() -> None:
         vllm_router_port=8000,
     )
     # Same from Endpoints (e.g. discover's), and as Vime's own args object.
-    assert vime_args(Endpoints.from_status(STATUS), units={"actor": "rl-actor-1"}) == args
+    assert vime_rollout_args(Endpoints.from_status(STATUS), units={"actor": "rl-actor-1"}) == args
     namespace = argparse.Namespace(hf_checkpoint="/models/actor")
     vars(namespace).update(vars(args))
     assert namespace.vllm_model_routers["reward"] == ("10.0.1.0", 8001)
@@ -65,14 +65,14 @@ def test_the_attributes_vimes_rollout_reads() -> None:
 
 def test_the_default_model() -> None:
     chosen = {"actor": "rl-actor-0"}
-    args = vime_args(STATUS, default_model="reward", units=chosen)
+    args = vime_rollout_args(STATUS, default_model="reward", units=chosen)
     assert (args.vllm_router_ip, args.vllm_router_port) == ("10.0.1.0", 8001)
     status = copy.deepcopy(STATUS)
     status["models"][1]["name"] = "default"  # a model named "default" is Vime's default
-    args = vime_args(status, units=chosen)
+    args = vime_rollout_args(status, units=chosen)
     assert (args.vllm_router_ip, args.vllm_router_port) == ("10.0.1.0", 8001)
     with pytest.raises(EndpointsError, match="unknown model 'critic'"):
-        vime_args(STATUS, default_model="critic", units=chosen)
+        vime_rollout_args(STATUS, default_model="critic", units=chosen)
 
 
 @pytest.mark.parametrize(
@@ -85,16 +85,16 @@ def test_the_default_model() -> None:
 )
 def test_one_unit_per_model_must_be_named(units, message) -> None:
     with pytest.raises(EndpointsError, match=message):
-        vime_args(STATUS, units=units)
+        vime_rollout_args(STATUS, units=units)
 
 
 def test_unusable_units_are_refused() -> None:
     status = copy.deepcopy(STATUS)
     status["models"][1]["units"][0]["ready"] = False
     with pytest.raises(NoReadyUnitError, match="unit 'rl-reward-0' of model 'reward'"):
-        vime_args(status, units={"actor": "rl-actor-0"})
+        vime_rollout_args(status, units={"actor": "rl-actor-0"})
     with pytest.raises(EndpointsError, match="lists no models"):
-        vime_args({"phase": "Pending"})
+        vime_rollout_args({"phase": "Pending"})
 
 
 def test_an_ipv6_router_keeps_its_brackets() -> None:
@@ -102,7 +102,7 @@ def test_an_ipv6_router_keeps_its_brackets() -> None:
     status = {
         "models": [{"name": "default", "units": [{"name": "u", "ready": True, "routerUrl": "http://[fd00::5]:8000"}]}]
     }
-    args = vime_args(status)
+    args = vime_rollout_args(status)
     assert (args.vllm_router_ip, args.vllm_router_port) == ("[fd00::5]", 8000)
     assert args.vllm_model_encoder_endpoints == {}
 
@@ -128,7 +128,7 @@ async def test_a_vime_rollout_runs_unchanged_against_the_status(make_unit) -> No
         ]
     }
     args = argparse.Namespace(hf_checkpoint="m")
-    vars(args).update(vars(vime_args(status)))
+    vars(args).update(vars(vime_rollout_args(status)))
 
     messages = image_messages(3)
     await prime_encoder(args, messages)

@@ -1,11 +1,11 @@
-"""epd_client in an RL loop, on real vLLM (issues #15 and #22).
+"""epd_client in an RL loop, on real vLLM.
 
 One unit rendered from a real EPDDeployment (no cluster needed): one encoder and one regular
 engine, with spec.serverDevMode (the operator renders VLLM_SERVER_DEV_MODE=1; vLLM serves /pause and
 /resume only then). Its status is written here as the operator writes it, engine list
 included; the reference output is conftest's `aggregated` engine.
 
-- a Vime rollout runs against vime_args(status) as Vime's default generate does;
+- a Vime rollout runs against vime_rollout_args(status) as Vime's default generate does;
 - pause/resume reach every engine, the encoder included, and really hold generation;
 - after a weight update (simulated: X's embedding in the EC store replaced by Y's), the old
   weights version serves the stale embedding, a new one does not.
@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from epd_client import Endpoints, EPDClient, prime_encoder, vime_args
+from epd_client import Endpoints, EPDClient, prime_encoder, vime_rollout_args
 from epd_dev.vllm import payloads, tiny_model
 from epd_dev.vllm.payloads import EMBEDDING_FILE, image_part, messages
 from epd_dev.vllm.serving import tiny_manifest
@@ -108,7 +108,7 @@ def is_paused(url: str) -> bool:
 async def test_a_vime_rollout_runs_unchanged_against_vime_args(unit, status, aggregated):
     """Vime's default multimodal generate: prime_encoder(args, messages) with no model name,
     then render and generate at the model's router address from vllm_model_routers."""
-    args = vime_args(status)
+    args = vime_rollout_args(status)
     assert args.vllm_model_encoder_endpoints == {MODEL: (tiny_model.SERVED_NAME, [e.url for e in unit.sidecars])}
     ip, port = args.vllm_model_routers[MODEL]
     assert (args.vllm_router_ip, args.vllm_router_port) == (ip, port)
