@@ -6,28 +6,24 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: help venv crds test test-fast demo demo-down
+.PHONY: help venv crds lint test test-fast demo demo-down
 
+## help: this list (each target's `## target: text` comment, as kubebuilder's Makefile does)
 help:
-	@echo "make demo        the operator on the local control plane, then a real multimodal request through its pod"
-	@echo "make demo-down   stop everything the demo started (engines, operator, control plane)"
-	@echo "make test        install everything needed (cached) and run every test"
-	@echo "make test-fast   the tests that need neither the cluster nor vLLM"
-	@echo "make crds        regenerate crds/ and the chart's CRD from the pydantic models"
-	@echo "make cluster     build the control plane binaries (cached in \$$EPD_CACHE)"
-	@echo "make vllm-envs   install the vLLM venvs and vllm-router (cached in \$$EPD_CACHE)"
-	@echo "make engine-args regenerate each vLLM version's engine argument names from its real parser"
-	@echo "make bench       benchmarks; make bench-client; make chaos"
+	@awk 'FNR == 1 { sub(/.*\//, "", FILENAME) } /^## [a-z][a-z-]*:/ { sub(/^## /, ""); split($$0, part, ": "); \
+		printf "  make %-16s %s\n", part[1], substr($$0, length(part[1]) + 3) }' $(MAKEFILE_LIST)
 
 # The product (editable, with its test extras) and the dev tools (hack/, never shipped).
 $(PY): pyproject.toml hack/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]' -e ./hack
+	$(PY) -m pip install -q -e '.[test,lint]' -e ./hack
 	@touch $(PY)
 
+## venv: the dev venv (.venv): the product editable with its test and lint extras, and hack/'s dev tools
 venv: $(PY)
 
+## crds: regenerate crds/ (and the chart's copy) and docs/api.md from the pydantic models
 crds: $(PY)
 	$(PY) -m epd_operator.cli crds > crds/epddeployments.epd.vime.dev.yaml
 	mkdir -p charts/epd-operator/crds
@@ -42,16 +38,27 @@ DEMO_KUBECONFIG ?= $(if $(filter command line,$(origin KUBECONFIG)),$(KUBECONFIG
 DEMO_PORT ?= 28000
 
 # Not `cluster`: the demo checks first that the cache can be written, then builds what is missing.
+## demo: the operator on the local control plane, then a real multimodal request through its pod
 demo: venv
 	$(PY) -m epd_dev.demo up --port-base $(DEMO_PORT) $(if $(DEMO_KUBECONFIG),--kubeconfig $(DEMO_KUBECONFIG))
 
+## demo-down: stop everything the demo started (engines, operator, control plane)
 demo-down: venv
 	$(PY) -m epd_dev.demo down
 
+## lint: ruff (lint and import order), ruff format --check, mypy and the import-linter contracts
+lint: $(PY)
+	$(VENV)/bin/ruff check operator hack tests
+	$(VENV)/bin/ruff format --check operator hack tests
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+
+## test-fast: the tests that need neither the cluster nor vLLM
 test-fast: $(PY)
 	$(PY) -m pytest -q -m "not cluster and not vllm"
 
-test: $(PY) cluster vllm-envs
+## test: lint, then every test (installs what it needs, cached outside the clone)
+test: $(PY) lint cluster vllm-envs
 	@start=$$(date +%s); \
 	$(PY) -m pytest -q --durations=15; rc=$$?; \
 	echo "make test: pytest took $$(( $$(date +%s) - start ))s"; exit $$rc

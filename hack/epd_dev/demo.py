@@ -182,7 +182,7 @@ class ExistingCluster:
         self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60
     ) -> subprocess.CompletedProcess[str]:
         cmd = [str(self.kubectl_binary), "--kubeconfig", str(self.kubeconfig), *args]
-        out = subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=timeout)
+        out = subprocess.run(cmd, check=False, input=input, capture_output=True, text=True, timeout=timeout)
         if check and out.returncode != 0:
             raise ClusterError(f"kubectl {' '.join(args)} failed ({out.returncode}): {out.stderr.strip()}")
         return out
@@ -361,7 +361,7 @@ def start_reference(root: Path, port_base: int, records: Records) -> engines.Eng
     reference.start()
     records.engine(reference, "aggregated")
     say(
-        f"REAL  starting the aggregated reference engine in the background (pid {reference.proc.pid}, "
+        f"REAL  starting the aggregated reference engine in the background (pid {reference.proc and reference.proc.pid}, "
         f"port {reference.port}, log {reference.log_path})"
     )
     return reference

@@ -22,7 +22,7 @@ import urllib.request
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import yaml
 
@@ -130,7 +130,7 @@ class Progress:
                 self.last = time.monotonic()
                 say(f"REAL  still loading: {', '.join(loading)}")
 
-    def __enter__(self) -> Progress:
+    def __enter__(self) -> Self:
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
         return self
@@ -139,7 +139,7 @@ class Progress:
         while not self.done.wait(1.0):
             self.check()
 
-    def __exit__(self, exc_type: type | None, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         self.done.set()
         self.thread.join()
         if exc_type is None:
@@ -258,7 +258,8 @@ def serve(
     def started(engine: engines.Engine) -> None:
         records.engine(engine)
         progress.check()
-        say(f"REAL  started {engine.name} (pid {engine.proc.pid}, port {engine.port}, log {engine.log_path})")
+        pid = engine.proc.pid if engine.proc else None
+        say(f"REAL  started {engine.name} (pid {pid}, port {engine.port}, log {engine.log_path})")
 
     runner = UnitRunner(pod, root / "logs", die_with_parent=False, on_start=started)
     if runner.ec_storage_path:

@@ -14,7 +14,7 @@ import urllib.request
 import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from .paths import REPO
 
@@ -47,7 +47,7 @@ def wait_established(kubectl: Callable[..., Any], crd: str, timeout: float = 60)
 class OperatorProcess:
     """`epd-operator run` as a subprocess; logs go to a file that failures print."""
 
-    _instances: weakref.WeakSet[OperatorProcess] = weakref.WeakSet()
+    _instances: ClassVar[weakref.WeakSet[OperatorProcess]] = weakref.WeakSet()
 
     @classmethod
     def running(cls, kubeconfig: Path) -> list[OperatorProcess]:

@@ -23,9 +23,9 @@ def operators_on(kubeconfig: Path) -> list[int]:
     for proc in Path("/proc").iterdir():
         try:
             argv = (proc / "cmdline").read_bytes().split(b"\0")
-            if b"epd_operator.cli" in argv and b"run" in argv:
-                if f"KUBECONFIG={kubeconfig}".encode() in (proc / "environ").read_bytes().split(b"\0"):
-                    pids.append(int(proc.name))
+            ours = f"KUBECONFIG={kubeconfig}".encode()
+            if b"epd_operator.cli" in argv and b"run" in argv and ours in (proc / "environ").read_bytes().split(b"\0"):
+                pids.append(int(proc.name))
         except OSError:
             continue  # not ours to read, or gone meanwhile
     return pids

@@ -286,6 +286,7 @@ def test_helm_installs_a_chart(cluster, namespace, tmp_path: Path) -> None:
     )
     helm = subprocess.run(
         ["helm", "install", "rel", str(chart), "-n", namespace, "--wait"],
+        check=False,
         capture_output=True,
         text=True,
         env=cluster.env(),
@@ -305,6 +306,7 @@ def test_second_cluster_beside_the_first_and_cli_lifecycle(cluster, tmp_path: Pa
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [sys.executable, "-m", "epd_dev.localcluster", *args, "--dir", str(tmp_path)],
+            check=False,
             capture_output=True,
             text=True,
             timeout=240,

@@ -39,7 +39,7 @@ def helm(
         home = ROOT / ".pytest_cache" / "helm-home"
         env = {**os.environ, **{f"HELM_{kind}_HOME": str(home / kind.lower()) for kind in ("CACHE", "CONFIG", "DATA")}}
     out = subprocess.run(
-        [str(helm_binary()), *map(str, args)], capture_output=True, text=True, env=env, timeout=timeout
+        [str(helm_binary()), *map(str, args)], check=False, capture_output=True, text=True, env=env, timeout=timeout
     )
     if check and out.returncode != 0:
         raise AssertionError(f"helm {' '.join(map(str, args))} failed ({out.returncode}):\n{out.stderr}")

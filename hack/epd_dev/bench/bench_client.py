@@ -36,7 +36,7 @@ import httpx
 from epd_client import Endpoints, EPDClient, prime_encoder
 
 MODEL = "bench-model"
-PrimeSample = Callable[[list[dict]], Awaitable[None]]
+PrimeSample = Callable[[list[dict]], Awaitable[object]]
 
 
 @dataclass
@@ -145,8 +145,7 @@ async def measure(url: str, cli: argparse.Namespace) -> dict[str, list[Result]]:
     for _ in range(cli.repeats):  # interleaved, so load from elsewhere hits all methods alike
         for name, (prime, samples) in methods.items():
             results[name].append(await run(prime, samples, cli.images_per_sample, cli.concurrency))
-    for each in (http, *shards, client):
-        await each.aclose()
+    await asyncio.gather(http.aclose(), client.aclose(), *(shard.aclose() for shard in shards))
     return results
 
 
@@ -196,6 +195,7 @@ def main() -> None:
         text=True,
     )
     try:
+        assert server.stdout is not None  # stdout=PIPE
         url = server.stdout.readline().strip()
         if not url.startswith("http://"):
             raise SystemExit(f"stand-in server did not start (exit code {server.poll()})")

@@ -311,8 +311,12 @@ def run(
     def churner() -> None:
         try:
             for index, step in enumerate(churn.steps):
+
+                def kills_caught_up(index: int = index) -> bool:
+                    return progress["kills"] >= sum(1 for at in kill_at if at < index - 2)
+
                 with changed:
-                    changed.wait_for(lambda: progress["kills"] >= sum(1 for at in kill_at if at < index - 2))
+                    changed.wait_for(kills_caught_up)
                 run_step(cluster, namespace, step)
                 with changed:
                     progress["steps"] = index + 1
@@ -328,8 +332,12 @@ def run(
     thread = threading.Thread(target=churner, name="churn", daemon=True)
     thread.start()
     for k, at in enumerate(kill_at):
+
+        def churned_to_it(at: int = at) -> bool:
+            return progress["steps"] >= at or bool(failure)
+
         with changed:
-            changed.wait_for(lambda: progress["steps"] >= at or bool(failure))
+            changed.wait_for(churned_to_it)
         if failure:
             break
         time.sleep(rng.uniform(0, 1))

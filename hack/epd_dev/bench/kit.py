@@ -127,7 +127,7 @@ def converged(epd: dict[str, Any]) -> bool:
     """Ready, for the current generation."""
     generation = epd["metadata"].get("generation")
     status = epd.get("status") or {}
-    ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), {})
+    ready: dict[str, Any] = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), {})
     return (
         status.get("observedGeneration") == generation
         and ready.get("status") == "True"

@@ -169,7 +169,7 @@ def missing_binaries() -> list[str]:
 def version_of(path: Path, binary: Binary) -> str | None:
     """The binary's version output if it contains the expected version."""
     try:
-        out = subprocess.run([str(path), *binary.version_args], capture_output=True, text=True, timeout=60)
+        out = subprocess.run([str(path), *binary.version_args], check=False, capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired):
         return None
     text = (out.stdout + out.stderr).strip()
@@ -276,7 +276,7 @@ def build(force: bool = False) -> Path:
             shutil.rmtree(staging, ignore_errors=True)
         (staging / "bin").mkdir(parents=True, exist_ok=True)
 
-        go_version = subprocess.run(["go", "version"], capture_output=True, text=True).stdout.strip()
+        go_version = subprocess.run(["go", "version"], check=True, capture_output=True, text=True).stdout.strip()
         log(f"building into {final} ({go_version})")
         timings: dict[str, float] = {}
         total = time.monotonic()

@@ -34,7 +34,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from . import binaries
 
@@ -226,7 +226,7 @@ class LocalCluster:
 
     # ------------------------------------------------------------- lifecycle
 
-    def __enter__(self) -> LocalCluster:
+    def __enter__(self) -> Self:
         self.start()
         return self
 
@@ -366,7 +366,7 @@ class LocalCluster:
         if self._owner_lock is not None:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
-        lock = open(self.dir / "owner.lock", "a")
+        lock = open(self.dir / "owner.lock", "a")  # noqa: SIM115 - held (with its flock) until stop()
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -400,7 +400,9 @@ class LocalCluster:
     ) -> subprocess.CompletedProcess[str]:
         """Run the real kubectl against this cluster; raise ClusterError on failure if ``check``."""
         cmd = [str(self.bin_dir / "kubectl"), "--kubeconfig", str(self.kubeconfig), *args]
-        out = subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=timeout, env=self.env())
+        out = subprocess.run(
+            cmd, check=False, input=input, capture_output=True, text=True, timeout=timeout, env=self.env()
+        )
         if check and out.returncode != 0:
             raise ClusterError(f"kubectl {' '.join(args)} failed ({out.returncode}): {out.stderr.strip()}")
         return out
@@ -622,7 +624,7 @@ current-context: epd-local
     # ------------------------------------------------------- process control
 
     def _spawn(self, name: str, args: list[str]) -> None:
-        log = open(self.logs / f"{name}.log", "ab")
+        log = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 - handed to the process, closed below
         preexec = _die_with_parent if self.die_with_parent else None
         try:
             popen = subprocess.Popen(
@@ -634,7 +636,8 @@ current-context: epd-local
                 # Own process group: Ctrl-C in the launching shell does not reach
                 # it, and stop() can signal the whole group.
                 start_new_session=True,
-                preexec_fn=preexec,
+                # Only prctl runs between fork and exec (no lock taken): safe beside threads.
+                preexec_fn=preexec,  # noqa: PLW1509
             )
         finally:
             log.close()

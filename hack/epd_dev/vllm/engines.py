@@ -76,7 +76,7 @@ class Engine:
 
     def start(self) -> Engine:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "wb")
+        log = open(self.log_path, "wb")  # noqa: SIM115 - handed to the engine process, closed once it has it
         log.write(("$ " + " ".join(self.argv) + "\n").encode())
         log.flush()
         self.started_at = time.monotonic()
@@ -88,7 +88,8 @@ class Engine:
             stdin=subprocess.DEVNULL,
             env=self.env,
             start_new_session=True,
-            preexec_fn=_die_with_parent if self.die_with_parent else None,
+            # Only prctl runs between fork and exec (no lock taken): safe beside threads.
+            preexec_fn=_die_with_parent if self.die_with_parent else None,  # noqa: PLW1509
         )
         log.close()
         RUNNING.append(self)

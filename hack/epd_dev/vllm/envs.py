@@ -33,6 +33,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -203,7 +204,7 @@ def _log(msg: str) -> None:
     print(f"[vllm-envs] {msg}", flush=True)
 
 
-def _run(cmd: list[str], env: dict[str, str] | None = None) -> None:
+def _run(cmd: Sequence[str | os.PathLike[str]], env: dict[str, str] | None = None) -> None:
     _log("$ " + " ".join(str(c) for c in cmd))
     subprocess.run([str(c) for c in cmd], check=True, env=env)
 
@@ -300,7 +301,7 @@ class _Installer:
             _run([_base_python(), "-m", "venv", self.venv])
             _run([self.python, "-m", "pip", "install", "-q", "--upgrade", "pip"])
 
-    def install(self, args: list[str]) -> None:
+    def install(self, args: Sequence[str | os.PathLike[str]]) -> None:
         if self.uv:
             _run([self.uv, "pip", "install", "--python", self.python, *args], env=self.env)
         else:

@@ -40,7 +40,7 @@ import shutil
 import socket
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 from urllib.parse import urlsplit, urlunsplit
 
 from epd_operator.render import render
@@ -48,6 +48,7 @@ from epd_operator.resources import pod_template, pool_name, pool_pod_template
 from epd_operator.validation import validate
 
 from . import engines, envs
+from .engines import Engine
 from .nodes import Node
 
 EC_STORAGE_ANNOTATION = "epd.vime.dev/ec-storage-path"
@@ -165,23 +166,24 @@ class UnitRunner:
 
     def _on_node(self, command: list[str]) -> list[str]:
         """The pod's addresses (all of them, and its own localhost) as its node's address."""
-        out = []
+        assert self.node is not None, "only a unit run on a node has the node's address"
+        address, out = self.node.address, []
         for i, arg in enumerate(command):
             if i and command[i - 1] == "--host" and arg == "0.0.0.0":
-                arg = self.node.address
+                arg = address
             elif arg.startswith(f"http://{LOCALHOST}:"):
-                arg = arg.replace(LOCALHOST, self.node.address, 1)
+                arg = arg.replace(LOCALHOST, address, 1)
             out.append(arg)
         return out
 
     # ------------------------------------------------------------------ lifecycle
 
     @property
-    def engines(self) -> list[engines.Engine]:
+    def engines(self) -> list[Engine]:
         """In start order: sidecars, the main containers (a pool's encoders, consumers), router."""
         return [*self.sidecars, *self.pool_encoders, *self.consumers, *([self.router] if self.router else [])]
 
-    def start(self) -> UnitRunner:
+    def start(self) -> Self:
         if self.node:
             self.node.prepare()  # an EC store is inside the node's fresh /dev/shm
         elif self.ec_storage_path and Path(self.ec_storage_path).exists():
@@ -199,7 +201,7 @@ class UnitRunner:
             raise
         return self
 
-    def _start_and_wait(self, group: list[engines.Engine]) -> None:
+    def _start_and_wait(self, group: list[Engine]) -> None:
         for engine in group:
             engine.start()
             if self.on_start:
@@ -215,7 +217,7 @@ class UnitRunner:
         elif self.ec_storage_path:
             shutil.rmtree(self.ec_storage_path, ignore_errors=True)
 
-    def __enter__(self) -> UnitRunner:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
