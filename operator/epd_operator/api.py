@@ -8,12 +8,12 @@ module, though past 350 lines, as Kubernetes keeps an API version's types in one
 from __future__ import annotations
 
 import enum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic.alias_generators import to_camel
 
-from .ec.quantity import BYTE_QUANTITY
+from .ec.quantity import BYTE_QUANTITY, MAX_BYTES, QUANTITY
 from .engine_args import engine_arg_name, spelling_errors
 
 GROUP = "epd.vime.dev"
@@ -32,6 +32,8 @@ JANITOR_METRICS_PORT = 9400
 # (affinity, volumes, ...) are kept schemaless: their own API server validates the latter
 # when the operator creates the pod.
 OpenObject = dict[str, Any]
+# A Kubernetes resource quantity (cpu: 500m, memory: 4Gi), with a bounded exponent.
+Quantity = Annotated[str, Field(pattern=QUANTITY, max_length=64)]
 
 
 class Schema(BaseModel):
@@ -42,6 +44,8 @@ class Schema(BaseModel):
         populate_by_name=True,
         extra="forbid",
         use_enum_values=True,
+        # Defaults too: an enum default is then its value like any parsed one (plain YAML and JSON).
+        validate_default=True,
     )
 
 
@@ -88,8 +92,8 @@ class EnvVar(Schema):
     """A container environment variable, as in a Pod spec."""
 
     model_config = ConfigDict(extra="allow", alias_generator=to_camel, populate_by_name=True)
-    name: str = Field(min_length=1, description="Variable name.")
-    value: str | None = Field(default=None, description="Literal value.")
+    name: str = Field(min_length=1, max_length=256, description="Variable name.")
+    value: str | None = Field(default=None, max_length=32768, description="Literal value.")
     value_from: OpenObject | None = Field(
         default=None, description="Source for the value (secretKeyRef, configMapKeyRef, fieldRef...)."
     )
@@ -98,8 +102,8 @@ class EnvVar(Schema):
 class ResourceRequirements(Schema):
     """Extra container resources for each engine; GPUs are set by the operator from numGpusPerEngine."""
 
-    limits: dict[str, int | str] = Field(default_factory=dict, description="Resource limits.")
-    requests: dict[str, int | str] = Field(default_factory=dict, description="Resource requests.")
+    limits: dict[str, int | Quantity] = Field(default_factory=dict, max_length=16, description="Resource limits.")
+    requests: dict[str, int | Quantity] = Field(default_factory=dict, max_length=16, description="Resource requests.")
 
 
 class ServerGroup(Schema):
@@ -128,12 +132,13 @@ class ServerGroup(Schema):
     )
     overrides: OpenObject = Field(
         default_factory=dict,
+        max_length=128,
         description=(
             "vLLM engine arguments in snake_case, as in Vime (e.g. max_model_len: 4096). Highest "
             "priority: they win over every default; ec_transfer_config is deep-merged."
         ),
     )
-    env: list[EnvVar] = Field(default_factory=list, description="Extra environment for these engines.")
+    env: list[EnvVar] = Field(default_factory=list, max_length=64, description="Extra environment for these engines.")
     resources: ResourceRequirements | None = Field(
         default=None, description="Extra resources (cpu, memory) for each engine container."
     )
@@ -165,9 +170,10 @@ class PoolsECConnector(Schema):
             "live in one node's /dev/shm."
         ),
     )
-    module_path: str | None = Field(default=None, description="Python module of a custom connector.")
+    module_path: str | None = Field(default=None, max_length=512, description="Python module of a custom connector.")
     extra_config: OpenObject = Field(
         default_factory=dict,
+        max_length=64,
         description=(
             "Merged into ec_connector_extra_config of the model's engines. For ECCPUConnector: "
             "ec_cpu_bytes (each engine's region; default: an equal share of 80% of its pod's "
@@ -181,10 +187,10 @@ class EncoderPool(Schema):
 
     shm: Shm | None = Field(default=None, description="The pool pods' /dev/shm; default: spec.shm.")
     node_selector: dict[str, str] | None = Field(
-        default=None, description="The pool pods' nodeSelector; default: spec.nodeSelector."
+        default=None, max_length=32, description="The pool pods' nodeSelector; default: spec.nodeSelector."
     )
     tolerations: list[OpenObject] | None = Field(
-        default=None, description="The pool pods' tolerations; default: spec.tolerations."
+        default=None, max_length=32, description="The pool pods' tolerations; default: spec.tolerations."
     )
     affinity: OpenObject | None = Field(
         default=None,
@@ -201,9 +207,11 @@ class ModelSpec(Schema):
         pattern=DNS1123_LABEL,
         description="Model key (DNS-1123 label, unique). Vime's default model name is 'default'.",
     )
-    model: str = Field(min_length=1, description="Model path or id passed to vLLM (`vllm serve <model>`).")
+    model: str = Field(
+        min_length=1, max_length=1024, description="Model path or id passed to vLLM (`vllm serve <model>`)."
+    )
     served_model_name: str | None = Field(
-        default=None, description="Name clients use in requests; defaults to `model`."
+        default=None, max_length=256, description="Name clients use in requests; defaults to `model`."
     )
     server_groups: list[ServerGroup] = Field(
         min_length=1,
@@ -288,29 +296,31 @@ class ModelSpec(Schema):
 class ECConnector(Schema):
     """Encoder-cache (EC) connector between encoders (producers) and consumers."""
 
-    name: str = Field(default="ECExampleConnector", description="vLLM EC connector class.")
+    name: str = Field(default="ECExampleConnector", max_length=256, description="vLLM EC connector class.")
     storage_root: str = Field(
         default="/dev/shm",
         pattern=r"^/.*",
+        max_length=512,
         description="Folder holding each model's isolated EC store (the shared memory-backed emptyDir).",
     )
     path_prefix: str = Field(
         default="vime-ec-",
         pattern=r"^[A-Za-z0-9._-]+$",
+        max_length=64,
         description="Prefix of each model's EC folder name under storageRoot.",
     )
-    module_path: str | None = Field(default=None, description="Python module of a custom connector.")
+    module_path: str | None = Field(default=None, max_length=512, description="Python module of a custom connector.")
     extra_config: OpenObject = Field(
-        default_factory=dict, description="Merged into ec_connector_extra_config of every engine."
+        default_factory=dict, max_length=64, description="Merged into ec_connector_extra_config of every engine."
     )
 
 
 class KVConnector(Schema):
     """KV-cache connector between prefill (producer) and decode (consumer) engines."""
 
-    name: str = Field(default="NixlConnector", description="vLLM KV connector class.")
+    name: str = Field(default="NixlConnector", max_length=256, description="vLLM KV connector class.")
     extra_config: OpenObject = Field(
-        default_factory=dict, description="kv_connector_extra_config of prefill and decode engines."
+        default_factory=dict, max_length=64, description="kv_connector_extra_config of prefill and decode engines."
     )
 
 
@@ -325,10 +335,17 @@ class RouterPolicy(str, enum.Enum):
 class Router(Schema):
     """vllm-router in front of a unit's consumer engines (added for prefill/decode or >1 consumer)."""
 
-    image: str = Field(default="vllm/vllm-router:v0.1.17", description="vllm-router image.")
+    image: str = Field(default="vllm/vllm-router:v0.1.17", max_length=512, description="vllm-router image.")
     policy: RouterPolicy = Field(default=RouterPolicy.round_robin, description="Load-balancing policy.")
-    request_timeout_seconds: int = Field(default=1800, ge=1, description="Per-request timeout.")
-    extra_args: list[str] = Field(default_factory=list, description="Extra vllm-router arguments.")
+    request_timeout_seconds: int = Field(default=1800, ge=1, le=86400, description="Per-request timeout.")
+    extra_args: list[Annotated[str, Field(max_length=1024)]] = Field(
+        default_factory=list,
+        max_length=64,
+        description=(
+            "Extra vllm-router arguments. Not the ones the operator sets (host, port, workers, policy, "
+            "timeout, KV connector) nor secrets (--api-key): refused."
+        ),
+    )
     resources: ResourceRequirements | None = Field(default=None, description="Router container resources.")
 
 
@@ -352,7 +369,9 @@ class FrontService(Schema):
         ),
     )
     annotations: dict[str, str] = Field(
-        default_factory=dict, description="Annotations of the Service, e.g. a cloud load balancer's settings."
+        default_factory=dict,
+        max_length=64,
+        description="Annotations of the Service, e.g. a cloud load balancer's settings.",
     )
 
 
@@ -371,9 +390,9 @@ class ECStorage(Schema):
     """Bounds on each model's EC store (the connector itself never deletes anything)."""
 
     max_bytes: int | None = Field(
-        default=None, ge=1, description="Byte budget per model; default: 80% of shm.sizeLimit."
+        default=None, ge=1, le=MAX_BYTES, description="Byte budget per model; default: 80% of shm.sizeLimit."
     )
-    ttl_seconds: int | None = Field(default=None, ge=1, description="Evict entries older than this.")
+    ttl_seconds: int | None = Field(default=None, ge=1, le=2**31 - 1, description="Evict entries older than this.")
 
 
 class Ports(Schema):
@@ -396,11 +415,11 @@ class Ports(Schema):
 class Probes(Schema):
     """Engine health probes on /health; the startup window is sized for model loading."""
 
-    period_seconds: int = Field(default=10, ge=1, description="Probe period.")
+    period_seconds: int = Field(default=10, ge=1, le=3600, description="Probe period.")
     startup_timeout_seconds: int = Field(
-        default=1800, ge=10, description="How long an engine may take to load its model."
+        default=1800, ge=10, le=86400, description="How long an engine may take to load its model."
     )
-    failure_threshold: int = Field(default=3, ge=1, description="Failures before unready/restart.")
+    failure_threshold: int = Field(default=3, ge=1, le=100, description="Failures before unready/restart.")
 
 
 class EPDDeploymentSpec(Schema):
@@ -437,13 +456,15 @@ class EPDDeploymentSpec(Schema):
     shm: Shm = Field(default_factory=Shm, description="Shared /dev/shm emptyDir.")
     ports: Ports = Field(default_factory=Ports, description="Container ports.")
     probes: Probes = Field(default_factory=Probes, description="Engine probes.")
-    env: list[EnvVar] = Field(default_factory=list, description="Environment for every engine.")
-    node_selector: dict[str, str] = Field(default_factory=dict, description="Pod nodeSelector.")
-    tolerations: list[OpenObject] = Field(default_factory=list, description="Pod tolerations.")
+    env: list[EnvVar] = Field(default_factory=list, max_length=64, description="Environment for every engine.")
+    node_selector: dict[str, str] = Field(default_factory=dict, max_length=32, description="Pod nodeSelector.")
+    tolerations: list[OpenObject] = Field(default_factory=list, max_length=32, description="Pod tolerations.")
     affinity: OpenObject | None = Field(default=None, description="Pod affinity.")
-    priority_class_name: str | None = Field(default=None, description="Pod priorityClassName.")
-    service_account_name: str | None = Field(default=None, description="Pod serviceAccountName.")
-    image_pull_secrets: list[OpenObject] = Field(default_factory=list, description="Pod imagePullSecrets.")
+    priority_class_name: str | None = Field(default=None, max_length=253, description="Pod priorityClassName.")
+    service_account_name: str | None = Field(default=None, max_length=253, description="Pod serviceAccountName.")
+    image_pull_secrets: list[OpenObject] = Field(
+        default_factory=list, max_length=16, description="Pod imagePullSecrets."
+    )
     server_dev_mode: bool = Field(
         default=False,
         description=(
@@ -453,10 +474,10 @@ class EPDDeploymentSpec(Schema):
         ),
     )
     volumes: list[OpenObject] = Field(
-        default_factory=list, description="Extra pod volumes (e.g. a model cache PVC); no hostPath."
+        default_factory=list, max_length=32, description="Extra pod volumes (e.g. a model cache PVC); no hostPath."
     )
     volume_mounts: list[OpenObject] = Field(
-        default_factory=list, description="Extra mounts for every engine container."
+        default_factory=list, max_length=32, description="Extra mounts for every engine container."
     )
 
     def model(self, name: str) -> ModelSpec:

@@ -6,6 +6,10 @@ under load: docs/performance.md); one that exists is changed with server-side ap
 (`fieldManager: epd-operator`, forced), after its POST's Update entry of managedFields was taken
 over (managedfields.py) unless the index shows that done. Children already carrying their
 desired state's hash are not written, nor even built; children of a removed model are deleted.
+
+Only objects the EPDDeployment controls (their controller ownerReference is it) are changed or
+deleted: an object of the same name that someone else made is left exactly as it is, and the
+refusal is said in the status (reason ChildConflict) until it is gone.
 """
 
 from __future__ import annotations
@@ -16,11 +20,28 @@ from collections.abc import Set as AbstractSet
 from typing import Any
 
 from .expectations import Expectations
-from .indexes import ChildSummary, Key, Ref, ServiceSummary
-from .kube import KubeSession
+from .indexes import ChildSummary, Key, Ref, ServiceSummary, controller_uid
+from .kube import KubeError, KubeSession
 from .managedfields import upgrade_to_apply
 from .plans import Planned, ref
 from .resources import ANNOTATION_SPEC_HASH, FIELD_MANAGER, is_headless
+
+
+class WriteRefused(Exception):
+    """A child the operator could not write for this generation: the status says `reason` and
+    the message until a write goes through, and the reconcile is retried with backoff."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        self.reason = reason
+        super().__init__(message)
+
+
+def conflict(kind: str, namespace: str, name: str, owner: str) -> WriteRefused:
+    return WriteRefused(
+        "ChildConflict",
+        f"{kind} {namespace}/{name} exists and is not controlled by EPDDeployment {owner}: it is left as it is; "
+        "delete or rename it, or rename the EPDDeployment or the model",
+    )
 
 
 class ChildWriter:
@@ -36,43 +57,59 @@ class ChildWriter:
     async def converge(
         self,
         key: Key,
+        owner_uid: str,
         planned: Planned,
         build: Callable[[], list[dict[str, Any]]],
         indexed: list[ChildSummary],
     ) -> bool:
         """Write the children not at their desired state (`build` makes them all, called only
         when one is stale) and delete those no model asks for; `indexed`: the children the
-        watches show. True if it wrote anything."""
+        watches show. True if it wrote anything. Raises WriteRefused for the first child that
+        could not be written, once every other one was."""
         unseen, lapses_in = self._expectations.unseen(key)
         if lapses_in is not None:
             self._requeue_after(key, lapses_in)
-        existing = {**unseen, **{c.ref: c.spec_hash for c in indexed}}
+        ours = [c for c in indexed if c.controller_uid == owner_uid]
+        foreign = {c.ref for c in indexed if c.controller_uid != owner_uid} - unseen.keys()
+        existing = {**unseen, **{c.ref: c.spec_hash for c in ours}}
         # Taken over by an apply already, as the watch shows it (one created again since may not be).
-        applied = {c.ref for c in indexed if not c.owned_by_update} - unseen.keys()
-        headless = {c.name: c.headless for c in indexed if isinstance(c, ServiceSummary)}
+        applied = {c.ref for c in ours if not c.owned_by_update} - unseen.keys()
+        headless = {c.name: c.headless for c in ours if isinstance(c, ServiceSummary)}
         stale = {r for r, digest in planned.digests.items() if existing.get(r) != digest}
+        refusals: list[BaseException] = []
         if stale:
-            await asyncio.gather(
-                *(self._write(key, c, existing.keys(), applied, headless) for c in build() if ref(c) in stale)
-            )
+            writes = [
+                self._write(key, owner_uid, c, existing.keys(), applied, headless, foreign)
+                for c in build()
+                if ref(c) in stale
+            ]
+            refusals += [r for r in await asyncio.gather(*writes, return_exceptions=True) if r is not None]
         removed = existing.keys() - planned.digests.keys()
         for kind, name in removed:
             await self._session.client.delete(kind, key[0], name)
+        for refusal in refusals:
+            if isinstance(refusal, KubeError) and not refusal.namespace_gone:
+                raise WriteRefused("ApplyFailed", f"the spec is not applied: {refusal}") from refusal
+            raise refusal
         return bool(stale or removed)
 
     async def _write(
         self,
         key: Key,
+        owner_uid: str,
         child: dict[str, Any],
         existing: AbstractSet[Ref],
         applied: AbstractSet[Ref],
         headless: Mapping[str, bool],
+        foreign: AbstractSet[Ref],
     ) -> None:
         """POST a child not known to exist; apply one that does. An existing Service whose
         headlessness must flip is deleted, then created again (its clusterIP cannot change)."""
         kube = self._session.client
         kind, name = child_ref = ref(child)
         namespace = child["metadata"]["namespace"]
+        if child_ref in foreign:
+            raise conflict(kind, namespace, name, key[1])
         flip = kind == "Service" and name in headless and headless[name] != is_headless(child)
         if flip:
             await kube.delete("Service", namespace, name)
@@ -82,16 +119,19 @@ class ChildWriter:
         if flip:
             return  # still there, going (a finalizer): its DELETED event queues the creation
         if child_ref not in applied:
-            await self._own_by_apply(kind, namespace, name)
+            await self._own_by_apply(key, owner_uid, kind, namespace, name)
         await kube.apply(child)
 
-    async def _own_by_apply(self, kind: str, namespace: str, name: str) -> None:
+    async def _own_by_apply(self, key: Key, owner_uid: str, kind: str, namespace: str, name: str) -> None:
         """Before applying to a child this operator created by POST, turn its Update entry of
-        managedFields into an Apply one, so the apply removes what it stops setting."""
+        managedFields into an Apply one, so the apply removes what it stops setting. One that
+        this EPDDeployment does not control is refused: the apply would take it over."""
         kube = self._session.client
         live = await kube.get(kind, namespace, name)
         if live is None:
             return
+        if controller_uid(live["metadata"]) != owner_uid:
+            raise conflict(kind, namespace, name, key[1])
         upgraded = upgrade_to_apply(live["metadata"].get("managedFields") or [], FIELD_MANAGER)
         if upgraded is not None:
             await kube.replace_managed_fields(kind, namespace, name, live["metadata"]["resourceVersion"], upgraded)

@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from .validation import SpecError
+from .validation import DEFAULT_MAX_GPUS_PER_POD, SpecError
 
 
 def _load_manifest(path: str) -> dict[str, Any]:
@@ -23,17 +23,23 @@ def _load_manifest(path: str) -> dict[str, Any]:
 
 def _render(args: argparse.Namespace) -> None:
     from .render import commands_json, format_commands, render
+    from .resources import desired_children
+    from .settings import own_image
     from .validation import validate
 
     manifest = _load_manifest(args.file)
     metadata = manifest.get("metadata", {})
-    plans = render(
-        validate(manifest.get("spec", {})),
-        namespace=metadata.get("namespace", args.namespace),
-        name=metadata.get("name", "epd"),
-        uid=metadata.get("uid", args.uid),
-    )
-    if args.output == "json":
+    name, namespace = metadata.get("name", "epd"), metadata.get("namespace", args.namespace)
+    checked = validate(manifest.get("spec", {}), name=name)
+    plans = render(checked, namespace=namespace, name=name, uid=metadata.get("uid", args.uid))
+    if args.objects:
+        # What the operator would create, for review and scanners (it adds ownerReferences
+        # to its EPDDeployment and a spec-hash annotation, which depend on the live object).
+        children = desired_children(checked.spec, name, plans, args.janitor_image or own_image())
+        for child in children:
+            child["metadata"]["namespace"] = namespace
+        print(yaml.safe_dump_all(children, sort_keys=False), end="")
+    elif args.output == "json":
         print(json.dumps(commands_json(plans), indent=2))
     else:
         print(format_commands(plans))
@@ -66,6 +72,7 @@ def _crds(args: argparse.Namespace) -> None:
 def _run(args: argparse.Namespace) -> None:
     from .runner import run
     from .settings import Settings, own_image
+    from .validation import Limits
 
     run(
         namespaces=args.namespace,
@@ -79,6 +86,7 @@ def _run(args: argparse.Namespace) -> None:
             janitor_image=args.janitor_image or own_image(),
             janitor_scrape_interval=args.janitor_scrape_interval,
             janitor_scrape_rate=args.janitor_scrape_rate,
+            limits=Limits(max_gpus_per_pod=args.max_gpus_per_pod),
         ),
         log_level=args.log_level,
         log_format=args.log_format,
@@ -95,6 +103,13 @@ def _janitor(args: argparse.Namespace) -> None:
         interval_seconds=args.interval,
         metrics_port=args.metrics_port,
     )
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, not {text}")
+    return value
 
 
 def _positive(text: str) -> float:
@@ -142,13 +157,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="image of each unit's EC janitor container, which runs `epd-operator janitor` (default: "
         "$EPD_OPERATOR_IMAGE, which the Helm chart sets to the operator's own image, else epd-operator:<version>)",
     )
+    run.add_argument(
+        "--max-gpus-per-pod",
+        type=_positive_int,
+        default=DEFAULT_MAX_GPUS_PER_POD,
+        help="refuse specs whose unit or encoder pool pods would request more GPUs (no node has more; "
+        f"default {DEFAULT_MAX_GPUS_PER_POD})",
+    )
     run.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     run.add_argument("--log-format", default="plain", choices=["plain", "full", "json"])
     run.set_defaults(func=_run)
 
-    render = sub.add_parser("render", help="print every engine's and router's command line")
+    render = sub.add_parser("render", help="print every engine's and router's command line, or the objects")
     render.add_argument("-f", "--file", required=True, help="EPDDeployment manifest ('-' for stdin)")
     render.add_argument("-o", "--output", choices=["text", "json"], default="text")
+    render.add_argument(
+        "--objects",
+        action="store_true",
+        help="print the objects the operator would create (StatefulSets, Services, budgets, ...) as YAML",
+    )
+    render.add_argument(
+        "--janitor-image", default=None, help="the EC janitor's image in --objects (default: as `run` picks it)"
+    )
     render.add_argument("--namespace", default="default", help="namespace when the manifest has none")
     render.add_argument("--uid", default="00000000-0000-0000-0000-000000000000", help="object uid to assume")
     render.set_defaults(func=_render)

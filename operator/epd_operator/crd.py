@@ -18,7 +18,10 @@ from . import api
 from .validation import (
     HEADLESS_NEEDS_CLUSTER_IP,
     LAYOUT_RULES,
+    MAX_ENGINES,
+    MAX_NAME_LENGTH,
     MAX_UNAVAILABLE_PERCENT,
+    NAME_PATTERN,
     PLACEMENT_RULES,
     SUPPORTED_VLLM_VERSIONS,
 )
@@ -126,6 +129,13 @@ def _add_cel_rules(spec: dict[str, Any]) -> None:
             "or use an image tagged with one of them",
         },
         {
+            "rule": "self.models.map(m, m.serverGroups.map(g, g.numGpus / "
+            "(has(g.numGpusPerEngine) ? g.numGpusPerEngine : 1)).sum()).sum() <= " + str(MAX_ENGINES),
+            "message": f"more than {MAX_ENGINES} engines in all: lower numGpus, raise numGpusPerEngine, or split the "
+            "models over several EPDDeployments",
+            "fieldPath": ".models",
+        },
+        {
             "rule": "!has(self.maxUnavailable) || (type(self.maxUnavailable) == int ? self.maxUnavailable >= 1 "
             f": string(self.maxUnavailable).matches('{MAX_UNAVAILABLE_PERCENT}'))",
             "message": "spec.maxUnavailable must be a unit count of 1 or more, or a percentage from 1% to 100%",
@@ -221,6 +231,16 @@ def build_crd() -> dict[str, Any]:
                     "schema": {
                         "openAPIV3Schema": {
                             "type": "object",
+                            # Every child's name and labels carry the object's name.
+                            "x-kubernetes-validations": [
+                                {
+                                    "rule": f"self.metadata.name.size() <= {MAX_NAME_LENGTH} && "
+                                    f"self.metadata.name.matches('{NAME_PATTERN}')",
+                                    "message": f"metadata.name must be a DNS-1035 label of at most {MAX_NAME_LENGTH} "
+                                    "characters (lowercase letters, digits and '-', starting with a letter): it names "
+                                    "the Services and labels the pods",
+                                }
+                            ],
                             "description": "EPDDeployment serves multimodal models with vLLM "
                             "encoder-prefill disaggregation: encoder engines write image "
                             "embeddings to a node-local store that the language engines read.",

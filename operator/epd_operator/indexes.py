@@ -28,6 +28,12 @@ def owner_key(namespace: str | None, labels: Mapping[str, str]) -> Key:
     return namespace or "", labels[LABEL_DEPLOYMENT]
 
 
+def controller_uid(metadata: Mapping[str, Any]) -> str | None:
+    """The uid of the object's controller (its ownerReference with controller: true), if any."""
+    refs = metadata.get("ownerReferences") or []
+    return next((r.get("uid") for r in refs if isinstance(r, Mapping) and r.get("controller")), None)
+
+
 def compact(document: Any) -> str:
     return json.dumps(document, separators=(",", ":"))
 
@@ -79,14 +85,17 @@ class DeploymentSummary:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ChildSummary:
     """A child the operator writes: its name, the hash of the desired state it was written from
-    (the operator's annotation), and whether the operator's POST still owns fields of it through
-    an Update entry of managedFields (an apply must take those over first: managedfields.py)."""
+    (the operator's annotation), whether the operator's POST still owns fields of it through an
+    Update entry of managedFields (an apply must take those over first: managedfields.py), and
+    the uid of its controller (anyone can put the operator's labels on an object: only one whose
+    controller is the EPDDeployment is the operator's to change or delete)."""
 
     KIND: ClassVar[str]
 
     name: str
     spec_hash: str | None
     owned_by_update: bool = False
+    controller_uid: str | None = None
 
     @property
     def ref(self) -> Ref:
@@ -99,6 +108,7 @@ class ChildSummary:
             "name": metadata["name"],
             "spec_hash": (metadata.get("annotations") or {}).get(ANNOTATION_SPEC_HASH),
             "owned_by_update": owned_by_update(metadata.get("managedFields") or [], FIELD_MANAGER),
+            "controller_uid": controller_uid(metadata),
         }
 
 

@@ -89,5 +89,15 @@ def pool_ports(spec: EPDDeploymentSpec, model: ModelSpec) -> dict[str, Block]:
     return blocks
 
 
+def pod_gpus(model: ModelSpec) -> dict[str, int]:
+    """The GPUs each kind of pod of the model requests: a unit (with Pools, its consumers only),
+    and with Pools an encoder pool pod."""
+    encoders = sum(g.num_gpus for g in model.server_groups if g.worker_type.is_encoder)
+    consumers = sum(g.num_gpus for g in model.server_groups if not g.worker_type.is_encoder)
+    if model.pooled:
+        return {"a unit": consumers, "an encoder pool pod": encoders}
+    return {"a unit": encoders + consumers}
+
+
 def _block(base: int, count: int) -> Block:
     return base, base + count - 1

@@ -20,7 +20,7 @@ from . import api
 from .indexes import Ref, compact
 from .render import ModelPlan, render
 from .resources import ANNOTATION_SPEC_HASH, desired_children, digest
-from .validation import CheckedSpec, SpecError, validate
+from .validation import CheckedSpec, Limits, SpecError, validate
 
 PlanKey = tuple[Any, ...]
 
@@ -55,11 +55,13 @@ def ref(child: Mapping[str, Any]) -> Ref:
 
 class PlanCache:
     """Checked specs and child hashes of the last `size` generations seen (least recently used
-    out first). `janitor_image` is the operator's own: every unit's EC janitor runs it."""
+    out first). `janitor_image` is the operator's own: every unit's EC janitor runs it; `limits`
+    bound every spec (validation.Limits)."""
 
-    def __init__(self, size: int, janitor_image: str) -> None:
+    def __init__(self, size: int, janitor_image: str, limits: Limits | None = None) -> None:
         self._size = size
         self._janitor_image = janitor_image
+        self._limits = limits or Limits()
         self._cache: collections.OrderedDict[PlanKey, CheckedGeneration | SpecError] = collections.OrderedDict()
 
     def plan(self, body: kopf.Body) -> Planned:
@@ -75,7 +77,7 @@ class PlanCache:
             return Planned(checked.spec, _render(body, checked), cached.digests)
         raw = dict(body.spec)
         try:
-            checked = validate(raw)
+            checked = validate(raw, name=body.metadata.name or "", limits=self._limits)
         except SpecError as error:
             self._remember(key, error)
             raise

@@ -24,7 +24,7 @@ from typing import Any
 
 import kopf
 
-from .children import ChildWriter
+from .children import ChildWriter, WriteRefused
 from .ec.scrape import JanitorScraper
 from .events import Post, post_normal, post_warning
 from .expectations import Expectations
@@ -48,7 +48,7 @@ class Reconciler:
         self.settings = settings
         self.metrics = OperatorMetrics()
         self.session = KubeSession(kube)
-        self.plans = PlanCache(settings.plan_cache_size, settings.janitor_image)
+        self.plans = PlanCache(settings.plan_cache_size, settings.janitor_image, settings.limits)
         self.expectations = Expectations(settings.created_settle_seconds)
         self.scraper = JanitorScraper(warn=warn, changed=self.enqueue, rate=settings.janitor_scrape_rate)
         self.children = ChildWriter(self.session, self.expectations, self.enqueue_after)
@@ -148,7 +148,9 @@ class Reconciler:
             refused, _ = await asyncio.gather(
                 self._converge(key, body, planned), self._write_status(key, body, planned)
             )
-            if self.status.refused(key, str(refused) if refused else None):
+            if self.status.refused(key, (refused.reason, str(refused)) if refused else None):
+                if refused is not None:
+                    self._warn(body, refused.reason, str(refused))
                 await self.status.write(key, body, planned, self.indexes)  # said until a write goes
             if refused is not None:
                 raise refused
@@ -159,17 +161,16 @@ class Reconciler:
             raise
         self.metrics.observe_reconcile("success", time.perf_counter() - started)
 
-    async def _converge(self, key: Key, body: kopf.Body, planned: Planned) -> KubeError | None:
-        """The children converged, timed; the API server's refusal of a child is returned, not raised."""
+    async def _converge(self, key: Key, body: kopf.Body, planned: Planned) -> WriteRefused | None:
+        """The children converged, timed; a child that could not be written is returned, not raised."""
         began = time.perf_counter()
         try:
             indexed = self.indexes.children(key)
-            if await self.children.converge(key, planned, lambda: self.plans.desired(body, planned), indexed):
+            owner = body.metadata.uid or ""
+            if await self.children.converge(key, owner, planned, lambda: self.plans.desired(body, planned), indexed):
                 self.metrics.observe_stage("children", time.perf_counter() - began)
-        except KubeError as error:
-            if error.namespace_gone:
-                raise
-            return error
+        except WriteRefused as refused:
+            return refused
         return None
 
     async def _write_status(self, key: Key, body: kopf.Body, planned: Planned) -> None:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
+
+from .validation import Limits
 
 # The Helm chart sets this to the operator's own image; each unit's EC janitor runs from it.
 IMAGE_ENV = "EPD_OPERATOR_IMAGE"
@@ -35,6 +37,8 @@ class Settings:
     created_settle_seconds: float = 5.0
     """How long a child this operator created counts as existing while no watch event of it has
     come (a loaded API server delivers it well within a second)."""
+    limits: Limits = field(default_factory=Limits)
+    """Bounds every spec is held to beyond the CRD's (validation.Limits)."""
     plan_cache_size: int = 4096
     """Validated specs and their children's hashes kept (one per EPDDeployment generation,
     about 1.5 KB each); past it a child's event queues a reconcile that finds nothing to do."""

@@ -286,12 +286,12 @@ def compute_status(
     now: str,
     evictions: Mapping[str, int] | None = None,
     fallback_encodes: Mapping[str, int] | None = None,
-    write_error: str | None = None,
+    write_failure: tuple[str, str] | None = None,
 ) -> dict[str, Any]:
     """The full status from the pods and StatefulSets of this deployment (each by name);
     `evictions`, `fallback_encodes`: budget evictions and consumers' fallback encodes by unit
-    name, for the units whose janitor the operator scraped; `write_error`: the API server's
-    refusal of a child this reconcile had to write (the spec is not applied until it goes)."""
+    name, for the units whose janitor the operator scraped; `write_failure`: (reason, message)
+    of a child this reconcile could not write (the spec is not applied until it goes)."""
     models: list[api.ModelStatus] = []
     units: list[ObservedPod] = []
     pools: list[Pool] = []
@@ -390,17 +390,9 @@ def compute_status(
     _set(conditions, before, now, generation, "Progressing", progressing, progress_reason, progress_message)
 
     broken = [u for u in unready if not u.starting]
-    if write_error:
-        _set(
-            conditions,
-            before,
-            now,
-            generation,
-            "Degraded",
-            True,
-            "ApplyFailed",
-            f"the spec is not applied, retrying with backoff: {write_error}",
-        )
+    if write_failure:
+        reason, message = write_failure
+        _set(conditions, before, now, generation, "Degraded", True, reason, f"{message}; retrying with backoff")
     elif stalled:
         # The StatefulSet replaces no further pod while one is unavailable: say which and why.
         _set(
@@ -438,7 +430,7 @@ def compute_status(
         "; ".join(warnings),
     )
 
-    if write_error:
+    if write_failure:
         phase = "Degraded"  # even with every unit Ready: they do not run the current spec
     elif not unready:
         phase = "Ready"

@@ -39,15 +39,15 @@ class StatusWriter:
         self._warn = warn
         self._inform = inform
         self._written: dict[Key, str] = {}  # hash of the status last written (or found right)
-        self._refusals: dict[Key, str] = {}  # the API server's refusal of a child, until a write goes
+        self._refusals: dict[Key, tuple[str, str]] = {}  # (reason, message) of a refused child, until a write goes
 
     def echoes(self, key: Key, status: Mapping[str, Any]) -> bool:
         """Whether `status` is exactly what this operator last wrote (or found right) for the key."""
         return key in self._written and self._written[key] == status_hash(status)
 
-    def refused(self, key: Key, refusal: str | None) -> bool:
-        """Record the API server's refusal of a child for this reconcile (None: every write went
-        through); True if that changes what the status must say."""
+    def refused(self, key: Key, refusal: tuple[str, str] | None) -> bool:
+        """Record (reason, message) of a child this reconcile could not write (None: every write
+        went through); True if that changes what the status must say."""
         if refusal == self._refusals.get(key):
             return False
         if refusal is None:
@@ -76,7 +76,7 @@ class StatusWriter:
             now=now(),
             evictions=self._scraper.evictions(key),
             fallback_encodes=self._scraper.fallback_encodes(key),
-            write_error=self._refusals.get(key),
+            write_failure=self._refusals.get(key),
         )
         self._metrics.set_ready_units(namespace, name, sum(m["readyUnits"] for m in status["models"]))
         self._written[key] = status_hash(status)

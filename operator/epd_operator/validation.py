@@ -16,10 +16,10 @@ from typing import Any
 import pydantic
 
 from .api import DNS1123_LABEL, EPDDeploymentSpec, ModelSpec, ServerGroup
-from .ec.quantity import BYTE_QUANTITY
+from .ec.quantity import BYTE_QUANTITY, MAX_BYTES, parse_quantity
 from .ec.regions import region_errors, uses_cpu_regions
 from .engine_args import override_errors
-from .layout import Block, pool_ports, unit_ports
+from .layout import Block, pod_gpus, pool_ports, unit_ports
 
 SUPPORTED_VLLM_VERSIONS = ("0.32", "0.33")
 
@@ -32,8 +32,110 @@ OWNED_ARGS = {
     "tensor_parallel_size": "serverGroups[].numGpusPerEngine",
 }
 
-# vllm-router's `--kv-connector` choices, by vLLM KV connector class.
-ROUTER_KV_CONNECTORS = {"NixlConnector": "nixl", "MooncakeConnector": "mooncake", "MoRIIOConnector": "moriio"}
+# Wiring no spec field moves, which the operator sets all the same.
+OWNED_WIRING = {
+    "host": "an engine listens on every address of its pod; its Services and NetworkPolicy decide who reaches it",
+}
+
+# Keys inside the transfer configs the operator renders that no override may set. The seed
+# keeps a group's overrides above the rendered EC and KV roles and connectors (an encoder may
+# be made ec_both): only the model's own EC store is the operator's alone, or two models, or
+# two EPDDeployments, could read each other's embeddings.
+OWNED_TRANSFER_KEYS = {
+    ("ec_transfer_config", "ec_connector_extra_config", "shared_storage_path"): (
+        "ecConnector.storageRoot and .pathPrefix (every model has a store of its own)"
+    ),
+}
+
+# Secrets vLLM also reads from the environment: an argument would show in the pod spec, in
+# `ps` and in every log line that prints the command.
+SECRET_ARGS = {"api_key": "VLLM_API_KEY", "hf_token": "HF_TOKEN"}
+
+# vllm-router's arguments the operator renders, and its secret one.
+ROUTER_OWNED_FLAGS = frozenset(
+    {
+        "--host",
+        "--port",
+        "--worker-urls",
+        "--policy",
+        "--request-timeout-secs",
+        "--vllm-pd-disaggregation",
+        "--prefill",
+        "--decode",
+        "--kv-connector",
+    }
+)
+ROUTER_SECRET_FLAGS = frozenset({"--api-key"})
+
+# vllm-router's `--kv-connector` choices, by vLLM KV connector class. vLLM's ExampleConnector
+# (KV blocks as files on one node, for testing) reads none of the router's kv_transfer_params:
+# any choice serves it.
+ROUTER_KV_CONNECTORS = {
+    "NixlConnector": "nixl",
+    "MooncakeConnector": "mooncake",
+    "MoRIIOConnector": "moriio",
+    "ExampleConnector": "nixl",
+}
+
+
+# Bounds on what one EPDDeployment may ask for: its reconciles cost the operator time in
+# proportion (every tenant's objects share the operator).
+MAX_ENGINES = 256  # vLLM engines in all its models' pods together (CEL checks it too)
+DEFAULT_MAX_GPUS_PER_POD = 64  # more than any node has: a bigger pod would never schedule
+
+# An EPDDeployment's name becomes part of every child's name and the value of their labels:
+# a DNS-1035 label (Service names are) of at most 63 characters (label values are).
+NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+MAX_NAME_LENGTH = 63
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds the operator holds every spec to beyond the CRD's own, set on the operator
+    (`epd-operator run --max-gpus-per-pod`, the chart's `limits.maxGpusPerPod`)."""
+
+    max_gpus_per_pod: int = DEFAULT_MAX_GPUS_PER_POD
+
+
+def name_errors(name: str) -> list[str]:
+    if len(name) <= MAX_NAME_LENGTH and re.fullmatch(NAME_PATTERN, name):
+        return []
+    return [
+        (
+            f"metadata.name: {name!r} is not a DNS-1035 label of at most {MAX_NAME_LENGTH} characters (lowercase "
+            "letters, digits and '-', starting with a letter): it names the Services and labels the pods; choose "
+            "another name"
+        )
+    ]
+
+
+def size_errors(spec: EPDDeploymentSpec, limits: Limits) -> list[str]:
+    """More engines than one EPDDeployment may have, more GPUs in one pod than a node can have,
+    or a /dev/shm larger than Kubernetes can hold."""
+    errors = []
+    engines = sum(m.encoder_engines + m.consumer_engines for m in spec.models)
+    if engines > MAX_ENGINES:
+        errors.append(
+            f"spec.models: {engines} engines in all, more than the {MAX_ENGINES} one EPDDeployment may have: "
+            "lower numGpus, raise numGpusPerEngine, or split the models over several EPDDeployments"
+        )
+    for index, model in enumerate(spec.models):
+        for pod, gpus in pod_gpus(model).items():
+            if gpus > limits.max_gpus_per_pod:
+                errors.append(
+                    f"spec.models[{index}].serverGroups: {pod} of model '{model.name}' would need {gpus} GPUs, more "
+                    f"than the {limits.max_gpus_per_pod} a pod may have here (no node has more; the operator's "
+                    "--max-gpus-per-pod): lower numGpus"
+                )
+    shms = [("spec.shm.sizeLimit", spec.shm)] + [
+        (f"spec.models[{i}].encoderPool.shm.sizeLimit", m.encoder_pool.shm)
+        for i, m in enumerate(spec.models)
+        if m.encoder_pool is not None and m.encoder_pool.shm is not None
+    ]
+    for field, shm in shms:
+        if parse_quantity(shm.size_limit) > MAX_BYTES:
+            errors.append(f"{field}: {shm.size_limit} is more bytes than Kubernetes can hold (at most 8Ei)")
+    return errors
 
 
 @dataclass(frozen=True)
@@ -173,11 +275,63 @@ def _range_errors(model: ModelSpec, ranges: dict[str, Block]) -> list[str]:
 
 
 def owned_arg_errors(group: ServerGroup, where: str) -> list[str]:
-    """Override keys that set wiring the operator owns (engine_args.override_errors checks the rest)."""
+    """Overrides that set wiring the operator owns, nested keys of the transfer configs
+    included, secrets, and values argparse would read as flags (engine_args.override_errors
+    checks the names)."""
     errors = []
-    for name in group.overrides:  # one spelling per argument: ServerGroup normalised them
+    for name, value in group.overrides.items():  # one spelling per argument: ServerGroup normalised them
         if name in OWNED_ARGS:
             errors.append(f"{where}.{name}: set by the operator from spec.{OWNED_ARGS[name]}; change that instead")
+        elif name in OWNED_WIRING:
+            errors.append(f"{where}.{name}: set by the operator ({OWNED_WIRING[name]}): remove it")
+        elif name in SECRET_ARGS:
+            errors.append(
+                f"{where}.{name}: a secret must not be an argument (it would show in the pod spec and in logs): "
+                f"remove it and set {SECRET_ARGS[name]} from a Secret with env[].valueFrom.secretKeyRef"
+                + (" (or spec.apiKey)" if name == "api_key" else "")
+            )
+        errors += _flag_like_values(value, f"{where}.{name}")
+    for path, source in OWNED_TRANSFER_KEYS.items():
+        if _has_path(group.overrides, path):
+            errors.append(f"{where}.{'.'.join(path)}: set by the operator from spec.{source}; change that instead")
+    return errors
+
+
+def _has_path(tree: Any, path: tuple[str, ...]) -> bool:
+    for key in path:
+        if not isinstance(tree, dict) or key not in tree:
+            return False
+        tree = tree[key]
+    return True
+
+
+# `-x` or `--x`: an argument vLLM's parser would read as a flag of its own, not as a value.
+_FLAG_LIKE = re.compile(r"^--?[A-Za-z]")
+
+
+def _flag_like_values(value: Any, where: str) -> list[str]:
+    """A string value, or a list item, that would reach the command line looking like a flag."""
+    items = value if isinstance(value, list) else [value]
+    return [
+        f"{where}: {item!r} starts with '-': on the command line it would be read as a flag of its own, not as "
+        "a value: remove it"
+        for item in items
+        if isinstance(item, str) and _FLAG_LIKE.match(item)
+    ]
+
+
+def router_arg_errors(spec: EPDDeploymentSpec) -> list[str]:
+    """extraArgs that repeat what the operator renders for vllm-router, or carry a secret."""
+    errors = []
+    for index, arg in enumerate(spec.router.extra_args):
+        flag = arg.split("=", 1)[0]
+        if flag in ROUTER_OWNED_FLAGS:
+            errors.append(f"spec.router.extraArgs[{index}]: {flag} is set by the operator: remove it")
+        elif flag in ROUTER_SECRET_FLAGS:
+            errors.append(
+                f"spec.router.extraArgs[{index}]: {flag} would put a secret in the pod spec and its logs: remove it "
+                "and set spec.apiKey.secretKeyRef"
+            )
     return errors
 
 
@@ -274,18 +428,20 @@ def _pydantic_messages(error: pydantic.ValidationError) -> list[str]:
     return messages
 
 
-def validate(raw: dict[str, Any]) -> CheckedSpec:
-    """Parse and check a raw `.spec`; raise SpecError listing every problem, each naming its field."""
+def validate(raw: dict[str, Any], *, name: str | None = None, limits: Limits | None = None) -> CheckedSpec:
+    """Parse and check a raw `.spec` (and the object's `name`, when given); raise SpecError
+    listing every problem, each naming its field."""
+    naming = name_errors(name) if name is not None else []
     try:
         spec = EPDDeploymentSpec.model_validate(raw)
     except pydantic.ValidationError as error:
-        raise SpecError(_pydantic_messages(error)) from None
+        raise SpecError(naming + _pydantic_messages(error)) from None
     # The version first: overrides are checked against its engine arguments (its errors still come last).
     try:
         minor, version_errors = vllm_minor(spec), []
     except SpecError as error:
         minor, version_errors = None, error.errors
-    errors: list[str] = []
+    errors: list[str] = naming + size_errors(spec, limits or Limits()) + router_arg_errors(spec)
     seen: set[str] = set()
     for index, model in enumerate(spec.models):
         if model.name in seen:

@@ -140,3 +140,17 @@ def test_pools_with_ecexampleconnector_is_refused_at_apply_time(cluster, crd, na
         "model 'actor': placement Pools cannot use ECExampleConnector: it exchanges embeddings as files in a "
         "node-local /dev/shm, which cannot span nodes; use ECCPUConnector"
     ) in out.stderr
+
+
+def test_the_api_server_refuses_a_name_no_child_could_carry_and_too_many_engines(cluster, crd, namespace):
+    groups = [{"workerType": "encoder", "numGpus": 8}, {"workerType": "regular", "numGpus": 9}]
+    many = spec_with("encoder", "regular")
+    many["models"] = [{"name": f"m{i}", "model": "m", "serverGroups": groups} for i in range(16)]
+    verdicts = server_dry_run(
+        cluster,
+        namespace,
+        [manifest("qwen2.5-vl", spec_with("encoder", "regular")), manifest("many", many)],
+    )
+    assert "metadata.name must be a DNS-1035 label of at most 63 characters" in verdicts["qwen2.5-vl"]
+    assert "more than 256 engines in all" in verdicts["many"]
+    assert python_verdict(many)[0].startswith("spec.models: 272 engines in all")

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from epd_operator.validation import LAYOUT_RULES, SpecError, validate, vllm_minor
+from epd_operator.validation import LAYOUT_RULES, Limits, SpecError, validate, vllm_minor
 
 TYPES = ("encoder", "regular", "prefill", "decode")
 VALID_LAYOUTS = [{"encoder", "regular"}, {"encoder", "prefill", "decode"}, {"regular"}, {"prefill", "decode"}]
@@ -316,3 +316,95 @@ def test_overrides_are_read_in_one_spelling_and_two_spellings_of_one_argument_ar
     assert error.value.errors == [
         "spec.models[0].serverGroups[1].overrides: 'max-num-seqs' and 'max_num_seqs' both set max_num_seqs: keep one"
     ]
+
+
+# --------------------------------------------------------------------------- bounds and owned arguments
+
+
+def refusals(spec, **kwargs) -> list[str]:
+    try:
+        validate(spec, **kwargs)
+    except SpecError as error:
+        return error.errors
+    return []
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-vl", "7b-vl", "Qwen", "a" * 64, "vl-"])
+def test_a_name_no_child_could_carry_is_refused_naming_the_longest_allowed(name):
+    (message,) = refusals(spec_with("encoder", "regular"), name=name)
+    assert message.startswith(f"metadata.name: {name!r} is not a DNS-1035 label of at most 63 characters")
+    assert refusals(spec_with("encoder", "regular"), name="a" * 63) == []
+
+
+def test_more_engines_than_one_epddeployment_may_have_are_refused():
+    groups = [{"workerType": "encoder", "numGpus": 8}, {"workerType": "regular", "numGpus": 8}]
+    spec = {"image": "vllm/vllm-openai:v0.33.0", "replicas": 1}
+    spec["models"] = [{"name": f"m{i}", "model": "m", "serverGroups": groups} for i in range(16)]
+    assert refusals(spec) == []  # 16 models x 16 engines: the most allowed
+    spec["models"][0]["serverGroups"] = [*groups, {"workerType": "regular", "numGpus": 1}]
+    assert refusals(spec) == [
+        (
+            "spec.models: 257 engines in all, more than the 256 one EPDDeployment may have: lower numGpus, "
+            "raise numGpusPerEngine, or split the models over several EPDDeployments"
+        )
+    ]
+
+
+def test_a_pod_with_more_gpus_than_the_operator_allows_is_refused():
+    spec = spec_with("encoder", "regular")
+    spec["models"][0]["serverGroups"][1]["numGpus"] = 64
+    (message,) = refusals(spec)
+    assert message.startswith(
+        "spec.models[0].serverGroups: a unit of model 'actor' would need 65 GPUs, more than the 64"
+    )
+    assert refusals(spec, limits=Limits(max_gpus_per_pod=128)) == []
+    spec["models"][0]["placement"] = "Pools"  # the encoder moves to its pool: 64 GPUs a unit
+    assert refusals(spec) == []
+
+
+@pytest.mark.parametrize(
+    ("override", "start"),
+    [
+        ({"host": "0.0.0.0"}, ".host: set by the operator"),
+        ({"api_key": "sk-1"}, ".api_key: a secret must not be an argument"),
+        ({"hf_token": "hf_x"}, ".hf_token: a secret must not be an argument"),
+        ({"allowed_origins": ["*", "--port", "9999"]}, ".allowed_origins: '--port' starts with '-'"),
+        ({"chat_template": "-x"}, ".chat_template: '-x' starts with '-'"),
+        (
+            {"ec_transfer_config": {"ec_connector_extra_config": {"shared_storage_path": "/dev/shm/other"}}},
+            ".ec_transfer_config.ec_connector_extra_config.shared_storage_path: set by the operator",
+        ),
+    ],
+)
+def test_overrides_cannot_set_what_the_operator_owns_secrets_or_flags(override, start):
+    spec = spec_with("encoder", "regular")
+    spec["models"][0]["serverGroups"][0]["overrides"] = override
+    (message,) = refusals(spec)
+    assert message.startswith("spec.models[0].serverGroups[0].overrides" + start), message
+
+
+def test_the_seed_keeps_group_overrides_above_the_rendered_ec_role():
+    spec = spec_with("encoder", "regular")
+    spec["models"][0]["serverGroups"][1]["overrides"] = {"ec_transfer_config": {"ec_role": "ec_both"}}
+    assert refusals(spec) == []
+
+
+@pytest.mark.parametrize(("arg", "says"), [("--host", "is set by the operator"), ("--api-key=x", "secret")])
+def test_router_extra_args_cannot_repeat_the_operators_or_carry_a_secret(arg, says):
+    (message,) = refusals(spec_with("encoder", "regular", router={"extraArgs": [arg]}))
+    assert message.startswith("spec.router.extraArgs[0]: ") and says in message
+
+
+@pytest.mark.parametrize("size", ["1e999999999", "99E", "18446744073709551616"])
+def test_shm_sizes_beyond_what_kubernetes_holds_are_refused(size):
+    assert refusals(spec_with("encoder", "regular", shm={"sizeLimit": size})) != []
+
+
+def test_lists_and_maps_are_bounded():
+    env = [{"name": f"V{i}", "value": "x"} for i in range(65)]
+    assert refusals(spec_with("encoder", "regular", env=env)) == [
+        "spec.env: List should have at most 64 items after validation, not 65"
+    ]
+    spec = spec_with("encoder", "regular")
+    spec["models"][0]["serverGroups"][1]["resources"] = {"limits": {"memory": "1e999999999"}}
+    assert refusals(spec)[0].startswith("spec.models[0].serverGroups[1].resources.limits.memory")

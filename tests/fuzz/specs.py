@@ -8,13 +8,22 @@ may or may not: for those only "no crash, and a clear message if refused" is che
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from hypothesis import strategies as st
 
 from epd_operator.engine_args import known_engine_args
-from epd_operator.validation import OWNED_ARGS, ROUTER_KV_CONNECTORS, SUPPORTED_VLLM_VERSIONS
+from epd_operator.validation import (
+    OWNED_ARGS,
+    OWNED_WIRING,
+    ROUTER_KV_CONNECTORS,
+    ROUTER_OWNED_FLAGS,
+    ROUTER_SECRET_FLAGS,
+    SECRET_ARGS,
+    SUPPORTED_VLLM_VERSIONS,
+)
 
 VALID_LAYOUTS = (("encoder", "regular"), ("encoder", "prefill", "decode"), ("regular",), ("prefill", "decode"))
 INVALID_LAYOUTS = (
@@ -63,14 +72,21 @@ class Case:
 dns_labels = st.from_regex(r"[a-z]([-a-z0-9]{0,14}[a-z0-9])?", fullmatch=True)
 # Engine arguments every supported version accepts: validation refuses any other name.
 arg_keys = st.sampled_from(
-    sorted(frozenset.intersection(*map(known_engine_args, SUPPORTED_VLLM_VERSIONS)) - OWNED_ARGS.keys())
+    sorted(
+        frozenset.intersection(*map(known_engine_args, SUPPORTED_VLLM_VERSIONS))
+        - OWNED_ARGS.keys()
+        - OWNED_WIRING.keys()
+        - SECRET_ARGS.keys()
+    )
 )
+# A text that cannot reach a command line looking like a flag (validation refuses those).
+plain_text = st.text(max_size=12).filter(lambda text: not re.match(r"^--?[A-Za-z]", text))
 json_leaves = (
     st.none()
     | st.booleans()
     | st.integers(-(2**31), 2**31)
     | st.floats(allow_nan=False, allow_infinity=False, width=32)
-    | st.text(max_size=12)
+    | plain_text
 )
 json_values = st.recursive(
     json_leaves,
@@ -139,8 +155,13 @@ def valid_specs(draw: st.DrawFn) -> dict[str, Any]:
             {},
             optional={
                 "policy": st.sampled_from(["round_robin", "random", "cache_aware", "power_of_two", "consistent_hash"]),
-                "requestTimeoutSeconds": st.integers(1, 10**6),
-                "extraArgs": st.lists(st.text(max_size=10), max_size=3),
+                "requestTimeoutSeconds": st.integers(1, 86400),
+                "extraArgs": st.lists(
+                    st.text(max_size=10).filter(
+                        lambda arg: arg.split("=", 1)[0] not in ROUTER_OWNED_FLAGS | ROUTER_SECRET_FLAGS
+                    ),
+                    max_size=3,
+                ),
             },
         ),
         "shm": st.fixed_dictionaries({"sizeLimit": st.sampled_from(["16Gi", "512M", "1", "2.5Gi", "1e9"])}),

@@ -131,6 +131,8 @@ def test_a_store_on_a_user_volume_is_mounted_into_the_janitor():
         ("1024", 1024),
         ("1e9", 10**9),
         ("1E3", 1000),
+        ("2E", 2 * 10**18),  # exa, not an exponent without digits
+        ("1Ei", 2**60),
         ("1.5Gi", 3 * 2**29),
         ("0.5k", 500),
         ("+1Mi", 2**20),
@@ -141,7 +143,7 @@ def test_quantities(quantity, expected):
     assert parse_quantity(quantity) == expected
 
 
-@pytest.mark.parametrize("quantity", ["", "Gi", "16GB", "16 Gi", "100m", "-1Gi", "1Ki2"])
+@pytest.mark.parametrize("quantity", ["", "Gi", "16GB", "16 Gi", "100m", "-1Gi", "1Ki2", "1e999999999", "1e100"])
 def test_what_is_not_a_byte_quantity(quantity):
     with pytest.raises(ValueError):
         parse_quantity(quantity)

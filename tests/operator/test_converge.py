@@ -12,6 +12,7 @@ import yaml
 
 import epd_operator.plans as plans_module
 from epd_dev.paths import REPO
+from epd_operator.children import WriteRefused
 from epd_operator.indexes import (
     BudgetSummary,
     DeploymentSummary,
@@ -140,7 +141,7 @@ async def converge(reconciler: Reconciler, b: kopf.Body, indexes: Indexes | None
     reconciler.watch(indexes)
     planned = reconciler.plans.plan(b)
     await reconciler.children.converge(
-        KEY, planned, lambda: reconciler.plans.desired(b, planned), indexes.children(KEY)
+        KEY, b.metadata.uid, planned, lambda: reconciler.plans.desired(b, planned), indexes.children(KEY)
     )
 
 
@@ -237,7 +238,7 @@ async def test_a_child_created_is_not_created_again_until_its_watch_event_or_the
 
 async def test_children_of_a_removed_model_are_deleted(api, reconciler):
     indexes = indexes_after(desired(reconciler, body()))
-    old = {"name": "qwen-vl-regular-old", "spec_hash": "hash"}
+    old = {"name": "qwen-vl-regular-old", "spec_hash": "hash", "controller_uid": "uid-1"}
     indexes.stateful_sets[KEY].append(StatefulSetSummary(**old))
     indexes.services[KEY].append(ServiceSummary(**old))
     indexes.budgets[KEY].append(BudgetSummary(**old))
@@ -247,6 +248,34 @@ async def test_children_of_a_removed_model_are_deleted(api, reconciler):
         ("delete", "Service", "qwen-vl-regular-old"),
         ("delete", "StatefulSet", "qwen-vl-regular-old"),
     ]
+
+
+async def test_a_labelled_object_another_controls_is_neither_deleted_nor_written(api, reconciler):
+    indexes = indexes_after(desired(reconciler, body()))
+    # Someone else's objects carrying the operator's labels: one of a name no model asks for,
+    # and one with the name of the front Service.
+    theirs = {"spec_hash": "hash", "controller_uid": "someone-else"}
+    indexes.services[KEY].append(ServiceSummary(name="qwen-vl-regular-old", **theirs))
+    front = next(s for s in indexes.services[KEY] if s.name == "qwen-vl-regular-default")
+    indexes.services[KEY].remove(front)
+    indexes.services[KEY].append(ServiceSummary(name="qwen-vl-regular-default", **theirs))
+    with pytest.raises(WriteRefused) as refused:
+        await converge(reconciler, body(), indexes)
+    assert refused.value.reason == "ChildConflict"
+    assert str(refused.value).startswith(
+        "Service ns/qwen-vl-regular-default exists and is not controlled by EPDDeployment qwen-vl-regular"
+    )
+    assert api.calls == []  # not applied, not deleted; nothing else needed writing
+
+
+async def test_an_object_of_a_childs_name_that_another_controls_is_refused_not_taken_over(api, reconciler):
+    await created(reconciler, api, body())
+    front = ("Service", "qwen-vl-regular-default")
+    api.live[front]["metadata"]["ownerReferences"] = [{"uid": "someone-else", "controller": True}]
+    restarted = Reconciler(Settings(janitor_image="epd-operator:test", janitor_scrape_interval=0), kube=api)
+    with pytest.raises(WriteRefused, match="Service ns/qwen-vl-regular-default exists and is not controlled"):
+        await converge(restarted, body())  # not in the indexes: its POST answers 409, its GET tells
+    assert [c for c in api.calls if c[1:] == front] == [("create", *front), ("get", *front)]
 
 
 @pytest.mark.parametrize("headless", [True, False])
@@ -515,11 +544,17 @@ def degraded(status: dict) -> dict:
 
 async def test_a_refused_child_is_said_in_the_status_once_retried_and_cleared_when_it_goes():
     api = RefusingKube()
-    reconciler = Reconciler(Settings(janitor_image="epd-operator:test", janitor_scrape_interval=0), kube=api)
+    warnings: list[str] = []
+    reconciler = Reconciler(
+        Settings(janitor_image="epd-operator:test", janitor_scrape_interval=0),
+        kube=api,
+        warn=lambda _body, reason, _message: warnings.append(reason),
+    )
     try:
         reconciler.watch(watched())
-        with pytest.raises(KubeError, match="exceeded quota"):  # raised on: the work queue retries it
+        with pytest.raises(WriteRefused, match="exceeded quota"):  # raised on: the work queue retries it
             await reconciler.reconcile(body())
+        assert warnings == ["ApplyFailed"]
         # The status went out with the children, then again once the refusal was known.
         first, status = api.statuses
         assert degraded(first)["reason"] != "ApplyFailed"
@@ -531,10 +566,10 @@ async def test_a_refused_child_is_said_in_the_status_once_retried_and_cleared_wh
         )
         assert ("create", "StatefulSet", "qwen-vl-regular-default") in api.calls  # the others were written
 
-        # Retried while the refusal lasts: the same status, so no further write.
-        with pytest.raises(KubeError):
+        # Retried while the refusal lasts: the same status, so no further write, nor Event.
+        with pytest.raises(WriteRefused):
             await reconciler.reconcile(kopf.Body({**body(), "status": status}))
-        assert len(api.statuses) == 2
+        assert len(api.statuses) == 2 and warnings == ["ApplyFailed"]
 
         api.refusing = False
         await reconciler.reconcile(kopf.Body({**body(), "status": status}))
@@ -549,7 +584,7 @@ def test_a_cached_generation_is_not_validated_again_and_renders_the_same_plans(r
     first = reconciler.plans.plan(body())
     calls = []
     real = plans_module.validate
-    monkeypatch.setattr(plans_module, "validate", lambda raw: calls.append(raw) or real(raw))
+    monkeypatch.setattr(plans_module, "validate", lambda raw, **kw: calls.append(raw) or real(raw, **kw))
 
     again = reconciler.plans.plan(body())
 

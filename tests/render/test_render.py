@@ -307,16 +307,13 @@ def test_kv_transfer_config_override_is_deep_merged() -> None:
 
 def test_override_null_removes_a_default_and_a_nested_key() -> None:
     layout = with_overrides(
-        ENC_REG,
-        "encoder",
-        {
-            "enforce_eager": None,
-            "ec_transfer_config": {"ec_connector_extra_config": {"shared_storage_path": None}},
-        },
+        ENC_PD,
+        "decode",
+        {"enforce_eager": None, "kv_transfer_config": {"kv_connector_extra_config": {"num_workers": None}}},
     )
-    encoder = by_type(plan_of(spec(layout)))["encoder"]
-    assert "--enforce-eager" not in encoder.args
-    assert ec_config(encoder)["ec_connector_extra_config"] == {}
+    decode = by_type(plan_of(spec(layout, kvConnector={"extraConfig": {"num_workers": 2, "x": 1}})))["decode"]
+    assert "--enforce-eager" not in decode.args
+    assert kv_config(decode)["kv_connector_extra_config"] == {"x": 1}
 
 
 def test_override_in_dash_spelling_replaces_the_default() -> None:
@@ -502,13 +499,13 @@ def test_user_strings_survive_the_yaml_templates_verbatim() -> None:
     raw = spec(
         [{"workerType": "encoder", "numGpus": 1}, {"workerType": "regular", "numGpus": 2}],
         ecConnector={"extraConfig": {tricky: tricky}},
-        router={"extraArgs": ["--api-key", tricky]},
+        router={"extraArgs": ["--request-id-headers", tricky]},
     )
     raw["models"][0]["servedModelName"] = tricky
     plan = plan_of(raw)
     assert flag_value(plan.engines[0], "--served-model-name") == tricky
     assert ec_config(plan.engines[0])["ec_connector_extra_config"][tricky] == tricky
-    assert plan.router.args[-2:] == ["--api-key", tricky]
+    assert plan.router.args[-2:] == ["--request-id-headers", tricky]
 
 
 # Found by fuzzing: a character beyond U+FFFF became a JSON surrogate pair that YAML refuses.

@@ -8,8 +8,13 @@ import math
 import re
 from decimal import Decimal
 
-# No milli or negative values: a byte count is whole and positive. ASCII digits only.
-BYTE_QUANTITY = r"^\+?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+]?[0-9]+|Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
+# No milli or negative values: a byte count is whole and positive. ASCII digits only, and an
+# exponent of at most two digits: `1e999999999` would take the parser minutes and no pod has it.
+BYTE_QUANTITY = r"^\+?([0-9]{1,19}(\.[0-9]{0,19})?|\.[0-9]{1,19})([eE][+]?[0-9]{1,2}|Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
+# Kubernetes' own quantity grammar (resource.Quantity), exponent bounded likewise.
+QUANTITY = r"^[+-]?([0-9]{1,19}(\.[0-9]{0,19})?|\.[0-9]{1,19})([KMGTPE]i|[numkMGTPE]|[eE][+-]?[0-9]{1,2})?$"
+# Kubernetes keeps quantities in an int64: no emptyDir or budget can be larger.
+MAX_BYTES = 2**63 - 1
 _PATTERN = re.compile(BYTE_QUANTITY)
 
 _SUFFIXES = {
@@ -36,10 +41,10 @@ def parse_quantity(quantity: str) -> int:
     if not match:
         raise ValueError(f"not a byte quantity: {quantity!r}")
     number, _fraction, suffix = match.groups()
-    if suffix and suffix[0] in "eE":
-        scale = Decimal(10) ** int(suffix[1:].lstrip("+"))
-    else:
+    if (suffix or "") in _SUFFIXES:  # E and Ei are exa and exbi, not exponents
         scale = Decimal(_SUFFIXES[suffix or ""])
+    else:
+        scale = Decimal(10) ** int(suffix[1:].lstrip("+"))
     return math.ceil(Decimal(number) * scale)
 
 
