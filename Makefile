@@ -51,7 +51,7 @@ demo-down: venv
 test-fast: $(PY)
 	$(PY) -m pytest -q -m "not cluster and not vllm"
 
-test: $(PY) cluster vllm-envs
+test: $(PY) cluster vllm-envs images
 	@start=$$(date +%s); \
 	$(PY) -m pytest -q --durations=15; rc=$$?; \
 	echo "make test: pytest took $$(( $$(date +%s) - start ))s"; exit $$rc

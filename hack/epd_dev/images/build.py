@@ -326,6 +326,12 @@ class Builder:
         return imported
 
 
+def import_into(node: Any) -> None:
+    """The images built so far (make images) into a real node's containerd, the pause image
+    built if missing: what `LocalCluster(on_node_runtime=...)` calls once containerd runs."""
+    Builder().import_cached(node)
+
+
 def _labelled(node: Any) -> dict[str, str]:
     """ref -> KEY_LABEL of each image in the node's containerd."""
     out = node.ctr("images", "list")

@@ -6,17 +6,10 @@ import argparse
 import json
 import sys
 
+from ..images.build import import_into
 from ..paths import REPO
 from .cluster import ClusterError, LocalCluster
-from .node import NodeError, RealNode
-
-
-def import_images(real: RealNode) -> None:
-    """The images built so far (make images) into the node's containerd; the pause image is
-    built if missing."""
-    from ..images.build import Builder
-
-    Builder().import_cached(real)
+from .node import NodeError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         args.dir or REPO / ".cluster",
         nodes=args.nodes,
         real_nodes=args.real_nodes,
-        on_node_runtime=import_images,
+        on_node_runtime=import_into,
     )
     try:
         if args.command == "up":

@@ -343,7 +343,8 @@ class LocalCluster:
             self._spawn("kube-scheduler", self._scheduler_args())
             self._spawn("kwok", self._kwok_args())
             if real is not None:
-                self._start_real_node(real, deadline)
+                # Importing images (minutes for vLLM's, once per image version) is not start-up.
+                deadline += self._start_real_node(real, deadline)
             self._wait(
                 "kube-controller-manager healthy",
                 lambda: self._https_ok(ports["controller-manager"]),
@@ -371,18 +372,23 @@ class LocalCluster:
             raise
         self._log(f"cluster ready in {_fmt(time.monotonic() - began)}; KUBECONFIG={self.kubeconfig}")
 
-    def _start_real_node(self, real: node.RealNode, deadline: float) -> None:
+    def _start_real_node(self, real: node.RealNode, deadline: float) -> float:
+        """Start containerd, run `on_node_runtime`, start the kubelet and kube-proxy; return the
+        seconds `on_node_runtime` took."""
         real.write_configs(self.pki, self.dir / "kubeconfigs")
         self._spawn("containerd", real.containerd_args(), binary=node.CONTAINERD)
         self._wait("containerd ready", real.containerd_ready, deadline, "containerd")
         real.purge_containers()  # what a killed run left in the kept containerd root
+        hook_started = time.monotonic()
         if self.on_node_runtime is not None:
             self.on_node_runtime(real)
+        hook_seconds = time.monotonic() - hook_started
         self._spawn("kubelet", real.kubelet_args(self.dir / "kubeconfigs"), binary=self._node_bin("kubelet"))
         self._spawn("kube-proxy", real.kube_proxy_args(), binary=self._node_bin("kube-proxy"))
         real.record(
             {n: {"pid": p.pid, "start_ticks": p.start_ticks} for n, p in self._procs.items() if n in NODE_COMPONENTS}
         )
+        return hook_seconds
 
     @staticmethod
     def _node_bin(name: str) -> Path:

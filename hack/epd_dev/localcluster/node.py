@@ -536,6 +536,41 @@ class RealNode:
         _write_sysctls(sysctls)
 
 
+def host_footprint() -> set[str]:
+    """What a real node puts on the host, as it is now: mounts, links, routes, iptables rules and
+    chains, processes, folders, cgroups, the claim. Empty on a host without a node (what a test
+    compares after `down`)."""
+    found: set[str] = set()
+    mountinfo = Path("/proc/self/mountinfo").read_text()
+    found |= {f"mount {p}" for p in mounts_under(mountinfo, (KUBELET_ROOT, CONTAINERD_STATE, NETNS_DIR))}
+    links = _run("ip", "-o", "link", "show", check=False).stdout
+    found |= {
+        f"link {line.split(':')[1].strip().split('@')[0]}"
+        for line in links.splitlines()
+        if BRIDGE in line or "veth" in line
+    }
+    routes = _run("ip", "route", "show", check=False).stdout
+    found |= {f"route {line}" for line in routes.splitlines() if BRIDGE in line or line.startswith("unreachable")}
+    for table in ("filter", "nat", "mangle"):
+        rules = _run("iptables", "-t", table, "-S", check=False).stdout
+        found |= {f"iptables -t {table} {r}" for r in rules.splitlines() if "KUBE" in r or "epd-real-node" in r}
+    found |= {f"process {pid}" for pid in _shim_pids() + _kubepods_pids()}
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            if entry.name.isdigit() and Path(os.readlink(entry / "exe")).name in (
+                "kubelet",
+                "kube-proxy",
+                "containerd",
+            ):
+                found.add(f"process {entry.name} {os.readlink(entry / 'exe')}")
+    for folder in (KUBELET_ROOT, CONTAINERD_STATE, CNI_STATE, *POD_LOGS, OWNER_DIR):
+        if folder.exists():
+            found.add(f"path {folder}")
+    found |= {f"path {p}" for p in NETNS_DIR.glob("cni-*")}
+    found |= {f"cgroup {p}" for p in CGROUP_ROOT.glob(f"*/{KUBEPODS}")}
+    return found
+
+
 def _read_sysctls() -> dict[str, str]:
     values = {}
     for name in SYSCTLS:
