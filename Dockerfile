@@ -4,8 +4,12 @@
 #
 # Two stages so the image carries the installed venv only, not the sources or pip's caches.
 # tests/helm/test_dockerfile.py runs this file's install step for real and checks the result.
+#
+# BASE: any Debian-like image with Python 3.11 on PATH as `python`. `make images` builds one
+# from Debian's packages (no registry reachable there) and passes it here.
+ARG BASE=python:3.11-slim
 
-FROM python:3.11-slim AS build
+FROM ${BASE} AS build
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 # Only what the install needs (pyproject's readme is optional for building the wheel).
@@ -15,8 +19,8 @@ COPY operator ./operator
 RUN python -m venv /opt/epd-operator \
     && /opt/epd-operator/bin/pip install --no-cache-dir /src
 
-FROM python:3.11-slim
-# The venv's python is a symlink to /usr/local/bin/python3.11, present in both stages.
+FROM ${BASE}
+# The venv's python is a symlink to the base's python3.11, present in both stages.
 COPY --from=build /opt/epd-operator /opt/epd-operator
 ENV PATH=/opt/epd-operator/bin:$PATH \
     PYTHONUNBUFFERED=1 \

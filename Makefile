@@ -58,7 +58,7 @@ test-fast: $(PY)
 	$(PY) -m pytest -q -m "not cluster and not vllm"
 
 ## test: lint, then every test (installs what it needs, cached outside the clone)
-test: $(PY) lint cluster vllm-envs
+test: $(PY) lint cluster vllm-envs images
 	@start=$$(date +%s); \
 	$(PY) -m pytest -q --durations=15; rc=$$?; \
 	echo "make test: pytest took $$(( $$(date +%s) - start ))s"; exit $$rc

@@ -4,17 +4,28 @@
 
 CLUSTER_DIR ?= .cluster
 CLUSTER_NODES ?= 4
+# The real node epd-real-0 (containerd, kubelet, kube-proxy here; needs root): 0 skips it.
+CLUSTER_REAL_NODES ?= 1
 CLUSTER_PY = $(PY)
 
-.PHONY: cluster cluster-up cluster-down cluster-status
+.PHONY: cluster cluster-up cluster-down cluster-status images images-status
 
-## cluster: build etcd, kube-apiserver/-controller-manager/-scheduler, kubectl, kwok, helm once (cached in $EPD_CACHE)
+## cluster: build etcd, kube-apiserver/-controller-manager/-scheduler, kubectl, kwok, helm once, and the real node's kubelet and kube-proxy (cached in $EPD_CACHE)
 cluster: venv
 	$(CLUSTER_PY) -m epd_dev.localcluster.build
+	$(if $(filter 0,$(CLUSTER_REAL_NODES)),,$(CLUSTER_PY) -m epd_dev.localcluster.build --node)
 
-## cluster-up: start the local control plane with fake GPU nodes in .cluster/ (CLUSTER_DIR=)
+## cluster-up: start the local control plane with fake GPU nodes and the real node in .cluster/ (CLUSTER_DIR=)
 cluster-up: cluster
-	$(CLUSTER_PY) -m epd_dev.localcluster up --dir $(CLUSTER_DIR) --nodes $(CLUSTER_NODES)
+	$(CLUSTER_PY) -m epd_dev.localcluster up --dir $(CLUSTER_DIR) --nodes $(CLUSTER_NODES) --real-nodes $(CLUSTER_REAL_NODES)
+
+## images: build the real node's images (pause, vllm-cpu, vllm-router, epd-operator; cached in $EPD_CACHE) and import them into the running node of .cluster/ (CLUSTER_DIR=)
+images: vllm-envs cluster
+	$(CLUSTER_PY) -m epd_dev.images build --import-into $(CLUSTER_DIR)
+
+## images-status: each image's ref, content key and whether it is cached
+images-status: venv
+	$(CLUSTER_PY) -m epd_dev.images status
 
 ## cluster-down: stop the local control plane in .cluster/ (CLUSTER_DIR=)
 cluster-down: venv

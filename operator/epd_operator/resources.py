@@ -44,6 +44,23 @@ LABEL_ENCODER_POOL = f"{api.GROUP}/encoder-pool"
 ENCODERS_READY_GATE = f"{api.GROUP}/encoders-ready"
 JANITOR_METRICS_PORT = api.JANITOR_METRICS_PORT
 
+# Pod Security "restricted": every unit and pool pod runs as a non-root uid (vLLM's images run
+# as root, with no user of their own), under the runtime's seccomp profile, and no container
+# keeps a capability or may gain privileges. The janitor runs as the same uid as the engines:
+# only the owner of the EC store's folders (0755) may delete in them.
+UNIT_UID = 1000
+POD_SECURITY_CONTEXT: dict[str, Any] = {
+    "runAsNonRoot": True,
+    "runAsUser": UNIT_UID,
+    "runAsGroup": UNIT_UID,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+CONTAINER_SECURITY_CONTEXT: dict[str, Any] = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+# A uid with no entry in the image's /etc/passwd gets HOME=/, which it cannot write; vLLM keeps
+# its caches and config under HOME (~/.cache/vllm, ~/.config/vllm), so engines get one here.
+HOME_VOLUME = "home"
+HOME_PATH = "/home/vllm"
+
 
 def digest(obj: Mapping[str, Any]) -> str:
     """A short hash of a JSON document (a child's desired state, a status): equal exactly when
@@ -88,7 +105,8 @@ def _env(command: EngineCommand, extra: list[api.EnvVar]) -> list[dict[str, Any]
     user = [e.model_dump(by_alias=True, exclude_none=True) for e in extra]
     overridden = {u["name"] for u in user}
     fields = [{"name": k, "valueFrom": {"fieldRef": {"fieldPath": path}}} for k, path in command.field_env.items()]
-    rendered = [{"name": k, "value": v} for k, v in command.env.items()] + fields
+    rendered: list[dict[str, Any]] = [{"name": "HOME", "value": HOME_PATH}]
+    rendered += [{"name": k, "value": v} for k, v in command.env.items()] + fields
     return [e for e in rendered if e["name"] not in overridden] + user
 
 
@@ -133,10 +151,15 @@ def _engine_container(
         "env": _env(command, [*spec.env, *group.env]),
         "ports": ports,
         "resources": _resources(command.gpus, group.resources),
-        "volumeMounts": [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}, *spec.volume_mounts],
+        "volumeMounts": [
+            {"name": SHM_VOLUME, "mountPath": "/dev/shm"},
+            *spec.volume_mounts,
+            {"name": HOME_VOLUME, "mountPath": HOME_PATH},
+        ],
         "startupProbe": _probe(command.port, spec.probes, startup=True),
         "readinessProbe": _probe(command.port, spec.probes, startup=False),
         "livenessProbe": _probe(command.port, spec.probes, startup=False),
+        "securityContext": CONTAINER_SECURITY_CONTEXT,
     }
     if command.worker_type.is_encoder and sidecar:
         # A native sidecar: the kubelet starts the consumers only after every encoder's
@@ -156,6 +179,7 @@ def _router_container(spec: api.EPDDeploymentSpec, command: RouterCommand) -> di
         "resources": _resources(0, spec.router.resources),
         "readinessProbe": _probe(command.port, spec.probes, startup=False),
         "livenessProbe": _probe(command.port, spec.probes, startup=False),
+        "securityContext": CONTAINER_SECURITY_CONTEXT,
     }
 
 
@@ -187,15 +211,9 @@ def janitor_container(spec: api.EPDDeploymentSpec, plan: ModelPlan, image: str) 
         "volumeMounts": mounts,
         # A crashing janitor's last log lines show in the pod's container status.
         "terminationMessagePolicy": "FallbackToLogsOnError",
-        "securityContext": {
-            # Only the owner of the store's folders (0755) may delete in them: the engines, root
-            # in vLLM's images. So root's uid, but with every capability dropped: it can touch
-            # nothing it does not own, and its root filesystem is read-only.
-            "runAsUser": 0,
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        # The pod's uid, the engines' (POD_SECURITY_CONTEXT): it may delete what they wrote and
+        # nothing else; its root filesystem is read-only.
+        "securityContext": {**CONTAINER_SECURITY_CONTEXT, "readOnlyRootFilesystem": True},
     }
 
 
@@ -213,8 +231,9 @@ def pod_template(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPlan, 
     pod_spec: dict[str, Any] = {
         "initContainers": init,
         "containers": main,
-        "volumes": [{"name": SHM_VOLUME, "emptyDir": shm}, *spec.volumes],
+        "volumes": [{"name": SHM_VOLUME, "emptyDir": shm}, *spec.volumes, {"name": HOME_VOLUME, "emptyDir": {}}],
         "enableServiceLinks": False,
+        "securityContext": POD_SECURITY_CONTEXT,
     }
     optional = {
         "nodeSelector": spec.node_selector or None,
@@ -356,8 +375,9 @@ def pool_pod_template(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelP
     shm = {"medium": "Memory", "sizeLimit": spec.pool_shm(model).size_limit}
     pod_spec: dict[str, Any] = {
         "containers": [_engine_container(spec, model, c, False, sidecar=False) for c in plan.encoders],
-        "volumes": [{"name": SHM_VOLUME, "emptyDir": shm}, *spec.volumes],
+        "volumes": [{"name": SHM_VOLUME, "emptyDir": shm}, *spec.volumes, {"name": HOME_VOLUME, "emptyDir": {}}],
         "enableServiceLinks": False,
+        "securityContext": POD_SECURITY_CONTEXT,
     }
     optional = {
         "nodeSelector": (spec.node_selector if pool.node_selector is None else pool.node_selector) or None,

@@ -3,7 +3,10 @@
 Enable with ``pytest_plugins = ["tests.controlplane.fixtures"]`` (tests/conftest.py).
 
 Fixtures:
-  cluster     the started ``LocalCluster`` (session scope; stopped at session end)
+  cluster     the started ``LocalCluster`` (session scope; stopped at session end), with the
+              real node epd-real-0 unless EPD_TEST_REAL_NODES=0 or the machine's node belongs
+              to another cluster (then the `real_node` fixture fails, saying which)
+  real_node   that cluster's real node (fails, never skips, when it has none)
   kubectl     ``kubectl(*args, input=None, check=True)`` bound to that cluster
   namespace   a fresh namespace per test (deleted afterwards)
   k8s_api     a ``kubernetes.client.ApiClient`` for that cluster
@@ -12,7 +15,9 @@ The cluster folder is ``.cluster-test/`` in the repo root, or
 ``.cluster-test-2/``, ... while other sessions run (each session owns its
 folder through a lock); EPD_TEST_CLUSTER_DIR forces one. Fixed places, so a
 session killed hard leaves nothing behind: its components die with it, and the
-next start in that folder clears whatever remains.
+next start in that folder clears whatever remains. Only one real node can run on a machine
+(docs/local-cluster.md): the first session to start gets it; a session that finds it taken
+runs its kwok-only tests and fails its node tests with the owner's folder.
 """
 
 from __future__ import annotations
@@ -26,10 +31,14 @@ from pathlib import Path
 
 import pytest
 
-from epd_dev.localcluster import ClusterBusy, LocalCluster, binaries
+from epd_dev.images.build import import_into
+from epd_dev.localcluster import ClusterBusy, LocalCluster, binaries, node
+from epd_dev.localcluster.node import NodeError, RealNode
 from epd_dev.paths import REPO
 
 BUILD_HINT = "make cluster"
+# Why the session's cluster has no real node, when it has none (the `real_node` fixture says it).
+NO_REAL_NODE = pytest.StashKey[str]()
 
 
 def require_binaries() -> None:
@@ -44,28 +53,49 @@ def require_binaries() -> None:
         )
 
 
-def _start_cluster() -> LocalCluster:
+def _start_cluster() -> tuple[LocalCluster, str]:
+    """The session's cluster, and why it has no real node ("" when it has one)."""
     env = os.environ.get("EPD_TEST_CLUSTER_DIR")
     candidates = (
         [Path(env)] if env else [REPO / (".cluster-test" if i == 1 else f".cluster-test-{i}") for i in range(1, 9)]
     )
+    real = 0 if os.environ.get("EPD_TEST_REAL_NODES") == "0" else 1
     for folder in candidates:
-        local = LocalCluster(folder, nodes=4, die_with_parent=True)
+        local = LocalCluster(folder, nodes=4, die_with_parent=True, real_nodes=real, on_node_runtime=import_into)
         try:
-            return local.start()
+            return local.start(), "" if real else "EPD_TEST_REAL_NODES=0 turned it off"
         except ClusterBusy:
             continue  # another live test session owns it
+        except NodeError as err:
+            return LocalCluster(folder, nodes=4, die_with_parent=True).start(), str(err)
     pytest.fail(f"every test cluster folder is in use by other sessions: {candidates}", pytrace=False)
 
 
 @pytest.fixture(scope="session")
-def cluster() -> Iterator[LocalCluster]:
+def cluster(request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
     require_binaries()
-    local = _start_cluster()
+    before = node.host_footprint()
+    local, no_real_node = _start_cluster()
+    request.config.stash[NO_REAL_NODE] = no_real_node
     try:
         yield local
     finally:
         local.stop()
+    # Stopping the real node leaves the host as it found it: the session errors otherwise.
+    left = sorted(node.host_footprint() - before)
+    if local.real_nodes and left:
+        pytest.fail("stopping the real node left on the host:\n  " + "\n  ".join(left), pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def real_node(cluster: LocalCluster, request: pytest.FixtureRequest) -> RealNode:
+    if not cluster.real_nodes:
+        pytest.fail(
+            f"the session's cluster has no real node: {request.config.stash[NO_REAL_NODE]}.\n"
+            "The node tests need it (root, make cluster; see docs/testing.md).",
+            pytrace=False,
+        )
+    return cluster.real_node()
 
 
 @pytest.fixture(scope="session")

@@ -41,12 +41,26 @@ def instructions(text: str) -> list[tuple[str, str]]:
 
 
 def stages(text: str) -> list[list[tuple[str, str]]]:
+    """Each stage's instructions, FROM first (the global ARGs before the first FROM left out)."""
     result: list[list[tuple[str, str]]] = []
     for op, args in instructions(text):
         if op == "FROM":
             result.append([])
-        result[-1].append((op, args))
+        if result:
+            result[-1].append((op, args))
     return result
+
+
+def global_args(text: str) -> dict[str, str]:
+    """ARG defaults declared before the first FROM (what a FROM line may use)."""
+    found = {}
+    for op, args in instructions(text):
+        if op == "FROM":
+            break
+        if op == "ARG":
+            name, _, default = args.partition("=")
+            found[name] = default
+    return found
 
 
 def _pattern_regex(pattern: str) -> re.Pattern[str]:
@@ -89,9 +103,13 @@ def build_context(root: Path) -> list[Path]:
 
 
 def test_base_images_and_stages():
-    parsed = stages(DOCKERFILE.read_text())
+    text = DOCKERFILE.read_text()
+    parsed = stages(text)
     assert len(parsed) == 2, "a build stage and a runtime stage"
-    assert [stage[0][1].split()[0] for stage in parsed] == ["python:3.11-slim", "python:3.11-slim"]
+    # One base for both stages (the venv's python is the base's): python:3.11-slim unless the
+    # build passes another (`make images` passes its Debian-built one).
+    assert [stage[0][1].split()[0] for stage in parsed] == ["${BASE}", "${BASE}"]
+    assert global_args(text) == {"BASE": "python:3.11-slim"}
 
 
 def test_runtime_stage_runs_as_non_root_with_the_operator_entrypoint():

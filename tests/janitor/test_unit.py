@@ -63,8 +63,10 @@ def test_every_unit_with_encoders_runs_a_janitor_on_its_ec_store():
     assert janitor["ports"] == [{"name": "janitor-metrics", "containerPort": 9400}]
     assert janitor["resources"] == {"requests": {"cpu": "10m", "memory": "48Mi"}, "limits": {"memory": "128Mi"}}
     assert "nvidia.com/gpu" not in json.dumps(janitor)
+    # The pod's uid, the engines' (it deletes what they wrote), never root: Pod Security restricted.
+    assert "runAsUser" not in janitor["securityContext"]
+    assert pod["securityContext"]["runAsUser"] != 0 and pod["securityContext"]["runAsNonRoot"] is True
     assert janitor["securityContext"] == {
-        "runAsUser": 0,
         "allowPrivilegeEscalation": False,
         "readOnlyRootFilesystem": True,
         "capabilities": {"drop": ["ALL"]},

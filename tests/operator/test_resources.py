@@ -248,3 +248,21 @@ def test_encoder_pool_scheduling_falls_back_to_the_spec():
     pod = pool["spec"]["template"]["spec"]
     assert pod["nodeSelector"] == {"gpu": "h100"} and pod["tolerations"] == [{"key": "gpu", "operator": "Exists"}]
     assert "affinity" not in pod and pod["volumes"][0]["emptyDir"]["sizeLimit"] == "16Gi"
+
+
+def _pod_specs(example: str) -> list[dict]:
+    """The pod template of every StatefulSet (units, and encoder pools) of an example."""
+    return [c["spec"]["template"]["spec"] for c in children_of(example) if c["kind"] == "StatefulSet"]
+
+
+def test_engines_get_a_writable_home():
+    # A uid with no passwd entry gets HOME=/, which it cannot write; vLLM keeps its caches there.
+    for example in ("encoder-regular.yaml", "encoder-pools.yaml"):
+        for pod in _pod_specs(example):
+            volumes = {v["name"]: v for v in pod["volumes"]}
+            engines = [c for c in [*pod.get("initContainers", []), *pod["containers"]] if c["command"][0] == "vllm"]
+            assert engines
+            for container in engines:
+                home = next(e["value"] for e in container["env"] if e["name"] == "HOME")
+                (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == home]
+                assert volumes[mount["name"]] == {"name": mount["name"], "emptyDir": {}}, container["name"]

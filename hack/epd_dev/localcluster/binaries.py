@@ -1,12 +1,16 @@
-"""The control plane binaries: versions, cache location, and the one-time build.
+"""The control plane and real node binaries: versions, cache location, and the one-time build.
 
-    python -m epd_dev.localcluster.build [--force] [--print-bin-dir]   (see build.py)
+    python -m epd_dev.localcluster.build [--node] [--force] [--print-bin-dir]   (see build.py)
 
 Every binary is compiled from published Go modules pinned by the go.mod/go.sum
-files under hack/go (no Docker, no release downloads). The result
-lands in ``<cache root>/controlplane/<key>/bin`` (``epd_dev.paths.cache_root``);
-the key names every version plus a hash of the Go module files, so changing a
-pin builds a fresh cache entry and never mixes versions.
+files under hack/go (no Docker, no release downloads). Two sets, each with a cache
+of its own: the control plane (``CONTROL_PLANE``: hack/go/{kubernetes,etcd,kwok,helm})
+in ``<cache root>/controlplane/<key>/bin`` and the real node's kubelet and kube-proxy
+(``NODE``: hack/go/node) in ``<cache root>/node/<key>/bin`` (``epd_dev.paths.cache_root``).
+A set's key names its versions plus a hash of its own Go module files only, so changing a
+pin builds a fresh cache entry of that set and never mixes versions; the node's module
+can change without rebuilding the control plane (the Go build cache makes the node quick
+once the control plane is built: they share most packages).
 
 Binaries go to ``<key>.partial`` first and the folder is renamed to ``<key>``
 only when all of them pass their version check: an interrupted build leaves no
@@ -23,6 +27,7 @@ import re
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +41,7 @@ HELM_VERSION = "v3.22.0"
 
 # Bump when the build recipe changes in a way the Go files do not show.
 RECIPE = "1"
+NODE_RECIPE = "1"
 
 # Upstream's own release flags; without the -X values the binaries say v0.0.0.
 # The warm-up build used exactly these, so the Go build cache is shared.
@@ -96,13 +102,48 @@ BINARIES: tuple[Binary, ...] = (
 )
 NAMES = tuple(b.name for b in BINARIES)
 
-# (wrapper module, required module, version): the cache key trusts these.
-_PINS = (
-    ("kubernetes", "k8s.io/kubernetes", K8S_VERSION),
-    ("etcd", "go.etcd.io/etcd/server/v3", ETCD_VERSION),
-    ("kwok", "sigs.k8s.io/kwok", KWOK_VERSION),
-    ("helm", "helm.sh/helm/v3", HELM_VERSION),
+NODE_BINARIES: tuple[Binary, ...] = (
+    Binary("kubelet", "node", "k8s.io/kubernetes/cmd/kubelet", ("--version",), f"Kubernetes {K8S_VERSION}"),
+    Binary("kube-proxy", "node", "k8s.io/kubernetes/cmd/kube-proxy", ("--version",), f"Kubernetes {K8S_VERSION}"),
 )
+
+
+@dataclass(frozen=True)
+class BinarySet:
+    """Binaries built and cached together: ``pins`` are (wrapper module, required module,
+    version), what the cache key trusts; the key hashes exactly those modules' Go files."""
+
+    name: str  # the cache folder under the cache root
+    binaries: tuple[Binary, ...]
+    pins: tuple[tuple[str, str, str], ...]
+    recipe: str
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(b.name for b in self.binaries)
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        return tuple(module for module, _, _ in self.pins)
+
+    def key_prefix(self) -> str:
+        if self.name == "controlplane":
+            return f"k8s-{K8S_VERSION}_etcd-{ETCD_VERSION}_kwok-{KWOK_VERSION}_helm-{HELM_VERSION}"
+        return f"k8s-{K8S_VERSION}"
+
+
+CONTROL_PLANE = BinarySet(
+    "controlplane",
+    BINARIES,
+    (
+        ("kubernetes", "k8s.io/kubernetes", K8S_VERSION),
+        ("etcd", "go.etcd.io/etcd/server/v3", ETCD_VERSION),
+        ("kwok", "sigs.k8s.io/kwok", KWOK_VERSION),
+        ("helm", "helm.sh/helm/v3", HELM_VERSION),
+    ),
+    RECIPE,
+)
+NODE = BinarySet("node", NODE_BINARIES, (("node", "k8s.io/kubernetes", K8S_VERSION),), NODE_RECIPE)
 
 # kwok ships no default stages in its binary (kwokctl injects them), so the
 # launcher feeds it these files from the same kwok module: nodes become Ready
@@ -118,17 +159,17 @@ KWOK_STAGES = "kwok-stages.yaml"
 MANIFEST = "manifest.json"
 
 
-def log(msg: str) -> None:
-    print(f"[controlplane] {msg}", flush=True)
+def log(msg: str, bset_name: str = "controlplane") -> None:
+    print(f"[{bset_name}] {msg}", flush=True)
 
 
 def _go_dir() -> Path:
     return paths.GO_MODULES
 
 
-def _check_pins() -> None:
+def _check_pins(bset: BinarySet) -> None:
     """Refuse to build if a go.mod disagrees with the versions named in the key."""
-    for module, path, version in _PINS:
+    for module, path, version in bset.pins:
         gomod = (_go_dir() / module / "go.mod").read_text()
         if not re.search(rf"^\s*(require\s+)?{re.escape(path)} {re.escape(version)}\b", gomod, re.MULTILINE):
             raise SystemExit(
@@ -137,33 +178,33 @@ def _check_pins() -> None:
             )
 
 
-def cache_key() -> str:
-    digest = hashlib.sha256(RECIPE.encode())
+def cache_key(bset: BinarySet = CONTROL_PLANE) -> str:
+    digest = hashlib.sha256(bset.recipe.encode())
     for path in sorted(_go_dir().glob("*/*")):
-        if path.suffix in (".go", ".mod", ".sum"):
+        if path.parent.name in bset.modules and path.suffix in (".go", ".mod", ".sum"):
             digest.update(str(path.relative_to(_go_dir())).encode() + b"\0")
             digest.update(path.read_bytes() + b"\0")
-    return f"k8s-{K8S_VERSION}_etcd-{ETCD_VERSION}_kwok-{KWOK_VERSION}_helm-{HELM_VERSION}_{digest.hexdigest()[:12]}"
+    return f"{bset.key_prefix()}_{digest.hexdigest()[:12]}"
 
 
-def cache_root() -> Path:
-    return paths.cache_root() / "controlplane"
+def cache_root(bset: BinarySet = CONTROL_PLANE) -> Path:
+    return paths.cache_root() / bset.name
 
 
-def cache_dir() -> Path:
-    return cache_root() / cache_key()
+def cache_dir(bset: BinarySet = CONTROL_PLANE) -> Path:
+    return cache_root(bset) / cache_key(bset)
 
 
-def bin_dir() -> Path:
+def bin_dir(bset: BinarySet = CONTROL_PLANE) -> Path:
     """Where the binaries are once built (they may not exist yet)."""
-    return cache_dir() / "bin"
+    return cache_dir(bset) / "bin"
 
 
-def missing_binaries() -> list[str]:
+def missing_binaries(bset: BinarySet = CONTROL_PLANE) -> list[str]:
     """Names not yet built into the cache (empty when the cache is complete)."""
-    if not (cache_dir() / MANIFEST).is_file():
-        return list(NAMES)
-    return [n for n in NAMES if not os.access(bin_dir() / n, os.X_OK)]
+    if not (cache_dir(bset) / MANIFEST).is_file():
+        return list(bset.names)
+    return [n for n in bset.names if not os.access(bin_dir(bset) / n, os.X_OK)]
 
 
 def version_of(path: Path, binary: Binary) -> str | None:
@@ -183,7 +224,7 @@ def _go(module: str, *args: str) -> str:
 
 
 def _ldflags(binary: Binary) -> str:
-    if binary.module == "kubernetes":
+    if binary.module in ("kubernetes", "node"):
         return K8S_LDFLAGS
     if binary.name == "helm":
         # Mirrors helm's Makefile: its version, plus the Kubernetes version it
@@ -209,7 +250,7 @@ def _fmt(seconds: float) -> str:
     return f"{int(seconds // 60)}m{seconds % 60:04.1f}s" if seconds >= 60 else f"{seconds:.1f}s"
 
 
-def _go_build(binary: Binary, out: Path) -> None:
+def _go_build(binary: Binary, out: Path, say: Callable[[str], None] = log) -> None:
     tmp = out.with_name(f".{out.name}.tmp")
     cmd = [
         "go",
@@ -231,7 +272,7 @@ def _go_build(binary: Binary, out: Path) -> None:
             rc = proc.wait(timeout=30)
             break
         except subprocess.TimeoutExpired:
-            log(f"  ... still building {binary.name} ({_fmt(time.monotonic() - started)})")
+            say(f"  ... still building {binary.name} ({_fmt(time.monotonic() - started)})")
         except BaseException:
             proc.terminate()
             proc.wait()
@@ -252,64 +293,69 @@ def _write_kwok_stages(dest: Path) -> None:
     dest.write_text("\n---\n".join(docs) + "\n")
 
 
-def _verify_all(bindir: Path) -> list[str]:
-    return [b.name for b in BINARIES if version_of(bindir / b.name, b) is None]
+def _verify_all(bset: BinarySet, bindir: Path) -> list[str]:
+    return [b.name for b in bset.binaries if version_of(bindir / b.name, b) is None]
 
 
-def build(force: bool = False) -> Path:
+def build(force: bool = False, bset: BinarySet = CONTROL_PLANE) -> Path:
     """Build whatever is missing and return the bin folder of the complete cache."""
     if shutil.which("go") is None:
         raise SystemExit("the Go toolchain is required (go 1.26+ on PATH)")
-    _check_pins()
-    key = cache_key()
-    final = cache_root() / key
-    with file_lock(cache_root() / ".build.lock", log):
+    _check_pins(bset)
+
+    def say(msg: str) -> None:
+        log(msg, bset.name)
+
+    key = cache_key(bset)
+    final = cache_root(bset) / key
+    with file_lock(cache_root(bset) / ".build.lock", say):
         if final.exists() and not force:
-            bad = _verify_all(final / "bin") if not missing_binaries() else list(NAMES)
+            bad = _verify_all(bset, final / "bin") if not missing_binaries(bset) else list(bset.names)
             if not bad:
-                log(f"all binaries cached in {final / 'bin'}")
+                say(f"all binaries cached in {final / 'bin'}")
                 return final / "bin"
-            log(f"cache {final} is broken ({', '.join(bad)}); rebuilding")
+            say(f"cache {final} is broken ({', '.join(bad)}); rebuilding")
             force = True
-        staging = cache_root() / f"{key}.partial"
+        staging = cache_root(bset) / f"{key}.partial"
         if force:
             shutil.rmtree(staging, ignore_errors=True)
         (staging / "bin").mkdir(parents=True, exist_ok=True)
 
         go_version = subprocess.run(["go", "version"], check=True, capture_output=True, text=True).stdout.strip()
-        log(f"building into {final} ({go_version})")
+        say(f"building into {final} ({go_version})")
         timings: dict[str, float] = {}
         total = time.monotonic()
-        for i, binary in enumerate(BINARIES, 1):
+        for i, binary in enumerate(bset.binaries, 1):
             out = staging / "bin" / binary.name
-            step = f"[{i}/{len(BINARIES)}] {binary.name}"
+            step = f"[{i}/{len(bset.binaries)}] {binary.name}"
             if out.exists() and version_of(out, binary):
-                log(f"{step}: already built, skipping")
+                say(f"{step}: already built, skipping")
                 continue
-            log(f"{step}: go build {binary.package} (in hack/go/{binary.module})")
+            say(f"{step}: go build {binary.package} (in hack/go/{binary.module})")
             started = time.monotonic()
-            _go_build(binary, out)
+            _go_build(binary, out, say)
             timings[binary.name] = round(time.monotonic() - started, 1)
             version = version_of(out, binary)
             if version is None:
                 raise SystemExit(f"{out} does not report {binary.expect!r}")
-            log(f"{step}: done in {_fmt(timings[binary.name])} -> {version.splitlines()[0]}")
+            say(f"{step}: done in {_fmt(timings[binary.name])} -> {version.splitlines()[0]}")
 
-        _write_kwok_stages(staging / KWOK_STAGES)
-        manifest = {
-            "kubernetes": K8S_VERSION,
-            "etcd": ETCD_VERSION,
-            "kwok": KWOK_VERSION,
-            "helm": HELM_VERSION,
-            "key": key,
-            "build_seconds": timings,
-            "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        }
+        manifest: dict[str, object] = {"kubernetes": K8S_VERSION}
+        if bset is CONTROL_PLANE:
+            _write_kwok_stages(staging / KWOK_STAGES)
+            manifest.update(etcd=ETCD_VERSION, kwok=KWOK_VERSION, helm=HELM_VERSION)
+        manifest.update(
+            {
+                "key": key,
+                "build_seconds": timings,
+                "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            }
+        )
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         if final.exists():
             shutil.rmtree(final)
         os.rename(staging, final)  # atomic: the cache entry appears complete or not at all
-        log(f"done in {_fmt(time.monotonic() - total)}; binaries in {final / 'bin'}")
+        say(f"done in {_fmt(time.monotonic() - total)}; binaries in {final / 'bin'}")
         return final / "bin"
 
 
@@ -320,12 +366,14 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--force", action="store_true", help="rebuild even if cached")
+    parser.add_argument("--node", action="store_true", help="the real node's kubelet and kube-proxy instead")
     parser.add_argument(
         "--print-bin-dir", action="store_true", help="print the cache's bin folder and exit (builds nothing)"
     )
     args = parser.parse_args(argv)
+    bset = NODE if args.node else CONTROL_PLANE
     if args.print_bin_dir:
-        print(bin_dir())
+        print(bin_dir(bset))
         return 0
-    build(force=args.force)
+    build(force=args.force, bset=bset)
     return 0

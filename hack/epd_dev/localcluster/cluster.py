@@ -5,7 +5,9 @@
 Runs etcd, kube-apiserver (TLS, RBAC, service-account tokens), kube-controller-
 manager, kube-scheduler and kwok as plain processes built by
 ``epd_dev.localcluster.build``. kwok keeps N fake GPU nodes Ready and marks the pods
-the scheduler binds to them Running and Ready; nothing runs in containers.
+the scheduler binds to them Running and Ready; nothing runs in containers for them.
+With ``real_nodes=1`` the cluster also has one real node (node.py): containerd, the
+kubelet and kube-proxy run here, and its pods' containers really run.
 
 Everything about one cluster lives in its folder: credentials, kubeconfigs,
 etcd data, logs and ``state.json`` (the pids), so ``down`` works from any
@@ -21,6 +23,7 @@ import base64
 import contextlib
 import ctypes
 import fcntl
+import ipaddress
 import json
 import os
 import shutil
@@ -36,17 +39,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
-from . import binaries
+from . import binaries, node
 
-# Service and pod address ranges; nothing routes to them, they only need to be valid.
+# Service and kwok's fake pod address ranges. Without a real node nothing routes to them;
+# with one, kube-proxy makes the Service range work (node.py) and kwok's stays unreachable.
 SERVICE_CIDR = "10.96.0.0/16"
 FIRST_SERVICE_IP = "10.96.0.1"
 POD_CIDR = "10.244.0.1/16"
-# The apiserver listens on loopback only, but the `kubernetes` Service's
-# endpoints may not be a loopback IP. Nothing routes Service traffic here (no
-# kube-proxy), so a documentation address (RFC 5737) keeps that Service valid
-# without pretending it is reachable.
+# Without a real node the apiserver listens on loopback only, but the `kubernetes`
+# Service's endpoints may not be a loopback IP. Nothing routes Service traffic then (no
+# kube-proxy), so a documentation address (RFC 5737) keeps that Service valid without
+# pretending it is reachable. With a real node it binds and advertises the node IP, which
+# pods reach through that Service.
 ADVERTISE_ADDRESS = "192.0.2.1"
+LOOPBACK = "127.0.0.1"
 
 # kwok manages exactly the nodes carrying this annotation (kwok's own convention).
 KWOK_ANNOTATION = ("kwok.x-k8s.io/node", "fake")
@@ -60,9 +66,10 @@ NODE_RESOURCES = {
 
 # Start order; stop goes in reverse.
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
+NODE_COMPONENTS = ("containerd", "kubelet", "kube-proxy")
 
 # Entries of the cluster folder this module owns (wiped on a fresh start).
-_OWNED = ("state.json", "kubeconfig", "pki", "kubeconfigs", "etcd", "logs", "run", "bin", "kwok.yaml")
+_OWNED = ("state.json", "kubeconfig", "pki", "kubeconfigs", "etcd", "logs", "run", "bin", "kwok.yaml", "node")
 
 _PR_SET_PDEATHSIG = 1
 
@@ -144,9 +151,11 @@ def _fmt(seconds: float) -> str:
 class LocalCluster:
     """One local control plane rooted at ``dir``.
 
-    ``nodes`` fake GPU nodes are created; ``bin_dir`` defaults to the build
-    cache; ``extra_stages`` are kwok Stage files added to kwok's standard ones
-    (default: this package's ``stages/*.yaml``).
+    ``nodes`` fake GPU nodes are created, and ``real_nodes`` (0 or 1) real ones
+    (node.py); ``bin_dir`` defaults to the build cache; ``extra_stages`` are kwok
+    Stage files added to kwok's standard ones (default: this package's
+    ``stages/*.yaml``). ``on_node_runtime`` is called with the `RealNode` once its
+    containerd runs, before its kubelet starts (the images are imported then).
 
     >>> with LocalCluster(".cluster", nodes=4) as c:
     ...     c.kubectl("get", "nodes")
@@ -161,9 +170,15 @@ class LocalCluster:
         die_with_parent: bool = False,
         extra_stages: list[str | os.PathLike] | None = None,
         log: Callable[[str], None] | None = None,
+        real_nodes: int = 0,
+        on_node_runtime: Callable[[node.RealNode], None] | None = None,
     ) -> None:
+        if real_nodes not in (0, 1):
+            raise ValueError(f"real_nodes must be 0 or 1 (one machine has room for one), not {real_nodes}")
         self.dir = Path(dir).resolve()
         self.nodes = nodes
+        self.real_nodes = real_nodes
+        self.on_node_runtime = on_node_runtime
         self.bin_dir = Path(bin_dir) if bin_dir else binaries.bin_dir()
         # For test sessions: the kernel kills the components if the launching
         # process dies (even by SIGKILL), so no orphan outlives a killed pytest.
@@ -177,6 +192,7 @@ class LocalCluster:
         self._procs: dict[str, _Proc] = {}
         self._ports: dict[str, int] = {}
         self._owner_lock: Any = None  # open file holding flock(<dir>/owner.lock)
+        self._api_host: str | None = None  # set by start; else read from state.json
 
     # ------------------------------------------------------------------ paths
 
@@ -198,9 +214,14 @@ class LocalCluster:
         return self.dir / "pki"
 
     @property
+    def api_host(self) -> str:
+        """The address the apiserver listens on: the node IP with a real node, else loopback."""
+        return self._api_host or self._state().get("api_host", LOOPBACK)
+
+    @property
     def server(self) -> str:
         port = self._ports.get("apiserver") or self._state()["ports"]["apiserver"]
-        return f"https://127.0.0.1:{port}"
+        return f"https://{self.api_host}:{port}"
 
     @property
     def pids(self) -> dict[str, int]:
@@ -209,7 +230,36 @@ class LocalCluster:
 
     @property
     def node_names(self) -> list[str]:
+        """The kwok GPU nodes."""
         return [f"kwok-node-{i}" for i in range(self.nodes)]
+
+    @property
+    def real_node_names(self) -> list[str]:
+        return [node.NAME] if self.real_nodes else []
+
+    def real_node(self) -> node.RealNode:
+        """The real node's handle (its files in <dir>/node; whether it runs or not)."""
+        from ..images import recipes
+
+        layout = node.NodeLayout(
+            dir=self.dir / "node",
+            containerd_root=node.default_containerd_root(),
+            sandbox_image=recipes.PAUSE_REF,
+            service_cidr=SERVICE_CIDR,
+            kwok_pod_cidr=str(ipaddress.ip_network(POD_CIDR, strict=False)),
+        )
+        return node.RealNode(self.dir, layout, log=self._log)
+
+    def running_real_node(self) -> node.RealNode | None:
+        """The real node of this cluster if its containerd runs (`make images` imports then)."""
+        try:
+            state = self._state()
+        except ClusterError:
+            return None
+        rec = state.get("processes", {}).get("containerd")
+        if not rec or not _alive(_Proc("containerd", rec["pid"], rec["start_ticks"])):
+            return None
+        return self.real_node()
 
     def env(self) -> dict[str, str]:
         """Environment for tools run against this cluster (kubectl, helm, kopf)."""
@@ -236,6 +286,8 @@ class LocalCluster:
     def start(self, timeout: float = 180) -> LocalCluster:
         """Start a fresh cluster, killing whatever an earlier run left in ``dir``."""
         missing = [n for n in binaries.NAMES if not os.access(self.bin_dir / n, os.X_OK)]
+        if self.real_nodes:
+            missing += binaries.missing_binaries(binaries.NODE)
         if missing:
             raise ClusterError(
                 f"control plane binaries missing from {self.bin_dir}: {', '.join(missing)}. "
@@ -261,16 +313,26 @@ class LocalCluster:
         leftovers = self._terminate_recorded()
         if leftovers:
             self._log(f"killed leftovers of an earlier run in {self.dir}: {', '.join(leftovers)}")
+        real = self.real_node() if self.real_nodes else None
+        if real is not None:
+            node.install_packages(self._log)
+            real.claim()  # NodeBusy while another cluster's node runs; cleans a dead one's leftovers
+        elif self.real_node_owned():
+            self.real_node().release()  # an earlier run of this folder had one
         self._reset_dir()
+        self._api_host = node.NODE_IP if real is not None else LOOPBACK
         names = ("etcd", "etcd-peer", "apiserver", "controller-manager", "scheduler", "kwok")
         ports = dict(zip(names, _free_ports(len(names)), strict=True))
         self._ports = ports
         self._procs = {}
         self._write_state()
-        self._write_credentials()
-        self._link_tools()
-        self._log(f"starting in {self.dir} (apiserver port {ports['apiserver']}, {self.nodes} nodes)")
         try:
+            if real is not None:
+                real.prepare_network()  # the node IP exists before the apiserver binds it
+            self._write_credentials()
+            self._link_tools()
+            nodes = f"{self.nodes} kwok nodes" + (f" and the real node {node.NAME}" if real else "")
+            self._log(f"starting in {self.dir} (apiserver {self.api_host}:{ports['apiserver']}, {nodes})")
             self._spawn("etcd", self._etcd_args())
             self._wait("etcd healthy", self._etcd_healthy, deadline, "etcd")
             self._spawn("kube-apiserver", self._apiserver_args())
@@ -280,6 +342,9 @@ class LocalCluster:
             self._spawn("kube-controller-manager", self._controller_manager_args())
             self._spawn("kube-scheduler", self._scheduler_args())
             self._spawn("kwok", self._kwok_args())
+            if real is not None:
+                # Importing images (minutes for vLLM's, once per image version) is not start-up.
+                deadline += self._start_real_node(real, deadline)
             self._wait(
                 "kube-controller-manager healthy",
                 lambda: self._https_ok(ports["controller-manager"]),
@@ -289,20 +354,84 @@ class LocalCluster:
             self._wait("kube-scheduler healthy", lambda: self._https_ok(ports["scheduler"]), deadline, "kube-scheduler")
             self._wait("kwok healthy", self._kwok_healthy, deadline, "kwok")
             self._wait(f"{self.nodes} nodes Ready and untainted", self._nodes_ready, deadline, "kwok")
+            if real is not None:
+                self._wait(f"{node.NAME} Ready", self._real_node_ready, deadline, "kubelet")
+                self.kubectl(
+                    "patch",
+                    "node",
+                    node.NAME,
+                    "--subresource=status",
+                    "--type=json",
+                    "-p",
+                    json.dumps(node.gpu_status_patch(node.GPUS)),
+                )
+                self._wait(f"{node.NAME} offers nvidia.com/gpu: {node.GPUS}", self._real_node_gpus, deadline, "kubelet")
             self._wait("default ServiceAccount", self._default_sa_exists, deadline, "kube-controller-manager")
         except BaseException:
             self.stop(quiet=True)
             raise
         self._log(f"cluster ready in {_fmt(time.monotonic() - began)}; KUBECONFIG={self.kubeconfig}")
 
+    def _start_real_node(self, real: node.RealNode, deadline: float) -> float:
+        """Start containerd, run `on_node_runtime`, start the kubelet and kube-proxy; return the
+        seconds `on_node_runtime` took."""
+        real.write_configs(self.pki, self.dir / "kubeconfigs")
+        self._spawn("containerd", real.containerd_args(), binary=node.CONTAINERD)
+        self._wait("containerd ready", real.containerd_ready, deadline, "containerd")
+        real.purge_containers()  # what a killed run left in the kept containerd root
+        hook_started = time.monotonic()
+        if self.on_node_runtime is not None:
+            self.on_node_runtime(real)
+        hook_seconds = time.monotonic() - hook_started
+        self._spawn("kubelet", real.kubelet_args(self.dir / "kubeconfigs"), binary=self._node_bin("kubelet"))
+        self._spawn("kube-proxy", real.kube_proxy_args(), binary=self._node_bin("kube-proxy"))
+        real.record(
+            {n: {"pid": p.pid, "start_ticks": p.start_ticks} for n, p in self._procs.items() if n in NODE_COMPONENTS}
+        )
+        return hook_seconds
+
+    @staticmethod
+    def _node_bin(name: str) -> Path:
+        return binaries.bin_dir(binaries.NODE) / name
+
+    def real_node_owned(self) -> bool:
+        """This folder's cluster holds the machine's real node (a run of it may have died)."""
+        owner = node.read_owner()
+        return owner is not None and Path(owner["cluster_dir"]) == self.dir
+
     def stop(self, quiet: bool = False) -> None:
-        """Stop every component recorded in ``state.json`` (works from any process)."""
-        stopped = self._terminate_recorded()
+        """Stop every component recorded in ``state.json`` (works from any process), and clean
+        what the real node leaves on the host."""
+        real = self.real_node() if self.real_node_owned() else None
+        stopped = real.stop_workloads(self._terminate_named) if real is not None else []
+        stopped += self._terminate_recorded()
+        if real is not None:
+            real.release()
         if self._owner_lock is not None:
             self._owner_lock.close()  # releases the flock
             self._owner_lock = None
         if stopped and not quiet:
             self._log(f"stopped {', '.join(stopped)}")
+
+    def _terminate_named(self, names: tuple[str, ...]) -> list[str]:
+        stopped = []
+        for proc in self._recorded_procs():
+            if proc.name in names and _alive(proc):
+                self._terminate(proc)
+                stopped.append(proc.name)
+        return stopped
+
+    def _terminate(self, proc: _Proc, grace: float = 10) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)  # pgid == pid: own session
+            deadline = time.monotonic() + grace
+            while _alive(proc) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if _alive(proc):
+                self._log(f"{proc.name} ignored SIGTERM for {grace:.0f}s; killing it")
+                os.killpg(proc.pid, signal.SIGKILL)
+        if proc.popen is not None:
+            proc.popen.wait()
 
     def _terminate_recorded(self, grace: float = 10) -> list[str]:
         """Terminate what state.json lists, dependents first; return the names stopped.
@@ -312,14 +441,7 @@ class LocalCluster:
         """
         running = [p for p in self._recorded_procs() if _alive(p)]
         for proc in reversed(running):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)  # pgid == pid: own session
-                deadline = time.monotonic() + grace
-                while _alive(proc) and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                if _alive(proc):
-                    self._log(f"{proc.name} ignored SIGTERM for {grace:.0f}s; killing it")
-                    os.killpg(proc.pid, signal.SIGKILL)
+            self._terminate(proc, grace)
         for proc in self._procs.values():
             if proc.popen is not None:
                 proc.popen.wait()  # reap our own children (no zombies)
@@ -334,27 +456,49 @@ class LocalCluster:
         """Stop ``component`` (SIGKILL if ``hard``, else SIGTERM) and start it again with its
         usual flags plus ``extra_args``; wait until it is healthy and return the seconds taken.
 
-        Only kube-apiserver and kube-controller-manager, and only in the process that started
-        the cluster (it reaps the old process)."""
-        checks: dict[str, tuple[Callable[[], list[str]], Callable[[], bool]]] = {
-            "kube-apiserver": (self._apiserver_args, self._apiserver_ready),
+        kube-apiserver and kube-controller-manager, and the real node's kubelet and containerd;
+        only in the process that started the cluster (it reaps the old process)."""
+        real = self.real_node() if self.real_nodes else None
+        checks: dict[str, tuple[Callable[[], list[str]], Callable[[], bool], Path | None]] = {
+            "kube-apiserver": (self._apiserver_args, self._apiserver_ready, None),
             "kube-controller-manager": (
                 self._controller_manager_args,
                 lambda: self._https_ok(self._ports["controller-manager"]),
+                None,
             ),
         }
+        if real is not None:
+            checks["kubelet"] = (
+                lambda: real.kubelet_args(self.dir / "kubeconfigs"),
+                self._kubelet_healthy,
+                self._node_bin("kubelet"),
+            )
+            checks["containerd"] = (real.containerd_args, real.containerd_ready, node.CONTAINERD)
         if component not in checks:
             raise ValueError(f"cannot restart {component!r}: only {', '.join(checks)}")
-        args, healthy = checks[component]
+        args, healthy, binary = checks[component]
         proc = self._procs.get(component)
         if proc is None or proc.popen is None:
             raise ClusterError(f"{component} was not started by this process: restart it where it was")
         began = time.monotonic()
         os.killpg(proc.pid, signal.SIGKILL if hard else signal.SIGTERM)
         proc.popen.wait(timeout=60)
-        self._spawn(component, [*args(), *extra_args])
+        self._spawn(component, [*args(), *extra_args], binary=binary)
         self._wait(f"{component} healthy again", healthy, began + timeout, component)
+        if real is not None and component in NODE_COMPONENTS:
+            real.record(
+                {
+                    n: {"pid": p.pid, "start_ticks": p.start_ticks}
+                    for n, p in self._procs.items()
+                    if n in NODE_COMPONENTS
+                }
+            )
         return time.monotonic() - began
+
+    @staticmethod
+    def _kubelet_healthy() -> bool:
+        with urllib.request.urlopen("http://127.0.0.1:10248/healthz", timeout=2) as resp:
+            return bool(resp.status == 200)
 
     def _claim_dir(self) -> None:
         """Refuse a folder whose cluster another live process (a test session) owns.
@@ -382,14 +526,15 @@ class LocalCluster:
         """What is running, per component, and whether the apiserver answers."""
         state = self._state() if self.state_file.exists() else {}
         procs = {p.name: p for p in self._recorded_procs()}
-        components = {n: (n in procs and _alive(procs[n])) for n in COMPONENTS}
+        names = COMPONENTS + (NODE_COMPONENTS if state.get("real_nodes") else ())
+        components = {n: (n in procs and _alive(procs[n])) for n in names}
         ready = bool(state) and components["kube-apiserver"] and self._apiserver_ready()
         return {
             "dir": str(self.dir),
             "running": ready and all(components.values()),
             "apiserver_ready": ready,
             "components": components,
-            "server": f"https://127.0.0.1:{state['ports']['apiserver']}" if state else None,
+            "server": self.server if state else None,
             "kubeconfig": str(self.kubeconfig) if state else None,
         }
 
@@ -453,7 +598,7 @@ class LocalCluster:
                 "kubernetes.default.svc",
                 "kubernetes.default.svc.cluster.local",
             ),
-            ips=("127.0.0.1", FIRST_SERVICE_IP),
+            ips=(LOOPBACK, FIRST_SERVICE_IP, *([node.NODE_IP] if self.real_nodes else [])),
         )
         pki.service_account_keys()
         pki.issue("front-proxy-client", "front-proxy-client")
@@ -466,6 +611,15 @@ class LocalCluster:
             "scheduler": ("system:kube-scheduler", ()),
             "kwok": ("kwok-controller", ("system:masters",)),
         }
+        if self.real_nodes:
+            # As kubeadm: the kubelet is system:node:<name> (the Node authorizer and
+            # NodeRestriction), kube-proxy system:kube-proxy (bound to system:node-proxier), and
+            # the kubelet serves with a certificate of the cluster CA for the node IP.
+            identities["kubelet"] = (f"system:node:{node.NAME}", ("system:nodes",))
+            identities["kube-proxy"] = ("system:kube-proxy", ())
+            pki.issue("kubelet-serving", f"system:node:{node.NAME}", dns=(node.NAME,), ips=(node.NODE_IP,))
+            # What the apiserver shows the kubelet for logs, exec and port-forward.
+            pki.issue("apiserver-kubelet-client", "kube-apiserver-kubelet-client", orgs=("system:masters",))
         for name, (cn, orgs) in identities.items():
             pki.issue(name, cn, orgs=orgs)
             target = self.kubeconfig if name == "admin" else self.dir / "kubeconfigs" / f"{name}.kubeconfig"
@@ -481,7 +635,7 @@ kind: Config
 clusters:
 - name: epd-local
   cluster:
-    server: https://127.0.0.1:{self._ports["apiserver"]}
+    server: https://{self.api_host}:{self._ports["apiserver"]}
     certificate-authority-data: {_b64(self.pki / "ca.crt")}
 users:
 - name: {user}
@@ -523,8 +677,8 @@ current-context: epd-local
         pki = self.pki
         return [
             f"--etcd-servers=http://127.0.0.1:{self._ports['etcd']}",
-            "--bind-address=127.0.0.1",
-            f"--advertise-address={ADVERTISE_ADDRESS}",
+            f"--bind-address={self.api_host}",
+            f"--advertise-address={node.NODE_IP if self.real_nodes else ADVERTISE_ADDRESS}",
             f"--secure-port={self._ports['apiserver']}",
             f"--tls-cert-file={pki / 'apiserver.crt'}",
             f"--tls-private-key-file={pki / 'apiserver.key'}",
@@ -546,6 +700,18 @@ current-context: epd-local
             f"--proxy-client-key-file={pki / 'front-proxy-client.key'}",
             "--allow-privileged=true",
             "--profiling=false",
+            *(self._kubelet_client_args() if self.real_nodes else []),
+        ]
+
+    def _kubelet_client_args(self) -> list[str]:
+        """The apiserver's side of the kubelet API (logs, exec, port-forward), as kubeadm."""
+        pki = self.pki
+        return [
+            f"--kubelet-client-certificate={pki / 'apiserver-kubelet-client.crt'}",
+            f"--kubelet-client-key={pki / 'apiserver-kubelet-client.key'}",
+            f"--kubelet-certificate-authority={pki / 'ca.crt'}",
+            "--kubelet-preferred-address-types=InternalIP",
+            "--enable-admission-plugins=NodeRestriction",
         ]
 
     def _controller_manager_args(self) -> list[str]:
@@ -623,12 +789,12 @@ current-context: epd-local
 
     # ------------------------------------------------------- process control
 
-    def _spawn(self, name: str, args: list[str]) -> None:
+    def _spawn(self, name: str, args: list[str], binary: Path | None = None) -> None:
         log = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 - handed to the process, closed below
         preexec = _die_with_parent if self.die_with_parent else None
         try:
             popen = subprocess.Popen(
-                [str(self.bin_dir / name), *args],
+                [str(binary or self.bin_dir / name), *args],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -648,7 +814,9 @@ current-context: epd-local
     def _write_state(self) -> None:
         state = {
             "ports": self._ports,
+            "api_host": self.api_host,
             "nodes": self.nodes,
+            "real_nodes": self.real_nodes,
             "bin_dir": str(self.bin_dir),
             "launcher_pid": os.getpid(),
             "processes": {p.name: {"pid": p.pid, "start_ticks": p.start_ticks} for p in self._procs.values()},
@@ -737,12 +905,23 @@ current-context: epd-local
         if status != 200:
             return False
         ready = 0
-        for node in body["items"]:
-            conditions = {c["type"]: c["status"] for c in node.get("status", {}).get("conditions", [])}
+        for item in body["items"]:
+            conditions = {c["type"]: c["status"] for c in item.get("status", {}).get("conditions", [])}
             # The not-ready taint goes once the node lifecycle controller sees Ready.
-            if conditions.get("Ready") == "True" and not node["spec"].get("taints"):
+            if conditions.get("Ready") == "True" and not item["spec"].get("taints"):
                 ready += 1
         return ready >= self.nodes
+
+    def _real_node_ready(self) -> bool:
+        status, body = self.api("GET", f"/api/v1/nodes/{node.NAME}")
+        if status != 200:
+            return False
+        conditions = {c["type"]: c["status"] for c in body.get("status", {}).get("conditions", [])}
+        return conditions.get("Ready") == "True"
+
+    def _real_node_gpus(self) -> bool:
+        status, body = self.api("GET", f"/api/v1/nodes/{node.NAME}")
+        return status == 200 and body["status"].get("allocatable", {}).get("nvidia.com/gpu") == str(node.GPUS)
 
     def _default_sa_exists(self) -> bool:
         status, _ = self.api("GET", "/api/v1/namespaces/default/serviceaccounts/default")

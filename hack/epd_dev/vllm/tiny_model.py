@@ -130,6 +130,8 @@ def _build(out: Path) -> None:
                 key = f"{head}vision_tower.vision_model.{tail}"
             renamed[key] = value
         save_file(renamed, weights, metadata={"format": "pt"})
+        # safetensors writes 0600; pods read the model as a non-root uid (from a volume).
+        weights.chmod(0o644)
 
     image_processor = CLIPImageProcessor(
         size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}

@@ -1,0 +1,1 @@
+"""Local container images for the real node, built offline with buildah (recipes.py, build.py)."""

