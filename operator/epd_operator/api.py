@@ -419,7 +419,40 @@ class Probes(Schema):
     startup_timeout_seconds: int = Field(
         default=1800, ge=10, le=86400, description="How long an engine may take to load its model."
     )
-    failure_threshold: int = Field(default=3, ge=1, le=100, description="Failures before unready/restart.")
+    failure_threshold: int = Field(
+        default=3,
+        ge=1,
+        le=100,
+        description=(
+            "Failed readiness probes before an engine is unready. Its liveness probe, which restarts it, "
+            "waits three times as many and allows 10 s a probe: a busy engine answers /health late, "
+            "and a restart would drop every request it serves."
+        ),
+    )
+
+
+class Termination(Schema):
+    """How a unit or pool pod stops (a rollout, a scale-down, a drain)."""
+
+    grace_period_seconds: int = Field(
+        default=120,
+        ge=1,
+        le=86400,
+        description=(
+            "The pod's terminationGracePeriodSeconds: how long its engines may finish in-flight requests "
+            "after the drain, before the kubelet kills them."
+        ),
+    )
+    drain_seconds: int = Field(
+        default=10,
+        ge=0,
+        le=3600,
+        description=(
+            "Each container's preStop sleep: the pod is already out of its Services' endpoints, so new "
+            "requests stop coming while in-flight ones go on; only then does the container get SIGTERM. "
+            "Below gracePeriodSeconds; 0: none."
+        ),
+    )
 
 
 class EPDDeploymentSpec(Schema):
@@ -464,6 +497,21 @@ class EPDDeploymentSpec(Schema):
     service_account_name: str | None = Field(default=None, max_length=253, description="Pod serviceAccountName.")
     image_pull_secrets: list[OpenObject] = Field(
         default_factory=list, max_length=16, description="Pod imagePullSecrets."
+    )
+    termination: Termination = Field(default_factory=Termination, description="How unit and pool pods stop.")
+    pod_security_context: OpenObject | None = Field(
+        default=None,
+        description=(
+            "Merged over the pods' securityContext (default: runAsNonRoot, uid/gid 1000, seccomp RuntimeDefault: "
+            "Pod Security restricted), for images that need another uid or an fsGroup."
+        ),
+    )
+    security_context: OpenObject | None = Field(
+        default=None,
+        description=(
+            "Merged over every container's securityContext (default: no privilege escalation, every "
+            "capability dropped). Loosening it can take the pods out of Pod Security restricted."
+        ),
     )
     server_dev_mode: bool = Field(
         default=False,

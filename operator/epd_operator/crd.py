@@ -16,6 +16,7 @@ import yaml
 
 from . import api
 from .validation import (
+    DRAIN_WITHIN_GRACE,
     HEADLESS_NEEDS_CLUSTER_IP,
     LAYOUT_RULES,
     MAX_ENGINES,
@@ -147,6 +148,14 @@ def _add_cel_rules(spec: dict[str, Any]) -> None:
             "rule": "!has(self.headless) || !self.headless || !has(self.type) || self.type == 'ClusterIP'",
             "message": HEADLESS_NEEDS_CLUSTER_IP,
             "fieldPath": ".headless",
+        }
+    ]
+    spec["properties"]["termination"]["x-kubernetes-validations"] = [
+        {
+            "rule": "!has(self.drainSeconds) || !has(self.gracePeriodSeconds) || "
+            "self.drainSeconds < self.gracePeriodSeconds",
+            "message": DRAIN_WITHIN_GRACE,
+            "fieldPath": ".drainSeconds",
         }
     ]
     models = spec["properties"]["models"]

@@ -12,6 +12,7 @@ templates), though past 350 lines: they share the labels, names and container bu
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -20,6 +21,7 @@ from typing import Any
 
 from . import api
 from .ec.budget import effective_max_bytes
+from .ec.quantity import byte_quantity, parse_quantity
 from .render import EngineCommand, ModelPlan, RouterCommand
 
 FIELD_MANAGER = "epd-operator"
@@ -110,32 +112,72 @@ def _env(command: EngineCommand, extra: list[api.EnvVar]) -> list[dict[str, Any]
     return [e for e in rendered if e["name"] not in overridden] + user
 
 
-def _probe(port: int, probes: api.Probes, *, startup: bool) -> dict[str, Any]:
-    probe: dict[str, Any] = {"httpGet": {"path": "/health", "port": port}, "periodSeconds": probes.period_seconds}
+def _probes(port: int, probes: api.Probes, *, startup: bool = True) -> dict[str, Any]:
+    """Startup (sized for loading the model), readiness and liveness probes on /health. Liveness
+    is laxer than readiness: an engine busy with long prompts answers late, and taking it out of
+    the Services costs nothing, while a restart drops every request it serves."""
+
+    def probe(failures: int, **timeout: int) -> dict[str, Any]:
+        get = {"path": "/health", "port": port}
+        return {"httpGet": get, "periodSeconds": probes.period_seconds, "failureThreshold": failures, **timeout}
+
+    found = {
+        "readinessProbe": probe(probes.failure_threshold, timeoutSeconds=5),
+        "livenessProbe": probe(3 * probes.failure_threshold, timeoutSeconds=10),
+    }
     if startup:
-        probe["failureThreshold"] = math.ceil(probes.startup_timeout_seconds / probes.period_seconds)
-    else:
-        probe["failureThreshold"] = probes.failure_threshold
-        probe["timeoutSeconds"] = 5
-    return probe
+        found["startupProbe"] = probe(math.ceil(probes.startup_timeout_seconds / probes.period_seconds))
+    return found
 
 
-def _resources(gpus: int, extra: api.ResourceRequirements | None) -> dict[str, Any]:
-    limits = dict(extra.limits) if extra else {}
-    requests = dict(extra.requests) if extra else {}
+# Requests of a container that asks for none (so that the scheduler counts every pod, and a
+# namespace's quotas can): an engine's host processes, the router, the janitor.
+ENGINE_REQUESTS = {"cpu": "1", "memory": "4Gi"}
+ROUTER_REQUESTS = {"cpu": "250m", "memory": "256Mi"}
+
+
+def _resources(
+    gpus: int, extra: api.ResourceRequirements | None, default: Mapping[str, str], shm_bytes: int = 0
+) -> dict[str, Any]:
+    """The user's resources over `default` requests; GPUs from numGpusPerEngine. `shm_bytes`:
+    the pod's memory-backed /dev/shm, which counts against the pod's memory: added to this
+    container's default memory request (each pod's first container carries it)."""
+    limits: dict[str, Any] = dict(extra.limits) if extra else {}
+    requests: dict[str, Any] = dict(extra.requests) if extra else {}
+    for resource, amount in default.items():
+        requests.setdefault(resource, amount)
+    if shm_bytes and (extra is None or "memory" not in extra.requests):
+        requests["memory"] = byte_quantity(parse_quantity(str(requests["memory"])) + shm_bytes)
     if gpus:
         limits[GPU_RESOURCE] = gpus
         requests[GPU_RESOURCE] = gpus
-    resources = {}
+    resources = {"requests": requests}
     if limits:
         resources["limits"] = limits
-    if requests:
-        resources["requests"] = requests
     return resources
 
 
+def _lifecycle(spec: api.EPDDeploymentSpec) -> dict[str, Any]:
+    """The drain before SIGTERM (api.Termination): a preStop sleep, which needs no binary in the image."""
+    seconds = spec.termination.drain_seconds
+    return {"lifecycle": {"preStop": {"sleep": {"seconds": seconds}}}} if seconds else {}
+
+
+def security_context(
+    spec: api.EPDDeploymentSpec, base: Mapping[str, Any] = CONTAINER_SECURITY_CONTEXT
+) -> dict[str, Any]:
+    """A container's securityContext: `base` (restricted) with the user's spec.securityContext
+    over it; a copy of its own (containers share no dict)."""
+    return copy.deepcopy({**base, **(spec.security_context or {})})
+
+
 def _engine_container(
-    spec: api.EPDDeploymentSpec, model: api.ModelSpec, command: EngineCommand, front: bool, sidecar: bool = True
+    spec: api.EPDDeploymentSpec,
+    model: api.ModelSpec,
+    command: EngineCommand,
+    front: bool,
+    sidecar: bool = True,
+    shm_bytes: int = 0,
 ) -> dict[str, Any]:
     group = model.server_groups[command.group_index]
     ports = [{"name": FRONT_PORT_NAME if front else command.container_name, "containerPort": command.port}]
@@ -150,16 +192,15 @@ def _engine_container(
         "args": command.args[2:],
         "env": _env(command, [*spec.env, *group.env]),
         "ports": ports,
-        "resources": _resources(command.gpus, group.resources),
+        "resources": _resources(command.gpus, group.resources, ENGINE_REQUESTS, shm_bytes),
         "volumeMounts": [
             {"name": SHM_VOLUME, "mountPath": "/dev/shm"},
             *spec.volume_mounts,
             {"name": HOME_VOLUME, "mountPath": HOME_PATH},
         ],
-        "startupProbe": _probe(command.port, spec.probes, startup=True),
-        "readinessProbe": _probe(command.port, spec.probes, startup=False),
-        "livenessProbe": _probe(command.port, spec.probes, startup=False),
-        "securityContext": CONTAINER_SECURITY_CONTEXT,
+        **_probes(command.port, spec.probes),
+        **_lifecycle(spec),
+        "securityContext": security_context(spec),
     }
     if command.worker_type.is_encoder and sidecar:
         # A native sidecar: the kubelet starts the consumers only after every encoder's
@@ -176,10 +217,10 @@ def _router_container(spec: api.EPDDeploymentSpec, command: RouterCommand) -> di
         "args": command.args[1:],
         "env": [],
         "ports": [{"name": FRONT_PORT_NAME, "containerPort": command.port}],
-        "resources": _resources(0, spec.router.resources),
-        "readinessProbe": _probe(command.port, spec.probes, startup=False),
-        "livenessProbe": _probe(command.port, spec.probes, startup=False),
-        "securityContext": CONTAINER_SECURITY_CONTEXT,
+        "resources": _resources(0, spec.router.resources, ROUTER_REQUESTS),
+        **_probes(command.port, spec.probes, startup=False),
+        **_lifecycle(spec),
+        "securityContext": security_context(spec),
     }
 
 
@@ -213,37 +254,71 @@ def janitor_container(spec: api.EPDDeploymentSpec, plan: ModelPlan, image: str) 
         "terminationMessagePolicy": "FallbackToLogsOnError",
         # The pod's uid, the engines' (POD_SECURITY_CONTEXT): it may delete what they wrote and
         # nothing else; its root filesystem is read-only.
-        "securityContext": {**CONTAINER_SECURITY_CONTEXT, "readOnlyRootFilesystem": True},
+        "securityContext": security_context(spec, {**CONTAINER_SECURITY_CONTEXT, "readOnlyRootFilesystem": True}),
     }
+
+
+def _pod_spec(
+    spec: api.EPDDeploymentSpec,
+    containers: list[dict[str, Any]],
+    shm: api.Shm,
+    *,
+    node_selector: dict[str, str],
+    tolerations: list[dict[str, Any]],
+    affinity: dict[str, Any] | None,
+    init_containers: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """What a unit pod and an encoder pool pod share: their /dev/shm and HOME emptyDirs, the
+    user's volumes, security, termination and scheduling."""
+    pod_spec: dict[str, Any] = {} if init_containers is None else {"initContainers": init_containers}
+    pod_spec |= {
+        "containers": containers,
+        "volumes": [
+            {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": shm.size_limit}},
+            *spec.volumes,
+            {"name": HOME_VOLUME, "emptyDir": {}},
+        ],
+        "enableServiceLinks": False,
+        "securityContext": copy.deepcopy({**POD_SECURITY_CONTEXT, **(spec.pod_security_context or {})}),
+        "terminationGracePeriodSeconds": spec.termination.grace_period_seconds,
+    }
+    optional = {
+        "nodeSelector": node_selector or None,
+        "tolerations": tolerations or None,
+        "affinity": affinity,
+        "priorityClassName": spec.priority_class_name,
+        "serviceAccountName": spec.service_account_name,
+        "imagePullSecrets": spec.image_pull_secrets or None,
+    }
+    pod_spec.update({k: v for k, v in optional.items() if v is not None})
+    return pod_spec
 
 
 def pod_template(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPlan, operator_image: str) -> dict[str, Any]:
     model = spec.model(plan.name)
     consumers = plan.consumers
     front_is_engine = plan.router is None and len(consumers) == 1
-    init = [_engine_container(spec, model, c, False) for c in plan.unit_encoders]
-    main = [_engine_container(spec, model, c, front_is_engine) for c in consumers]
+    shm_bytes = parse_quantity(spec.shm.size_limit)
+    first = plan.unit_engines[0]  # carries the /dev/shm in its memory request (_resources)
+    init = [
+        _engine_container(spec, model, c, False, shm_bytes=shm_bytes if c is first else 0) for c in plan.unit_encoders
+    ]
+    main = [
+        _engine_container(spec, model, c, front_is_engine, shm_bytes=shm_bytes if c is first else 0) for c in consumers
+    ]
     if plan.router is not None:
         main.append(_router_container(spec, plan.router))
     if plan.ec_storage_path:
         main.append(janitor_container(spec, plan, operator_image))
-    shm: dict[str, Any] = {"medium": "Memory", "sizeLimit": spec.shm.size_limit}
-    pod_spec: dict[str, Any] = {
-        "initContainers": init,
-        "containers": main,
-        "volumes": [{"name": SHM_VOLUME, "emptyDir": shm}, *spec.volumes, {"name": HOME_VOLUME, "emptyDir": {}}],
-        "enableServiceLinks": False,
-        "securityContext": POD_SECURITY_CONTEXT,
-    }
-    optional = {
-        "nodeSelector": spec.node_selector or None,
-        "tolerations": spec.tolerations or None,
-        "affinity": spec.affinity,
-        "priorityClassName": spec.priority_class_name,
-        "serviceAccountName": spec.service_account_name,
-        "imagePullSecrets": spec.image_pull_secrets or None,
-    }
-    pod_spec.update({k: v for k, v in optional.items() if v is not None})
+    pod_spec = _pod_spec(
+        spec,
+        main,
+        spec.shm,
+        node_selector=spec.node_selector,
+        tolerations=spec.tolerations,
+        affinity=spec.affinity,
+        init_containers=init,
+    )
     if plan.pooled:
         # Sidecars cannot order containers of other pods: the operator opens this gate while the
         # model's encoder pool has a ready encoder (status.encoder_gates).
@@ -372,22 +447,20 @@ def pool_pod_template(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelP
     pod waits for them), its own /dev/shm (their ECCPUConnector regions) and scheduling."""
     model = spec.model(plan.name)
     pool = model.encoder_pool or api.EncoderPool()
-    shm = {"medium": "Memory", "sizeLimit": spec.pool_shm(model).size_limit}
-    pod_spec: dict[str, Any] = {
-        "containers": [_engine_container(spec, model, c, False, sidecar=False) for c in plan.encoders],
-        "volumes": [{"name": SHM_VOLUME, "emptyDir": shm}, *spec.volumes, {"name": HOME_VOLUME, "emptyDir": {}}],
-        "enableServiceLinks": False,
-        "securityContext": POD_SECURITY_CONTEXT,
-    }
-    optional = {
-        "nodeSelector": (spec.node_selector if pool.node_selector is None else pool.node_selector) or None,
-        "tolerations": (spec.tolerations if pool.tolerations is None else pool.tolerations) or None,
-        "affinity": spec.affinity if pool.affinity is None else pool.affinity,
-        "priorityClassName": spec.priority_class_name,
-        "serviceAccountName": spec.service_account_name,
-        "imagePullSecrets": spec.image_pull_secrets or None,
-    }
-    pod_spec.update({k: v for k, v in optional.items() if v is not None})
+    shm = spec.pool_shm(model)
+    shm_bytes = parse_quantity(shm.size_limit)
+    containers = [
+        _engine_container(spec, model, c, False, sidecar=False, shm_bytes=shm_bytes if i == 0 else 0)
+        for i, c in enumerate(plan.encoders)
+    ]
+    pod_spec = _pod_spec(
+        spec,
+        containers,
+        shm,
+        node_selector=spec.node_selector if pool.node_selector is None else pool.node_selector,
+        tolerations=spec.tolerations if pool.tolerations is None else pool.tolerations,
+        affinity=spec.affinity if pool.affinity is None else pool.affinity,
+    )
     return {"metadata": {"labels": pool_labels(deployment, plan.name)}, "spec": pod_spec}
 
 

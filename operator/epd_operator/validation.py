@@ -346,6 +346,24 @@ def max_unavailable_errors(spec: EPDDeploymentSpec) -> list[str]:
     return [f"spec.maxUnavailable: {value!r} is not a unit count of 1 or more, nor a percentage from 1% to 100%"]
 
 
+DRAIN_WITHIN_GRACE = (
+    "the drain must end before the grace period does, or the kubelet kills the engines while they drain: "
+    "lower spec.termination.drainSeconds or raise gracePeriodSeconds"
+)
+
+
+def termination_errors(spec: EPDDeploymentSpec) -> list[str]:
+    termination = spec.termination
+    if termination.drain_seconds < termination.grace_period_seconds:
+        return []
+    return [
+        (
+            f"spec.termination.drainSeconds: {termination.drain_seconds} s is not below gracePeriodSeconds "
+            f"({termination.grace_period_seconds} s): {DRAIN_WITHIN_GRACE}"
+        )
+    ]
+
+
 HEADLESS_NEEDS_CLUSTER_IP = (
     "a headless Service has no virtual IP, which a NodePort or LoadBalancer Service needs: "
     "set spec.service.type to ClusterIP, or headless to false"
@@ -463,6 +481,7 @@ def validate(raw: dict[str, Any], *, name: str | None = None, limits: Limits | N
                 )
     errors += max_unavailable_errors(spec)
     errors += service_errors(spec)
+    errors += termination_errors(spec)
     for volume in spec.volumes:
         if "hostPath" in volume:
             errors.append(

@@ -64,6 +64,8 @@ def test_open_maps_are_only_where_intended():
         "$.models[].ecConnector.extraConfig",
         "$.models[].encoderPool.tolerations[]",
         "$.models[].encoderPool.affinity",
+        "$.podSecurityContext",  # core types: the API server checks them in the pod
+        "$.securityContext",
     }
 
 

@@ -36,7 +36,8 @@ def server_dry_run(cluster, namespace: str, documents: list[dict]) -> dict[str, 
     )
     verdicts = {d["metadata"]["name"]: "" for d in documents}
     for line in out.stderr.splitlines():
-        match = re.search(r'EPDDeployment\.epd\.vime\.dev "([^"]+)" is invalid: (.*)', line)
+        # "EPDDeployment.epd.vime.dev "x" is invalid" for one object of many, without the group for one
+        match = re.search(r'EPDDeployment(?:\.epd\.vime\.dev)? "([^"]+)" is invalid: (.*)', line)
         if match:
             verdicts[match[1]] = match[2]
     return verdicts
@@ -154,3 +155,10 @@ def test_the_api_server_refuses_a_name_no_child_could_carry_and_too_many_engines
     assert "metadata.name must be a DNS-1035 label of at most 63 characters" in verdicts["qwen2.5-vl"]
     assert "more than 256 engines in all" in verdicts["many"]
     assert python_verdict(many)[0].startswith("spec.models: 272 engines in all")
+
+
+def test_the_api_server_refuses_a_drain_longer_than_the_grace_period(cluster, crd, namespace):
+    spec = spec_with("encoder", "regular", termination={"gracePeriodSeconds": 30, "drainSeconds": 40})
+    verdict = server_dry_run(cluster, namespace, [manifest("drain", spec)])["drain"]
+    assert "the drain must end before the grace period does" in verdict
+    assert python_verdict(spec) != []

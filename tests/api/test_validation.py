@@ -408,3 +408,9 @@ def test_lists_and_maps_are_bounded():
     spec = spec_with("encoder", "regular")
     spec["models"][0]["serverGroups"][1]["resources"] = {"limits": {"memory": "1e999999999"}}
     assert refusals(spec)[0].startswith("spec.models[0].serverGroups[1].resources.limits.memory")
+
+
+def test_the_drain_must_end_within_the_grace_period():
+    (message,) = refusals(spec_with("encoder", "regular", termination={"gracePeriodSeconds": 30, "drainSeconds": 30}))
+    assert message.startswith("spec.termination.drainSeconds: 30 s is not below gracePeriodSeconds (30 s)")
+    assert refusals(spec_with("encoder", "regular", termination={"gracePeriodSeconds": 31, "drainSeconds": 30})) == []

@@ -266,3 +266,67 @@ def test_engines_get_a_writable_home():
                 home = next(e["value"] for e in container["env"] if e["name"] == "HOME")
                 (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == home]
                 assert volumes[mount["name"]] == {"name": mount["name"], "emptyDir": {}}, container["name"]
+
+
+# --------------------------------------------------------------------------- probes, shutdown, requests, security
+
+
+def unit_pod(example: str = "encoder-prefill-decode.yaml", **spec_changes) -> dict:
+    return next(c for c in children_of(example, **spec_changes) if c["kind"] == "StatefulSet")["spec"]["template"][
+        "spec"
+    ]
+
+
+def containers(pod: dict) -> list[dict]:
+    return [*pod.get("initContainers", []), *pod["containers"]]
+
+
+def test_liveness_is_laxer_than_readiness_on_every_probed_container():
+    for container in containers(unit_pod()):
+        if "readinessProbe" not in container:
+            continue  # the janitor: no HTTP server of vLLM's
+        ready, live = container["readinessProbe"], container["livenessProbe"]
+        assert ready["httpGet"] == live["httpGet"] and ready["httpGet"] is not live["httpGet"]
+        patience = live["failureThreshold"] * live["periodSeconds"] + live["timeoutSeconds"]
+        assert patience > ready["failureThreshold"] * ready["periodSeconds"] + ready["timeoutSeconds"]
+        assert live["timeoutSeconds"] > ready["timeoutSeconds"], container["name"]
+
+
+def test_every_container_drains_before_sigterm_within_the_grace_period():
+    pod = unit_pod(termination={"gracePeriodSeconds": 300, "drainSeconds": 20})
+    assert pod["terminationGracePeriodSeconds"] == 300
+    served = [c for c in containers(pod) if c["name"] != "janitor"]
+    assert {c["name"] for c in served} == {"encoder-0", "prefill-0", "decode-0", "router"}
+    assert all(c["lifecycle"] == {"preStop": {"sleep": {"seconds": 20}}} for c in served)
+    assert all("lifecycle" not in c for c in containers(unit_pod(termination={"drainSeconds": 0})))
+
+
+def test_every_container_requests_cpu_and_memory_and_the_first_carries_the_shm():
+    pod = unit_pod(shm={"sizeLimit": "8Gi"})
+    for container in containers(pod):
+        assert {"cpu", "memory"} <= container["resources"]["requests"].keys(), container["name"]
+    first, *rest = containers(pod)
+    assert first["name"] == "encoder-0" and first["resources"]["requests"]["memory"] == "12Gi"  # 4Gi + 8Gi
+    assert {c["resources"]["requests"]["memory"] for c in rest if c["name"].startswith(("prefill", "decode"))} == {
+        "4Gi"
+    }
+    # A memory request the user set is theirs.
+    manifest = yaml.safe_load((EXAMPLES / "encoder-prefill-decode.yaml").read_text())
+    manifest["spec"]["models"][0]["serverGroups"][0]["resources"] = {"requests": {"memory": "30Gi"}}
+    checked = validate(manifest["spec"])
+    plans = render(checked, namespace="ns", name="n", uid="u")
+    (sts,) = [c for c in desired_children(checked.spec, "n", plans, IMAGE) if c["kind"] == "StatefulSet"]
+    assert sts["spec"]["template"]["spec"]["initContainers"][0]["resources"]["requests"]["memory"] == "30Gi"
+
+
+def test_the_users_security_contexts_go_over_the_restricted_defaults():
+    pod = unit_pod(
+        podSecurityContext={"runAsUser": 2000, "fsGroup": 2000}, securityContext={"readOnlyRootFilesystem": True}
+    )
+    assert pod["securityContext"]["runAsUser"] == 2000 and pod["securityContext"]["fsGroup"] == 2000
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    for container in containers(pod):
+        context = container["securityContext"]
+        assert context["readOnlyRootFilesystem"] is True and context["capabilities"] == {"drop": ["ALL"]}
+    contexts = [c["securityContext"] for c in containers(pod)]
+    assert len({id(c) for c in contexts}) == len(contexts)  # no dict shared between containers

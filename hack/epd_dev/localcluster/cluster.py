@@ -58,7 +58,7 @@ LOOPBACK = "127.0.0.1"
 KWOK_ANNOTATION = ("kwok.x-k8s.io/node", "fake")
 NODE_RESOURCES = {
     "cpu": "32",
-    "memory": "256Gi",
+    "memory": "2Ti",  # an 8-GPU server's host memory
     "pods": "110",
     "nvidia.com/gpu": "8",
     "ephemeral-storage": "1Ti",

@@ -48,6 +48,14 @@ def parse_quantity(quantity: str) -> int:
     return math.ceil(Decimal(number) * scale)
 
 
+def byte_quantity(size: int) -> str:
+    """A byte count as Kubernetes would write it: 20Gi, 512Mi, or the bytes."""
+    for unit, scale in (("Gi", 2**30), ("Mi", 2**20)):
+        if size % scale == 0:
+            return f"{size // scale}{unit}"
+    return str(size)
+
+
 def human_bytes(size: int) -> str:
     """1.5Gi, 12.0Mi, 300B: for messages people read."""
     for unit, scale in (("Gi", 2**30), ("Mi", 2**20), ("Ki", 2**10)):
