@@ -188,3 +188,12 @@ async def child_changed(
 @kopf.on.probe(id="deployments")
 def count_deployments(**kwargs: Any) -> int:
     return len(kwargs["deployments"])
+
+
+@kopf.on.probe(id="workers")
+def workers_alive(memo: kopf.Memo, **_: Any) -> int:
+    """/healthz fails (kopf answers 500) while reconcile workers are gone: nothing would converge."""
+    running, wanted = memo.reconciler.workers()
+    if running < wanted:
+        raise kopf.PermanentError(f"{wanted - running} of {wanted} reconcile workers are gone")
+    return running

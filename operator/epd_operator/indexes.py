@@ -96,6 +96,7 @@ class ChildSummary:
     spec_hash: str | None
     owned_by_update: bool = False
     controller_uid: str | None = None
+    uid: str | None = None
 
     @property
     def ref(self) -> Ref:
@@ -109,6 +110,7 @@ class ChildSummary:
             "spec_hash": (metadata.get("annotations") or {}).get(ANNOTATION_SPEC_HASH),
             "owned_by_update": owned_by_update(metadata.get("managedFields") or [], FIELD_MANAGER),
             "controller_uid": controller_uid(metadata),
+            "uid": metadata.get("uid"),
         }
 
 
@@ -171,6 +173,7 @@ class PodSummary:
 
     name: str
     summary_json: str
+    controller_uid: str | None = None  # its StatefulSet's: only those the operator's are its pods
 
     CONDITION_FIELDS: ClassVar[tuple[str, ...]] = ("type", "status", "reason", "message")
     CONTAINER_FIELDS: ClassVar[tuple[str, ...]] = ("name", "ready", "started")
@@ -197,7 +200,7 @@ class PodSummary:
                 "containerStatuses": pick(status.get("containerStatuses"), cls.CONTAINER_FIELDS),
             },
         }
-        return cls(metadata["name"], compact(summary))
+        return cls(metadata["name"], compact(summary), controller_uid(metadata))
 
     def tree(self) -> Pod:
         """The summary as a pod-shaped dict (name, metadata, spec, status), a new copy each call."""
@@ -223,6 +226,14 @@ class Indexes:
     def children(self, key: Key) -> list[ChildSummary]:
         """Every child of the EPDDeployment the watches show."""
         return [*self.stateful_sets.get(key, ()), *self.services.get(key, ()), *self.budgets.get(key, ())]
+
+    def owned_pods(self, key: Key) -> list[PodSummary]:
+        """The deployment's pods whose controller is one of its own StatefulSets (anyone can
+        put the operator's labels on a pod; the janitor scrape reads only these)."""
+        deployment = self.deployment(key)
+        owner = deployment.metadata.get("uid") if deployment is not None else None
+        sets = {s.uid for s in self.stateful_sets.get(key, ()) if s.uid and s.controller_uid == owner}
+        return [p for p in self.pods.get(key, ()) if p.controller_uid in sets]
 
     def pod_trees(self, key: Key) -> dict[str, Pod]:
         """The deployment's unit and encoder pods by name, decoded as they are now."""

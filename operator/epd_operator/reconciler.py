@@ -78,6 +78,13 @@ class Reconciler:
     def enqueue_after(self, key: Key, delay: float) -> None:
         self._work_queue().add_after(key, delay)
 
+    def workers(self) -> tuple[int, int]:
+        """(running, wanted) reconcile workers: the liveness probe's figure (none before the
+        first event starts the queue)."""
+        if self._queue is None:
+            return 0, 0
+        return self._queue.alive, self._queue.workers
+
     def forget(self, key: Key) -> None:
         """The EPDDeployment is gone."""
         self.status.forget(key)

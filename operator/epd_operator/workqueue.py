@@ -4,7 +4,10 @@ number of workers reconcile keys, reading the latest state from the indexes.
 - A key waiting in the queue is there once, however many events named it meanwhile.
 - A key is never reconciled by two workers at once; added while being reconciled, it is
   reconciled once more afterwards (the events may have come after its state was read).
-- A failed key is retried with exponential backoff; any success resets its count.
+- A failed key is retried with exponential backoff (capped: however many failures); any
+  success resets its count.
+- A worker that dies of something else (a bug in the queue's own bookkeeping) is replaced at
+  once and the failure logged; `alive` says how many run, for the liveness probe.
 - A delayed add (a status refresh after pod events, a retry) is one timer per key, at the
   earliest time asked; none is set for a key already waiting, which will read the same state.
 - Urgent keys (an object whose spec has not been reconciled yet) go before the others (status
@@ -40,7 +43,33 @@ class WorkQueue(Generic[K]):
         self._processing: set[K] = set()
         self._failures: dict[K, int] = {}
         self._timers: dict[K, asyncio.TimerHandle] = {}
-        self._workers = [asyncio.create_task(self._work()) for _ in range(workers)]
+        self._closing = False
+        self.workers = workers
+        self._workers: set[asyncio.Task[None]] = set()
+        for _ in range(workers):
+            self._start_worker()
+
+    @property
+    def alive(self) -> int:
+        """Workers running now (the liveness probe compares it with `workers`)."""
+        return sum(not w.done() for w in self._workers)
+
+    def backoff(self, failures: int) -> float:
+        """Seconds before the retry after `failures` failures in a row: 2, 4, 8, ... up to the
+        maximum (the exponent is capped: 2.0 ** 1024 overflows)."""
+        return min(self._max_backoff, 2.0 ** min(failures, 62))
+
+    def _start_worker(self) -> None:
+        worker = asyncio.create_task(self._work())
+        self._workers.add(worker)
+        worker.add_done_callback(self._worker_done)
+
+    def _worker_done(self, worker: asyncio.Task[None]) -> None:
+        self._workers.discard(worker)
+        if self._closing or worker.cancelled():
+            return
+        logger.error("a work queue worker died; starting another", exc_info=worker.exception())
+        self._start_worker()
 
     def add(self, key: K, *, urgent: bool = False) -> None:
         if key in self._dirty and (not urgent or key in self._dirty_urgent):
@@ -83,11 +112,13 @@ class WorkQueue(Generic[K]):
             await asyncio.sleep(0.01)
 
     async def aclose(self) -> None:
+        self._closing = True
         for timer in self._timers.values():
             timer.cancel()
-        for worker in self._workers:
+        workers = list(self._workers)
+        for worker in workers:
             worker.cancel()
-        await asyncio.gather(*self._workers, return_exceptions=True)
+        await asyncio.gather(*workers, return_exceptions=True)
 
     async def _work(self) -> None:
         while True:
@@ -103,7 +134,7 @@ class WorkQueue(Generic[K]):
                 self._failures.pop(key, None)
             except Exception as error:  # noqa: BLE001 - whatever failed, the key is retried with backoff
                 failures = self._failures[key] = self._failures.get(key, 0) + 1
-                delay = min(self._max_backoff, 2.0**failures)
+                delay = self.backoff(failures)
                 logger.warning(f"reconciling {key} failed ({error}); retrying in {delay:.0f}s")
                 self.add_after(key, delay)
             finally:

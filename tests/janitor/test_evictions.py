@@ -16,7 +16,7 @@ from epd_dev.paths import REPO
 from epd_operator.cli import build_parser
 from epd_operator.ec.janitor import scan_store
 from epd_operator.ec.scrape import JanitorMetrics, JanitorScraper, eviction_report, fallback_report, parse_metrics
-from epd_operator.indexes import DeploymentSummary, Indexes, PodSummary
+from epd_operator.indexes import DeploymentSummary, Indexes, PodSummary, StatefulSetSummary
 from epd_operator.kube import KubeSession
 from epd_operator.metrics import OperatorMetrics
 from epd_operator.plans import PlanCache
@@ -108,10 +108,17 @@ def test_a_counter_below_the_last_report_is_a_new_janitor():
     assert eviction_report(UNIT, 5, JanitorMetrics(0, 0, 100)) is None
 
 
-def _pod(name: str, ip: str) -> PodSummary:
+OWNER_UID = "epd-uid"
+UNITS_UID = "statefulset-uid"  # the deployment's own StatefulSet of units (_indexes)
+
+
+def _pod(name: str, ip: str, controller: str = UNITS_UID) -> PodSummary:
     return PodSummary.of(
         {
-            "metadata": {"name": name},
+            "metadata": {
+                "name": name,
+                "ownerReferences": [{"kind": "StatefulSet", "uid": controller, "controller": True}],
+            },
             "spec": {},
             "status": {"phase": "Running", "podIP": ip, "containerStatuses": [{"name": "janitor", "ready": True}]},
         }
@@ -161,6 +168,14 @@ async def test_the_operator_warns_and_rewrites_the_status_when_evictions_grow(re
     assert reported["status"] == [KEY, KEY]
 
 
+async def test_only_pods_of_the_deployments_own_statefulsets_are_scraped(reported):
+    """Anyone can put the operator's labels on a pod: one another controller made, or one of a
+    StatefulSet the deployment does not control, is never scraped."""
+    deployments = {KEY: [_indexed({})]}
+    await _scrape(reported, [_pod(UNIT, "127.0.0.1", controller="someone-elses")], deployments)
+    assert reported["scraper"].evictions(KEY) == {} and reported["events"] == []
+
+
 async def test_a_round_scrapes_at_most_rate_janitors_a_second(janitor):
     """Thousands of units must not keep the operator busy: the scrapes of a round are spread."""
     port, _size = janitor
@@ -168,7 +183,9 @@ async def test_a_round_scrapes_at_most_rate_janitors_a_second(janitor):
     units = [f"d-default-{i}" for i in range(6)]
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3, connect=1)) as session:
         started = time.monotonic()
-        await scraper.scrape(session, _indexes({}, {KEY: [_pod(unit, "127.0.0.1") for unit in units]}))
+        await scraper.scrape(
+            session, _indexes({KEY: [_indexed({})]}, {KEY: [_pod(unit, "127.0.0.1") for unit in units]})
+        )
         elapsed = time.monotonic() - started
     assert scraper.evictions(KEY) == {unit: 4 for unit in units}  # every one scraped
     assert elapsed >= 5 / 20  # six local scrapes take a few ms unspread
@@ -199,8 +216,11 @@ async def test_a_status_written_before_fallbacks_were_counted_reports_them_once(
     assert [reason for reason, _ in reported["events"]] == ["ECFallbackEncodes"]
 
 
-def _indexes(deployments: dict, pods: dict) -> Indexes:
-    return Indexes(deployments=deployments, stateful_sets={}, services={}, budgets={}, pods=pods)
+def _indexes(deployments: dict, pods: dict, owner: str = OWNER_UID) -> Indexes:
+    units = StatefulSetSummary(name="d-default", spec_hash="h", uid=UNITS_UID, controller_uid=owner)
+    return Indexes(
+        deployments=deployments, stateful_sets={key: [units] for key in pods}, services={}, budgets={}, pods=pods
+    )
 
 
 def _indexed(status: dict) -> DeploymentSummary:
@@ -208,7 +228,7 @@ def _indexed(status: dict) -> DeploymentSummary:
         {
             "apiVersion": "epd.vime.dev/v1alpha1",
             "kind": "EPDDeployment",
-            "metadata": {"namespace": "ns", "name": "d"},
+            "metadata": {"namespace": "ns", "name": "d", "uid": OWNER_UID},
             "status": status,
         }
     )
@@ -230,7 +250,7 @@ async def test_the_counts_reach_the_status_the_reconciler_writes(janitor):
 
     scraper = JanitorScraper(warn=lambda *_: None, changed=lambda _key: None, port=port)
     writer = StatusWriter(KubeSession(Kube()), scraper, OperatorMetrics(), warn=lambda *_: None, inform=lambda *_: None)
-    indexes = _indexes({key: [DeploymentSummary.of(body)]}, {key: [_pod(unit, "127.0.0.1")]})
+    indexes = _indexes({key: [DeploymentSummary.of(body)]}, {key: [_pod(unit, "127.0.0.1")]}, owner="uid-1")
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3, connect=1)) as session:
         await scraper.scrape(session, indexes)
     await writer.write(key, body, PlanCache(8, "epd-operator:test").plan(body), indexes)
@@ -240,3 +260,31 @@ async def test_the_counts_reach_the_status_the_reconciler_writes(janitor):
     (unit_status,) = model["units"]
     assert (unit_status["ecEvictions"], unit_status["fallbackEncodes"]) == (4, 1)
     assert model["fallbackEncodes"] == 1 and status["fallbackEncodes"] == 1
+
+
+async def test_a_pod_answering_more_than_a_janitor_would_is_not_read(tmp_path):
+    """The scrape reads at most 1 MiB of an answer: a pod that streams more is skipped."""
+    from aiohttp import web
+
+    async def flood(_request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(_request)
+        chunk = b"# " + b"x" * 65534 + b"\n"
+        for _ in range(64):  # 4 MiB of comments, then what a janitor would say
+            await response.write(chunk)
+        await response.write(b'epd_ec_evictions_total{path="/s",reason="budget"} 3\n')
+        return response
+
+    app = web.Application()
+    app.router.add_get("/metrics", flood)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        scraper = JanitorScraper(warn=lambda *_: None, changed=lambda _key: None, port=port)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10, connect=1)) as session:
+            await scraper.scrape(session, _indexes({KEY: [_indexed({})]}, {KEY: [_pod(UNIT, "127.0.0.1")]}))
+        assert scraper.evictions(KEY) == {}
+    finally:
+        await runner.cleanup()

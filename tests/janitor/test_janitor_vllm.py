@@ -33,7 +33,7 @@ from epd_dev.vllm.serving import tiny_manifest
 from epd_dev.vllm.unit_runner import UnitRunner
 from epd_operator.ec.janitor import EMBEDDING_FILE, GRACE_SECONDS
 from epd_operator.ec.scrape import JanitorScraper
-from epd_operator.indexes import DeploymentSummary, Indexes, PodSummary
+from epd_operator.indexes import DeploymentSummary, Indexes, PodSummary, StatefulSetSummary
 from tests.helm.dashboard import ENGINE_METRICS, read_metric_names
 from tests.vllm.conftest import start_unit
 
@@ -173,7 +173,7 @@ def test_a_request_whose_image_was_not_primed_counts_one_fallback_encode_and_a_p
     )
     pod = PodSummary.of(
         {
-            "metadata": {"name": unit.name},
+            "metadata": {"name": unit.name, "ownerReferences": [{"uid": "units", "controller": True}]},
             "status": {
                 "phase": "Running",
                 "podIP": "127.0.0.1",
@@ -188,12 +188,19 @@ def test_a_request_whose_image_was_not_primed_counts_one_fallback_encode_and_a_p
                 {
                     "apiVersion": "epd.vime.dev/v1alpha1",
                     "kind": "EPDDeployment",
-                    "metadata": {"namespace": "ns", "name": "janitor"},
+                    "metadata": {"namespace": "ns", "name": "janitor", "uid": "epd"},
                 }
             )
             key = ("ns", "janitor")
+            units = StatefulSetSummary(
+                name=unit.name.rsplit("-", 1)[0], spec_hash=None, uid="units", controller_uid="epd"
+            )
             indexes = Indexes(
-                deployments={key: [deployment]}, stateful_sets={}, services={}, budgets={}, pods={key: [pod]}
+                deployments={key: [deployment]},
+                stateful_sets={key: [units]},
+                services={},
+                budgets={},
+                pods={key: [pod]},
             )
             await scraper.scrape(session, indexes)
 

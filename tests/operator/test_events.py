@@ -3,6 +3,7 @@ that only confirms what the operator applied or wrote does not (no cluster)."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 
 import kopf
@@ -125,3 +126,21 @@ async def test_the_child_indexes_say_whether_the_posts_update_entry_still_owns_f
 
     assert await indexed("Update")  # created by POST: the next apply reads and takes it over first
     assert not await indexed("Apply")  # taken over: applied to without a read
+
+
+async def test_the_liveness_probe_fails_while_reconcile_workers_are_gone():
+    reconciler = watching()
+    memo = kopf.Memo(reconciler=reconciler)
+    assert handlers.workers_alive(memo=memo) == 0  # no event yet: no queue, nothing missing
+    reconciler.enqueue_after(KEY, 3600)  # starts the queue
+    try:
+        assert handlers.workers_alive(memo=memo) == reconciler.settings.max_concurrent_reconciles
+        # As if the workers had died for good.
+        reconciler._queue._closing = True
+        for worker in list(reconciler._queue._workers):
+            worker.cancel()
+        await asyncio.sleep(0)
+        with pytest.raises(kopf.PermanentError, match="16 of 16 reconcile workers are gone"):
+            handlers.workers_alive(memo=memo)
+    finally:
+        await reconciler.aclose()

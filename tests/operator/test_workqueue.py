@@ -121,3 +121,39 @@ async def test_a_delayed_add_of_a_waiting_key_adds_nothing():
     await queue.join()
     assert runs == ["blocker", "a"]
     await queue.aclose()
+
+
+def test_backoff_grows_to_its_maximum_and_never_overflows():
+    async def run() -> list[float]:
+        queue: WorkQueue[str] = WorkQueue(lambda key: asyncio.sleep(0), workers=1, max_backoff=60)
+        try:
+            return [queue.backoff(n) for n in (1, 2, 5, 6, 1024, 10**6)]
+        finally:
+            await queue.aclose()
+
+    assert asyncio.run(run()) == [2, 4, 32, 60, 60, 60]
+
+
+async def test_a_worker_that_dies_is_replaced_and_the_keys_still_run():
+    done: list[str] = []
+
+    class Fatal(BaseException):
+        """Not an Exception: it gets past the retry and kills the worker, as a bug in the queue would."""
+
+    async def reconcile(key: str) -> None:
+        if key == "poison":
+            raise Fatal
+        done.append(key)
+
+    queue: WorkQueue[str] = WorkQueue(reconcile, workers=2)
+    try:
+        queue.add("poison")
+        await asyncio.sleep(0.05)
+        assert queue.alive == 2  # replaced at once
+        queue.add("a")
+        queue.add("b")
+        await queue.join()
+        assert sorted(done) == ["a", "b"]
+    finally:
+        await queue.aclose()
+    assert queue.alive == 0

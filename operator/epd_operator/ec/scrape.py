@@ -25,6 +25,9 @@ from .quantity import human_bytes
 
 logger = logging.getLogger(__name__)
 
+# A janitor's /metrics is a few KiB; a pod answering more is not one, and is not read further.
+MAX_METRICS_BYTES = 2**20
+
 
 @dataclass(frozen=True)
 class JanitorMetrics:
@@ -164,14 +167,20 @@ class JanitorScraper:
         fallback encodes grew, and report deployments whose counts changed. Janitors that do not
         answer keep their last counts; units no longer running are forgotten."""
         targets = {
-            (key, pod.name): ip for key, pods in indexes.pods.items() for pod in pods if (ip := _janitor_ip(pod.tree()))
+            (key, pod.name): ip
+            for key in list(indexes.pods)
+            for pod in indexes.owned_pods(key)
+            if (ip := _janitor_ip(pod.tree()))
         }
 
         async def scrape(ip: str) -> JanitorMetrics | None:
             try:
                 async with session.get(f"http://{ip}:{self._port}/metrics") as response:
                     response.raise_for_status()
-                    return parse_metrics(await response.text())
+                    body = await response.content.read(MAX_METRICS_BYTES + 1)
+                    if len(body) > MAX_METRICS_BYTES:
+                        raise ValueError(f"more than {MAX_METRICS_BYTES} bytes: not a janitor's few metrics")
+                    return parse_metrics(body.decode("utf-8", errors="replace"))
             except (aiohttp.ClientError, TimeoutError, ValueError) as error:
                 logger.debug("janitor at %s not scraped: %r", ip, error)  # normal while pods come and go
                 return None
