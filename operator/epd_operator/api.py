@@ -349,6 +349,44 @@ class Router(Schema):
     resources: ResourceRequirements | None = Field(default=None, description="Router container resources.")
 
 
+class NetworkPolicySpec(Schema):
+    """Who reaches the pods of the EPDDeployment (a NetworkPolicy the operator owns). Each pod is
+    always reachable by the EPDDeployment's own pods (units and encoder pools), on every port."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Create the NetworkPolicy. Enforced only where the cluster's network plugin implements "
+        "NetworkPolicy (docs/security.md).",
+    )
+    clients: list[OpenObject] | None = Field(
+        default=None,
+        max_length=32,
+        description=(
+            "NetworkPolicy peers (podSelector / namespaceSelector / ipBlock) allowed on the front port and the "
+            "engines' HTTP ports, where clients prime encoders, render, generate and pause engines; default: every "
+            "pod of the EPDDeployment's namespace. Never the side channels or the janitors."
+        ),
+    )
+    monitoring: list[OpenObject] = Field(
+        default_factory=list,
+        max_length=32,
+        description="Peers allowed to scrape the engines' and janitors' /metrics too (e.g. Prometheus' namespace).",
+    )
+
+
+class APIKeySecret(Schema):
+    """A key of a Secret in the EPDDeployment's namespace."""
+
+    name: str = Field(min_length=1, max_length=253, description="The Secret's name.")
+    key: str = Field(min_length=1, max_length=253, description="The key in the Secret.")
+
+
+class APIKey(Schema):
+    """An API key every engine requires (vLLM's VLLM_API_KEY, read from the Secret, never an argument)."""
+
+    secret_key_ref: APIKeySecret = Field(description="The Secret key holding it.")
+
+
 class ServiceType(str, enum.Enum):
     cluster_ip = "ClusterIP"
     node_port = "NodePort"
@@ -486,6 +524,16 @@ class EPDDeploymentSpec(Schema):
     kv_connector: KVConnector = Field(default_factory=KVConnector, description="KV connector.")
     router: Router = Field(default_factory=Router, description="vllm-router settings.")
     service: FrontService = Field(default_factory=FrontService, description="Each model's front Service.")
+    network_policy: NetworkPolicySpec = Field(
+        default_factory=NetworkPolicySpec, description="Who reaches the pods (a NetworkPolicy the operator owns)."
+    )
+    api_key: APIKey | None = Field(
+        default=None,
+        description=(
+            "Every engine requires `Authorization: Bearer <key>` on its API (/v1, /inference): VLLM_API_KEY from "
+            "this Secret. vllm-router passes the client's header on; epd_client sends it (api_key=)."
+        ),
+    )
     shm: Shm = Field(default_factory=Shm, description="Shared /dev/shm emptyDir.")
     ports: Ports = Field(default_factory=Ports, description="Container ports.")
     probes: Probes = Field(default_factory=Probes, description="Engine probes.")

@@ -24,7 +24,7 @@ def _load_manifest(path: str) -> dict[str, Any]:
 def _render(args: argparse.Namespace) -> None:
     from .render import commands_json, format_commands, render
     from .resources import desired_children
-    from .settings import own_image
+    from .settings import own_image, own_namespace
     from .validation import validate
 
     manifest = _load_manifest(args.file)
@@ -35,7 +35,9 @@ def _render(args: argparse.Namespace) -> None:
     if args.objects:
         # What the operator would create, for review and scanners (it adds ownerReferences
         # to its EPDDeployment and a spec-hash annotation, which depend on the live object).
-        children = desired_children(checked.spec, name, plans, args.janitor_image or own_image())
+        children = desired_children(
+            checked.spec, name, plans, args.janitor_image or own_image(), operator_namespace=own_namespace()
+        )
         for child in children:
             child["metadata"]["namespace"] = namespace
         print(yaml.safe_dump_all(children, sort_keys=False), end="")
@@ -71,7 +73,7 @@ def _crds(args: argparse.Namespace) -> None:
 
 def _run(args: argparse.Namespace) -> None:
     from .runner import run
-    from .settings import Settings, own_image
+    from .settings import Settings, own_image, own_namespace
     from .validation import Limits
 
     run(
@@ -87,6 +89,7 @@ def _run(args: argparse.Namespace) -> None:
             janitor_scrape_interval=args.janitor_scrape_interval,
             janitor_scrape_rate=args.janitor_scrape_rate,
             limits=Limits(max_gpus_per_pod=args.max_gpus_per_pod),
+            operator_namespace=own_namespace(),
         ),
         log_level=args.log_level,
         log_format=args.log_format,

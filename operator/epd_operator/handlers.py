@@ -18,6 +18,7 @@ from .indexes import (
     DeploymentSummary,
     Indexes,
     Key,
+    NetworkPolicySummary,
     PodSummary,
     Ref,
     ServiceSummary,
@@ -94,6 +95,7 @@ async def keep_indexes(memo: kopf.Memo, **indexes: Any) -> None:
             services=indexes["services"],
             budgets=indexes["budgets"],
             pods=indexes["pods"],
+            network_policies=indexes["network_policies"],
         )
     )
 
@@ -128,6 +130,13 @@ async def budgets(
     namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any
 ) -> dict[Key, BudgetSummary]:
     return {owner_key(namespace, labels): BudgetSummary.of(body)}
+
+
+@kopf.index("networking.k8s.io", "v1", "networkpolicies", labels=OURS)
+async def network_policies(
+    namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any
+) -> dict[Key, NetworkPolicySummary]:
+    return {owner_key(namespace, labels): NetworkPolicySummary.of(body)}
 
 
 @kopf.index("pods", labels=OURS)
@@ -169,6 +178,7 @@ async def set_changed(
 
 @kopf.on.event("services", labels=OURS)
 @kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=OURS)
+@kopf.on.event("networking.k8s.io", "v1", "networkpolicies", labels=OURS)
 async def child_changed(
     memo: kopf.Memo,
     type: str,
@@ -180,7 +190,7 @@ async def child_changed(
 ) -> None:
     key, ref = owner_key(namespace, labels), (body["kind"], meta.name or "")
     memo.reconciler.expectations.observed(key, ref)
-    # The status reads neither Services nor budgets: a confirming event has nothing to refresh.
+    # The status reads none of these kinds: a confirming event has nothing to refresh.
     if type == "DELETED" or not confirms(memo.reconciler, key, ref, meta.annotations.get(ANNOTATION_SPEC_HASH)):
         memo.reconciler.enqueue(key)
 

@@ -8,6 +8,7 @@ kubectl's last-applied copy of every spec would dominate the operator's memory a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
@@ -122,6 +123,7 @@ class StatefulSetSummary(ChildSummary):
 
     observed: bool = True  # status.observedGeneration == metadata.generation
     replicas: int = 1
+    created_replicas: int = 0  # status.replicas: its pods that exist
     updated_replicas: int = 0
     current_revision: str | None = None
     update_revision: str | None = None
@@ -133,6 +135,7 @@ class StatefulSetSummary(ChildSummary):
             **cls._common(body),
             observed=status.get("observedGeneration") == metadata.get("generation"),
             replicas=spec.get("replicas", 1),
+            created_replicas=status.get("replicas", 0),
             updated_replicas=status.get("updatedReplicas", 0),
             current_revision=status.get("currentRevision"),
             update_revision=status.get("updateRevision"),
@@ -162,6 +165,15 @@ class BudgetSummary(ChildSummary):
 
     @classmethod
     def of(cls, body: Mapping[str, Any]) -> BudgetSummary:
+        return cls(**cls._common(body))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NetworkPolicySummary(ChildSummary):
+    KIND: ClassVar[str] = "NetworkPolicy"
+
+    @classmethod
+    def of(cls, body: Mapping[str, Any]) -> NetworkPolicySummary:
         return cls(**cls._common(body))
 
 
@@ -218,6 +230,7 @@ class Indexes:
     services: Mapping[Key, Collection[ServiceSummary]]
     budgets: Mapping[Key, Collection[BudgetSummary]]
     pods: Mapping[Key, Collection[PodSummary]]
+    network_policies: Mapping[Key, Collection[NetworkPolicySummary]] = dataclasses.field(default_factory=dict)
 
     def deployment(self, key: Key) -> DeploymentSummary | None:
         """The EPDDeployment as last seen; None once deleted."""
@@ -225,7 +238,12 @@ class Indexes:
 
     def children(self, key: Key) -> list[ChildSummary]:
         """Every child of the EPDDeployment the watches show."""
-        return [*self.stateful_sets.get(key, ()), *self.services.get(key, ()), *self.budgets.get(key, ())]
+        return [
+            *self.stateful_sets.get(key, ()),
+            *self.services.get(key, ()),
+            *self.budgets.get(key, ()),
+            *self.network_policies.get(key, ()),
+        ]
 
     def owned_pods(self, key: Key) -> list[PodSummary]:
         """The deployment's pods whose controller is one of its own StatefulSets (anyone can

@@ -25,6 +25,7 @@ CHILD_KINDS = {
     "StatefulSet": "/apis/apps/v1/namespaces/{ns}/statefulsets",
     "Service": "/api/v1/namespaces/{ns}/services",
     "PodDisruptionBudget": "/apis/policy/v1/namespaces/{ns}/poddisruptionbudgets",
+    "NetworkPolicy": "/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies",
 }
 
 
@@ -138,6 +139,25 @@ class Kube:
         except KubeError as error:
             if error.status_code != 404:  # the pod is gone: its replacement gets its own patch
                 raise
+
+    async def latest_event(self, namespace: str, kind: str, name: str, reason: str) -> str | None:
+        """The message of the newest Event of `reason` about an object (e.g. a StatefulSet's
+        FailedCreate: why it cannot create a pod), None if there is none."""
+        selector = f"involvedObject.kind={kind},involvedObject.name={name},reason={reason}"
+        raw = await self._call(
+            "GET",
+            f"/api/v1/namespaces/{namespace}/events",
+            None,
+            "application/json",
+            params={"fieldSelector": selector},
+        )
+        events = json.loads(raw).get("items") or []
+
+        def when(event: dict[str, Any]) -> str:
+            return str(event.get("lastTimestamp") or event.get("eventTime") or "")
+
+        newest = max(events, key=when, default=None)
+        return str(newest.get("message") or "") if newest else None
 
     async def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         """Replace the whole status with a merge patch (lists such as conditions are replaced)."""

@@ -58,10 +58,13 @@ class PlanCache:
     out first). `janitor_image` is the operator's own: every unit's EC janitor runs it; `limits`
     bound every spec (validation.Limits)."""
 
-    def __init__(self, size: int, janitor_image: str, limits: Limits | None = None) -> None:
+    def __init__(
+        self, size: int, janitor_image: str, limits: Limits | None = None, operator_namespace: str | None = None
+    ) -> None:
         self._size = size
         self._janitor_image = janitor_image
         self._limits = limits or Limits()
+        self._operator_namespace = operator_namespace
         self._cache: collections.OrderedDict[PlanKey, CheckedGeneration | SpecError] = collections.OrderedDict()
 
     def plan(self, body: kopf.Body) -> Planned:
@@ -97,7 +100,9 @@ class PlanCache:
         return self._owned(body, planned.spec, planned.plans)
 
     def _owned(self, body: kopf.Body, spec: api.EPDDeploymentSpec, plans: list[ModelPlan]) -> list[dict[str, Any]]:
-        children = desired_children(spec, body.metadata.name, plans, self._janitor_image)
+        children = desired_children(
+            spec, body.metadata.name or "", plans, self._janitor_image, operator_namespace=self._operator_namespace
+        )
         kopf.adopt(children, owner=body)
         for child in children:
             child["metadata"].setdefault("annotations", {})[ANNOTATION_SPEC_HASH] = digest(child)

@@ -48,11 +48,15 @@ class Reconciler:
         self.settings = settings
         self.metrics = OperatorMetrics()
         self.session = KubeSession(kube)
-        self.plans = PlanCache(settings.plan_cache_size, settings.janitor_image, settings.limits)
+        self.plans = PlanCache(
+            settings.plan_cache_size, settings.janitor_image, settings.limits, settings.operator_namespace
+        )
         self.expectations = Expectations(settings.created_settle_seconds)
         self.scraper = JanitorScraper(warn=warn, changed=self.enqueue, rate=settings.janitor_scrape_rate)
         self.children = ChildWriter(self.session, self.expectations, self.enqueue_after)
-        self.status = StatusWriter(self.session, self.scraper, self.metrics, warn=warn, inform=inform)
+        self.status = StatusWriter(
+            self.session, self.scraper, self.metrics, warn=warn, inform=inform, requeue_after=self.enqueue_after
+        )
         self._warn = warn
         self._indexes: Indexes | None = None
         self._queue: WorkQueue[Key] | None = None

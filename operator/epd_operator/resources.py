@@ -22,6 +22,7 @@ from typing import Any
 from . import api
 from .ec.budget import effective_max_bytes
 from .ec.quantity import byte_quantity, parse_quantity
+from .layout import pool_ports, unit_ports
 from .render import EngineCommand, ModelPlan, RouterCommand
 
 FIELD_MANAGER = "epd-operator"
@@ -61,6 +62,8 @@ CONTAINER_SECURITY_CONTEXT: dict[str, Any] = {"allowPrivilegeEscalation": False,
 # A uid with no entry in the image's /etc/passwd gets HOME=/, which it cannot write; vLLM keeps
 # its caches and config under HOME (~/.cache/vllm, ~/.config/vllm), so engines get one here.
 HOME_VOLUME = "home"
+# vLLM reads its API key from here when no --api-key is given.
+API_KEY_ENV = "VLLM_API_KEY"
 HOME_PATH = "/home/vllm"
 
 
@@ -102,13 +105,27 @@ def common_labels(deployment: str, model: str, role: str) -> dict[str, str]:
     }
 
 
-def _env(command: EngineCommand, extra: list[api.EnvVar]) -> list[dict[str, Any]]:
-    """Rendered env, then the user's; a user variable of the same name replaces the rendered one."""
+def network_policy_labels(deployment: str) -> dict[str, str]:
+    return {
+        LABEL_NAME: "epd",
+        LABEL_INSTANCE: deployment,
+        LABEL_COMPONENT: "network-policy",
+        LABEL_MANAGED_BY: FIELD_MANAGER,
+        LABEL_DEPLOYMENT: deployment,
+    }
+
+
+def _env(command: EngineCommand, extra: list[api.EnvVar], api_key: api.APIKey | None) -> list[dict[str, Any]]:
+    """Rendered env, then the user's; a user variable of the same name replaces the rendered one.
+    The API key comes from its Secret: an argument would show in the pod spec and in logs."""
     user = [e.model_dump(by_alias=True, exclude_none=True) for e in extra]
     overridden = {u["name"] for u in user}
     fields = [{"name": k, "valueFrom": {"fieldRef": {"fieldPath": path}}} for k, path in command.field_env.items()]
     rendered: list[dict[str, Any]] = [{"name": "HOME", "value": HOME_PATH}]
     rendered += [{"name": k, "value": v} for k, v in command.env.items()] + fields
+    if api_key is not None:
+        ref = {"name": api_key.secret_key_ref.name, "key": api_key.secret_key_ref.key}
+        rendered.append({"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": ref}})
     return [e for e in rendered if e["name"] not in overridden] + user
 
 
@@ -190,7 +207,7 @@ def _engine_container(
         "image": spec.image,
         "command": command.args[:2],
         "args": command.args[2:],
-        "env": _env(command, [*spec.env, *group.env]),
+        "env": _env(command, [*spec.env, *group.env], spec.api_key),
         "ports": ports,
         "resources": _resources(command.gpus, group.resources, ENGINE_REQUESTS, shm_bytes),
         "volumeMounts": [
@@ -495,11 +512,74 @@ def pool_service(deployment: str, plan: ModelPlan) -> dict[str, Any]:
     }
 
 
+# --------------------------------------------------------------------------- network policy
+
+
+def _tcp(low: int, high: int) -> dict[str, Any]:
+    port: dict[str, Any] = {"protocol": "TCP", "port": low}
+    if high > low:
+        port["endPort"] = high
+    return port
+
+
+def serving_ports(spec: api.EPDDeploymentSpec, plans: list[ModelPlan]) -> list[dict[str, Any]]:
+    """Where clients talk to the deployment's pods: each model's front port and its engines' HTTP
+    ports (prime, render, generate, pause). Not the NIXL or EC side channels, nor the janitors."""
+    ports = []
+    for plan in plans:
+        model = spec.model(plan.name)
+        blocks = [unit_ports(spec, model)["ports.engineBase"]]
+        if plan.pooled:
+            blocks.append(pool_ports(spec, model)["ports.engineBase"])
+        if plan.router is not None:
+            blocks.append((plan.router.port, plan.router.port))
+        ports += [_tcp(low, high) for low, high in blocks if high >= low]
+    unique = {json.dumps(p, sort_keys=True): p for p in ports}
+    return list(unique.values())
+
+
+def network_policy(
+    spec: api.EPDDeploymentSpec, deployment: str, plans: list[ModelPlan], operator_namespace: str | None
+) -> dict[str, Any]:
+    """Ingress to every pod of the EPDDeployment: from its own pods on every port (a unit's
+    consumers reach their pool's encoders and side channels); from the client peers on the
+    serving ports (default: every pod of the namespace); from the monitoring peers on those and
+    the janitors' metrics port; from the operator's namespace on the janitors' metrics port
+    (the operator reads their counters). Only allowed peers can prime an encoder: no other
+    tenant can write under an EC store key this deployment reads."""
+    policy = spec.network_policy
+    own = {"podSelector": {"matchLabels": {LABEL_DEPLOYMENT: deployment, LABEL_MANAGED_BY: FIELD_MANAGER}}}
+    serving = serving_ports(spec, plans)
+    janitor = [_tcp(JANITOR_METRICS_PORT, JANITOR_METRICS_PORT)] if any(p.ec_storage_path for p in plans) else []
+    clients = [{"podSelector": {}}] if policy.clients is None else policy.clients
+    ingress: list[dict[str, Any]] = [{"from": [own]}]
+    if clients:
+        ingress.append({"from": clients, "ports": serving})
+    if policy.monitoring:
+        ingress.append({"from": policy.monitoring, "ports": serving + janitor})
+    if janitor and operator_namespace:
+        namespace = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": operator_namespace}}}
+        ingress.append({"from": [namespace], "ports": janitor})
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": child_name(deployment, "", limit=63), "labels": network_policy_labels(deployment)},
+        "spec": {"podSelector": own["podSelector"], "policyTypes": ["Ingress"], "ingress": ingress},
+    }
+
+
 def desired_children(
-    spec: api.EPDDeploymentSpec, deployment: str, plans: list[ModelPlan], operator_image: str
+    spec: api.EPDDeploymentSpec,
+    deployment: str,
+    plans: list[ModelPlan],
+    operator_image: str,
+    *,
+    operator_namespace: str | None = None,
 ) -> list[dict[str, Any]]:
     """Per model: its units' StatefulSet, two Services and a PodDisruptionBudget (with Pools also
-    its encoder pool's StatefulSet, Service and budget). `operator_image` runs the janitors."""
+    its encoder pool's StatefulSet, Service and budget); and the deployment's NetworkPolicy.
+    `operator_image` runs the janitors; `operator_namespace` (where the operator runs, if known)
+    may scrape them."""
     children = []
     for plan in plans:
         units = statefulset(spec, deployment, plan, operator_image)
@@ -507,4 +587,6 @@ def desired_children(
         if plan.pooled:
             pool = pool_statefulset(spec, deployment, plan)
             children += [pool, pool_service(deployment, plan), pod_disruption_budget(spec, pool)]
+    if spec.network_policy.enabled:
+        children.append(network_policy(spec, deployment, plans, operator_namespace))
     return children

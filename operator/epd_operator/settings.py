@@ -10,6 +10,12 @@ from .validation import Limits
 
 # The Helm chart sets this to the operator's own image; each unit's EC janitor runs from it.
 IMAGE_ENV = "EPD_OPERATOR_IMAGE"
+# ...and this to the namespace the operator runs in: each NetworkPolicy lets it read the janitors.
+NAMESPACE_ENV = "EPD_OPERATOR_NAMESPACE"
+
+
+def own_namespace() -> str | None:
+    return os.environ.get(NAMESPACE_ENV) or None
 
 
 def own_image() -> str:
@@ -37,6 +43,8 @@ class Settings:
     created_settle_seconds: float = 5.0
     """How long a child this operator created counts as existing while no watch event of it has
     come (a loaded API server delivers it well within a second)."""
+    operator_namespace: str | None = None
+    """Where the operator runs (if it knows): the NetworkPolicies admit it to the janitors' metrics."""
     limits: Limits = field(default_factory=Limits)
     """Bounds every spec is held to beyond the CRD's (validation.Limits)."""
     plan_cache_size: int = 4096

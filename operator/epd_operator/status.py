@@ -58,13 +58,18 @@ def observe_unit(
     ec_evictions: int | None = None,
     pool: Pool | None = None,
     fallback_encodes: int | None = None,
+    create_failure: str | None = None,
 ) -> ObservedPod:
     """What one unit's pod says about it; `pod` is None while it does not exist yet.
     `ec_evictions`, `fallback_encodes`: its janitor's counters, as the operator last scraped them.
-    `pool`: the model's encoder pool (placement Pools), whose encoders the unit's consumers need."""
+    `pool`: the model's encoder pool (placement Pools), whose encoders the unit's consumers need.
+    `create_failure`: why its StatefulSet cannot create the pods it lacks (its FailedCreate Event)."""
     if pod is None:
-        status = api.UnitStatus(name=unit_name, pod=unit_name, reason="PodMissing", message="pod not created yet")
-        return ObservedPod(unit_name, plan.name, False, False, True, False, "PodMissing", status.message or "", status)
+        reason, message = "PodMissing", "pod not created yet"
+        if create_failure:  # not progress: admission, a quota or a webhook refuses the pod
+            reason, message = "FailedCreate", f"the StatefulSet cannot create the pod: {create_failure}"
+        status = api.UnitStatus(name=unit_name, pod=unit_name, reason=reason, message=message)
+        return ObservedPod(unit_name, plan.name, False, False, not create_failure, False, reason, message, status)
     ip = pod.get("status", {}).get("podIP")
     containers = _containers(pod)
     encoders, consumers = plan.unit_encoders, plan.consumers
@@ -185,13 +190,22 @@ class Pool:
         )
 
 
-def observe_pool(deployment: str, spec: api.EPDDeploymentSpec, plan: ModelPlan, pods: Mapping[str, Pod]) -> Pool:
+def observe_pool(
+    deployment: str,
+    spec: api.EPDDeploymentSpec,
+    plan: ModelPlan,
+    pods: Mapping[str, Pod],
+    create_failure: str | None = None,
+) -> Pool:
     """The encoder pool of a Pools model from its pods (by name)."""
     name = pool_name(deployment, plan.name)
     # A pool pod holds the model's encoders and nothing else: observed as a unit of that shape.
     encoders_only = dataclasses.replace(plan, engines=plan.encoders, router=None, placement=api.Placement.unit)
     members = [
-        dataclasses.replace(observe_unit(encoders_only, pod_name, pods.get(pod_name)), kind="encoder pod")
+        dataclasses.replace(
+            observe_unit(encoders_only, pod_name, pods.get(pod_name), create_failure=create_failure),
+            kind="encoder pod",
+        )
         for pod_name in (f"{name}-{i}" for i in range(spec.model(plan.name).encoder_replicas))
     ]
     return Pool(name, plan.name, members)
@@ -287,11 +301,13 @@ def compute_status(
     evictions: Mapping[str, int] | None = None,
     fallback_encodes: Mapping[str, int] | None = None,
     write_failure: tuple[str, str] | None = None,
+    create_failures: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """The full status from the pods and StatefulSets of this deployment (each by name);
     `evictions`, `fallback_encodes`: budget evictions and consumers' fallback encodes by unit
     name, for the units whose janitor the operator scraped; `write_failure`: (reason, message)
-    of a child this reconcile could not write (the spec is not applied until it goes)."""
+    of a child this reconcile could not write (the spec is not applied until it goes);
+    `create_failures`: by StatefulSet name, why it cannot create the pods it lacks."""
     models: list[api.ModelStatus] = []
     units: list[ObservedPod] = []
     pools: list[Pool] = []
@@ -301,10 +317,15 @@ def compute_status(
     new_revision = False  # a template change in flight (a scale changes no revision)
     existing_per_model = []
     for plan in plans:
-        pool = observe_pool(deployment, spec, plan, pods) if plan.pooled else None
+        failures = create_failures or {}
+        pool_failure = failures.get(pool_name(deployment, plan.name))
+        pool = observe_pool(deployment, spec, plan, pods, pool_failure) if plan.pooled else None
+        unit_failure = failures.get(child_name(deployment, plan.name))
         pools += [pool] if pool else []
         observed = [
-            observe_unit(plan, n, pods.get(n), (evictions or {}).get(n), pool, (fallback_encodes or {}).get(n))
+            observe_unit(
+                plan, n, pods.get(n), (evictions or {}).get(n), pool, (fallback_encodes or {}).get(n), unit_failure
+            )
             for n in unit_names(deployment, plan, spec.replicas)
         ]
         units += observed

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import kopf
@@ -27,17 +28,34 @@ from .status import compute_status, encoder_gates, invalid_status
 from .validation import SpecError
 
 KOPF_FIELD = "kopf"  # kopf's own bookkeeping in the status: not the operator's
+# A StatefulSet lacking pods for this long (a scale-up creates them within seconds) has its
+# FailedCreate Events read, again every CREATE_FAILURE_RECHECK seconds while it lacks them.
+CREATE_FAILURE_GRACE = 10.0
+CREATE_FAILURE_RECHECK = 10.0
 
 
 class StatusWriter:
     def __init__(
-        self, session: KubeSession, scraper: JanitorScraper, metrics: OperatorMetrics, *, warn: Post, inform: Post
+        self,
+        session: KubeSession,
+        scraper: JanitorScraper,
+        metrics: OperatorMetrics,
+        *,
+        warn: Post,
+        inform: Post,
+        requeue_after: Callable[[Key, float], None] = lambda _key, _delay: None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._session = session
         self._scraper = scraper
         self._metrics = metrics
         self._warn = warn
         self._inform = inform
+        self._requeue_after = requeue_after
+        self._clock = clock
+        # Per (key, StatefulSet) lacking pods: since when, and its FailedCreate Event as last read.
+        self._lacking: dict[tuple[Key, str], float] = {}
+        self._create_failures: dict[tuple[Key, str], tuple[float, str | None]] = {}
         self._written: dict[Key, str] = {}  # hash of the status last written (or found right)
         self._refusals: dict[Key, tuple[str, str]] = {}  # (reason, message) of a refused child, until a write goes
 
@@ -59,12 +77,16 @@ class StatusWriter:
     def forget(self, key: Key) -> None:
         self._written.pop(key, None)
         self._refusals.pop(key, None)
+        for entries in (self._lacking, self._create_failures):
+            for ref in [ref for ref in entries if ref[0] == key]:
+                del entries[ref]
 
     async def write(self, key: Key, body: kopf.Body, planned: Planned, indexes: Indexes) -> bool:
         """Patch the status computed from the pods and StatefulSets the indexes show, if it
         changed; True if it did (a refusal said again writes nothing)."""
         namespace, name = key
         previous = dict(body.status)
+        failures = await self._read_create_failures(key, body, indexes)
         status = compute_status(
             deployment=name,
             spec=planned.spec,
@@ -77,6 +99,7 @@ class StatusWriter:
             evictions=self._scraper.evictions(key),
             fallback_encodes=self._scraper.fallback_encodes(key),
             write_failure=self._refusals.get(key),
+            create_failures=failures,
         )
         self._metrics.set_ready_units(namespace, name, sum(m["readyUnits"] for m in status["models"]))
         self._written[key] = status_hash(status)
@@ -91,6 +114,36 @@ class StatusWriter:
         self._tell_the_rollout(body, previous, status)
         await self._session.client.patch_status(namespace, name, status)
         return True
+
+    async def _read_create_failures(self, key: Key, body: kopf.Body, indexes: Indexes) -> dict[str, str]:
+        """Why each StatefulSet that has lacked pods for CREATE_FAILURE_GRACE seconds cannot create
+        them (its newest FailedCreate Event: admission, a quota, a webhook), by StatefulSet name.
+        The StatefulSet controller says it nowhere else; a Warning Event on the EPDDeployment
+        repeats each new reason."""
+        now, found = self._clock(), {}
+        for stateful_set in indexes.stateful_sets.get(key, ()):
+            ref = (key, stateful_set.name)
+            if not stateful_set.observed or stateful_set.created_replicas >= stateful_set.replicas:
+                self._lacking.pop(ref, None)
+                self._create_failures.pop(ref, None)
+                continue
+            waited = now - self._lacking.setdefault(ref, now)
+            if waited < CREATE_FAILURE_GRACE:
+                self._requeue_after(key, CREATE_FAILURE_GRACE - waited)
+                continue
+            checked_at, message = self._create_failures.get(ref, (None, None))
+            if checked_at is None or now - checked_at >= CREATE_FAILURE_RECHECK:
+                latest = await self._session.client.latest_event(
+                    key[0], "StatefulSet", stateful_set.name, "FailedCreate"
+                )
+                if latest and latest != message:
+                    self._warn(body, "FailedCreate", f"StatefulSet {stateful_set.name}: {latest}")
+                self._create_failures[ref] = (now, latest)
+                message = latest
+                self._requeue_after(key, CREATE_FAILURE_RECHECK)
+            if message:
+                found[stateful_set.name] = message
+        return found
 
     async def report_invalid(self, key: Key, body: kopf.Body, error: SpecError) -> None:
         """Validated=False with every rule's message, and one InvalidSpec Event per generation."""

@@ -76,6 +76,7 @@ def test_valid_specs_are_accepted(spec: dict[str, Any]) -> None:
         "StatefulSet": len(spec["models"]),
         "Service": 2 * len(spec["models"]),
         "PodDisruptionBudget": len(spec["models"]),
+        "NetworkPolicy": 1,
     }
 
 

@@ -75,6 +75,24 @@ def find(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> list
     return [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
 
 
+AGGREGATE_LABELS = ("admin", "edit", "view")
+
+
+def user_roles(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ClusterRoles for users of EPDDeployments, aggregated into Kubernetes' default roles."""
+    return [
+        d
+        for d in find(docs, "ClusterRole")
+        if any(f"rbac.authorization.k8s.io/aggregate-to-{r}" in d["metadata"]["labels"] for r in AGGREGATE_LABELS)
+    ]
+
+
+def operator_roles(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The operator's own ClusterRoles."""
+    users = [r["metadata"]["name"] for r in user_roles(docs)]
+    return [d for d in find(docs, "ClusterRole") if d["metadata"]["name"] not in users]
+
+
 # The golden renders: name -> values. Regenerate with UPDATE_GOLDEN=1 (or `make chart-golden`).
 GOLDEN_CASES: dict[str, dict[str, Any]] = {
     "default": {},

@@ -11,7 +11,18 @@ import os
 import pytest
 import yaml
 
-from .chart import CHART, GOLDEN_CASES, KUBE_VERSION, documents, find, golden_path, helm, set_args, template
+from .chart import (
+    CHART,
+    GOLDEN_CASES,
+    KUBE_VERSION,
+    documents,
+    find,
+    golden_path,
+    helm,
+    operator_roles,
+    set_args,
+    template,
+)
 
 pytestmark = pytest.mark.cluster
 
@@ -70,7 +81,7 @@ def test_peering_in_all_namespaces_mode_uses_a_cluster_peering_object():
     assert "--peering=epd-operator" in container["args"] and "--standalone" not in container["args"]
     (peering,) = find(docs, "ClusterKopfPeering", "epd-operator")
     assert peering["apiVersion"] == "kopf.dev/v1"
-    (cluster_role,) = find(docs, "ClusterRole")
+    (cluster_role,) = operator_roles(docs)
     assert {
         "apiGroups": ["kopf.dev"],
         "resources": ["clusterkopfpeerings"],

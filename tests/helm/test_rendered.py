@@ -9,7 +9,17 @@ import pytest
 
 from epd_operator.cli import build_parser
 
-from .chart import CHART, GOLDEN_CASES, documents, find, golden_path, operator_args
+from .chart import (
+    CHART,
+    GOLDEN_CASES,
+    documents,
+    find,
+    golden_path,
+    operator_args,
+    operator_roles,
+    template,
+    user_roles,
+)
 
 # Every rule the operator's ServiceAccount gets in the namespaces it watches, and why.
 NAMESPACED_RULES = [
@@ -35,12 +45,19 @@ NAMESPACED_RULES = [
         "resources": ["poddisruptionbudgets"],
         "verbs": ["get", "list", "watch", "create", "patch", "delete"],
     },
+    # ... and its NetworkPolicy.
+    {
+        "apiGroups": ["networking.k8s.io"],
+        "resources": ["networkpolicies"],
+        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
+    },
     # Unit pods: read for the status.
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
     # A Pools model's unit pods: the encoders-ready readiness gate's condition, nothing else.
     {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch"]},
-    # kopf posts Warning events (InvalidSpec).
-    {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+    # kopf posts Warning events (InvalidSpec); a StatefulSet lacking pods has its FailedCreate
+    # Events read (why it cannot create them).
+    {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "list"]},
 ]
 # get only of the children (kopf lists and watches; the operator reads from kopf's indexes), no
 # update, no deletecollection, no escalate/bind/impersonate.
@@ -110,7 +127,7 @@ def test_single_replica_is_recreated_never_doubled():
 def test_all_namespaces_rbac_is_one_cluster_role_with_only_the_needed_rules():
     docs = documents(golden_path("default").read_text())
     assert not find(docs, "Role") and not find(docs, "RoleBinding")
-    (role,) = find(docs, "ClusterRole")
+    (role,) = operator_roles(docs)
     assert role["rules"] == [CRD_RULE, *NAMESPACED_RULES]
     (binding,) = find(docs, "ClusterRoleBinding")
     (sa,) = find(docs, "ServiceAccount")
@@ -123,7 +140,7 @@ def test_all_namespaces_rbac_is_one_cluster_role_with_only_the_needed_rules():
 def test_namespaced_rbac_is_a_role_per_watched_namespace():
     values = GOLDEN_CASES["namespaced"]
     docs = documents(golden_path("namespaced").read_text())
-    (cluster_role,) = find(docs, "ClusterRole")
+    (cluster_role,) = operator_roles(docs)
     # Nothing namespaced cluster-wide; kopf follows Namespaces in this mode (without the rule it
     # retries the forbidden list for about a minute at every start).
     namespaces_rule = {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]}
@@ -141,7 +158,11 @@ def test_namespaced_rbac_is_a_role_per_watched_namespace():
 
 def test_no_wildcards_and_no_secrets_anywhere():
     for case in GOLDEN_CASES:
-        for doc in documents(golden_path(case).read_text()):
+        docs = documents(golden_path(case).read_text())
+        users = [r["metadata"]["name"] for r in user_roles(docs)]
+        for doc in docs:
+            if doc["metadata"]["name"] in users:
+                continue  # the users' roles: test_user_roles_aggregate_into_the_default_ones
             for rule in doc.get("rules", []):
                 assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"], rule
                 assert not {"secrets", "configmaps"} & set(rule["resources"]), rule
@@ -169,3 +190,22 @@ def test_chart_ships_kopfs_peering_crds():
         assert version["name"] == "v1" and version["served"] and version["storage"]
         status = version["schema"]["openAPIV3Schema"]["properties"]["status"]
         assert status["x-kubernetes-preserve-unknown-fields"] is True  # kopf's keep-alives live there
+
+
+def test_user_roles_aggregate_into_the_default_ones():
+    docs = documents(golden_path("default").read_text())
+    edit, view = sorted(user_roles(docs), key=lambda r: r["metadata"]["name"])
+    assert edit["metadata"]["name"].endswith("-edit") and view["metadata"]["name"].endswith("-view")
+    labels = edit["metadata"]["labels"]
+    assert (
+        labels["rbac.authorization.k8s.io/aggregate-to-edit"]
+        == labels["rbac.authorization.k8s.io/aggregate-to-admin"]
+        == "true"
+    )
+    assert view["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"] == "true"
+    assert {"create", "update", "patch", "delete"} <= set(edit["rules"][0]["verbs"])
+    assert all(set(rule["verbs"]) == {"get", "list", "watch"} for rule in view["rules"])
+    for role in (edit, view):  # nothing but EPDDeployments: the operator makes the pods
+        assert {g for rule in role["rules"] for g in rule["apiGroups"]} == {"epd.vime.dev"}
+    no_rbac = documents(template({"rbac.create": False}).stdout)
+    assert not find(no_rbac, "ClusterRole")

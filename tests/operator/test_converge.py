@@ -17,6 +17,7 @@ from epd_operator.indexes import (
     BudgetSummary,
     DeploymentSummary,
     Indexes,
+    NetworkPolicySummary,
     PodSummary,
     ServiceSummary,
     StatefulSetSummary,
@@ -108,11 +109,16 @@ def body(generation: int = 1, max_model_len: int | None = None, **spec_changes) 
 
 def watched(**indexes: dict) -> Indexes:
     """Indexes holding what is given, empty otherwise."""
-    empty = {"deployments": {}, "stateful_sets": {}, "services": {}, "budgets": {}, "pods": {}}
+    empty = {"deployments": {}, "stateful_sets": {}, "services": {}, "budgets": {}, "pods": {}, "network_policies": {}}
     return Indexes(**{**empty, **indexes})
 
 
-SUMMARIES = {"StatefulSet": StatefulSetSummary, "Service": ServiceSummary, "PodDisruptionBudget": BudgetSummary}
+SUMMARIES = {
+    "StatefulSet": StatefulSetSummary,
+    "Service": ServiceSummary,
+    "PodDisruptionBudget": BudgetSummary,
+    "NetworkPolicy": NetworkPolicySummary,
+}
 
 
 def indexes_after(children: list[dict], api: RecordingKube | None = None) -> Indexes:
@@ -133,7 +139,12 @@ def indexes_after(children: list[dict], api: RecordingKube | None = None) -> Ind
     def of(kind: str) -> dict:
         return {KEY: [SUMMARIES[kind].of(seen(c)) for c in children if c["kind"] == kind]}
 
-    return watched(stateful_sets=of("StatefulSet"), services=of("Service"), budgets=of("PodDisruptionBudget"))
+    return watched(
+        stateful_sets=of("StatefulSet"),
+        services=of("Service"),
+        budgets=of("PodDisruptionBudget"),
+        network_policies=of("NetworkPolicy"),
+    )
 
 
 async def converge(reconciler: Reconciler, b: kopf.Body, indexes: Indexes | None = None) -> None:
@@ -160,6 +171,7 @@ async def created(reconciler: Reconciler, api: RecordingKube, b: kopf.Body) -> I
 
 
 CHILDREN = [
+    ("NetworkPolicy", "qwen-vl-regular"),
     ("PodDisruptionBudget", "qwen-vl-regular-default"),
     ("Service", "qwen-vl-regular-default"),
     ("Service", "qwen-vl-regular-default-units"),
@@ -371,12 +383,14 @@ async def test_switching_to_pools_adds_the_pool_and_back_deletes_it(api, reconci
         ("Service", "qwen-vl-regular-default-encoders"),
         ("StatefulSet", "qwen-vl-regular-default-encoders"),
     ]
-    assert api.written("apply") == [("StatefulSet", "qwen-vl-regular-default")]
+    # The policy's serving ports follow the engines into their pool.
+    both = [("NetworkPolicy", "qwen-vl-regular"), ("StatefulSet", "qwen-vl-regular-default")]
+    assert sorted(api.written("apply")) == both
     assert api.written("delete") == []
     pool_indexes = indexes_after(desired(reconciler, pools_body(2, "Pools")))
     api.calls.clear()
     await converge(reconciler, pools_body(3, "Unit"), pool_indexes)
-    assert api.written("apply") == [("StatefulSet", "qwen-vl-regular-default")] and api.written("create") == []
+    assert sorted(api.written("apply")) == both and api.written("create") == []
     assert sorted(api.written("delete")) == [
         ("PodDisruptionBudget", "qwen-vl-regular-default-encoders"),
         ("Service", "qwen-vl-regular-default-encoders"),

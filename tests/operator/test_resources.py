@@ -20,7 +20,7 @@ def children_of(example: str, **spec_changes):
     return desired_children(checked.spec, name, render(checked, namespace="ns", name=name, uid="uid-1"), IMAGE)
 
 
-def test_a_statefulset_two_services_and_a_disruption_budget_per_model():
+def test_a_statefulset_two_services_and_a_disruption_budget_per_model_and_a_network_policy():
     kinds = [(c["kind"], c["metadata"]["name"]) for c in children_of("multi-model-overrides.yaml")]
     assert kinds == [
         ("StatefulSet", "rl-rollout-actor"),
@@ -31,6 +31,7 @@ def test_a_statefulset_two_services_and_a_disruption_budget_per_model():
         ("Service", "rl-rollout-reward-units"),
         ("Service", "rl-rollout-reward"),
         ("PodDisruptionBudget", "rl-rollout-reward"),
+        ("NetworkPolicy", "rl-rollout"),
     ]
 
 
@@ -70,7 +71,7 @@ def test_every_engine_shares_one_memory_backed_shm_and_gets_its_gpus():
 
 
 def test_router_only_with_several_consumers_and_front_service_targets_it():
-    actor, _, actor_front, _, reward, _, reward_front, _ = children_of("multi-model-overrides.yaml")
+    actor, _, actor_front, _, reward, _, reward_front, _, _policy = children_of("multi-model-overrides.yaml")
     actor_names = [c["name"] for c in actor["spec"]["template"]["spec"]["containers"]]
     assert actor_names == ["regular-0", "regular-1", "router", "janitor"]
     router = actor["spec"]["template"]["spec"]["containers"][2]
@@ -86,15 +87,15 @@ def test_router_only_with_several_consumers_and_front_service_targets_it():
 
 
 def test_the_front_service_takes_its_type_annotations_and_headlessness_from_the_spec():
-    _, units, front, _ = children_of("encoder-regular.yaml")
+    _, units, front, _, _policy = children_of("encoder-regular.yaml")
     assert front["spec"]["type"] == "ClusterIP" and "clusterIP" not in front["spec"], "the API server allocates one"
     assert "annotations" not in front["metadata"]
-    _, _, front, _ = children_of(
+    _, _, front, _, _policy = children_of(
         "encoder-regular.yaml", service={"type": "LoadBalancer", "annotations": {"lb.example/internal": "true"}}
     )
     assert front["spec"]["type"] == "LoadBalancer"
     assert front["metadata"]["annotations"] == {"lb.example/internal": "true"}
-    _, headless_units, front, _ = children_of("encoder-regular.yaml", service={"headless": True})
+    _, headless_units, front, _, _policy = children_of("encoder-regular.yaml", service={"headless": True})
     assert front["spec"]["clusterIP"] == "None" and is_headless(front)
     assert headless_units == units, "the units' Service is headless either way, and nothing else changes"
 
@@ -161,6 +162,7 @@ def test_pools_model_gets_an_encoder_pool_of_its_own():
         ("StatefulSet", "qwen-vl-pools-default-encoders"),
         ("Service", "qwen-vl-pools-default-encoders"),
         ("PodDisruptionBudget", "qwen-vl-pools-default-encoders"),
+        ("NetworkPolicy", "qwen-vl-pools"),
     ]
     budget = children[("PodDisruptionBudget", "qwen-vl-pools-default-encoders")]
     assert budget["spec"]["selector"] == children[("StatefulSet", "qwen-vl-pools-default-encoders")]["spec"]["selector"]
@@ -330,3 +332,64 @@ def test_the_users_security_contexts_go_over_the_restricted_defaults():
         assert context["readOnlyRootFilesystem"] is True and context["capabilities"] == {"drop": ["ALL"]}
     contexts = [c["securityContext"] for c in containers(pod)]
     assert len({id(c) for c in contexts}) == len(contexts)  # no dict shared between containers
+
+
+# --------------------------------------------------------------------------- network policy and API key
+
+
+def policy_of(example: str = "encoder-prefill-decode.yaml", **spec_changes) -> dict:
+    manifest = yaml.safe_load((EXAMPLES / example).read_text())
+    manifest["spec"].update(spec_changes)
+    checked = validate(manifest["spec"])
+    name = manifest["metadata"]["name"]
+    plans = render(checked, namespace="ns", name=name, uid="uid-1")
+    children = desired_children(checked.spec, name, plans, IMAGE, operator_namespace="epd-system")
+    return next(c for c in children if c["kind"] == "NetworkPolicy")
+
+
+def test_the_network_policy_admits_own_pods_everywhere_clients_to_serving_ports_and_the_operator_to_janitors():
+    policy = policy_of()
+    name = policy["metadata"]["name"]
+    own = {
+        "podSelector": {
+            "matchLabels": {"epd.vime.dev/deployment": name, "app.kubernetes.io/managed-by": "epd-operator"}
+        }
+    }
+    assert policy["spec"]["podSelector"] == own["podSelector"] and policy["spec"]["policyTypes"] == ["Ingress"]
+    own_rule, clients, operator = policy["spec"]["ingress"]
+    assert own_rule == {"from": [own]}  # every port: units and pools reach each other's side channels
+    assert clients["from"] == [{"podSelector": {}}]  # the namespace, by default
+    # Engines' HTTP ports and the router: not the NIXL side channels (5600...) nor the janitor (9400).
+    assert clients["ports"] == [
+        {"protocol": "TCP", "port": 8100, "endPort": 8102},
+        {"protocol": "TCP", "port": 8000},
+    ]
+    assert operator == {
+        "from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "epd-system"}}}],
+        "ports": [{"protocol": "TCP", "port": 9400}],
+    }
+
+
+def test_client_and_monitoring_peers_are_the_users_and_the_policy_can_be_off():
+    peers = [{"namespaceSelector": {"matchLabels": {"team": "rl"}}}]
+    monitoring = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    policy = policy_of(networkPolicy={"clients": peers, "monitoring": monitoring})
+    _, clients, scrapes, _ = policy["spec"]["ingress"]
+    assert clients["from"] == peers and scrapes["from"] == monitoring
+    assert {"protocol": "TCP", "port": 9400} in scrapes["ports"] and {"protocol": "TCP", "port": 9400} not in clients[
+        "ports"
+    ]
+    assert len(policy_of(networkPolicy={"clients": []})["spec"]["ingress"]) == 2  # own pods and the operator only
+    kinds = {c["kind"] for c in children_of("encoder-regular.yaml", networkPolicy={"enabled": False})}
+    assert "NetworkPolicy" not in kinds
+
+
+def test_the_api_key_reaches_every_engine_from_its_secret_never_as_an_argument():
+    ref = {"name": "vllm-key", "key": "token"}
+    pod = unit_pod(apiKey={"secretKeyRef": ref})
+    engines = [c for c in containers(pod) if c["name"] not in ("router", "janitor")]
+    assert len(engines) == 3
+    for engine in engines:
+        assert {"name": "VLLM_API_KEY", "valueFrom": {"secretKeyRef": ref}} in engine["env"]
+        assert not any("api-key" in arg or "token" in arg for arg in engine["args"])
+    assert all("VLLM_API_KEY" not in str(c.get("env")) for c in containers(pod) if c["name"] in ("router", "janitor"))

@@ -120,6 +120,27 @@ def test_missing_pods_are_pending_units():
     assert [u["reason"] for u in status["models"][0]["units"]] == ["PodMissing", "PodMissing"]
 
 
+def test_a_pod_its_statefulset_cannot_create_is_degraded_with_the_reason():
+    spec, plans = setup(1)
+    refusal = 'pods "d-default-0" is forbidden: violates PodSecurity "restricted:latest": runAsNonRoot != true'
+    status = compute_status(
+        deployment="d",
+        spec=spec,
+        plans=plans,
+        pods={},
+        stateful_sets=unit_set(1),
+        generation=3,
+        previous=None,
+        now=NOW,
+        create_failures={"d-default": refusal},
+    )
+    (unit,) = status["models"][0]["units"]
+    assert unit["reason"] == "FailedCreate" and refusal in unit["message"]
+    degraded = conditions(status)["Degraded"]
+    assert (degraded["status"], degraded["reason"]) == ("True", "FailedCreate") and refusal in degraded["message"]
+    assert status["phase"] == "Degraded"
+
+
 def test_unschedulable_unit_is_degraded_with_the_scheduler_message():
     p = pod("d-default-0", ready=False)
     p["spec"] = {}  # no node
