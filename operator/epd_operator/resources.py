@@ -51,17 +51,23 @@ JANITOR_METRICS_PORT = api.JANITOR_METRICS_PORT
 # as root, with no user of their own), under the runtime's seccomp profile, and no container
 # keeps a capability or may gain privileges. The janitor runs as the same uid as the engines:
 # only the owner of the EC store's folders (0755) may delete in them.
-UNIT_UID = 1000
+UNIT_UID = 65532  # distroless' "nonroot": high, so it matches no user of the node
 POD_SECURITY_CONTEXT: dict[str, Any] = {
     "runAsNonRoot": True,
     "runAsUser": UNIT_UID,
     "runAsGroup": UNIT_UID,
     "seccompProfile": {"type": "RuntimeDefault"},
 }
-CONTAINER_SECURITY_CONTEXT: dict[str, Any] = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+CONTAINER_SECURITY_CONTEXT: dict[str, Any] = {
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+    # What vLLM writes goes to emptyDirs: HOME (its caches and config) and /tmp (torch's).
+    "readOnlyRootFilesystem": True,
+}
 # A uid with no entry in the image's /etc/passwd gets HOME=/, which it cannot write; vLLM keeps
 # its caches and config under HOME (~/.cache/vllm, ~/.config/vllm), so engines get one here.
 HOME_VOLUME = "home"
+TMP_VOLUME = "tmp"
 # vLLM reads its API key from here when no --api-key is given.
 API_KEY_ENV = "VLLM_API_KEY"
 HOME_PATH = "/home/vllm"
@@ -129,13 +135,13 @@ def _env(command: EngineCommand, extra: list[api.EnvVar], api_key: api.APIKey | 
     return [e for e in rendered if e["name"] not in overridden] + user
 
 
-def _probes(port: int, probes: api.Probes, *, startup: bool = True) -> dict[str, Any]:
+def _probes(port: int, probes: api.Probes, *, startup: bool = True, path: str = "/health") -> dict[str, Any]:
     """Startup (sized for loading the model), readiness and liveness probes on /health. Liveness
     is laxer than readiness: an engine busy with long prompts answers late, and taking it out of
     the Services costs nothing, while a restart drops every request it serves."""
 
     def probe(failures: int, **timeout: int) -> dict[str, Any]:
-        get = {"path": "/health", "port": port}
+        get = {"path": path, "port": port}
         return {"httpGet": get, "periodSeconds": probes.period_seconds, "failureThreshold": failures, **timeout}
 
     found = {
@@ -147,24 +153,30 @@ def _probes(port: int, probes: api.Probes, *, startup: bool = True) -> dict[str,
     return found
 
 
-# Requests of a container that asks for none (so that the scheduler counts every pod, and a
-# namespace's quotas can): an engine's host processes, the router, the janitor.
-ENGINE_REQUESTS = {"cpu": "1", "memory": "4Gi"}
-ROUTER_REQUESTS = {"cpu": "250m", "memory": "256Mi"}
+# Resources of a container that sets none (so that the scheduler counts every pod and a
+# namespace's quotas can, and no container can take a node's memory): an engine's host
+# processes (a large model's engine sets its own), the router.
+# The janitor answers its /metrics at once, unless it is stuck.
+JANITOR_PROBES = api.Probes(period_seconds=30)
+ENGINE_RESOURCES = {"requests": {"cpu": "1", "memory": "4Gi"}, "limits": {"memory": "64Gi"}}
+ROUTER_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
 
 
 def _resources(
-    gpus: int, extra: api.ResourceRequirements | None, default: Mapping[str, str], shm_bytes: int = 0
+    gpus: int, extra: api.ResourceRequirements | None, default: Mapping[str, Mapping[str, str]], shm_bytes: int = 0
 ) -> dict[str, Any]:
-    """The user's resources over `default` requests; GPUs from numGpusPerEngine. `shm_bytes`:
-    the pod's memory-backed /dev/shm, which counts against the pod's memory: added to this
-    container's default memory request (each pod's first container carries it)."""
+    """The user's resources over `default` requests and limits; GPUs from numGpusPerEngine.
+    `shm_bytes`: the pod's memory-backed /dev/shm, which counts against the memory of the
+    container that writes it (the encoders' files): added to this container's default memory
+    request and limit (each pod's first container carries it)."""
     limits: dict[str, Any] = dict(extra.limits) if extra else {}
     requests: dict[str, Any] = dict(extra.requests) if extra else {}
-    for resource, amount in default.items():
-        requests.setdefault(resource, amount)
-    if shm_bytes and (extra is None or "memory" not in extra.requests):
-        requests["memory"] = byte_quantity(parse_quantity(str(requests["memory"])) + shm_bytes)
+    for given, defaults in ((requests, default["requests"]), (limits, default["limits"])):
+        for resource, amount in defaults.items():
+            if resource not in given:
+                given[resource] = amount
+                if resource == "memory" and shm_bytes:
+                    given[resource] = byte_quantity(parse_quantity(amount) + shm_bytes)
     if gpus:
         limits[GPU_RESOURCE] = gpus
         requests[GPU_RESOURCE] = gpus
@@ -209,11 +221,12 @@ def _engine_container(
         "args": command.args[2:],
         "env": _env(command, [*spec.env, *group.env], spec.api_key),
         "ports": ports,
-        "resources": _resources(command.gpus, group.resources, ENGINE_REQUESTS, shm_bytes),
+        "resources": _resources(command.gpus, group.resources, ENGINE_RESOURCES, shm_bytes),
         "volumeMounts": [
             {"name": SHM_VOLUME, "mountPath": "/dev/shm"},
             *spec.volume_mounts,
             {"name": HOME_VOLUME, "mountPath": HOME_PATH},
+            {"name": TMP_VOLUME, "mountPath": "/tmp"},
         ],
         **_probes(command.port, spec.probes),
         **_lifecycle(spec),
@@ -234,7 +247,7 @@ def _router_container(spec: api.EPDDeploymentSpec, command: RouterCommand) -> di
         "args": command.args[1:],
         "env": [],
         "ports": [{"name": FRONT_PORT_NAME, "containerPort": command.port}],
-        "resources": _resources(0, spec.router.resources, ROUTER_REQUESTS),
+        "resources": _resources(0, spec.router.resources, ROUTER_RESOURCES),
         **_probes(command.port, spec.probes, startup=False),
         **_lifecycle(spec),
         "securityContext": security_context(spec),
@@ -269,9 +282,10 @@ def janitor_container(spec: api.EPDDeploymentSpec, plan: ModelPlan, image: str) 
         "volumeMounts": mounts,
         # A crashing janitor's last log lines show in the pod's container status.
         "terminationMessagePolicy": "FallbackToLogsOnError",
+        **_probes(JANITOR_METRICS_PORT, JANITOR_PROBES, startup=False, path="/metrics"),
         # The pod's uid, the engines' (POD_SECURITY_CONTEXT): it may delete what they wrote and
-        # nothing else; its root filesystem is read-only.
-        "securityContext": security_context(spec, {**CONTAINER_SECURITY_CONTEXT, "readOnlyRootFilesystem": True}),
+        # nothing else.
+        "securityContext": security_context(spec),
     }
 
 
@@ -294,8 +308,11 @@ def _pod_spec(
             {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": shm.size_limit}},
             *spec.volumes,
             {"name": HOME_VOLUME, "emptyDir": {}},
+            {"name": TMP_VOLUME, "emptyDir": {}},
         ],
         "enableServiceLinks": False,
+        # The engines, the router and the janitor never call the Kubernetes API.
+        "automountServiceAccountToken": False,
         "securityContext": copy.deepcopy({**POD_SECURITY_CONTEXT, **(spec.pod_security_context or {})}),
         "terminationGracePeriodSeconds": spec.termination.grace_period_seconds,
     }

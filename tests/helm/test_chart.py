@@ -102,7 +102,7 @@ def test_existing_service_account_and_no_rbac():
     docs = documents(
         template({"serviceAccount.create": False, "serviceAccount.name": "mine", "rbac.create": False}).stdout
     )
-    assert {d["kind"] for d in docs} == {"Deployment", "Service"}
+    assert {d["kind"] for d in docs} == {"Deployment", "Service", "NetworkPolicy"}
     (deployment,) = find(docs, "Deployment")
     assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == "mine"
 
@@ -119,3 +119,14 @@ def test_several_replicas_elect_a_leader_through_peering():
     out = template({"replicaCount": 3, "peering.enabled": True})
     assert out.returncode == 0, out.stderr
     assert "- --peering=" in out.stdout and "- --priority=random" in out.stdout
+
+
+def test_the_operators_metrics_are_behind_a_network_policy():
+    (policy,) = find(documents(template({}).stdout), "NetworkPolicy")
+    (deployment,) = find(documents(template({}).stdout), "Deployment")
+    assert policy["spec"]["podSelector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+    (rule,) = policy["spec"]["ingress"]
+    assert rule == {"from": [{"podSelector": {}}], "ports": [{"protocol": "TCP", "port": 9090}]}
+    (closed,) = find(documents(template({"networkPolicy.metricsFrom": None}).stdout), "NetworkPolicy")
+    assert closed["spec"]["ingress"] == []
+    assert not find(documents(template({"networkPolicy.enabled": False}).stdout), "NetworkPolicy")

@@ -22,6 +22,7 @@ from epd_dev.localcluster import node
 from epd_dev.vllm import payloads
 from epd_dev.vllm.payloads import image_part, messages
 from epd_dev.vllm.real_node import node_manifest
+from epd_operator.resources import UNIT_UID
 from tests.node.conftest import get, wait_ready
 
 pytestmark = [pytest.mark.node, pytest.mark.cluster, pytest.mark.vllm]
@@ -109,7 +110,7 @@ def test_logs_exec_and_the_restricted_uid(cluster, deployed, node_namespace):
     name = pod["metadata"]["name"]
     logs = cluster.kubectl("logs", "-n", node_namespace, name, "-c", "encoder-0").stdout
     assert "Application startup complete" in logs
-    assert exec_in(cluster, node_namespace, name, "regular-0", "id", "-u").strip() == "1000"
+    assert exec_in(cluster, node_namespace, name, "regular-0", "id", "-u").strip() == str(UNIT_UID)
     # The model came from the claim, read-only.
     assert "config.json" in exec_in(cluster, node_namespace, name, "regular-0", "ls", "/models/tiny-llava")
 

@@ -350,7 +350,12 @@ async def test_the_events_tell_a_rollouts_story(api):
 
     def unit_set(updated: int, current: str, update: str) -> StatefulSetSummary:
         return StatefulSetSummary(
-            name=name, spec_hash="h", updated_replicas=updated, current_revision=current, update_revision=update
+            name=name,
+            spec_hash="h",
+            created_replicas=1,
+            updated_replicas=updated,
+            current_revision=current,
+            update_revision=update,
         )
 
     done = await write(body(), [unit_set(1, "r1", "r1")], [pod("r1", True)])

@@ -12,6 +12,7 @@ key hashes the recipe below):
   parser-0.32  official vllm 0.32.0 and parser-0.33 official vllm 0.33.0: used only to
                check rendered args with the real CLI parser of each release.
   router       vllm-router (a Rust binary behind a Python entry point).
+  checkov      the IaC scanner tests/helm/test_checkov.py runs over the rendered objects.
 
 Three venvs carry torch (about 4.7 GB with its nvidia libraries), so they are built with
 uv, whose cache sits beside them and is hardlinked into each venv: one copy on disk per
@@ -126,6 +127,13 @@ ENVS: dict[str, EnvSpec] = {
             pinned=("vllm-router==0.1.17",),
             executables=("vllm-router",),
         ),
+        # Not vLLM, but a test tool built the same way: its pins would fight the dev venv's.
+        EnvSpec(
+            name="checkov",
+            summary="checkov 3.3.30 (scans the objects the operator renders and the chart)",
+            pinned=("checkov==3.3.30",),
+            executables=("checkov",),
+        ),
     )
 }
 
@@ -190,6 +198,10 @@ def parser_python(version: str) -> Path:
         known = ", ".join(n.removeprefix("parser-") for n in ENVS if n.startswith("parser-"))
         raise ValueError(f"no parser venv for vLLM {version!r}; known: {known}")
     return _require(name) / "bin" / "python"
+
+
+def checkov_binary() -> Path:
+    return _require("checkov") / "bin" / "checkov"
 
 
 def router_binary() -> Path:
