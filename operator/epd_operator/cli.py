@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from .proxy import METRICS_PORT as PROXY_METRICS_PORT
 from .validation import SpecError
 
 
@@ -205,7 +206,9 @@ def _add_proxy_parser(sub: Any) -> None:
         help="the model's placement: with Pools every prime must announce ec_transfer_params, which the "
         "forwarded request carries so the consumer pulls each embedding from its encoder",
     )
-    proxy.add_argument("--metrics-port", type=_port, default=9401, help="port of the proxy's own /metrics and /health")
+    proxy.add_argument(
+        "--metrics-port", type=_port, default=PROXY_METRICS_PORT, help="port of the proxy's own /metrics and /health"
+    )
     proxy.add_argument(
         "--request-timeout-seconds",
         type=_positive,

@@ -14,6 +14,7 @@ from typing import Any
 
 from . import api
 from .ec.budget import effective_max_bytes
+from .proxy import METRICS_PORT as PROXY_METRICS_PORT
 from .render import EngineCommand, ModelPlan, RouterCommand
 
 FIELD_MANAGER = "epd-operator"
@@ -187,6 +188,62 @@ def janitor_container(spec: api.EPDDeploymentSpec, plan: ModelPlan, image: str) 
     }
 
 
+def proxy_container(
+    spec: api.EPDDeploymentSpec,
+    deployment: str,
+    namespace: str,
+    plan: ModelPlan,
+    image: str,
+    *,
+    upstream_port: int,
+) -> dict[str, Any]:
+    """The EPD proxy of a unit: `epd-operator proxy` from the operator's `image`, listening on the
+    port the front Service targets (it takes the name `http`) and forwarding to the pod's
+    loopback `upstream_port`, where the router (or the unit's only consumer) must then listen
+    instead, without the `http` port name. Any OpenAI client through the front Service then gets
+    its media primed on the encoders first (docs/proxy.md).
+
+    Placement Unit: it primes on the unit's own encoders, on the loopback. Pools: on the encoder
+    pool's ready pods, found through the pool's headless Service by DNS (so the cluster needs
+    DNS), and the encoders' ec_transfer_params go with each request so consumers pull from them.
+    """
+    port = plan.router.port if plan.router else spec.ports.router
+    if plan.pooled:
+        ports = ",".join(str(e.port) for e in plan.encoders)
+        pool = f"{pool_name(deployment, plan.name)}.{namespace}.svc:{ports}"
+        encoders = ["--encoders-dns", pool, "--placement", "Pools"]
+    else:
+        encoders = [a for e in plan.unit_encoders for a in ("--encoder", f"http://127.0.0.1:{e.port}")]
+    probe = {"httpGet": {"path": "/health", "port": PROXY_METRICS_PORT}, "periodSeconds": 10, "timeoutSeconds": 5}
+    return {
+        "name": "proxy",
+        "image": image,
+        "command": ["epd-operator", "proxy"],
+        "args": [
+            *("--port", str(port), "--upstream", f"http://127.0.0.1:{upstream_port}", *encoders),
+            *("--request-timeout-seconds", str(spec.router.request_timeout_seconds)),
+            *("--metrics-port", str(PROXY_METRICS_PORT)),
+        ],
+        "ports": [
+            {"name": FRONT_PORT_NAME, "containerPort": port},
+            {"name": "proxy-metrics", "containerPort": PROXY_METRICS_PORT},
+        ],
+        # Measured (docs/proxy.md): tens of MiB idle; a body it holds is bounded by --max-request-bytes.
+        "resources": {"requests": {"cpu": "100m", "memory": "96Mi"}, "limits": {"memory": "1Gi"}},
+        # Alive is ready: the pod's readiness already needs the router's and every encoder's.
+        "readinessProbe": probe,
+        "livenessProbe": probe,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": 65532,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
+
+
 def pod_template(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPlan, operator_image: str) -> dict[str, Any]:
     model = spec.model(plan.name)
     consumers = plan.consumers
@@ -291,7 +348,7 @@ def services(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPlan) -> l
             "ports": [_service_port(plan, spec)],
         },
     }
-    front = {
+    front: dict[str, Any] = {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": {

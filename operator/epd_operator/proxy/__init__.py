@@ -2,3 +2,6 @@
 of an ordinary OpenAI client's request on the encoders before forwarding it unchanged, so no
 client has to know about encoders. core.py decides (pure), encoders.py keeps the list of
 encoders, server.py is the aiohttp shell. docs/proxy.md explains the design and its limits."""
+
+# The proxy's own /metrics and /health (its main port passes every path to the upstream).
+METRICS_PORT = 9401

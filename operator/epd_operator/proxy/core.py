@@ -139,10 +139,10 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
 def prime_failure(error: PrimeError, parts: Sequence[MediaPart]) -> tuple[int, dict[str, Any]]:
     """The answer to a request whose priming failed: an encoder's 4xx (a bad request stays bad:
     an unreachable media URL, an unknown model, bad credentials) is the client's, with that
-    status; anything else (5xx, timeouts, connection errors after every retry, or a Pools
-    encoder announcing no transfer params) is a 502. Names every failed part."""
+    status; anything else (5xx, 408 and 429 retried to the end, timeouts, connection errors,
+    or a Pools encoder announcing no transfer params) is a 502. Names every failed part."""
     codes = [f.error.status_code for f in error.failures]
-    status = next((c for c in codes if c is not None and 400 <= c < 500), HTTPStatus.BAD_GATEWAY)
+    status = next((c for c in codes if c is not None and _is_clients(c)), HTTPStatus.BAD_GATEWAY)
     details = "; ".join(
         f"{MEDIA_KINDS.get(f.kind, f.kind)} {parts[f.index].param} ({f.url}) via {', '.join(f.encoders)}: "
         f"{f.error.reason}"
@@ -153,6 +153,11 @@ def prime_failure(error: PrimeError, parts: Sequence[MediaPart]) -> tuple[int, d
         f"request was not forwarded (its consumer would encode them itself): {details}"
     )
     return int(status), error_body(int(status), message, parts[error.failures[0].index].param)
+
+
+def _is_clients(status: int) -> bool:
+    # 408 and 429 are the encoders' trouble, retried as epd_client retries them.
+    return 400 <= status < 500 and status not in (408, 429)
 
 
 def no_encoder(parts: Sequence[MediaPart]) -> tuple[int, dict[str, Any]]:
