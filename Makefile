@@ -17,7 +17,7 @@ help:
 	@echo "make cluster     build the control plane binaries (cached in \$$EPD_CACHE)"
 	@echo "make vllm-envs   install the vLLM venvs and vllm-router (cached in \$$EPD_CACHE)"
 	@echo "make engine-args regenerate each vLLM version's engine argument names from its real parser"
-	@echo "make bench       benchmarks; make bench-client; make chaos"
+	@echo "make bench       benchmarks; make bench-client; make bench-proxy; make chaos"
 
 # The product (editable, with its test extras) and the dev tools (hack/, never shipped).
 $(PY): pyproject.toml hack/pyproject.toml
