@@ -110,6 +110,14 @@ def served_requests(base_url: str) -> dict[str, int]:
     return {h: int(n) for h, n in _by_handler(_HTTP_REQUESTS, _scrape(base_url)).items()}
 
 
+_FINISHED = re.compile(r"^vllm:request_success_total\{[^}]*\} (\S+)$", re.MULTILINE)
+
+
+def finished_requests(base_url: str) -> int:
+    """Requests the engine ran to the end (vLLM's vllm:request_success_total, every reason)."""
+    return int(sum(float(n) for n in _FINISHED.findall(_scrape(base_url))))
+
+
 def served_seconds(base_url: str) -> dict[str, tuple[int, float]]:
     """Requests an engine has answered and the seconds it spent on them, by path."""
     text = _scrape(base_url)
