@@ -65,4 +65,6 @@ def test_the_process_primes_serves_and_drains_on_sigterm(server, tmp_path):
         client.join(30)
     assert answers == [(200, "chat.completion")]
     assert len(encoder.records) == 1
-    assert "serving on 127.0.0.1" in proxy.tail()
+    log = proxy.tail()
+    assert "serving on 127.0.0.1" in log
+    assert "HTTP Request" not in log  # httpx's line per prime stays out at INFO

@@ -280,6 +280,8 @@ def run_proxy(
 ) -> None:
     """`epd-operator proxy`: build the proxy from its flags and serve until SIGTERM or SIGINT."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if log_level != "DEBUG":
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per prime at INFO
     config = ProxyConfig(upstream, request_timeout_seconds, max_request_bytes, pooled)
     retry = RetryPolicy(
         max_attempts=prime_max_attempts,
