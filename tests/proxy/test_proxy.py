@@ -8,6 +8,7 @@ import asyncio
 import json
 import threading
 
+import aiohttp
 import pytest
 from yarl import URL
 
@@ -349,3 +350,31 @@ async def test_metrics_and_health(server, start_proxy, http):
     ):
         assert line in text, line
     assert "process_resident_memory_bytes" in text
+
+
+async def test_an_upstream_too_slow_for_the_request_timeout_is_a_504(server, start_proxy, http):
+    upstream = server(delay=5)
+    proxy = await start_proxy(upstream.url, [server().url], request_timeout_seconds=0.3)
+    status, answer, _ = await post(http, proxy.url + CHAT, chat())
+    assert (status, answer["error"]["type"]) == (504, "GatewayTimeoutError")
+
+
+async def test_an_answer_broken_off_upstream_is_broken_off_for_the_client(start_proxy, http, server):
+    """Headers and one event, then the upstream's connection drops: the client must not get a
+    well-ended answer that is missing its end."""
+
+    async def half_an_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        writer.write(b"e\r\ndata: first\n\n\r\n")
+        await writer.drain()
+        writer.transport.abort()
+
+    listener = await asyncio.start_server(half_an_answer, "127.0.0.1", 0)
+    async with listener:
+        port = listener.sockets[0].getsockname()[1]
+        proxy = await start_proxy(f"http://127.0.0.1:{port}", [server().url])
+        async with http.post(proxy.url + "/v1/completions", json={"prompt": "x", "stream": True}) as response:
+            assert response.status == 200
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await response.read()
