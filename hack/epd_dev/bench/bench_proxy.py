@@ -157,12 +157,13 @@ async def measure(upstream: str, proxy: ProxyProcess, cli: argparse.Namespace) -
 
 
 def report(
-    levels: list[Level], saturated: Level, proxy_rss: tuple[float, float], cli: argparse.Namespace
+    levels: list[Level], saturated: Level, proxy_rss: tuple[float, float], load_before: float, cli: argparse.Namespace
 ) -> dict[str, float]:
     print(
         f"\ntext-only /v1/chat/completions, closed-loop clients at about {cli.rate:g} requests/s (service time = "
         f"clients / rate), {cli.seconds:g} s per run, median of {cli.repeats} runs; {os.cpu_count()} cores shared, "
-        f"load average {os.getloadavg()[0]:.1f} at the end; Python {platform.python_version()}, aiohttp {aiohttp.__version__}\n"
+        f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after; Python {platform.python_version()}, "
+        f"aiohttp {aiohttp.__version__}\n"
     )
     print(
         f"{'clients':>7} {'service ms':>10} | {'p50 ms':>15} {'p99 ms':>15} | {'added p50':>9} {'added p99':>9} | "
@@ -227,6 +228,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         help="record the proxy with py-spy: a flamegraph (.svg) or collapsed stacks",
     )
     cli = parser.parse_args(argv)
+    load_before = os.getloadavg()[0]  # other work on the machine moves every figure
 
     upstream = subprocess.Popen(
         [sys.executable, "-m", "epd_dev.standins.fast_upstream", "--port", "0"], stdout=subprocess.PIPE, text=True
@@ -254,7 +256,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 spy.send_signal(signal.SIGINT)
                 spy.wait(60)
             rss = rss_mb(proxy.proc.pid)
-        return report(levels, saturated, rss, cli)
+        return report(levels, saturated, rss, load_before, cli)
     finally:
         upstream.terminate()
         upstream.wait()
