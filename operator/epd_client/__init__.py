@@ -3,7 +3,8 @@
 Primes images, videos and audio on a unit's encoders, then renders and generates on the same
 unit; lists, pauses and resumes a model's engines for weight updates; builds Vime's rollout
 arguments. ``media_items`` says which content parts are media (what every prime sends), and
-``Primer`` primes them on encoders the caller names (the EPD proxy's door). Imports neither kopf nor kubernetes (``discover`` loads the latter when called).
+``Primer`` primes them on encoders the caller names (the EPD proxy's door). Imports neither
+kopf nor kubernetes (``discover`` loads the latter when called).
 """
 
 from ._client import EPDClient, Session, prime_encoder

@@ -37,7 +37,12 @@ _BODY = json.dumps(
 ).encode()
 _ANSWER = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(_BODY) + _BODY
 _STREAM_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
-_EVENT = b'data: {"id":"chatcmpl-standin","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"x"}}]}\n\n'
+_CHUNK = {
+    "id": "chatcmpl-standin",
+    "object": "chat.completion.chunk",
+    "choices": [{"index": 0, "delta": {"content": "x"}}],
+}
+_EVENT = b"data: " + json.dumps(_CHUNK).encode() + b"\n\n"
 
 
 def _chunk(data: bytes) -> bytes:
