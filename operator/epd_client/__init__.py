@@ -2,7 +2,9 @@
 
 Primes images, videos and audio on a unit's encoders, then renders and generates on the same
 unit; lists, pauses and resumes a model's engines for weight updates; builds Vime's rollout
-arguments. Imports neither kopf nor kubernetes (``discover`` loads the latter when called).
+arguments. ``media_items`` says which content parts are media (what every prime sends), and
+``Primer`` primes them on encoders the caller names (the EPD proxy's door). Imports neither
+kopf nor kubernetes (``discover`` loads the latter when called).
 """
 
 from ._client import EPDClient, Session, prime_encoder
@@ -18,11 +20,15 @@ from ._errors import (
     PrimeError,
     RequestError,
 )
+from ._media import KINDS as MEDIA_KINDS
+from ._media import MediaItem, media_items
+from ._prime import Primer
 from ._retry import RetryPolicy
 from ._sync import generate_sync, prime_encoder_sync
 from ._vime import VimeRolloutArgs, vime_rollout_args
 
 __all__ = [
+    "MEDIA_KINDS",
     "DiscoveryError",
     "EPDClient",
     "EPDClientError",
@@ -31,9 +37,11 @@ __all__ = [
     "Engine",
     "EngineError",
     "MediaFailure",
+    "MediaItem",
     "ModelEndpoints",
     "NoReadyUnitError",
     "PrimeError",
+    "Primer",
     "RequestError",
     "RetryPolicy",
     "Session",
@@ -42,6 +50,7 @@ __all__ = [
     "VimeRolloutArgs",
     "discover",
     "generate_sync",
+    "media_items",
     "prime_encoder",
     "prime_encoder_sync",
     "vime_rollout_args",

@@ -11,17 +11,14 @@ from typing import Any, Literal, Self
 from urllib.parse import urlencode
 
 from ._endpoints import Endpoints, Engine, ModelEndpoints, SupportsEncoderEndpoints, Unit, rendezvous
-from ._errors import EndpointsError, EngineError, MediaFailure, NoReadyUnitError, PrimeError, RequestError
+from ._errors import EndpointsError, EngineError, NoReadyUnitError, RequestError
 from ._http import Transport
 from ._media import MediaItem, Message, copy_messages, media_items, write_keys
+from ._prime import TransferParams, prime_items
 from ._retry import RetryPolicy
 
-_CHAT = "/v1/chat/completions"
 _RENDER = "/v1/chat/completions/render"
 _GENERATE = "/inference/v1/generate"
-
-# vLLM's ec_transfer_params: per item hash, where a consumer pulls that item's embedding.
-TransferParams = dict[str, Any]
 
 
 class EPDClient:
@@ -292,62 +289,13 @@ def _primed_model(endpoints: Endpoints, model_name: str) -> ModelEndpoints | Non
 
 async def _prime(transport: Transport, model: ModelEndpoints, unit: Unit, items: list[MediaItem]) -> TransferParams:
     """Prime the items on the unit's encoders; for a Pools model, return every item's
-    ``ec_transfer_params`` entries (keyed by vLLM's item hash) merged into one dict."""
+    ``ec_transfer_params`` entries merged into one dict."""
     encoders = unit.encoder_urls
     if items and not encoders and model.pooled:
         raise NoReadyUnitError(f"model {model.name!r}: its encoder pool has no ready encoder to prime on")
     if not items or not encoders:
         return {}
-
-    async def prime_one(index: int, item: MediaItem) -> TransferParams | MediaFailure:
-        body = {
-            "model": model.served_name,
-            "messages": [{"role": "user", "content": [item.part]}],
-            "max_tokens": 1,
-            "stream": False,
-        }
-        try:
-            response = await transport.post(encoders, _CHAT, body, first=index)
-        except RequestError as exc:
-            return MediaFailure(index, _short(item.source), exc.urls, exc, item.kind)
-        if not model.pooled:
-            return {}
-        params, missing = _announced(response.json())
-        if missing:
-            encoder = str(response.request.url).removesuffix(_CHAT)
-            error = RequestError(_CHAT, (encoder,), attempts=1, reason=missing)
-            return MediaFailure(index, _short(item.source), (encoder,), error, item.kind)
-        return params
-
-    # A failing item does not cancel the others, so the error can name every failure;
-    # cancelling the caller cancels all requests before this returns (TaskGroup).
-    async with asyncio.TaskGroup() as group:
-        tasks = [group.create_task(prime_one(i, item)) for i, item in enumerate(items)]
-    results = [t.result() for t in tasks]
-    failures = [r for r in results if isinstance(r, MediaFailure)]
-    if failures:
-        raise PrimeError(unit.name, len(items), failures)
-    merged: TransferParams = {}
-    for result in results:
-        merged.update(result)  # type: ignore[arg-type]
-    return merged
-
-
-def _announced(answer: Any) -> tuple[TransferParams, str]:
-    """An encoder answer's ``ec_transfer_params`` and, if they cannot carry the embedding to
-    a consumer on another node, why: absent, or an entry without the encoder's address (vLLM
-    announces none for an embedding it did not keep, and the consumer would encode locally)."""
-    params = answer.get("ec_transfer_params") if isinstance(answer, Mapping) else None
-    if not isinstance(params, Mapping) or not params:
-        return {}, "answered without ec_transfer_params (is its EC connector ECCPUConnector with NIXL?)"
-    unaddressed = [
-        key
-        for key, entry in params.items()
-        if not (isinstance(entry, Mapping) and entry.get("peer_host") and entry.get("peer_port"))
-    ]
-    if unaddressed:
-        return {}, f"announced no peer address for {', '.join(map(str, unaddressed))} (not saved, or evicted)"
-    return dict(params), ""
+    return await prime_items(transport, items, encoders, model=model.served_name, pooled=model.pooled, unit=unit.name)
 
 
 def _carry_transfer_params(rendered: Any, params: TransferParams) -> Any:
@@ -374,7 +322,3 @@ def _carry_transfer_params(rendered: Any, params: TransferParams) -> Any:
             None if name in announced and meta is not None else item for name, item, meta in zip(names, items, metas)
         ]
     return {**rendered, "features": {**features, "kwargs_data": slim}}
-
-
-def _short(url: str, limit: int = 80) -> str:
-    return url if len(url) <= limit else url[: limit - 1] + "…"

@@ -74,8 +74,20 @@ class Transport:
             pools.append(pool)
         return pool
 
-    async def post(self, urls: Sequence[str], path: str, body: Any, *, first: int = 0) -> httpx.Response:
+    async def post(
+        self,
+        urls: Sequence[str],
+        path: str,
+        body: Any,
+        *,
+        first: int = 0,
+        headers: Mapping[str, str] | None = None,
+    ) -> httpx.Response:
         """POST ``body`` as JSON to ``urls[first] + path``; each retry moves to the next URL.
+
+        ``headers`` go with this request only. Each attempt has an ``x-request-id`` of its own
+        (one that timed out may still run on the engine); an ``x-request-id`` among ``headers``
+        is kept as its prefix, so the attempts can be traced to the request they serve.
 
         Raises RequestError once the request cannot succeed.
         """
@@ -87,7 +99,7 @@ class Transport:
                 with attempt:
                     url = urls[(first + attempt.retry_state.attempt_number - 1) % len(urls)]
                     tried.append(url)
-                    return await self._attempt(url, path, body, deadline)
+                    return await self._attempt(url, path, body, deadline, headers)
         except (RetryableStatus, _FatalStatus) as exc:
             raise _request_error(path, tried, exc.response) from exc
         except _DeadlineExceeded as exc:
@@ -99,7 +111,9 @@ class Transport:
             raise RequestError(path, tried, attempts=len(tried), reason=reason) from exc
         raise AssertionError("unreachable: tenacity either returns or reraises")
 
-    async def _attempt(self, base_url: str, path: str, body: Any, deadline: float) -> httpx.Response:
+    async def _attempt(
+        self, base_url: str, path: str, body: Any, deadline: float, headers: Mapping[str, str] | None
+    ) -> httpx.Response:
         async with self._slots:
             remaining = deadline - asyncio.get_running_loop().time()
             if remaining <= 0:
@@ -108,9 +122,7 @@ class Transport:
             pool.load += 1
             try:
                 async with asyncio.timeout(min(self.policy.attempt_timeout, remaining)):
-                    response = await pool.client.post(
-                        base_url + path, json=body, headers={"x-request-id": uuid.uuid4().hex}
-                    )
+                    response = await pool.client.post(base_url + path, json=body, headers=_with_request_id(headers))
             finally:
                 pool.load -= 1
         if response.status_code >= 500 or response.status_code in RETRYABLE_STATUS:
@@ -118,6 +130,16 @@ class Transport:
         if response.is_error:
             raise _FatalStatus(response)
         return response
+
+
+def _with_request_id(headers: Mapping[str, str] | None) -> dict[str, str]:
+    fresh = uuid.uuid4().hex
+    if not headers:
+        return {"x-request-id": fresh}
+    kept = {k: v for k, v in headers.items() if k.lower() != "x-request-id"}
+    prefix = next((v for k, v in headers.items() if k.lower() == "x-request-id"), None)
+    kept["x-request-id"] = f"{prefix}-{fresh[:12]}" if prefix else fresh
+    return kept
 
 
 class _FatalStatus(Exception):

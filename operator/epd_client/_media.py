@@ -10,8 +10,15 @@ from typing import Any
 
 Message = Mapping[str, Any]
 
-# Part type -> the noun error messages use.
-KINDS = {"image_url": "image", "video_url": "video", "audio_url": "audio", "input_audio": "audio"}
+# Part type -> the noun error messages use. input_image is the Responses API's image part;
+# vLLM parses it as an image in chat messages too (MM_PARSER_MAP, vllm/renderers/chat_utils.py).
+KINDS = {
+    "image_url": "image",
+    "input_image": "image",
+    "video_url": "video",
+    "audio_url": "audio",
+    "input_audio": "audio",
+}
 
 # Keys this library writes: recognised so that a reused message gets the key of the current
 # version, while a uuid the caller chose is left alone.
@@ -22,22 +29,28 @@ _OWN_KEY = re.compile(r"epd-[0-9a-f]{32}")
 class MediaItem:
     part: Message
     kind: str
-    """The part's type: image_url, video_url, audio_url or input_audio."""
+    """The part's type: image_url, input_image, video_url, audio_url or input_audio."""
     source: str
     """The URL, or for input_audio the data URL vLLM builds from it."""
+    message: int = 0
+    """Index of the part's message in the messages given."""
+    position: int = 0
+    """Index of the part in that message's ``content``."""
 
 
 def media_items(messages: Iterable[Message]) -> list[MediaItem]:
     """Vime's image rule for every kind: a content part of that type whose ``<type>.url`` is a
-    string (input_audio: string ``data`` and ``format``), in message order."""
+    string (input_audio: string ``data`` and ``format``; input_image: a string ``image_url``),
+    in message order. Messages are mappings with a ``content`` list; others are skipped, so the
+    items of a Responses API ``input`` list are found the same way."""
     items: list[MediaItem] = []
-    for message in messages:
-        content = message.get("content")
+    for m, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, Mapping) else None
         if not isinstance(content, list):
             continue
-        for part in content:
+        for p, part in enumerate(content):
             if isinstance(part, Mapping) and (source := _source(part)) is not None:
-                items.append(MediaItem(part, part["type"], source))
+                items.append(MediaItem(part, part["type"], source, m, p))
     return items
 
 
@@ -45,6 +58,9 @@ def _source(part: Message) -> str | None:
     kind = part.get("type")
     if kind not in KINDS:
         return None
+    if kind == "input_image":
+        url = part.get("image_url")
+        return url if isinstance(url, str) else None
     value = part.get(kind)
     if not isinstance(value, Mapping):
         return None

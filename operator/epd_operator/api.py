@@ -27,6 +27,8 @@ SHORT_NAMES = ["epd"]
 DNS1123_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 # The EC janitor's Prometheus port in every unit with encoders.
 JANITOR_METRICS_PORT = 9400
+# The EPD proxy's own /metrics and /health in every unit (its main port passes every path on).
+PROXY_METRICS_PORT = 9401
 
 # Open maps (vLLM engine args, connector extra config) and embedded Kubernetes core types
 # (affinity, volumes, ...) are kept schemaless: their own API server validates the latter

@@ -1,4 +1,5 @@
-"""`epd-operator`: run the operator, and offline tools (render, convert, crds) for people."""
+"""`epd-operator`: run the operator, the processes of its pods (janitor, proxy), and offline
+tools (render, convert, crds) for people."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from .api import PROXY_METRICS_PORT
 from .validation import DEFAULT_MAX_GPUS_PER_POD, SpecError
 
 
@@ -108,11 +110,26 @@ def _janitor(args: argparse.Namespace) -> None:
     )
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, not {text}")
-    return value
+def _proxy(args: argparse.Namespace) -> None:
+    from .proxy.server import run_proxy
+
+    run_proxy(
+        host=args.host,
+        port=args.port,
+        upstream=args.upstream,
+        encoder_urls=args.encoder,
+        encoders_dns=args.encoders_dns,
+        dns_refresh_seconds=args.encoders_dns_refresh_seconds,
+        metrics_port=args.metrics_port,
+        request_timeout_seconds=args.request_timeout_seconds,
+        prime_timeout_seconds=args.prime_timeout_seconds,
+        prime_max_attempts=args.prime_max_attempts,
+        prime_concurrency=args.prime_concurrency,
+        max_request_bytes=args.max_request_bytes,
+        pooled=args.placement == "Pools",
+        shutdown_timeout_seconds=args.shutdown_timeout_seconds,
+        log_level=args.log_level,
+    )
 
 
 def _positive(text: str) -> float:
@@ -120,6 +137,124 @@ def _positive(text: str) -> float:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive number, not {text}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {text}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 < value < 65536:
+        raise argparse.ArgumentTypeError(f"not a TCP port: {text}")
+    return value
+
+
+def _bytes(text: str) -> int:
+    from .ec.quantity import parse_quantity
+
+    try:
+        return parse_quantity(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _dns_target(text: str) -> str:
+    from .proxy.core import DNSTarget
+
+    try:
+        DNSTarget.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+def _add_proxy_parser(sub: Any) -> None:
+    proxy = sub.add_parser(
+        "proxy",
+        help="the EPD proxy: primes the media of OpenAI requests on the encoders, then forwards them",
+        description="Serve in front of a unit's router (or its only consumer): every media part of a "
+        "POST /v1/chat/completions or /v1/responses is primed on the encoders first (one image-only request "
+        "each, round-robin, with epd_client's retry policy), then the request goes to the upstream unchanged "
+        "and its answer streams back. Every other request passes straight through. docs/proxy.md.",
+    )
+    proxy.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    proxy.add_argument("--port", type=_port, default=8000, help="port to listen on: the one the front Service targets")
+    proxy.add_argument(
+        "--upstream",
+        required=True,
+        help="base URL of the router or the unit's only consumer, e.g. http://127.0.0.1:8001",
+    )
+    encoders = proxy.add_mutually_exclusive_group(required=True)
+    encoders.add_argument(
+        "--encoder",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="base URL of an encoder to prime on (repeatable): a unit's encoders, on the pod's loopback",
+    )
+    encoders.add_argument(
+        "--encoders-dns",
+        type=_dns_target,
+        metavar="HOST:PORT[,PORT...]",
+        help="prime on every address of HOST, at each PORT: a Pools model's encoder pool through its "
+        "headless Service, e.g. demo-default-encoders.team-a.svc:8100 (needs cluster DNS)",
+    )
+    proxy.add_argument(
+        "--encoders-dns-refresh-seconds",
+        type=_positive,
+        default=5.0,
+        help="seconds between two resolutions of --encoders-dns (CoreDNS answers for a headless Service "
+        "with a 5 s TTL)",
+    )
+    proxy.add_argument(
+        "--placement",
+        choices=["Unit", "Pools"],
+        default="Unit",
+        help="the model's placement: with Pools every prime must announce ec_transfer_params, which the "
+        "forwarded request carries so the consumer pulls each embedding from its encoder",
+    )
+    proxy.add_argument(
+        "--metrics-port", type=_port, default=PROXY_METRICS_PORT, help="port of the proxy's own /metrics and /health"
+    )
+    proxy.add_argument(
+        "--request-timeout-seconds",
+        type=_positive,
+        default=1800.0,
+        help="limit of one forwarded request, streaming included (vllm-router's default)",
+    )
+    proxy.add_argument(
+        "--prime-timeout-seconds",
+        type=_positive,
+        default=600.0,
+        help="limit of priming one media part, retries included (epd_client's deadline)",
+    )
+    proxy.add_argument(
+        "--prime-max-attempts", type=_positive_int, default=20, help="attempts per media part (epd_client's)"
+    )
+    proxy.add_argument(
+        "--prime-concurrency", type=_positive_int, default=64, help="prime requests in flight at once, at most"
+    )
+    proxy.add_argument(
+        "--max-request-bytes",
+        type=_bytes,
+        default=64 * 2**20,
+        help="largest chat completions or Responses body, which the proxy holds to read its media "
+        "(a byte quantity such as 64Mi, the default: OpenAI's 50 MB request limit and JSON's overhead); "
+        "other bodies are streamed through whatever their size",
+    )
+    proxy.add_argument(
+        "--shutdown-timeout-seconds",
+        type=_positive,
+        default=25.0,
+        help="on SIGTERM, how long requests in flight may take to finish (keep it under the pod's "
+        "terminationGracePeriodSeconds)",
+    )
+    proxy.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    proxy.set_defaults(func=_proxy)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -218,6 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
     janitor.add_argument("--interval", type=float, default=2.0)
     janitor.add_argument("--metrics-port", type=int, default=0)
     janitor.set_defaults(func=_janitor)
+
+    _add_proxy_parser(sub)
     return parser
 
 

@@ -46,6 +46,7 @@ LABEL_ENCODER_POOL = f"{api.GROUP}/encoder-pool"
 # The readiness gate of a Pools model's units: True while its encoder pool has a ready encoder.
 ENCODERS_READY_GATE = f"{api.GROUP}/encoders-ready"
 JANITOR_METRICS_PORT = api.JANITOR_METRICS_PORT
+PROXY_METRICS_PORT = api.PROXY_METRICS_PORT
 
 # Pod Security "restricted": every unit and pool pod runs as a non-root uid (vLLM's images run
 # as root, with no user of their own), under the runtime's seccomp profile, and no container
@@ -326,6 +327,63 @@ def _pod_spec(
     }
     pod_spec.update({k: v for k, v in optional.items() if v is not None})
     return pod_spec
+
+
+def proxy_container(
+    spec: api.EPDDeploymentSpec,
+    deployment: str,
+    namespace: str,
+    plan: ModelPlan,
+    image: str,
+    *,
+    upstream_port: int,
+) -> dict[str, Any]:
+    """The EPD proxy of a unit: `epd-operator proxy` from the operator's `image`, listening on the
+    port the front Service targets (it takes the name `http`) and forwarding to the pod's
+    loopback `upstream_port`, where the router (or the unit's only consumer) must then listen
+    instead, without the `http` port name. Any OpenAI client through the front Service then gets
+    its media primed on the encoders first (docs/proxy.md).
+
+    Placement Unit: it primes on the unit's own encoders, on the loopback. Pools: on the encoder
+    pool's ready pods, found through the pool's headless Service by DNS (so the cluster needs
+    DNS), and the encoders' ec_transfer_params go with each request so consumers pull from them.
+    """
+    port = plan.router.port if plan.router else spec.ports.router
+    if plan.pooled:
+        ports = ",".join(str(e.port) for e in plan.encoders)
+        pool = f"{pool_name(deployment, plan.name)}.{namespace}.svc:{ports}"
+        encoders = ["--encoders-dns", pool, "--placement", "Pools"]
+    else:
+        encoders = [a for e in plan.unit_encoders for a in ("--encoder", f"http://127.0.0.1:{e.port}")]
+    probe = {"httpGet": {"path": "/health", "port": PROXY_METRICS_PORT}, "periodSeconds": 10, "timeoutSeconds": 5}
+    return {
+        "name": "proxy",
+        "image": image,
+        "command": ["epd-operator", "proxy"],
+        "args": [
+            *("--port", str(port), "--upstream", f"http://127.0.0.1:{upstream_port}", *encoders),
+            *("--request-timeout-seconds", str(spec.router.request_timeout_seconds)),
+            *("--metrics-port", str(PROXY_METRICS_PORT)),
+        ],
+        "ports": [
+            {"name": FRONT_PORT_NAME, "containerPort": port},
+            {"name": "proxy-metrics", "containerPort": PROXY_METRICS_PORT},
+        ],
+        # 72 MiB measured under load (docs/proxy.md); the limit leaves room for a few bodies of
+        # --max-request-bytes (64 MiB each, parsed) at once.
+        "resources": {"requests": {"cpu": "100m", "memory": "96Mi"}, "limits": {"memory": "1Gi"}},
+        # Alive is ready: the pod's readiness already needs the router's and every encoder's.
+        "readinessProbe": probe,
+        "livenessProbe": probe,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": 65532,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
 
 
 def pod_template(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPlan, operator_image: str) -> dict[str, Any]:

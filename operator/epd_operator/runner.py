@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
 
 import kopf
 
+from .loop import event_loop
 from .settings import Settings
 
 
@@ -71,13 +71,3 @@ def run(
             liveness_endpoint=liveness or None,
             memo=SharedMemo(reconciler=reconciler),  # every handler reaches it as memo.reconciler
         )
-
-
-def event_loop() -> asyncio.Runner:
-    """uvloop's event loop where installed (a dependency on Linux), as `kopf run` picks it:
-    every watch event and API call passes through the loop (docs/performance.md)."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.Runner()
-    return asyncio.Runner(loop_factory=uvloop.new_event_loop)

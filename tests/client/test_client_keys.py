@@ -119,6 +119,7 @@ async def test_every_kind_is_keyed_by_kind_content_and_version(server) -> None:
     same_url = "https://media.test/clip"
     parts = [
         {"type": "image_url", "image_url": {"url": same_url}},
+        {"type": "input_image", "image_url": same_url},
         {"type": "video_url", "video_url": {"url": same_url}},
         {"type": "audio_url", "audio_url": {"url": same_url}},
         {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
@@ -126,7 +127,7 @@ async def test_every_kind_is_keyed_by_kind_content_and_version(server) -> None:
     ]
     await prime_encoder(Endpoints.from_urls([encoder.url]), [{"role": "user", "content": parts}], weights_version="v1")
     keys = [p["uuid"] for p in parts]
-    assert len(set(keys)) == 5
+    assert len(set(keys)) == 6
     assert sorted(prime_uuids_of(encoder)) == sorted(keys)
 
 

@@ -281,6 +281,7 @@ def every_kind() -> list[dict]:
                 {"type": "audio_url", "audio_url": {"url": "https://media.test/c.wav"}},
                 {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
                 {"type": "image_url", "image_url": {"url": "https://media.test/e.png"}},
+                {"type": "input_image", "image_url": "https://media.test/f.png", "detail": "auto"},
             ],
         },
     ]
@@ -303,13 +304,13 @@ async def test_every_media_kind_is_primed_like_images(server) -> None:
             "stream": False,
         }
     records = encoders[0].records + encoders[1].records
-    assert len(records) == 5
+    assert len(records) == 6
     assert max(r.started for r in records) < min(r.finished for r in records)
 
 
 async def test_failed_media_are_named_by_kind(server, proxy) -> None:
     fronts = [proxy(server().url), proxy(server().url)]
-    fronts[1].add(http_status(400), times=None)  # items 1 and 3: the video and input_audio
+    fronts[1].add(http_status(400), times=None)  # items 1, 3 and 5: video, input_audio, input_image
     async with client_for([f.url for f in fronts]) as client:
         with pytest.raises(PrimeError) as caught:
             await prime_encoder(client, every_kind())
@@ -317,7 +318,9 @@ async def test_failed_media_are_named_by_kind(server, proxy) -> None:
     assert [(f.index, f.kind, f.url) for f in error.failures] == [
         (1, "video_url", "https://media.test/b.mp4"),
         (3, "input_audio", "data:audio/wav;base64,UklGRg=="),
+        (5, "input_image", "https://media.test/f.png"),
     ]
-    assert "2 of 5 media item(s)" in str(error)
+    assert "3 of 6 media item(s)" in str(error)
     assert "video 1 (https://media.test/b.mp4)" in str(error)
     assert "audio 3 (data:audio/wav;base64,UklGRg==)" in str(error)
+    assert "image 5 (https://media.test/f.png)" in str(error)

@@ -172,7 +172,7 @@ def test_the_dockerfile_install_step_gives_a_working_operator(tmp_path):
             env.pop("VIRTUAL_ENV", None)
             out = subprocess.run(
                 ["sh", "-c", command],
-                check=False,
+                check=False,  # the assert below shows the output
                 cwd=image_root / workdir.lstrip("/"),
                 env=env,
                 capture_output=True,
@@ -188,6 +188,12 @@ def test_the_dockerfile_install_step_gives_a_working_operator(tmp_path):
     for flag in ("--all-namespaces", "--namespace", "--peering", "--standalone", "--liveness", "--metrics-port"):
         assert flag in help_text
     python = str(venv / "bin" / "python")
+    # The units' EPD proxy runs from this image too, on its runtime dependencies alone.
+    subprocess.run([python, "-c", "import epd_operator.proxy.server"], capture_output=True, check=True)
+    proxy_help = subprocess.run(
+        [venv / "bin" / "epd-operator", "proxy", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    assert "--upstream" in proxy_help and "--encoders-dns" in proxy_help
     # Installed, not linked to the sources (the image drops /src), and without test extras.
     location = subprocess.run(
         [python, "-c", "import epd_operator.cli as m; print(m.__file__)"], capture_output=True, text=True, check=True

@@ -7,7 +7,8 @@ import copy
 
 import uvloop
 
-from epd_operator.runner import SharedMemo, event_loop
+from epd_operator.loop import event_loop
+from epd_operator.runner import SharedMemo
 
 
 def test_the_operator_runs_on_uvloop():

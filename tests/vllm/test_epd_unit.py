@@ -9,6 +9,9 @@ as the seed's rollout does.
 
 The engines start once for the module (the two consumers load together); the reference
 output is conftest's `aggregated` engine.
+
+The last tests are an ordinary client's: the official openai SDK through the EPD proxy
+(`epd-operator proxy`) in front of the unit's router, knowing nothing of encoders.
 """
 
 from __future__ import annotations
@@ -19,12 +22,14 @@ import time
 import uuid
 from pathlib import Path
 
+import openai
 import pytest
 import yaml
 
 from epd_client import Endpoints, EPDClient, prime_encoder
 from epd_dev.operator_process import get_json, wait_for
-from epd_dev.vllm import payloads
+from epd_dev.proxy_process import ProxyProcess
+from epd_dev.vllm import payloads, tiny_model
 from epd_dev.vllm.payloads import EMBEDDING_FILE, image_part, messages
 from epd_dev.vllm.serving import localized, tiny_manifest
 from epd_dev.vllm.unit_runner import UnitRunner
@@ -209,3 +214,117 @@ def test_cache_miss_is_encoded_by_the_consumer_leaving_an_empty_folder(unit, agg
         "/inference/v1/generate", aggregated.post("/v1/chat/completions/render", payloads.greedy(msgs))
     )
     assert out[0] == payloads.output(reference)[0]
+
+
+# --------------------------------------------------------------------------- through the EPD proxy
+
+
+@pytest.fixture(scope="module")
+def front(unit, tmp_path_factory):
+    """The URL an ordinary client calls: the EPD proxy in front of the unit's router, priming on
+    the unit's encoder, run as the unit's proxy container runs it. Once the operator puts the
+    proxy into the pod, this fixture returns the front Service's URL instead; the tests stay."""
+    with ProxyProcess(unit.entry_url, [unit.encoder_url], tmp_path_factory.mktemp("proxy-logs")) as proxy:
+        yield proxy.url
+
+
+@dataclasses.dataclass
+class EncoderLoad:
+    """What the encoder served between two looks: finished requests, chat requests, EC entries."""
+
+    finished: int
+    chats: int
+    entries: dict[str, list[str]]
+
+    @classmethod
+    def of(cls, unit: RunningUnit) -> EncoderLoad:
+        served = payloads.served_requests(unit.encoder_url)
+        return cls(
+            payloads.finished_requests(unit.encoder_url),
+            served.get("/v1/chat/completions", 0),
+            payloads.ec_entries(unit.store),
+        )
+
+
+def sdk(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def chat_request(msgs: list[dict], **extra: object) -> dict:
+    """Greedy and of fixed length, with token ids and logprobs (vLLM's extras through extra_body)."""
+    return {
+        "model": tiny_model.SERVED_NAME,
+        "messages": msgs,
+        "max_tokens": 8,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True, "return_token_ids": True},
+        **extra,
+    }
+
+
+def new_entries(before: EncoderLoad, after: EncoderLoad) -> dict[str, list[str]]:
+    return {h: files for h, files in after.entries.items() if h not in before.entries}
+
+
+def test_an_openai_client_through_the_proxy_gets_the_aggregated_answer(unit, front, aggregated, vllm_timings):
+    msgs = messages(image_part((40, 90, 220)), image_part((220, 90, 40)), text="two colours")
+    before = EncoderLoad.of(unit)
+    start = time.monotonic()
+    answer = sdk(front).chat.completions.create(**chat_request(msgs, logprobs=True))
+    vllm_timings["openai SDK through the proxy (prime 2 images, 8 tokens)"] = time.monotonic() - start
+    after = EncoderLoad.of(unit)
+    reference = sdk(aggregated.url).chat.completions.create(**chat_request(msgs, logprobs=True))
+
+    (choice,), (expected,) = answer.choices, reference.choices
+    assert choice.token_ids == expected.token_ids and len(choice.token_ids) == 8
+    assert choice.message.content == expected.message.content
+    assert [t.logprob for t in choice.logprobs.content] == pytest.approx(
+        [t.logprob for t in expected.logprobs.content], abs=1e-3
+    )
+    # The encoder ran exactly one prime per image, and the consumer read what it wrote: a miss
+    # would have left an empty <mm_hash> folder instead of the embedding file.
+    assert (after.finished - before.finished, after.chats - before.chats) == (2, 2)
+    assert new_entries(before, after) and all(f == [EMBEDDING_FILE] for f in new_entries(before, after).values())
+    assert len(new_entries(before, after)) == 2
+
+
+def test_a_stream_through_the_proxy_gives_the_same_tokens(unit, front):
+    msgs = messages(image_part((130, 200, 60)), text="one colour")
+    before = EncoderLoad.of(unit)
+    whole = sdk(front).chat.completions.create(**chat_request(msgs))
+    middle = EncoderLoad.of(unit)
+    stream = sdk(front).chat.completions.create(**chat_request(msgs), stream=True)
+    chunks = [c for c in stream if c.choices]
+    after = EncoderLoad.of(unit)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert [t for c in chunks for t in (getattr(c.choices[0], "token_ids", None) or [])] == whole.choices[0].token_ids
+    assert len(chunks) > 2  # streamed, not one answer
+    # Primed for each request (a stream too), one embedding in the store for the one image.
+    assert (middle.finished - before.finished, after.finished - middle.finished) == (1, 1)
+    assert len(new_entries(before, after)) == 1
+
+
+def test_responses_input_images_are_primed_through_the_proxy(unit, front, aggregated):
+    part = {"type": "input_image", "image_url": payloads.png_data_url((240, 240, 240)), "detail": "auto"}
+    request = {
+        "model": tiny_model.SERVED_NAME,
+        "input": [{"role": "user", "content": [part, {"type": "input_text", "text": "describe"}]}],
+        "max_output_tokens": 8,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
+    before = EncoderLoad.of(unit)
+    answer = sdk(front).responses.create(**request)
+    after = EncoderLoad.of(unit)
+    assert answer.output_text == sdk(aggregated.url).responses.create(**request).output_text
+    assert after.finished - before.finished == 1
+    assert [f for f in new_entries(before, after).values()] == [[EMBEDDING_FILE]]
+
+
+def test_text_only_through_the_proxy_never_reaches_the_encoder(unit, front, aggregated):
+    before = EncoderLoad.of(unit)
+    request = chat_request([{"role": "user", "content": "no picture here"}])
+    answer = sdk(front).chat.completions.create(**request)
+    assert answer.choices[0].token_ids == sdk(aggregated.url).chat.completions.create(**request).choices[0].token_ids
+    assert [m.id for m in sdk(front).models.list()] == [tiny_model.SERVED_NAME]  # passed through
+    assert EncoderLoad.of(unit) == before

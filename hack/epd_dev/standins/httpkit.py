@@ -57,15 +57,33 @@ async def read_request(reader: asyncio.StreamReader) -> Request | None:
     return request
 
 
-def response_bytes(status: int, body: bytes, *, content_type: str = "application/json", close: bool = False) -> bytes:
-    head = [
-        f"HTTP/1.1 {status} {REASONS.get(status, 'Unknown')}",
-        f"content-type: {content_type}",
-        f"content-length: {len(body)}",
-    ]
+def response_bytes(
+    status: int,
+    body: bytes,
+    *,
+    content_type: str = "application/json",
+    close: bool = False,
+    headers: list[tuple[str, str]] | None = None,
+) -> bytes:
+    return head_bytes(status, content_type, headers or [], length=len(body), close=close) + body
+
+
+def head_bytes(
+    status: int, content_type: str, headers: list[tuple[str, str]], *, length: int | None, close: bool = False
+) -> bytes:
+    """A response's status line and headers; without ``length`` the body is sent chunked
+    (``chunk_bytes``), as a server streaming SSE does."""
+    head = [f"HTTP/1.1 {status} {REASONS.get(status, 'Unknown')}", f"content-type: {content_type}"]
+    head.append(f"content-length: {length}" if length is not None else "transfer-encoding: chunked")
     if close:
         head.append("connection: close")
-    return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
+    head += [f"{name}: {value}" for name, value in headers]
+    return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1")
+
+
+def chunk_bytes(data: bytes) -> bytes:
+    """One chunk of a chunked body; ``b""`` gives the last one."""
+    return f"{len(data):x}\r\n".encode() + data + b"\r\n"
 
 
 class BackgroundServer:

@@ -23,7 +23,14 @@ need vLLM's real behaviour belong with the real engines (tests/vllm).
   announced in ``ec_transfer_params`` as a pull (``ec_pulls``, peers in ``pulled``), else one
   found in ``ec_store`` as a hit, else a miss (real vLLM would encode the image itself,
   silently).
-- ``GET /health``: 200.
+- ``POST /v1/chat/completions`` with ``"stream": true``: Server-Sent Events, chunked, one
+  ``chat.completion.chunk`` per token then ``data: [DONE]``. With ``chunk_gate`` (a
+  ``threading.Semaphore``) every event after the first waits for a release of the gate, so a test
+  can read event i before event i+1 exists: proof that nothing between buffers the stream.
+- ``POST /v1/completions`` and ``POST /v1/responses``: a completion and a response object in
+  OpenAI's shapes (the image of an ``input_image`` part counts as primed like an ``image_url``).
+- ``GET /v1/models``: the one model; ``GET /health``: 200; anything else: 404.
+- ``response_headers`` are added to every answer (for tests of what a proxy passes back).
 
 Give the encoders and the consumer of one unit the same ``ec_store`` set to model the
 node-local EC directory; give a pool's encoders none of the consumers' stores. For a separate process run
@@ -38,12 +45,15 @@ import contextlib
 import hashlib
 import itertools
 import json
+import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from .httpkit import BackgroundServer, Served, read_request, response_bytes
+from .httpkit import BackgroundServer, Served, chunk_bytes, head_bytes, read_request, response_bytes
+
+STREAM_TOKENS = ("Hello", " from", " the", " stand-in")
 
 
 def mm_hash(url: str) -> str:
@@ -60,6 +70,8 @@ class Record:
     finished: float | None = None
     status: int | None = None
     aborted: bool = False  # the client went away before the answer
+    method: str = "POST"
+    sent: list[float] = field(default_factory=list)  # time.monotonic() of each streamed event
 
 
 class StandinServer(Served):
@@ -73,11 +85,15 @@ class StandinServer(Served):
         port: int = 0,
         ec_transfer: bool = False,
         mm_metadata: bool = True,
+        chunk_gate: threading.Semaphore | None = None,
+        response_headers: list[tuple[str, str]] | None = None,
     ) -> None:
         self.delay = delay
         self.ec_store = ec_store if ec_store is not None else set()
         self.ec_transfer = ec_transfer
         self.mm_metadata = mm_metadata
+        self.chunk_gate = chunk_gate
+        self.response_headers = response_headers or []
         self.records: list[Record] = []
         self.open_connections = 0
         self.ec_hits = 0
@@ -102,15 +118,20 @@ class StandinServer(Served):
                     _json_or_none(request.body),
                     connection,
                     time.monotonic(),
+                    method=request.method,
                 )
                 self.records.append(record)
                 if self.delay and await _client_left_during(reader, self.delay):
                     record.aborted = True
                     return
-                record.status, payload = self._answer(request.method, request.target, record.body)
-                record.finished = time.monotonic()  # before the client can see the answer (a test reads it then)
-                writer.write(response_bytes(record.status, json.dumps(payload).encode()))
-                await writer.drain()
+                if _streamed(request.method, request.target, record.body):
+                    await self._stream(record, writer)
+                else:
+                    record.status, payload = self._answer(request.method, request.target, record.body)
+                    record.finished = time.monotonic()  # before the client can see the answer (a test reads it then)
+                    body = json.dumps(payload).encode()
+                    writer.write(response_bytes(record.status, body, headers=self.response_headers))
+                    await writer.drain()
                 if not request.keep_alive:
                     return
         except ConnectionError:
@@ -119,9 +140,27 @@ class StandinServer(Served):
             self.open_connections -= 1
             writer.close()
 
+    async def _stream(self, record: Record, writer: asyncio.StreamWriter) -> None:
+        record.status = 200
+        self.ec_store.update(mm_hash(u) for u in _image_urls(record.body))
+        writer.write(head_bytes(200, "text/event-stream", self.response_headers, length=None))
+        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+        events = [_chunk(completion_id, record.body.get("model"), token) for token in STREAM_TOKENS]
+        for i, event in enumerate([*events, "[DONE]"]):
+            if i and self.chunk_gate is not None:
+                await asyncio.to_thread(self.chunk_gate.acquire, timeout=30)
+            record.sent.append(time.monotonic())
+            writer.write(chunk_bytes(f"data: {event}\n\n".encode()))
+            await writer.drain()
+        writer.write(chunk_bytes(b""))
+        record.finished = time.monotonic()
+        await writer.drain()
+
     def _answer(self, method: str, path: str, body: Any) -> tuple[int, Any]:
         if method == "GET" and path == "/health":
             return 200, {}
+        if method == "GET" and path.split("?")[0] == "/v1/models":
+            return 200, {"object": "list", "data": [{"id": "standin", "object": "model", "owned_by": "vllm"}]}
         if method != "POST":
             return 404, {"error": "not found"}
         if not isinstance(body, dict):
@@ -136,6 +175,11 @@ class StandinServer(Served):
             return 200, _render(body, self.mm_metadata)
         if path == "/inference/v1/generate":
             return self._generate(body)
+        if path == "/v1/completions":
+            return 200, _completion(body)
+        if path == "/v1/responses":
+            self.ec_store.update(mm_hash(u) for u in _image_urls(body))
+            return 200, _response(body)
         return 404, {"error": "not found"}
 
     def _announce(self, urls: list[str]) -> dict[str, Any]:
@@ -199,14 +243,75 @@ def _json_or_none(raw: bytes) -> Any:
         return None
 
 
+def _streamed(method: str, path: str, body: Any) -> bool:
+    return method == "POST" and path == "/v1/chat/completions" and isinstance(body, dict) and body.get("stream") is True
+
+
 def _image_urls(body: dict[str, Any]) -> list[str]:
-    return [
-        part["image_url"]["url"]
-        for message in body.get("messages") or []
-        if isinstance(message.get("content"), list)
-        for part in message["content"]
-        if isinstance(part, dict) and part.get("type") == "image_url" and isinstance(part["image_url"].get("url"), str)
-    ]
+    """The image URL of every image_url part of ``messages`` and input_image part of ``input``."""
+    urls = []
+    conversation = [*(body.get("messages") or []), *(body["input"] if isinstance(body.get("input"), list) else [])]
+    for message in conversation:
+        for part in message.get("content") if isinstance(message.get("content"), list) else []:
+            if not isinstance(part, dict):
+                continue
+            if part.get("type") == "image_url" and isinstance(part["image_url"].get("url"), str):
+                urls.append(part["image_url"]["url"])
+            elif part.get("type") == "input_image" and isinstance(part.get("image_url"), str):
+                urls.append(part["image_url"])
+    return urls
+
+
+def _chunk(completion_id: str, model: Any, token: str) -> str:
+    return json.dumps(
+        {
+            "id": completion_id,
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": model,
+            "choices": [{"index": 0, "delta": {"content": token}, "finish_reason": None}],
+        }
+    )
+
+
+def _completion(body: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": body.get("model"),
+        "choices": [{"index": 0, "text": "x", "finish_reason": "length", "logprobs": None}],
+        "usage": {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5},
+    }
+
+
+def _response(body: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": f"resp_{uuid.uuid4().hex}",
+        "object": "response",
+        "created_at": int(time.time()),
+        "model": body.get("model"),
+        "status": "completed",
+        "output": [
+            {
+                "id": f"msg_{uuid.uuid4().hex}",
+                "type": "message",
+                "role": "assistant",
+                "status": "completed",
+                "content": [{"type": "output_text", "text": "x", "annotations": []}],
+            }
+        ],
+        "parallel_tool_calls": True,
+        "tool_choice": "auto",
+        "tools": [],
+        "usage": {
+            "input_tokens": 8,
+            "output_tokens": 1,
+            "total_tokens": 9,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": 0},
+        },
+    }
 
 
 def _chat_completion(body: dict[str, Any]) -> dict[str, Any]:

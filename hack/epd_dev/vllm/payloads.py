@@ -10,6 +10,7 @@ import urllib.request
 import zlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from . import tiny_model
 
@@ -43,15 +44,15 @@ def png_data_url(rgb: tuple[int, int, int], size: int = tiny_model.IMAGE_SIZE) -
     return data_url(png(size, size, lambda x, y: rgb))
 
 
-def image_part(rgb: tuple[int, int, int]) -> dict:
+def image_part(rgb: tuple[int, int, int]) -> dict[str, Any]:
     return {"type": "image_url", "image_url": {"url": png_data_url(rgb)}}
 
 
-def messages(*parts: dict, text: str = "describe") -> list[dict]:
+def messages(*parts: dict[str, Any], text: str = "describe") -> list[dict[str, Any]]:
     return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
 
 
-def greedy(msgs: list[dict], max_tokens: int = 6) -> dict:
+def greedy(msgs: list[dict[str, Any]], max_tokens: int = 6) -> dict[str, Any]:
     """A render request whose generation is deterministic and of fixed length, with logprobs."""
     return {
         "model": tiny_model.SERVED_NAME,
@@ -63,16 +64,17 @@ def greedy(msgs: list[dict], max_tokens: int = 6) -> dict:
     }
 
 
-def output(generated: dict) -> tuple[list[int], list[float]]:
+def output(generated: dict[str, Any]) -> tuple[list[int], list[float]]:
     """Token ids and their logprobs from an /inference/v1/generate response."""
     choice = generated["choices"][0]
     return choice["token_ids"], [lp["logprob"] for lp in choice["logprobs"]["content"]]
 
 
-def image_hashes(rendered: dict) -> list[str]:
+def image_hashes(rendered: dict[str, Any]) -> list[str]:
     """The mm_hash of each image of a /v1/chat/completions/render response, in prompt order:
     the name of its folder in the EC store."""
-    return rendered["features"]["mm_hashes"]["image"]
+    hashes: list[str] = rendered["features"]["mm_hashes"]["image"]
+    return hashes
 
 
 def ec_entries(store: Path) -> dict[str, list[str]]:
@@ -94,7 +96,8 @@ _NOT_SERVED = ("/health", "/metrics")
 
 def _scrape(base_url: str) -> str:
     with urllib.request.urlopen(base_url + "/metrics", timeout=10) as resp:
-        return resp.read().decode()
+        text: bytes = resp.read()
+        return text.decode()
 
 
 def _by_handler(pattern: re.Pattern[str], text: str) -> dict[str, float]:
@@ -108,6 +111,14 @@ def _by_handler(pattern: re.Pattern[str], text: str) -> dict[str, float]:
 def served_requests(base_url: str) -> dict[str, int]:
     """Requests an engine has answered, by path, from its /metrics (probes and scrapes left out)."""
     return {h: int(n) for h, n in _by_handler(_HTTP_REQUESTS, _scrape(base_url)).items()}
+
+
+_FINISHED = re.compile(r"^vllm:request_success_total\{[^}]*\} (\S+)$", re.MULTILINE)
+
+
+def finished_requests(base_url: str) -> int:
+    """Requests the engine ran to the end (vLLM's vllm:request_success_total, every reason)."""
+    return int(sum(float(n) for n in _FINISHED.findall(_scrape(base_url))))
 
 
 def served_seconds(base_url: str) -> dict[str, tuple[int, float]]:

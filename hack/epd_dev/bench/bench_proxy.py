@@ -1,0 +1,266 @@
+"""The EPD proxy's cost: text-only chat completions through `epd-operator proxy` and to the
+upstream alone, side by side in one run.
+
+Both paths end at the same fast STAND-IN upstream (epd_dev/standins/fast_upstream.py, not
+vLLM) in a process of its own; the proxy is the real `epd-operator proxy` process, started as
+a unit runs it (epd_dev.proxy_process). This process is the load: ``clients`` closed-loop
+clients, each sending its next request when the last is answered, aiohttp on uvloop.
+
+At each level the stand-in takes ``clients / rate`` seconds per request (the request's
+``x-standin-delay``), so every level runs at about ``--rate`` requests a second: the levels
+differ in concurrency (open connections, requests in flight), not in the CPU the machine has
+left, and the figures are what the proxy adds, not queueing behind a saturated core. Clients
+start spread over one service time, so requests do not arrive in waves. One more run at
+64 clients with no service time at all saturates the machine: its throughput ratio and the
+proxy's CPU per request bound what one proxy process can forward.
+
+Per level: latency to the whole answer (p50, p99) and throughput, and for streamed answers
+the time to the first body byte (the stand-in sends its first event after the service time
+and the rest one service time later, so a buffering proxy would double it). Each statistic is
+the median over ``--repeats`` runs, the paths interleaved so that other load on the machine
+hits both alike. The proxy's RSS is read from /proc at the end.
+
+Run: ``make bench-proxy`` (or ``python -m epd_dev.bench.bench_proxy --help``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from epd_dev.proxy_process import ProxyProcess
+from epd_operator.loop import event_loop
+
+TARGETS = {"added_p50_ms": 1.0, "added_p99_ms": 5.0, "throughput_ratio": 0.95}
+PATHS = ("upstream", "proxy")
+
+
+@dataclass
+class Run:
+    seconds: float
+    latencies: list[float] = field(default_factory=list)
+    first_bytes: list[float] = field(default_factory=list)
+    proxy_cpu: float = 0.0  # CPU seconds the proxy process spent during the run
+
+    @property
+    def throughput(self) -> float:
+        return len(self.latencies) / self.seconds
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, from /proc/<pid>/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_mb(pid: int) -> tuple[float, float]:
+    """(current, peak) resident set of a process, in MiB."""
+    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return int(status["VmRSS"].split()[0]) / 1024, int(status["VmHWM"].split()[0]) / 1024
+
+
+async def load(
+    http: aiohttp.ClientSession, url: str, *, clients: int, seconds: float, delay: float, stream: bool, proxy_pid: int
+) -> Run:
+    body = json.dumps(
+        {"model": "standin", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 1, "stream": stream}
+    ).encode()
+    headers = {"content-type": "application/json", "x-standin-delay": f"{delay:.6f}"}
+    loop = asyncio.get_running_loop()
+    run = Run(seconds)
+
+    async def client(index: int) -> None:
+        await asyncio.sleep(delay * index / clients)  # spread over one service time
+        while loop.time() < deadline:
+            started = time.perf_counter()
+            async with http.post(url, data=body, headers=headers) as response:
+                first = None
+                async for _ in response.content.iter_any():
+                    first = first or time.perf_counter()
+                response.raise_for_status()
+            done = time.perf_counter()
+            run.latencies.append(done - started)
+            run.first_bytes.append((first or done) - started)
+
+    cpu = cpu_seconds(proxy_pid)
+    started = loop.time()
+    deadline = started + seconds
+    await asyncio.gather(*(client(i) for i in range(clients)))
+    run.seconds = loop.time() - started
+    run.proxy_cpu = cpu_seconds(proxy_pid) - cpu
+    return run
+
+
+@dataclass
+class Level:
+    clients: int
+    delay: float
+    runs: dict[tuple[str, bool], list[Run]]  # (path, streamed) -> one per repeat
+
+    def median(self, path: str, streamed: bool, stat: str) -> float:
+        runs = self.runs[(path, streamed)]
+        if stat == "throughput":
+            return statistics.median(r.throughput for r in runs)
+        q = 0.99 if stat.endswith("p99") else 0.5
+        values = "first_bytes" if stat.startswith("ttfb") else "latencies"
+        return statistics.median(percentile(getattr(r, values), q) for r in runs)
+
+
+async def measure(upstream: str, proxy: ProxyProcess, cli: argparse.Namespace) -> tuple[list[Level], Level]:
+    urls = {"upstream": upstream, "proxy": proxy.url}
+    assert proxy.proc is not None
+    pid = proxy.proc.pid
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as http:
+        plans = [(n, n / cli.rate, streamed) for n in cli.levels for streamed in (False, True)]
+        plans.append((64, 0.0, False))  # saturation
+        runs: dict[tuple[int, float, str, bool], list[Run]] = {}
+        for clients, delay, streamed in plans:  # warm connections and code paths on both sides
+            for path in PATHS:
+                await load(
+                    http, urls[path] + "/v1/chat/completions", clients=clients, seconds=min(1.0, cli.seconds),
+                    delay=delay, stream=streamed, proxy_pid=pid,
+                )  # fmt: skip
+        for _ in range(cli.repeats):
+            for clients, delay, streamed in plans:
+                for path in PATHS:
+                    run = await load(
+                        http, urls[path] + "/v1/chat/completions", clients=clients, seconds=cli.seconds,
+                        delay=delay, stream=streamed, proxy_pid=pid,
+                    )  # fmt: skip
+                    runs.setdefault((clients, delay, path, streamed), []).append(run)
+    levels = [
+        Level(n, d, {(p, s): runs[(n, d, p, s)] for p in PATHS for s in (False, True)})
+        for n, d in dict.fromkeys((n, d) for n, d, _ in plans[:-1])
+    ]
+    saturated = Level(64, 0.0, {(p, False): runs[(64, 0.0, p, False)] for p in PATHS})
+    return levels, saturated
+
+
+def report(
+    levels: list[Level], saturated: Level, proxy_rss: tuple[float, float], load_before: float, cli: argparse.Namespace
+) -> dict[str, float]:
+    print(
+        f"\ntext-only /v1/chat/completions, closed-loop clients at about {cli.rate:g} requests/s (service time = "
+        f"clients / rate), {cli.seconds:g} s per run, median of {cli.repeats} runs; {os.cpu_count()} cores shared, "
+        f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after; Python {platform.python_version()}, "
+        f"aiohttp {aiohttp.__version__}\n"
+    )
+    print(
+        f"{'clients':>7} {'service ms':>10} | {'p50 ms':>15} {'p99 ms':>15} | {'added p50':>9} {'added p99':>9} | "
+        f"{'req/s':>13} {'ratio':>5} | {'first byte ms':>15} {'ratio':>5}"
+    )
+    print(f"{'':>7} {'':>10} | {'upstream proxy':>15} {'upstream proxy':>15} | {'ms':>9} {'ms':>9} | "
+          f"{'up   proxy':>13} {'':>5} | {'upstream proxy':>15} {'':>5}")  # fmt: skip
+    keys: dict[str, float] = {}
+    for level in levels:
+        up = {s: level.median("upstream", False, s) for s in ("p50", "p99", "throughput")}
+        px = {s: level.median("proxy", False, s) for s in ("p50", "p99", "throughput")}
+        ttfb = {p: level.median(p, True, "ttfb_p50") for p in PATHS}
+        n = level.clients
+        keys[f"added_p50_ms_{n}"] = (px["p50"] - up["p50"]) * 1e3
+        keys[f"added_p99_ms_{n}"] = (px["p99"] - up["p99"]) * 1e3
+        keys[f"throughput_ratio_{n}"] = px["throughput"] / up["throughput"]
+        keys[f"first_byte_ratio_{n}"] = ttfb["proxy"] / ttfb["upstream"]
+        print(
+            f"{n:>7} {level.delay * 1e3:>10.1f} | {up['p50'] * 1e3:>7.2f} {px['p50'] * 1e3:>7.2f} "
+            f"{up['p99'] * 1e3:>7.2f} {px['p99'] * 1e3:>7.2f} | {keys[f'added_p50_ms_{n}']:>9.2f} "
+            f"{keys[f'added_p99_ms_{n}']:>9.2f} | {up['throughput']:>6.0f} {px['throughput']:>6.0f} "
+            f"{keys[f'throughput_ratio_{n}']:>5.2f} | {ttfb['upstream'] * 1e3:>7.2f} {ttfb['proxy'] * 1e3:>7.2f} "
+            f"{keys[f'first_byte_ratio_{n}']:>5.2f}"
+        )
+    up_rate = saturated.median("upstream", False, "throughput")
+    px_rate = saturated.median("proxy", False, "throughput")
+    proxied = saturated.runs[("proxy", False)]
+    cpu = statistics.median(r.proxy_cpu / len(r.latencies) for r in proxied)
+    keys["saturated_throughput_ratio"] = px_rate / up_rate
+    keys["saturated_upstream_rps"] = up_rate
+    keys["saturated_proxy_rps"] = px_rate
+    keys["proxy_cpu_us_per_request"] = cpu * 1e6
+    keys["proxy_rss_mb"], keys["proxy_peak_rss_mb"] = proxy_rss
+    print(
+        f"\nsaturated (64 clients, no service time, every process on the same 2 cores): upstream alone "
+        f"{up_rate:.0f} req/s, through the proxy {px_rate:.0f} req/s (ratio {px_rate / up_rate:.2f}); "
+        f"the proxy spends {cpu * 1e6:.0f} us of CPU per request"
+    )
+    print(f"proxy RSS {proxy_rss[0]:.1f} MiB at the end, {proxy_rss[1]:.1f} MiB at its peak\n")
+    verdicts = []
+    for name, limit in TARGETS.items():
+        for level in levels:
+            value = keys[f"{name}_{level.clients}"]
+            met = value >= limit if name == "throughput_ratio" else value <= limit
+            verdicts.append(f"{name}_{level.clients} {value:.2f} ({'met' if met else 'MISSED'}: target {limit:g})")
+    print("targets: " + "; ".join(verdicts) + "\n")
+    for key, value in keys.items():
+        print(f"{key}={value:.3f}")
+    return keys
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--levels", type=lambda t: [int(n) for n in t.split(",")], default=[1, 64, 512])
+    parser.add_argument("--rate", type=float, default=400.0, help="requests a second each level runs at")
+    parser.add_argument("--seconds", type=float, default=5.0, help="length of one run")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="record the proxy with py-spy: a flamegraph (.svg) or collapsed stacks",
+    )
+    cli = parser.parse_args(argv)
+    load_before = os.getloadavg()[0]  # other work on the machine moves every figure
+
+    upstream = subprocess.Popen(
+        [sys.executable, "-m", "epd_dev.standins.fast_upstream", "--port", "0"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert upstream.stdout is not None
+        url = upstream.stdout.readline().strip()
+        if not url.startswith("http://"):
+            raise SystemExit(f"the stand-in upstream did not start (exit code {upstream.poll()})")
+        # The encoder is never asked (text only); the stand-in's URL satisfies the flag.
+        with tempfile.TemporaryDirectory() as logs, ProxyProcess(url, [url], Path(logs)) as proxy:
+            assert proxy.proc is not None
+            spy = None
+            if cli.profile:
+                kind = "flamegraph" if cli.profile.suffix == ".svg" else "raw"  # raw: collapsed stacks
+                spy = subprocess.Popen(
+                    [str(Path(sys.executable).with_name("py-spy")), "record", "-o", str(cli.profile), "-f", kind]
+                    + ["-p", str(proxy.proc.pid), "-r", "200", "--nonblocking"],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            with event_loop() as runner:  # uvloop, as the proxy's: neither side is handicapped
+                levels, saturated = runner.run(measure(url, proxy, cli))
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)
+                spy.wait(60)
+            rss = rss_mb(proxy.proc.pid)
+        return report(levels, saturated, rss, load_before, cli)
+    finally:
+        upstream.terminate()
+        upstream.wait()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,15 @@
+# The EPD proxy (operator/epd_operator/proxy, docs/proxy.md). Included from the main Makefile,
+# which defines PY (the venv's python) and the `venv` target.
+# Pass options through PROXY_BENCH_ARGS, e.g. PROXY_BENCH_ARGS="--profile proxy.svg".
+
+PROXY_BENCH_ARGS ?=
+
+.PHONY: bench-proxy test-proxy
+
+## bench-proxy: the proxy's added latency, throughput and RSS against the upstream alone (about 4 min)
+bench-proxy: venv
+	$(PY) -m epd_dev.bench.bench_proxy $(PROXY_BENCH_ARGS)
+
+## test-proxy: the proxy's tests against stand-ins (no cluster, no vLLM)
+test-proxy: venv
+	$(PY) -m pytest -q tests/proxy

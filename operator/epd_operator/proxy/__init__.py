@@ -1,0 +1,4 @@
+"""The EPD proxy (`epd-operator proxy`): in front of a unit's router, it primes every media part
+of an ordinary OpenAI client's request on the encoders before forwarding it unchanged, so no
+client has to know about encoders. core.py decides (pure), encoders.py keeps the list of
+encoders, server.py is the aiohttp shell. docs/proxy.md explains the design and its limits."""

@@ -1,0 +1,79 @@
+"""Prometheus metrics of the EPD proxy, served with /health on its own port (`--metrics-port`):
+the proxy's main port passes every path through, the upstream's /metrics included."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, PlatformCollector, ProcessCollector
+
+FAILURE_REASONS = ("client_error", "encoder_error", "no_encoder")
+
+
+class ProxyMetrics:
+    """The proxy's metrics, in a registry of their own (plus the usual process_* ones)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        self._requests = Counter(
+            "epd_proxy_requests_total",
+            "Requests answered, by route (chat_completions and responses are primed; other passes "
+            "through) and HTTP status code (the upstream's, or the proxy's own errors).",
+            ["route", "code"],
+            registry=self.registry,
+        )
+        # One child per (route, code) seen: labels() takes a lock and builds a key each call.
+        self._request_children: dict[tuple[str, int], Counter] = {}
+        self._media = Counter(
+            "epd_proxy_media_primed_total",
+            "Media parts primed on the encoders, by kind (image, video, audio).",
+            ["kind"],
+            registry=self.registry,
+        )
+        self._prime_seconds = Histogram(
+            "epd_proxy_prime_duration_seconds",
+            "Time to prime every media part of one request (all at once, retries included), "
+            "what priming adds before the request is forwarded.",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+            registry=self.registry,
+        )
+        self._prime_failures = Counter(
+            "epd_proxy_prime_failures_total",
+            "Requests answered with an error and not forwarded because their media could not be "
+            "primed: client_error (an encoder's 4xx: bad media URL, model, credentials), "
+            "encoder_error (5xx, timeouts, connection errors once retries ran out), no_encoder.",
+            ["reason"],
+            registry=self.registry,
+        )
+        for reason in FAILURE_REASONS:
+            self._prime_failures.labels(reason)
+        self._encoders = Gauge(
+            "epd_proxy_encoders",
+            "Encoders the proxy primes on: its --encoder URLs, or the last DNS answer for --encoders-dns.",
+            registry=self.registry,
+        )
+        self._dns_errors = Counter(
+            "epd_proxy_encoder_dns_errors_total",
+            "Failed resolutions of --encoders-dns other than 'no such name' (the last answer is kept).",
+            registry=self.registry,
+        )
+
+    def observe_request(self, route: str, code: int) -> None:
+        child = self._request_children.get((route, code))
+        if child is None:
+            child = self._request_children[(route, code)] = self._requests.labels(route, str(code))
+        child.inc()
+
+    def observe_primed(self, kinds: list[str], seconds: float) -> None:
+        for kind in kinds:
+            self._media.labels(kind).inc()
+        self._prime_seconds.observe(seconds)
+
+    def observe_prime_failure(self, reason: str) -> None:
+        self._prime_failures.labels(reason).inc()
+
+    def set_encoders(self, count: int) -> None:
+        self._encoders.set(count)
+
+    def observe_dns_error(self) -> None:
+        self._dns_errors.inc()

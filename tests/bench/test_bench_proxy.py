@@ -1,0 +1,22 @@
+"""`make bench-proxy` at toy size: the tool runs the real proxy and reports every key. Not
+timed: the numbers at this size mean nothing."""
+
+from __future__ import annotations
+
+from epd_dev.bench import bench_proxy
+
+
+def test_the_proxy_benchmark_reports_every_key(capsys):
+    keys = bench_proxy.main(["--levels", "1,4", "--seconds", "0.3", "--repeats", "1", "--rate", "200"])
+    out = capsys.readouterr().out
+    expected = {
+        f"{stat}_{n}"
+        for n in (1, 4)
+        for stat in ("added_p50_ms", "added_p99_ms", "throughput_ratio", "first_byte_ratio")
+    }
+    expected |= {"saturated_throughput_ratio", "proxy_cpu_us_per_request", "proxy_rss_mb", "proxy_peak_rss_mb"}
+    assert expected <= keys.keys()
+    assert all(keys[k] > 0 for k in expected if "added" not in k)
+    lines = out.splitlines()
+    assert [line.split("=", 1)[0] for line in lines[-len(keys) :]] == list(keys)  # key=value lines come last
+    assert any(line.startswith("targets: added_p50_ms_1 ") for line in lines)

@@ -1,0 +1,91 @@
+"""Primer and media_items: the public pieces another door (the EPD proxy) primes with."""
+
+from __future__ import annotations
+
+import pytest
+
+from epd_client import MediaItem, PrimeError, Primer, media_items
+from epd_dev.standins.fault_proxy import http_status
+
+from .helpers import FAST
+
+
+def test_media_items_say_where_each_part_is() -> None:
+    image = {"type": "image_url", "image_url": {"url": "https://i.test/a.png"}}
+    responses_image = {"type": "input_image", "image_url": "https://i.test/b.png", "detail": "auto"}
+    conversation = [
+        {"role": "system", "content": "be brief"},
+        "not a message",  # what a malformed Responses input may hold: skipped, not an error
+        {"role": "user", "content": [{"type": "text", "text": "look"}, image]},
+        {"type": "message", "role": "user", "content": [responses_image, {"type": "input_image", "image_url": None}]},
+    ]
+    assert media_items(conversation) == [  # type: ignore[arg-type]
+        MediaItem(image, "image_url", "https://i.test/a.png", message=2, position=1),
+        MediaItem(responses_image, "input_image", "https://i.test/b.png", message=3, position=0),
+    ]
+
+
+def parts(count: int) -> list[MediaItem]:
+    return media_items(
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"https://i.test/{i}"}}]}
+        for i in range(count)
+    )
+
+
+def url_of(record) -> str:
+    return record.body["messages"][0]["content"][0]["image_url"]["url"]
+
+
+async def test_round_robin_starts_at_first(server) -> None:
+    encoders = [server(), server(), server()]
+    async with Primer(retry=FAST) as primer:
+        assert await primer.prime(parts(4), [e.url for e in encoders], model="m", first=2) == {}
+    # Item i on encoder (2 + i) % 3.
+    assert [sorted(url_of(r) for r in e.records) for e in encoders] == [
+        ["https://i.test/1"],
+        ["https://i.test/2"],
+        ["https://i.test/0", "https://i.test/3"],
+    ]
+    assert {r.body["model"] for e in encoders for r in e.records} == {"m"}
+
+
+async def test_headers_go_with_every_prime_and_request_ids_stay_unique(server) -> None:
+    encoder = server()
+    headers = {"Authorization": "Bearer token", "X-Request-Id": "client-7"}
+    async with Primer(retry=FAST) as primer:
+        await primer.prime(parts(3), [encoder.url], model=None, headers=headers)
+    assert {r.headers["authorization"] for r in encoder.records} == {"Bearer token"}
+    ids = [r.headers["x-request-id"] for r in encoder.records]
+    assert len(set(ids)) == 3 and all(i.startswith("client-7-") for i in ids)
+    assert all("model" not in r.body for r in encoder.records)  # None: vLLM's default model
+
+
+async def test_failures_name_each_item(server, proxy) -> None:
+    front = proxy(server().url)
+    front.add(http_status(503), times=None)
+    async with Primer(retry=FAST) as primer:
+        with pytest.raises(PrimeError) as caught:
+            await primer.prime(parts(2), [front.url], model="m", unit="the pool")
+    assert [(f.index, f.error.status_code, f.error.attempts) for f in caught.value.failures] == [
+        (0, 503, FAST.max_attempts),
+        (1, 503, FAST.max_attempts),
+    ]
+    assert "on unit 'the pool'" in str(caught.value)
+
+
+async def test_nothing_to_prime_sends_nothing_and_items_need_encoders(server) -> None:
+    encoder = server()
+    async with Primer(retry=FAST) as primer:
+        assert await primer.prime([], [], model="m") == {}
+        with pytest.raises(ValueError, match="no encoder"):
+            await primer.prime(parts(1), [], model="m")
+    assert encoder.records == []
+
+
+async def test_pooled_answers_are_merged_and_must_announce(server) -> None:
+    announcing, silent = server(ec_transfer=True), server()
+    async with Primer(retry=FAST) as primer:
+        params = await primer.prime(parts(2), [announcing.url], model="m", pooled=True)
+        assert len(params) == 2 and all(p["peer_host"] == "127.0.0.1" for p in params.values())
+        with pytest.raises(PrimeError, match="without ec_transfer_params"):
+            await primer.prime(parts(1), [silent.url], model="m", pooled=True)

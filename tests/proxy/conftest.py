@@ -1,0 +1,89 @@
+"""Fixtures for the EPD proxy's tests: stand-in engines (each on its own thread) and the proxy
+itself, in-process on the test's event loop, with quick retries."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import pytest
+
+from epd_client import Primer, RetryPolicy
+from epd_dev.standins.fault_proxy import FaultProxy
+from epd_dev.standins.vllm_server import StandinServer
+from epd_operator.proxy.core import DNSTarget
+from epd_operator.proxy.encoders import Encoders, Resolve, resolve_addresses
+from epd_operator.proxy.metrics import ProxyMetrics
+from epd_operator.proxy.server import Proxy, ProxyConfig, serve
+
+# Quick retries so failure paths take milliseconds.
+FAST = RetryPolicy(max_attempts=3, backoff=0.01, max_backoff=0.05, attempt_timeout=5, deadline=10)
+
+
+@dataclass
+class RunningProxy:
+    url: str
+    admin_url: str
+    proxy: Proxy
+
+    async def metrics_text(self) -> str:
+        async with aiohttp.ClientSession() as http, http.get(self.admin_url + "/metrics") as response:
+            return await response.text()
+
+
+@pytest.fixture
+def stack() -> Iterator[ExitStack]:
+    with ExitStack() as stack:
+        yield stack
+
+
+@pytest.fixture
+def server(stack: ExitStack) -> Callable[..., StandinServer]:
+    return lambda **kw: stack.enter_context(StandinServer(**kw))
+
+
+@pytest.fixture
+def faulty(stack: ExitStack) -> Callable[[str], FaultProxy]:
+    return lambda upstream: stack.enter_context(FaultProxy(upstream))
+
+
+@pytest.fixture
+async def start_proxy() -> AsyncIterator[Callable[..., Any]]:
+    """``await start_proxy(upstream_url, encoder_urls, **config)``: a proxy serving on free ports."""
+    async with contextlib.AsyncExitStack() as stack:
+
+        async def start(
+            upstream: str,
+            encoders: Sequence[str] = (),
+            *,
+            dns: str | None = None,
+            resolve: Resolve = resolve_addresses,
+            retry: RetryPolicy = FAST,
+            **config: Any,
+        ) -> RunningProxy:
+            metrics = ProxyMetrics()
+            target = DNSTarget.parse(dns) if dns else None
+            found = Encoders(metrics, encoders, target, refresh_seconds=0.05, resolve=resolve)
+            primer = await stack.enter_async_context(Primer(retry=retry))
+            proxy = await stack.enter_async_context(Proxy(ProxyConfig(upstream, **config), found, primer, metrics))
+            stop, ready = asyncio.Event(), asyncio.get_running_loop().create_future()
+            task = asyncio.create_task(
+                serve(proxy, host="127.0.0.1", port=0, metrics_port=0, shutdown_timeout=5, stop=stop, ready=ready)
+            )
+            stack.push_async_callback(lambda: task)  # awaited after stop is set
+            stack.callback(stop.set)
+            port, admin = await asyncio.wait_for(ready, 10)
+            return RunningProxy(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}", proxy)
+
+        yield start
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session

@@ -1,0 +1,61 @@
+"""resources.proxy_container: the container the operator adds to a unit to run the proxy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from epd_operator.cli import build_parser
+from epd_operator.render import render
+from epd_operator.resources import pool_name, proxy_container
+from epd_operator.validation import validate
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
+IMAGE = "epd-operator:test"
+
+
+def plan_of(example: str, **spec_changes):
+    manifest = yaml.safe_load((EXAMPLES / example).read_text())
+    manifest["spec"].update(spec_changes)
+    checked = validate(manifest["spec"])
+    name = manifest["metadata"]["name"]
+    (plan, *_) = render(checked, namespace="ns", name=name, uid="uid-1")
+    return checked.spec, name, plan
+
+
+def flags(container: dict):
+    """The container's args as the real `epd-operator proxy` parses them."""
+    assert container["command"] == ["epd-operator", "proxy"]
+    return build_parser().parse_args(["proxy", *container["args"]])
+
+
+def test_a_unit_proxy_primes_on_its_own_encoders_and_takes_the_front_port():
+    spec, name, plan = plan_of("encoder-prefill-decode.yaml")
+    container = proxy_container(spec, name, "ns", plan, IMAGE, upstream_port=8099)
+    args = flags(container)
+    assert args.encoder == [f"http://127.0.0.1:{e.port}" for e in plan.unit_encoders] and args.encoder
+    assert (args.upstream, args.port, args.placement) == ("http://127.0.0.1:8099", plan.router.port, "Unit")
+    assert args.request_timeout_seconds == spec.router.request_timeout_seconds
+    # The front Service's targetPort is the name `http`: the proxy holds it now.
+    assert {"name": "http", "containerPort": plan.router.port} in container["ports"]
+    assert container["image"] == IMAGE
+    assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": args.metrics_port}
+    assert {"name": "proxy-metrics", "containerPort": args.metrics_port} in container["ports"]
+    assert container["securityContext"]["runAsNonRoot"] and container["securityContext"]["readOnlyRootFilesystem"]
+
+
+def test_a_unit_without_router_fronts_its_only_consumer():
+    spec, name, plan = plan_of("encoder-regular.yaml")
+    assert plan.router is None
+    (consumer,) = plan.consumers
+    args = flags(proxy_container(spec, name, "ns", plan, IMAGE, upstream_port=consumer.port))
+    assert (args.port, args.upstream) == (spec.ports.router, f"http://127.0.0.1:{consumer.port}")
+
+
+def test_a_pools_proxy_finds_the_pool_by_dns_and_carries_transfer_params():
+    spec, name, plan = plan_of("encoder-pools.yaml")
+    args = flags(proxy_container(spec, name, "team-a", plan, IMAGE, upstream_port=8099))
+    ports = ",".join(str(e.port) for e in plan.encoders)
+    assert args.encoders_dns == f"{pool_name(name, plan.name)}.team-a.svc:{ports}"
+    assert (args.encoder, args.placement) == ([], "Pools")

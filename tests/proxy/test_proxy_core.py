@@ -1,0 +1,208 @@
+"""The proxy's decisions (core.py), without any I/O."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from epd_client import MediaFailure, PrimeError, RequestError
+from epd_operator.proxy import core
+from epd_operator.proxy.core import BadRequest, DNSTarget
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "expected"),
+    [
+        ("POST", "/v1/chat/completions", "chat_completions"),
+        ("POST", "/v1/responses", "responses"),
+        ("GET", "/v1/chat/completions", "other"),
+        ("POST", "/v1/chat/completions/render", "other"),
+        ("POST", "/inference/v1/generate", "other"),
+        ("POST", "/v1/completions", "other"),
+        ("POST", "/v1/responses/resp_1/cancel", "other"),
+        ("POST", "/v1/chat/completions/", "other"),
+    ],
+)
+def test_only_chat_completions_and_responses_posts_are_primed(method, path, expected):
+    assert core.route(method, path) == expected
+
+
+def raw(body: object) -> bytes:
+    return json.dumps(body).encode()
+
+
+def test_a_chat_plan_locates_each_media_part():
+    image = {"type": "image_url", "image_url": {"url": "https://i.test/a.png"}}
+    audio = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
+    body = {"model": "m", "messages": [{"role": "system", "content": "x"}, {"role": "user", "content": [image, audio]}]}
+    found = core.plan("chat_completions", raw(body))
+    assert found.body == body and found.model == "m"
+    assert [(p.item.part, p.param) for p in found.parts] == [
+        (image, "messages[1].content[0]"),
+        (audio, "messages[1].content[1]"),
+    ]
+
+
+def test_a_responses_plan_reads_previous_messages_then_input():
+    before = {"type": "image_url", "image_url": {"url": "https://i.test/a.png"}}
+    now = {"type": "input_image", "image_url": "https://i.test/b.png"}
+    body = {
+        "input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "x"}, now]}],
+        "previous_input_messages": [{"role": "user", "content": [before]}],
+    }
+    found = core.plan("responses", raw(body))
+    assert [p.param for p in found.parts] == ["previous_input_messages[0].content[0]", "input[0].content[1]"]
+    assert found.model is None  # vLLM's default model, for the primes too
+    assert core.plan("responses", raw({"model": "m", "input": "text only"})).parts == ()
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "param"),
+    [
+        ("chat_completions", b"", None),
+        ("chat_completions", b"\xff", None),
+        ("chat_completions", b'"a string"', None),
+        ("chat_completions", raw({"messages": {"role": "user"}}), "messages"),
+        ("responses", raw({"input": 3}), "input"),
+        ("responses", raw({"input": "x", "previous_input_messages": {}}), "previous_input_messages"),
+    ],
+)
+def test_unreadable_bodies_are_bad_requests(route, body, param):
+    with pytest.raises(BadRequest) as caught:
+        core.plan(route, body)
+    assert caught.value.param == param
+
+
+def test_hop_by_hop_headers_and_those_connection_names_are_dropped():
+    headers = [
+        ("Host", "front:8000"),
+        ("Connection", "keep-alive, X-Secret"),
+        ("Keep-Alive", "timeout=5"),
+        ("Proxy-Connection", "keep-alive"),
+        ("TE", "trailers"),
+        ("Transfer-Encoding", "chunked"),
+        ("Upgrade", "websocket"),
+        ("X-Secret", "for this hop"),
+        ("Content-Length", "12"),
+        ("Expect", "100-continue"),
+        ("Accept", "a"),
+        ("accept", "b"),
+        ("Authorization", "Bearer t"),
+    ]
+    assert core.forwarded(headers) == [
+        ("Host", "front:8000"),
+        ("Content-Length", "12"),
+        ("Expect", "100-continue"),
+        ("Accept", "a"),
+        ("accept", "b"),
+        ("Authorization", "Bearer t"),
+    ]
+    assert core.forwarded(headers, core.STREAMED_BODY) == [
+        ("Content-Length", "12"),
+        ("Accept", "a"),
+        ("accept", "b"),
+        ("Authorization", "Bearer t"),
+    ]
+    assert core.forwarded(headers, core.HELD_BODY) == [("Accept", "a"), ("accept", "b"), ("Authorization", "Bearer t")]
+
+
+def test_primes_carry_credentials_trace_context_and_the_request_id():
+    headers = [
+        ("Authorization", "Bearer t"),
+        ("authorization", "second"),
+        ("X-Request-Id", "r1"),
+        ("traceparent", "00-a-b-01"),
+        ("Cookie", "c=1"),
+        ("Content-Type", "application/json"),
+    ]
+    assert core.prime_headers(headers) == {
+        "authorization": "Bearer t",
+        "x-request-id": "r1",
+        "traceparent": "00-a-b-01",
+    }
+
+
+@pytest.mark.parametrize(
+    ("status", "kind"),
+    [
+        (400, "BadRequestError"),
+        (413, "RequestEntityTooLargeError"),
+        (502, "BadGatewayError"),
+        (500, "InternalServerError"),
+    ],
+)
+def test_errors_have_vllms_shape(status, kind):
+    assert core.error_body(status, "why", "messages") == {
+        "error": {"message": "why", "type": kind, "param": "messages", "code": status}
+    }
+
+
+def failure(index: int, status: int | None, reason: str = "boom") -> MediaFailure:
+    return MediaFailure(
+        index,
+        f"https://i.test/{index}",
+        ("http://e:1",),
+        RequestError("/p", ("http://e:1",), attempts=3, reason=reason, status_code=status),
+    )
+
+
+def parts(count: int) -> tuple[core.MediaPart, ...]:
+    images = [{"type": "image_url", "image_url": {"url": f"https://i.test/{i}"}} for i in range(count)]
+    return core.plan("chat_completions", raw({"messages": [{"role": "user", "content": images}]})).parts
+
+
+@pytest.mark.parametrize(
+    ("statuses", "expected"),
+    [
+        ([503], 502),
+        ([None], 502),  # connection errors, timeouts
+        ([503, 404], 404),  # a bad request stays bad, whatever else failed
+        ([400, 401], 400),
+        ([429, 408], 502),  # retried until the end: the encoders' trouble, not the client's
+    ],
+)
+def test_a_prime_failure_is_the_clients_only_for_an_encoder_4xx(statuses, expected):
+    error = PrimeError("u", 3, [failure(i + 1, s) for i, s in enumerate(statuses)])
+    status, body = core.prime_failure(error, parts(3))
+    assert status == expected == body["error"]["code"]
+    assert body["error"]["param"] == "messages[0].content[1]"
+    assert f"{len(statuses)} of 3 media part(s)" in body["error"]["message"]
+    assert "image messages[0].content[1] (https://i.test/1) via http://e:1: boom" in body["error"]["message"]
+
+
+def test_no_encoder_is_a_503_naming_the_first_part():
+    status, body = core.no_encoder(parts(2))
+    assert (status, body["error"]["type"], body["error"]["param"]) == (
+        503,
+        "ServiceUnavailableError",
+        "messages[0].content[0]",
+    )
+
+
+def test_the_clients_own_transfer_params_win():
+    body = {"messages": [], "ec_transfer_params": {"h1": "client"}}
+    assert core.with_transfer_params(body, {"h1": "encoder", "h2": "encoder"})["ec_transfer_params"] == {
+        "h1": "client",
+        "h2": "encoder",
+    }
+    assert core.with_transfer_params({"messages": []}, {"h": 1}) == {"messages": [], "ec_transfer_params": {"h": 1}}
+
+
+def test_dns_targets():
+    assert DNSTarget.parse("pool.ns.svc:8100,8101") == DNSTarget("pool.ns.svc", (8100, 8101))
+    assert DNSTarget.parse("pool.ns.svc.cluster.local.:8100") == DNSTarget("pool.ns.svc.cluster.local.", (8100,))
+    for bad in ("pool", "pool:", ":8100", "pool:x", "pool:0", "pool:70000", "pool:8100,"):
+        with pytest.raises(ValueError, match="HOST:PORT"):
+            DNSTarget.parse(bad)
+
+
+def test_encoder_urls_are_sorted_and_bracket_ipv6():
+    assert core.encoder_urls(["10.0.0.10", "fd00::1", "10.0.0.9", "10.0.0.10"], (8100, 8101)) == (
+        "http://10.0.0.9:8100",
+        "http://10.0.0.9:8101",
+        "http://10.0.0.10:8100",
+        "http://10.0.0.10:8101",
+        "http://[fd00::1]:8100",
+        "http://[fd00::1]:8101",
+    )

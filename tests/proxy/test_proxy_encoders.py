@@ -1,0 +1,106 @@
+"""The encoders a proxy primes on: fixed, or a DNS name re-resolved (a Pools model's pool)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+
+from epd_operator.proxy.core import DNSTarget
+from epd_operator.proxy.encoders import Encoders, resolve_addresses
+from epd_operator.proxy.metrics import ProxyMetrics
+
+
+class Resolver:
+    """Answers from a script: a list of addresses, or a gaierror to raise."""
+
+    def __init__(self, *answers: list[str] | socket.gaierror) -> None:
+        self.answers = list(answers)
+        self.asked: list[str] = []
+
+    async def __call__(self, host: str) -> list[str]:
+        self.asked.append(host)
+        answer = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+        if isinstance(answer, socket.gaierror):
+            raise answer
+        return answer
+
+
+def gauge(metrics: ProxyMetrics, name: str) -> float | None:
+    return metrics.registry.get_sample_value(name)
+
+
+async def test_each_refresh_replaces_the_list_and_no_such_name_empties_it():
+    metrics = ProxyMetrics()
+    resolver = Resolver(
+        ["10.0.0.7", "10.0.0.5"],
+        ["10.0.0.5"],
+        socket.gaierror(socket.EAI_NONAME, "Name or service not known"),
+    )
+    encoders = Encoders(metrics, dns=DNSTarget("pool.ns.svc", (8100, 8101)), resolve=resolver)
+    await encoders.refresh()
+    assert encoders.urls == (
+        "http://10.0.0.5:8100",
+        "http://10.0.0.5:8101",
+        "http://10.0.0.7:8100",
+        "http://10.0.0.7:8101",
+    )
+    assert gauge(metrics, "epd_proxy_encoders") == 4
+    await encoders.refresh()
+    assert encoders.urls == ("http://10.0.0.5:8100", "http://10.0.0.5:8101")
+    await encoders.refresh()  # the headless Service has no ready pod: no records at all
+    assert encoders.urls == () and gauge(metrics, "epd_proxy_encoders") == 0
+    assert resolver.asked == ["pool.ns.svc"] * 3
+    assert gauge(metrics, "epd_proxy_encoder_dns_errors_total") == 0
+
+
+async def test_a_resolver_failure_keeps_the_last_answer():
+    metrics = ProxyMetrics()
+    resolver = Resolver(["10.0.0.5"], socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution"))
+    encoders = Encoders(metrics, dns=DNSTarget("pool.ns.svc", (8100,)), resolve=resolver)
+    await encoders.refresh()
+    await encoders.refresh()
+    assert encoders.urls == ("http://10.0.0.5:8100",)
+    assert gauge(metrics, "epd_proxy_encoder_dns_errors_total") == 1
+
+
+async def test_run_keeps_refreshing():
+    resolver = Resolver(["10.0.0.1"], ["10.0.0.1", "10.0.0.2"])
+    encoders = Encoders(ProxyMetrics(), dns=DNSTarget("pool", (1,)), refresh_seconds=0.01, resolve=resolver)
+    task = asyncio.create_task(encoders.run())
+    try:
+        while len(encoders.urls) < 2:  # a test timeout would say it never refreshed
+            await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+    assert encoders.urls == ("http://10.0.0.1:1", "http://10.0.0.2:1")
+
+
+async def test_the_system_resolver_is_asked():
+    assert "127.0.0.1" in await resolve_addresses("localhost")
+
+
+async def test_fixed_urls_lose_trailing_slashes():
+    metrics = ProxyMetrics()
+    assert Encoders(metrics, ["http://127.0.0.1:8100/"]).urls == ("http://127.0.0.1:8100",)
+    assert gauge(metrics, "epd_proxy_encoders") == 1
+
+
+async def test_a_proxy_primes_on_what_dns_names(server, start_proxy, http):
+    """Pools: the pool's encoders, as the DNS answer lists them, with the port given."""
+    encoders, upstream = [server(), server()], server()
+    ports = sorted({int(e.url.rsplit(":", 1)[1]) for e in encoders})
+    resolver = Resolver(["127.0.0.1"])
+    proxy = await start_proxy(upstream.url, dns=f"pool.test:{ports[0]},{ports[1]}", resolve=resolver)
+    request = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "image_url", "image_url": {"url": f"https://i.test/{i}"}} for i in range(2)],
+            }
+        ]
+    }
+    async with http.post(proxy.url + "/v1/chat/completions", data=json.dumps(request)) as response:
+        assert response.status == 200
+    assert [len(e.records) for e in encoders] == [1, 1]
+    assert resolver.asked[0] == "pool.test"

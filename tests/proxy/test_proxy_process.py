@@ -1,0 +1,70 @@
+"""`epd-operator proxy` as the process a unit's container runs: its flags, and a SIGTERM that
+lets a request in flight finish."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.request
+
+import pytest
+
+from epd_dev.proxy_process import ProxyProcess
+from epd_operator.cli import build_parser
+
+
+def test_flags_and_their_defaults():
+    args = build_parser().parse_args(["proxy", "--upstream", "http://127.0.0.1:8001", "--encoder", "http://a:1"])
+    assert (args.port, args.metrics_port, args.request_timeout_seconds, args.prime_timeout_seconds) == (
+        8000,
+        9401,
+        1800.0,
+        600.0,
+    )
+    assert (args.max_request_bytes, args.placement, args.encoder) == (64 * 2**20, "Unit", ["http://a:1"])
+    args = build_parser().parse_args(
+        ["proxy", "--upstream", "u", "--encoders-dns", "pool.ns.svc:8100,8101", "--max-request-bytes", "1.5Mi"]
+    )
+    assert (args.encoders_dns, args.max_request_bytes) == ("pool.ns.svc:8100,8101", 1572864)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--upstream", "u"],  # no encoder at all
+        ["--upstream", "u", "--encoder", "e", "--encoders-dns", "pool:1"],
+        ["--upstream", "u", "--encoders-dns", "pool"],
+        ["--upstream", "u", "--encoder", "e", "--max-request-bytes", "100m"],
+        ["--upstream", "u", "--encoder", "e", "--port", "0"],
+    ],
+)
+def test_bad_flags_are_refused(argv, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["proxy", *argv])
+
+
+def test_the_process_primes_serves_and_drains_on_sigterm(server, tmp_path):
+    encoder, upstream = server(), server(delay=1.0)
+    request = {
+        "model": "m",
+        "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://i.test/x"}}]}],
+    }
+    with ProxyProcess(upstream.url, [encoder.url], tmp_path, args=["--prime-max-attempts", "2"]) as proxy:
+        answers = []
+
+        def call() -> None:
+            post = urllib.request.Request(proxy.url + "/v1/chat/completions", data=json.dumps(request).encode())
+            with urllib.request.urlopen(post, timeout=30) as response:
+                answers.append((response.status, json.load(response)["object"]))
+
+        client = threading.Thread(target=call)
+        client.start()
+        while not upstream.records:  # the request reached the upstream, which answers in 1 s
+            client.join(0.05)
+        assert proxy.stop() == 0  # SIGTERM while the request is in flight
+        client.join(30)
+    assert answers == [(200, "chat.completion")]
+    assert len(encoder.records) == 1
+    log = proxy.tail()
+    assert "serving on 127.0.0.1" in log
+    assert "HTTP Request" not in log  # httpx's line per prime stays out at INFO
