@@ -59,13 +59,17 @@ class Unit:
     """Every engine as the status lists them, encoders first; empty for a status written
     before the operator listed engines and for units built from URLs (``all_engines``
     then derives them from the URLs)."""
+    front_url: str | None = None
+    """The unit's front door as the status names it (``entryUrl``): its EPD proxy, else its
+    router, else its only consumer; None in statuses of operators before the proxy."""
 
     def __post_init__(self) -> None:
         # Accept any sequence and trailing slashes; paths are appended as "/v1/...".
         object.__setattr__(self, "encoder_urls", tuple(map(_base_url, self.encoder_urls)))
         object.__setattr__(self, "consumer_urls", tuple(map(_base_url, self.consumer_urls)))
-        if self.router_url is not None:
-            object.__setattr__(self, "router_url", _base_url(self.router_url))
+        for name in ("router_url", "front_url"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, _base_url(getattr(self, name)))
         object.__setattr__(self, "engines", tuple(self.engines))
 
     def all_engines(self) -> tuple[Engine, ...]:
@@ -79,7 +83,10 @@ class Unit:
 
     @property
     def entry_url(self) -> str | None:
-        """Where render/generate go: the unit's router, else its first consumer."""
+        """Where render/generate go: the unit's front door (its EPD proxy passes them on
+        unprimed), else its router, else its first consumer."""
+        if self.front_url:
+            return self.front_url
         if self.router_url:
             return self.router_url
         return self.consumer_urls[0] if self.consumer_urls else None
@@ -195,6 +202,7 @@ def _model_from_status(model: Mapping[str, Any]) -> ModelEndpoints:
             name=unit["name"],
             encoder_urls=pool_urls if pooled else tuple(unit.get("encoderUrls") or ()),
             router_url=unit.get("routerUrl"),
+            front_url=unit.get("entryUrl"),
             consumer_urls=tuple(unit.get("consumerUrls") or ()),
             # A unit the operator has not yet called ready must not receive traffic.
             ready=unit.get("ready") is True,

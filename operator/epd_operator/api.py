@@ -351,6 +351,27 @@ class Router(Schema):
     resources: ResourceRequirements | None = Field(default=None, description="Router container resources.")
 
 
+class Proxy(Schema):
+    """The EPD proxy in every unit (`epd-operator proxy`, the operator's image, docs/proxy.md): on
+    the front port, it primes the media of any OpenAI client's request on the encoders before
+    forwarding it to vllm-router (or the unit's only consumer) on the pod's loopback."""
+
+    enabled: bool = Field(
+        default=True,
+        description=(
+            "Without it, only clients that prime the encoders themselves (epd_client) use them: any other "
+            "client's images are encoded by the consumers."
+        ),
+    )
+    request_timeout_seconds: int | None = Field(
+        default=None, ge=1, le=86400, description="Per-request timeout; default: router.requestTimeoutSeconds."
+    )
+    prime_timeout_seconds: int = Field(
+        default=600, ge=1, le=86400, description="How long priming one request's media may take, retries included."
+    )
+    resources: ResourceRequirements | None = Field(default=None, description="The proxy container's resources.")
+
+
 class NetworkPolicySpec(Schema):
     """Who reaches the pods of the EPDDeployment (a NetworkPolicy the operator owns). Each pod is
     always reachable by the EPDDeployment's own pods (units and encoder pools), on every port."""
@@ -439,7 +460,18 @@ class Ports(Schema):
     """Ports inside each pod; engines get consecutive ports, encoders first (with Pools, the pool pods'
     encoders and the units' consumers are each numbered from engineBase)."""
 
-    router: int = Field(default=8000, ge=1, le=65535, description="vllm-router HTTP port.")
+    router: int = Field(
+        default=8000,
+        ge=1,
+        le=65535,
+        description="The unit's front port (the Service's `http`): the EPD proxy's, or vllm-router's without it.",
+    )
+    router_loopback: int = Field(
+        default=8001,
+        ge=1,
+        le=65535,
+        description="vllm-router's port behind the EPD proxy, on the pod's loopback only.",
+    )
     engine_base: int = Field(default=8100, ge=1, le=65000, description="First engine HTTP port.")
     nixl_side_channel_base: int = Field(
         default=5600, ge=1, le=65000, description="First NIXL side-channel port (prefill/decode)."
@@ -526,6 +558,7 @@ class EPDDeploymentSpec(Schema):
     kv_connector: KVConnector = Field(default_factory=KVConnector, description="KV connector.")
     router: Router = Field(default_factory=Router, description="vllm-router settings.")
     service: FrontService = Field(default_factory=FrontService, description="Each model's front Service.")
+    proxy: Proxy = Field(default_factory=Proxy, description="The EPD proxy in front of each unit.")
     network_policy: NetworkPolicySpec = Field(
         default_factory=NetworkPolicySpec, description="Who reaches the pods (a NetworkPolicy the operator owns)."
     )
@@ -624,7 +657,13 @@ class UnitStatus(PodStatus):
     """One EPD unit: a pod holding every engine of a model on one node (with Pools, its consumers)."""
 
     consumer_urls: list[str] = Field(default_factory=list)
-    router_url: str | None = None
+    entry_url: str | None = Field(
+        default=None,
+        description="The unit's front door, for any OpenAI client: its EPD proxy, else its router, else its only consumer.",
+    )
+    router_url: str | None = Field(
+        default=None, description="Its vllm-router, where reachable (behind the EPD proxy it serves the loopback only)."
+    )
     ec_evictions: int | None = Field(
         default=None, description="EC entries its janitor evicted for budget since it started (scraped)."
     )

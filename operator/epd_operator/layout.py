@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from .api import JANITOR_METRICS_PORT, EPDDeploymentSpec, ModelSpec, WorkerType
+from .api import JANITOR_METRICS_PORT, PROXY_METRICS_PORT, EPDDeploymentSpec, ModelSpec, WorkerType
 from .ec.regions import uses_cpu_regions
 
 Block = tuple[int, int]  # the lowest and highest port of a range
@@ -67,12 +67,17 @@ def slots(spec: EPDDeploymentSpec, model: ModelSpec) -> list[Slot]:
 
 def unit_ports(spec: EPDDeploymentSpec, model: ModelSpec) -> dict[str, Block]:
     """The port blocks a unit pod reserves, named after the spec field that moves each (or what
-    takes it, for a fixed port): its engines' HTTP ports (with Pools, the consumers only), the router's,
+    takes it, for a fixed port): its engines' HTTP ports, the front port (the EPD proxy's or the
+    router's) and the router's behind the proxy, the proxy's metrics port (with Pools, the consumers only), the router's,
     prefill/decode NIXL side channels, and the EC janitor's metrics port (units with encoders)."""
     engines = model.consumer_engines if model.pooled else model.encoder_engines + model.consumer_engines
     blocks = {"ports.engineBase": _block(spec.ports.engine_base, engines)}
-    if model.needs_router:
+    if model.needs_router or spec.proxy.enabled:
         blocks["ports.router"] = _block(spec.ports.router, 1)
+    if model.needs_router and spec.proxy.enabled:
+        blocks["ports.routerLoopback"] = _block(spec.ports.router_loopback, 1)
+    if spec.proxy.enabled:
+        blocks["the EPD proxy's metrics port"] = _block(PROXY_METRICS_PORT, 1)
     if model.is_pd:
         blocks["ports.nixlSideChannelBase"] = _block(spec.ports.nixl_side_channel_base, engines)
     if model.has_encoders and not model.pooled:

@@ -81,6 +81,15 @@ class RouterCommand:
 
 
 @dataclass(frozen=True)
+class ProxyCommand:
+    """The EPD proxy of a unit: on the front port, forwarding to the router or the only consumer."""
+
+    port: int  # ports.router: the Service's `http`
+    upstream_port: int  # the router's loopback port, or the unit's only consumer's
+    container_name: str = "proxy"
+
+
+@dataclass(frozen=True)
 class ModelPlan:
     name: str
     served_model_name: str
@@ -88,6 +97,15 @@ class ModelPlan:
     engines: list[EngineCommand]  # encoders first, then consumers in group order
     router: RouterCommand | None
     placement: Placement = Placement.unit
+    proxy: ProxyCommand | None = None
+
+    @property
+    def front_port(self) -> int:
+        """The port the front Service targets (`http`): the proxy's, else the router's, else the
+        only consumer's."""
+        if self.proxy is not None:
+            return self.proxy.port
+        return self.router.port if self.router else self.consumers[0].port
 
     @property
     def encoders(self) -> list[EngineCommand]:
@@ -260,8 +278,13 @@ def _model_plan(spec: EPDDeploymentSpec, minor: str, model: ModelSpec, ec_path: 
                 field_env=defaults.get("field_env") or {},
             )
         )
+    router = _router(spec, model, engines)
+    proxy = None
+    if spec.proxy.enabled:
+        upstream = router.port if router else next(e.port for e in engines if not e.worker_type.is_encoder)
+        proxy = ProxyCommand(port=spec.ports.router, upstream_port=upstream)
     # Placement(): the API models keep enum values (Schema's use_enum_values), the plans the enum.
-    return ModelPlan(model.name, served, ec_path, engines, _router(spec, model, engines), Placement(model.placement))
+    return ModelPlan(model.name, served, ec_path, engines, router, Placement(model.placement), proxy)
 
 
 def _apply_overrides(defaults: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
@@ -332,10 +355,13 @@ def _router(spec: EPDDeploymentSpec, model: ModelSpec, engines: list[EngineComma
     def urls(worker_type: WorkerType) -> list[str]:
         return [f"http://127.0.0.1:{e.port}" for e in consumers if e.worker_type == worker_type]
 
+    # Behind the EPD proxy the router serves the pod's loopback only: every client comes through the proxy.
+    host, port = ("127.0.0.1", spec.ports.router_loopback) if spec.proxy.enabled else ("0.0.0.0", spec.ports.router)
     args = _load_yaml(
         _templates.get_template("router.yaml.j2").render(
             router=spec.router,
-            port=spec.ports.router,
+            host=host,
+            port=port,
             worker_urls=urls(WorkerType.regular),
             prefill_urls=urls(WorkerType.prefill),
             decode_urls=urls(WorkerType.decode),
@@ -343,4 +369,4 @@ def _router(spec: EPDDeploymentSpec, model: ModelSpec, engines: list[EngineComma
             kv_connector=ROUTER_KV_CONNECTORS.get(spec.kv_connector.name) if model.is_pd else None,
         )
     )
-    return RouterCommand(model=model.name, port=spec.ports.router, args=args)
+    return RouterCommand(model=model.name, port=port, args=args)

@@ -240,14 +240,14 @@ def _engine_container(
     return container
 
 
-def _router_container(spec: api.EPDDeploymentSpec, command: RouterCommand) -> dict[str, Any]:
+def _router_container(spec: api.EPDDeploymentSpec, command: RouterCommand, *, front: bool) -> dict[str, Any]:
     return {
         "name": command.container_name,
         "image": spec.router.image,
         "command": command.args[:1],
         "args": command.args[1:],
         "env": [],
-        "ports": [{"name": FRONT_PORT_NAME, "containerPort": command.port}],
+        "ports": [{"name": FRONT_PORT_NAME if front else command.container_name, "containerPort": command.port}],
         "resources": _resources(0, spec.router.resources, ROUTER_RESOURCES),
         **_probes(command.port, spec.probes, startup=False),
         **_lifecycle(spec),
@@ -329,67 +329,57 @@ def _pod_spec(
     return pod_spec
 
 
-def proxy_container(
-    spec: api.EPDDeploymentSpec,
-    deployment: str,
-    namespace: str,
-    plan: ModelPlan,
-    image: str,
-    *,
-    upstream_port: int,
-) -> dict[str, Any]:
-    """The EPD proxy of a unit: `epd-operator proxy` from the operator's `image`, listening on the
-    port the front Service targets (it takes the name `http`) and forwarding to the pod's
-    loopback `upstream_port`, where the router (or the unit's only consumer) must then listen
-    instead, without the `http` port name. Any OpenAI client through the front Service then gets
-    its media primed on the encoders first (docs/proxy.md).
+# The proxy's own figure (docs/proxy.md: 72 MiB under load); the limit leaves room for a few
+# bodies of --max-request-bytes (64 MiB each, parsed) at once.
+PROXY_RESOURCES = {"requests": {"cpu": "100m", "memory": "96Mi"}, "limits": {"memory": "1Gi"}}
+
+
+def proxy_container(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPlan, image: str) -> dict[str, Any]:
+    """The EPD proxy of a unit: `epd-operator proxy` from the operator's `image`, on the front
+    port (it holds the name `http`), forwarding to the router or the only consumer on the pod's
+    loopback. Any OpenAI client through the front Service gets its media primed on the encoders
+    first (docs/proxy.md).
 
     Placement Unit: it primes on the unit's own encoders, on the loopback. Pools: on the encoder
-    pool's ready pods, found through the pool's headless Service by DNS (so the cluster needs
-    DNS), and the encoders' ec_transfer_params go with each request so consumers pull from them.
+    pool's ready pods, found by DNS through the pool's headless Service (the pod's resolver
+    completes the name with its namespace), and the encoders' ec_transfer_params go with each
+    request so the consumers pull from them.
     """
-    port = plan.router.port if plan.router else spec.ports.router
+    assert plan.proxy is not None, "only a plan with a proxy has its container"
     if plan.pooled:
         ports = ",".join(str(e.port) for e in plan.encoders)
-        pool = f"{pool_name(deployment, plan.name)}.{namespace}.svc:{ports}"
-        encoders = ["--encoders-dns", pool, "--placement", "Pools"]
+        encoders = ["--encoders-dns", f"{pool_name(deployment, plan.name)}:{ports}", "--placement", "Pools"]
     else:
         encoders = [a for e in plan.unit_encoders for a in ("--encoder", f"http://127.0.0.1:{e.port}")]
-    probe = {"httpGet": {"path": "/health", "port": PROXY_METRICS_PORT}, "periodSeconds": 10, "timeoutSeconds": 5}
+    timeout = spec.proxy.request_timeout_seconds or spec.router.request_timeout_seconds
     return {
-        "name": "proxy",
+        "name": plan.proxy.container_name,
         "image": image,
         "command": ["epd-operator", "proxy"],
         "args": [
-            *("--port", str(port), "--upstream", f"http://127.0.0.1:{upstream_port}", *encoders),
-            *("--request-timeout-seconds", str(spec.router.request_timeout_seconds)),
+            *("--port", str(plan.proxy.port), "--upstream", f"http://127.0.0.1:{plan.proxy.upstream_port}"),
+            *encoders,
+            *("--request-timeout-seconds", str(timeout)),
+            *("--prime-timeout-seconds", str(spec.proxy.prime_timeout_seconds)),
             *("--metrics-port", str(PROXY_METRICS_PORT)),
         ],
         "ports": [
-            {"name": FRONT_PORT_NAME, "containerPort": port},
+            {"name": FRONT_PORT_NAME, "containerPort": plan.proxy.port},
             {"name": "proxy-metrics", "containerPort": PROXY_METRICS_PORT},
         ],
-        # 72 MiB measured under load (docs/proxy.md); the limit leaves room for a few bodies of
-        # --max-request-bytes (64 MiB each, parsed) at once.
-        "resources": {"requests": {"cpu": "100m", "memory": "96Mi"}, "limits": {"memory": "1Gi"}},
+        "resources": _resources(0, spec.proxy.resources, PROXY_RESOURCES),
         # Alive is ready: the pod's readiness already needs the router's and every encoder's.
-        "readinessProbe": probe,
-        "livenessProbe": probe,
+        **_probes(PROXY_METRICS_PORT, spec.probes, startup=False),
+        **_lifecycle(spec),
         "terminationMessagePolicy": "FallbackToLogsOnError",
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": 65532,
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        "securityContext": security_context(spec),
     }
 
 
 def pod_template(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPlan, operator_image: str) -> dict[str, Any]:
     model = spec.model(plan.name)
     consumers = plan.consumers
-    front_is_engine = plan.router is None and len(consumers) == 1
+    front_is_engine = plan.proxy is None and plan.router is None and len(consumers) == 1
     shm_bytes = parse_quantity(spec.shm.size_limit)
     first = plan.unit_engines[0]  # carries the /dev/shm in its memory request (_resources)
     init = [
@@ -399,7 +389,9 @@ def pod_template(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPlan, 
         _engine_container(spec, model, c, front_is_engine, shm_bytes=shm_bytes if c is first else 0) for c in consumers
     ]
     if plan.router is not None:
-        main.append(_router_container(spec, plan.router))
+        main.append(_router_container(spec, plan.router, front=plan.proxy is None))
+    if plan.proxy is not None:
+        main.append(proxy_container(spec, deployment, plan, operator_image))
     if plan.ec_storage_path:
         main.append(janitor_container(spec, plan, operator_image))
     pod_spec = _pod_spec(
@@ -463,8 +455,9 @@ def pod_disruption_budget(spec: api.EPDDeploymentSpec, stateful_set: dict[str, A
 
 
 def _service_port(plan: ModelPlan, spec: api.EPDDeploymentSpec) -> dict[str, Any]:
-    port = plan.router.port if plan.router else spec.ports.router
-    return {"name": FRONT_PORT_NAME, "port": port, "targetPort": FRONT_PORT_NAME, "protocol": "TCP"}
+    # Always ports.router: the proxy's port, the router's, or (the only consumer's) the number
+    # clients know, whichever container holds the name `http`.
+    return {"name": FRONT_PORT_NAME, "port": spec.ports.router, "targetPort": FRONT_PORT_NAME, "protocol": "TCP"}
 
 
 def services(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPlan) -> list[dict[str, Any]]:
@@ -606,8 +599,7 @@ def serving_ports(spec: api.EPDDeploymentSpec, plans: list[ModelPlan]) -> list[d
         blocks = [unit_ports(spec, model)["ports.engineBase"]]
         if plan.pooled:
             blocks.append(pool_ports(spec, model)["ports.engineBase"])
-        if plan.router is not None:
-            blocks.append((plan.router.port, plan.router.port))
+        blocks.append((plan.front_port, plan.front_port))
         ports += [_tcp(low, high) for low, high in blocks if high >= low]
     unique = {json.dumps(p, sort_keys=True): p for p in ports}
     return list(unique.values())
@@ -626,12 +618,13 @@ def network_policy(
     own = {"podSelector": {"matchLabels": {LABEL_DEPLOYMENT: deployment, LABEL_MANAGED_BY: FIELD_MANAGER}}}
     serving = serving_ports(spec, plans)
     janitor = [_tcp(JANITOR_METRICS_PORT, JANITOR_METRICS_PORT)] if any(p.ec_storage_path for p in plans) else []
+    proxies = [_tcp(PROXY_METRICS_PORT, PROXY_METRICS_PORT)] if any(p.proxy for p in plans) else []
     clients = [{"podSelector": {}}] if policy.clients is None else policy.clients
     ingress: list[dict[str, Any]] = [{"from": [own]}]
     if clients:
         ingress.append({"from": clients, "ports": serving})
     if policy.monitoring:
-        ingress.append({"from": policy.monitoring, "ports": serving + janitor})
+        ingress.append({"from": policy.monitoring, "ports": serving + janitor + proxies})
     if janitor and operator_namespace:
         namespace = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": operator_namespace}}}
         ingress.append({"from": [namespace], "ports": janitor})

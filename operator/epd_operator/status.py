@@ -18,7 +18,7 @@ from typing import Any
 from . import api
 from .ec.budget import budget_warning, effective_max_bytes
 from .indexes import REVISION_LABEL, Pod, StatefulSetSummary
-from .render import EngineCommand, ModelPlan, RouterCommand
+from .render import EngineCommand, ModelPlan, ProxyCommand, RouterCommand
 from .resources import ENCODERS_READY_GATE, child_name, pool_name, unit_pod_selector
 
 
@@ -73,7 +73,12 @@ def observe_unit(
     ip = pod.get("status", {}).get("podIP")
     containers = _containers(pod)
     encoders, consumers = plan.unit_encoders, plan.consumers
-    routed: list[EngineCommand | RouterCommand] = [*consumers, *([plan.router] if plan.router else [])]
+    # The containers a request passes through: the consumers, the router, the EPD proxy.
+    routed: list[EngineCommand | RouterCommand | ProxyCommand] = [
+        *consumers,
+        *([plan.router] if plan.router else []),
+        *([plan.proxy] if plan.proxy else []),
+    ]
 
     def ready(name: str) -> bool:
         return bool(containers.get(name, {}).get("ready"))
@@ -121,7 +126,8 @@ def observe_unit(
         message=message or None,
         encoder_urls=[u for e in encoders if (u := url(e.port))],
         consumer_urls=[u for c in consumers if (u := url(c.port))],
-        router_url=url(plan.router.port) if plan.router else None,
+        entry_url=url(plan.front_port) if routed else None,
+        router_url=url(plan.router.port) if plan.router and plan.proxy is None else None,
         engines=[
             api.EngineStatus(name=e.container_name, role=e.worker_type, url=url(e.port)) for e in plan.unit_engines
         ],
@@ -200,7 +206,9 @@ def observe_pool(
     """The encoder pool of a Pools model from its pods (by name)."""
     name = pool_name(deployment, plan.name)
     # A pool pod holds the model's encoders and nothing else: observed as a unit of that shape.
-    encoders_only = dataclasses.replace(plan, engines=plan.encoders, router=None, placement=api.Placement.unit)
+    encoders_only = dataclasses.replace(
+        plan, engines=plan.encoders, router=None, proxy=None, placement=api.Placement.unit
+    )
     members = [
         dataclasses.replace(
             observe_unit(encoders_only, pod_name, pods.get(pod_name), create_failure=create_failure),

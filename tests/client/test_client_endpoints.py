@@ -171,3 +171,29 @@ def test_import_loads_neither_kopf_nor_kubernetes() -> None:
     env = {**os.environ, "PYTHONPATH": str(operator_dir)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert json.loads(out) == []
+
+
+def test_the_units_front_door_from_the_status_is_where_render_and_generate_go():
+    status = {
+        "models": [
+            {
+                "name": "default",
+                "servedModelName": "m",
+                "units": [
+                    {
+                        "name": "u-0",
+                        "ready": True,
+                        "encoderUrls": ["http://10.0.0.5:8100"],
+                        "consumerUrls": ["http://10.0.0.5:8101", "http://10.0.0.5:8102"],
+                        "entryUrl": "http://10.0.0.5:8000/",
+                    }
+                ],
+            }
+        ]
+    }
+    (unit,) = Endpoints.from_status(status).model("default").units
+    assert unit.entry_url == "http://10.0.0.5:8000"  # the EPD proxy: the router behind it serves the loopback only
+    # An operator before the proxy wrote no entryUrl: the router, else the first consumer.
+    del status["models"][0]["units"][0]["entryUrl"]
+    (unit,) = Endpoints.from_status(status).model("default").units
+    assert unit.entry_url == "http://10.0.0.5:8101"

@@ -2,7 +2,7 @@
 
 Every panel's PromQL must name only metrics that something in an EPD deployment exports: the
 real vLLM engine (its names recorded from a real engine by tests/janitor/test_janitor_vllm.py
-into ENGINE_METRICS), the EC janitor or the operator (both read from their own registries).
+into ENGINE_METRICS), the EC janitor, the EPD proxy or the operator (read from their registries).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from epd_operator.ec.janitor import StoreMetrics
 from epd_operator.metrics import OperatorMetrics
+from epd_operator.proxy.metrics import ProxyMetrics
 
 # Sample names a real vLLM 0.32 CPU engine (an encoder and a consumer) exports after serving.
 ENGINE_METRICS = Path(__file__).parent / "vllm-0.32-metrics.txt"
@@ -34,6 +35,13 @@ def sample_names(registry: CollectorRegistry) -> set[str]:
 
 def janitor_metric_names() -> set[str]:
     return sample_names(StoreMetrics(["/dev/shm/store"], 1).registry)
+
+
+def proxy_metric_names() -> set[str]:
+    metrics = ProxyMetrics()
+    metrics.observe_request("chat_completions", 200)  # labelled series exist once observed
+    metrics.observe_primed(["image"], 0.1)
+    return sample_names(metrics.registry)
 
 
 def operator_metric_names() -> set[str]:

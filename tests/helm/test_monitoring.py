@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from epd_operator.render import render
-from epd_operator.resources import JANITOR_METRICS_PORT, desired_children
+from epd_operator.resources import JANITOR_METRICS_PORT, PROXY_METRICS_PORT, desired_children
 from epd_operator.validation import validate
 
 from .chart import documents, find, template
@@ -28,6 +28,7 @@ from .dashboard import (
     janitor_metric_names,
     metric_names,
     operator_metric_names,
+    proxy_metric_names,
     queries,
     read_metric_names,
 )
@@ -63,7 +64,7 @@ def test_every_dashboard_query_names_only_metrics_that_are_exported(rendered):
         f"{ENGINE_METRICS} is empty: record a real engine's metrics with "
         "UPDATE_GOLDEN=1 pytest -m vllm tests/janitor/test_janitor_vllm.py"
     )
-    exported = engine | janitor_metric_names() | operator_metric_names()
+    exported = engine | janitor_metric_names() | proxy_metric_names() | operator_metric_names()
     used: dict[str, str] = {}
     for where, expr in queries(dashboard_of(rendered)):
         for name in metric_names(expr):
@@ -82,6 +83,10 @@ def test_every_dashboard_query_names_only_metrics_that_are_exported(rendered):
         "epd_ec_evictions_total",
         "epd_ec_fallback_encodes_total",
         "epd_ready_units",
+        "epd_proxy_requests_total",
+        "epd_proxy_media_primed_total",
+        "epd_proxy_prime_failures_total",
+        "epd_proxy_prime_duration_seconds_bucket",
     } <= used.keys()
 
 
@@ -117,7 +122,7 @@ def test_the_operators_servicemonitor_keeps_the_deployments_namespace_label(rend
 
 
 @pytest.mark.parametrize("example", ["encoder-prefill-decode.yaml", "encoder-regular.yaml"])
-def test_the_podmonitor_scrapes_every_engine_and_janitor_of_a_unit_with_its_role(rendered, example):
+def test_the_podmonitor_scrapes_every_engine_proxy_and_janitor_of_a_unit_with_its_role(rendered, example):
     (monitor,) = find(rendered, "PodMonitor")
     assert monitor["spec"]["namespaceSelector"] == {"any": True}
     manifest = yaml.safe_load((EXAMPLES / example).read_text())
@@ -137,7 +142,7 @@ def test_the_podmonitor_scrapes_every_engine_and_janitor_of_a_unit_with_its_role
             "spec": sts["spec"]["template"]["spec"],
             "status": {"podIP": "10.1.2.3"},
         }
-        engines_endpoint, janitor_endpoint = monitor["spec"]["podMetricsEndpoints"]
+        engines_endpoint, proxy_endpoint, janitor_endpoint = monitor["spec"]["podMetricsEndpoints"]
 
         engines = scrape_targets(monitor, engines_endpoint, pod)
         assert sorted((t["container"], t["worker_type"], t["__address__"]) for t in engines) == sorted(
@@ -151,6 +156,10 @@ def test_the_podmonitor_scrapes_every_engine_and_janitor_of_a_unit_with_its_role
                 "team-a",
             )
             assert target["__metrics_path__"] == "/metrics"
+
+        (proxy,) = scrape_targets(monitor, proxy_endpoint, pod)
+        assert (proxy["container"], proxy["__address__"]) == ("proxy", f"10.1.2.3:{PROXY_METRICS_PORT}")
+        assert (proxy["role"], proxy["deployment"], proxy["model"]) == ("unit", name, plan.name)
 
         (janitor,) = scrape_targets(monitor, janitor_endpoint, pod)
         assert (janitor["container"], janitor["__address__"]) == ("janitor", f"10.1.2.3:{JANITOR_METRICS_PORT}")

@@ -74,7 +74,7 @@ def test_encoder_regular_topology_becomes_ready(cluster, namespace, epd_operator
     assert encoder["name"] == "encoder-0" and encoder["restartPolicy"] == "Always"
     assert encoder["startupProbe"]["httpGet"]["path"] == "/health"
     assert encoder["readinessProbe"]["httpGet"]["path"] == "/health"
-    assert [c["name"] for c in pod_spec["containers"]] == ["regular-0", "janitor"]  # one consumer: no router
+    assert [c["name"] for c in pod_spec["containers"]] == ["regular-0", "proxy", "janitor"]  # one consumer: no router
     for container in (encoder, pod_spec["containers"][0]):
         assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
         assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
@@ -101,7 +101,9 @@ def test_encoder_regular_topology_becomes_ready(cluster, namespace, epd_operator
     (unit,) = model["units"]
     assert unit["pod"] == pod["metadata"]["name"] and unit["ready"] is True
     assert unit["encoderUrls"] == [f"http://{ip}:{encoder['ports'][0]['containerPort']}"]
-    assert unit["consumerUrls"] == [f"http://{ip}:{http_port['containerPort']}"]
+    (consumer,) = [c for c in pod_spec["containers"] if c["name"] == "regular-0"]
+    assert unit["consumerUrls"] == [f"http://{ip}:{consumer['ports'][0]['containerPort']}"]
+    assert unit["entryUrl"] == f"http://{ip}:{http_port['containerPort']}"  # the EPD proxy, in front of it
     assert "routerUrl" not in unit
 
     table = cluster.kubectl("get", "epd", "-n", namespace).stdout
@@ -115,7 +117,7 @@ def test_prefill_decode_topology_gets_a_router_listing_only_consumers(cluster, n
     (sts,) = children(cluster, namespace, "qwen-vl-pd")["statefulsets"]
     pod_spec = sts["spec"]["template"]["spec"]
     names = [c["name"] for c in pod_spec["containers"]]
-    assert names == ["prefill-0", "decode-0", "router", "janitor"]
+    assert names == ["prefill-0", "decode-0", "router", "proxy", "janitor"]
     ports = {c["name"]: c["ports"][0]["containerPort"] for c in [*pod_spec["initContainers"], *pod_spec["containers"]]}
     router_args = " ".join(pod_spec["containers"][2]["args"])
     assert f"127.0.0.1:{ports['prefill-0']}" in router_args and f"127.0.0.1:{ports['decode-0']}" in router_args
@@ -123,7 +125,9 @@ def test_prefill_decode_topology_gets_a_router_listing_only_consumers(cluster, n
     nixl = [p for c in pod_spec["containers"] for p in c["ports"] if p["name"].startswith("nixl")]
     assert len({p["containerPort"] for p in nixl}) == 2  # a side channel per engine
     unit = obj["status"]["models"][0]["units"][0]
-    assert unit["routerUrl"].endswith(f":{ports['router']}")
+    # The unit's entry is its EPD proxy; the router serves it on the loopback only.
+    assert unit["entryUrl"].endswith(f":{ports['proxy']}") and "routerUrl" not in unit
+    assert "--host 127.0.0.1" in router_args
 
 
 def test_second_reconcile_changes_nothing(cluster, namespace, epd_operator):
@@ -334,7 +338,7 @@ def test_pools_put_encoders_and_consumer_units_on_different_nodes(cluster, names
     unit_nodes = {p["spec"]["nodeName"] for p in units}
     assert encoder_nodes and unit_nodes and not encoder_nodes & unit_nodes, (encoder_nodes, unit_nodes)
     for unit in units:
-        assert [c["name"] for c in unit["spec"]["containers"]] == ["regular-0"] and not unit["spec"].get(
+        assert [c["name"] for c in unit["spec"]["containers"]] == ["regular-0", "proxy"] and not unit["spec"].get(
             "initContainers"
         )
         gate = pod_condition(unit, GATE)

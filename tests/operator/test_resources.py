@@ -48,7 +48,7 @@ def test_encoders_are_sidecars_started_before_consumers():
     sts = children_of("encoder-regular.yaml")[0]
     pod = sts["spec"]["template"]["spec"]
     assert [(c["name"], c["restartPolicy"]) for c in pod["initContainers"]] == [("encoder-0", "Always")]
-    assert [c["name"] for c in pod["containers"]] == ["regular-0", "janitor"]
+    assert [c["name"] for c in pod["containers"]] == ["regular-0", "proxy", "janitor"]
     startup = pod["initContainers"][0]["startupProbe"]
     # Default 1800 s of model loading at a 10 s period.
     assert startup["failureThreshold"] * startup["periodSeconds"] == 1800
@@ -58,7 +58,10 @@ def test_every_engine_shares_one_memory_backed_shm_and_gets_its_gpus():
     sts = children_of("multi-model-overrides.yaml")[0]
     pod = sts["spec"]["template"]["spec"]
     assert pod["volumes"][0] == {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "32Gi"}}
-    engines = [*pod["initContainers"], *[c for c in pod["containers"] if c["name"] not in ("router", "janitor")]]
+    engines = [
+        *pod["initContainers"],
+        *[c for c in pod["containers"] if c["name"] not in ("router", "proxy", "janitor")],
+    ]
     assert [c["name"] for c in engines] == ["encoder-0", "encoder-1", "regular-0", "regular-1"]
     assert [c["resources"]["limits"]["nvidia.com/gpu"] for c in engines] == [1, 1, 2, 2]
     for container in engines:
@@ -73,11 +76,13 @@ def test_every_engine_shares_one_memory_backed_shm_and_gets_its_gpus():
 def test_router_only_with_several_consumers_and_front_service_targets_it():
     actor, _, actor_front, _, reward, _, reward_front, _, _policy = children_of("multi-model-overrides.yaml")
     actor_names = [c["name"] for c in actor["spec"]["template"]["spec"]["containers"]]
-    assert actor_names == ["regular-0", "regular-1", "router", "janitor"]
-    router = actor["spec"]["template"]["spec"]["containers"][2]
-    assert router["ports"] == [{"name": "http", "containerPort": 8000}]
+    assert actor_names == ["regular-0", "regular-1", "router", "proxy", "janitor"]
+    router, proxy = actor["spec"]["template"]["spec"]["containers"][2:4]
+    # The EPD proxy holds the front port's name; the router serves the proxy on the loopback.
+    assert router["ports"] == [{"name": "router", "containerPort": 8001}]
+    assert {"name": "http", "containerPort": 8000} in proxy["ports"]
     # Text-only: no encoder, no EC store, so no janitor either.
-    assert [c["name"] for c in reward["spec"]["template"]["spec"]["containers"]] == ["regular-0"]
+    assert [c["name"] for c in reward["spec"]["template"]["spec"]["containers"]] == ["regular-0", "proxy"]
     assert (
         "initContainers" not in reward["spec"]["template"]["spec"]
         or not reward["spec"]["template"]["spec"]["initContainers"]
@@ -173,9 +178,11 @@ def test_pools_model_gets_an_encoder_pool_of_its_own():
     assert units["spec"]["replicas"] == 3 and pool["spec"]["replicas"] == 2
     assert pool["spec"]["serviceName"] == "qwen-vl-pools-default-encoders"
     unit_pod, pool_pod = units["spec"]["template"], pool["spec"]["template"]
-    # The unit: today's pod minus the encoders and the janitor, behind the readiness gate.
+    # The unit: today's pod minus the encoders and the janitor (with its proxy, priming on the
+    # pool), behind the readiness gate.
     assert not unit_pod["spec"]["initContainers"] and [c["name"] for c in unit_pod["spec"]["containers"]] == [
-        "regular-0"
+        "regular-0",
+        "proxy",
     ]
     assert unit_pod["spec"]["readinessGates"] == [{"conditionType": "epd.vime.dev/encoders-ready"}]
     assert "epd.vime.dev/ec-storage-path" not in unit_pod["metadata"]["annotations"]
@@ -298,7 +305,7 @@ def test_every_container_drains_before_sigterm_within_the_grace_period():
     pod = unit_pod(termination={"gracePeriodSeconds": 300, "drainSeconds": 20})
     assert pod["terminationGracePeriodSeconds"] == 300
     served = [c for c in containers(pod) if c["name"] != "janitor"]
-    assert {c["name"] for c in served} == {"encoder-0", "prefill-0", "decode-0", "router"}
+    assert {c["name"] for c in served} == {"encoder-0", "prefill-0", "decode-0", "router", "proxy"}
     assert all(c["lifecycle"] == {"preStop": {"sleep": {"seconds": 20}}} for c in served)
     assert all("lifecycle" not in c for c in containers(unit_pod(termination={"drainSeconds": 0})))
 
@@ -387,7 +394,7 @@ def test_client_and_monitoring_peers_are_the_users_and_the_policy_can_be_off():
 def test_the_api_key_reaches_every_engine_from_its_secret_never_as_an_argument():
     ref = {"name": "vllm-key", "key": "token"}
     pod = unit_pod(apiKey={"secretKeyRef": ref})
-    engines = [c for c in containers(pod) if c["name"] not in ("router", "janitor")]
+    engines = [c for c in containers(pod) if c["name"] not in ("router", "proxy", "janitor")]
     assert len(engines) == 3
     for engine in engines:
         assert {"name": "VLLM_API_KEY", "valueFrom": {"secretKeyRef": ref}} in engine["env"]

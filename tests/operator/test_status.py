@@ -60,7 +60,10 @@ def pod(
             "podIP": ip,
             "conditions": [{"type": "PodScheduled", "status": "True"}, {"type": "Ready", "status": str(ready)}],
             "initContainerStatuses": [{"name": "encoder-0", "ready": encoder_ready, "started": encoder_started}],
-            "containerStatuses": [{"name": "regular-0", "ready": consumer_ready, "started": consumer_started}],
+            "containerStatuses": [
+                {"name": "regular-0", "ready": consumer_ready, "started": consumer_started},
+                {"name": "proxy", "ready": True, "started": True},
+            ],
         },
     }
 
@@ -306,7 +309,10 @@ def unit_pod(name, *, gate=None, ready=True, ip="10.0.2.1"):
         "status": {
             "podIP": ip,
             "conditions": conditions,
-            "containerStatuses": [{"name": "regular-0", "ready": True, "started": True}],
+            "containerStatuses": [
+                {"name": "regular-0", "ready": True, "started": True},
+                {"name": "proxy", "ready": True, "started": True},
+            ],
         },
     }
 
@@ -489,3 +495,12 @@ def test_scraped_fallback_encodes_show_per_unit_per_model_and_in_all():
         now=NOW,
     )
     assert "fallbackEncodes" not in nothing_scraped and "fallbackEncodes" not in nothing_scraped["models"][0]
+
+
+def test_a_unit_whose_proxy_is_not_ready_is_not_ready_and_says_so():
+    unit = pod("d-default-0")
+    unit["status"]["containerStatuses"][1] = {"name": "proxy", "ready": False, "started": True}
+    status = status_of([unit])
+    (entry,) = status["models"][0]["units"]
+    assert (entry["ready"], entry["reason"], entry["message"]) == (False, "EngineUnready", "proxy not ready")
+    assert entry["entryUrl"] == "http://10.0.0.5:8000" and "routerUrl" not in entry

@@ -65,12 +65,13 @@ def test_vime_args_from_the_live_status(cluster, namespace, deployment):
     args = vime_rollout_args(status, units=chosen)
 
     actor_ip, reward_ip = actor["status"]["podIP"], reward["status"]["podIP"]
-    router = (actor_ip, port_of(actor, "router"))
+    # Each unit's front door is its EPD proxy, which passes Vime's render/generate on unprimed.
+    router = (actor_ip, port_of(actor, "proxy"))
     assert args == VimeRolloutArgs(
         vllm_model_encoder_endpoints={
             "actor": ("actor", [url for name, url in engine_containers(actor) if name.startswith("encoder-")]),
         },
-        vllm_model_routers={"actor": router, "reward": (reward_ip, port_of(reward, "regular-0"))},
+        vllm_model_routers={"actor": router, "reward": (reward_ip, port_of(reward, "proxy"))},
         vllm_router_ip=router[0],  # no model is named "default": the first model's router
         vllm_router_port=router[1],
     )

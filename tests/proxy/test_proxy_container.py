@@ -30,32 +30,48 @@ def flags(container: dict):
     return build_parser().parse_args(["proxy", *container["args"]])
 
 
-def test_a_unit_proxy_primes_on_its_own_encoders_and_takes_the_front_port():
+def test_a_unit_proxy_primes_on_its_own_encoders_takes_the_front_port_and_forwards_to_the_router():
     spec, name, plan = plan_of("encoder-prefill-decode.yaml")
-    container = proxy_container(spec, name, "ns", plan, IMAGE, upstream_port=8099)
+    container = proxy_container(spec, name, plan, IMAGE)
     args = flags(container)
     assert args.encoder == [f"http://127.0.0.1:{e.port}" for e in plan.unit_encoders] and args.encoder
-    assert (args.upstream, args.port, args.placement) == ("http://127.0.0.1:8099", plan.router.port, "Unit")
+    router = f"http://127.0.0.1:{plan.router.port}"
+    assert (args.upstream, args.port, args.placement) == (router, spec.ports.router, "Unit")
+    assert plan.router.port == spec.ports.router_loopback
     assert args.request_timeout_seconds == spec.router.request_timeout_seconds
-    # The front Service's targetPort is the name `http`: the proxy holds it now.
-    assert {"name": "http", "containerPort": plan.router.port} in container["ports"]
+    assert args.prime_timeout_seconds == spec.proxy.prime_timeout_seconds
+    # The front Service's targetPort is the name `http`: the proxy holds it.
+    assert {"name": "http", "containerPort": spec.ports.router} in container["ports"]
     assert container["image"] == IMAGE
     assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": args.metrics_port}
     assert {"name": "proxy-metrics", "containerPort": args.metrics_port} in container["ports"]
-    assert container["securityContext"]["runAsNonRoot"] and container["securityContext"]["readOnlyRootFilesystem"]
+    assert container["securityContext"]["readOnlyRootFilesystem"]
+    assert container["resources"]["requests"] == {"cpu": "100m", "memory": "96Mi"}
 
 
 def test_a_unit_without_router_fronts_its_only_consumer():
     spec, name, plan = plan_of("encoder-regular.yaml")
     assert plan.router is None
     (consumer,) = plan.consumers
-    args = flags(proxy_container(spec, name, "ns", plan, IMAGE, upstream_port=consumer.port))
+    args = flags(proxy_container(spec, name, plan, IMAGE))
     assert (args.port, args.upstream) == (spec.ports.router, f"http://127.0.0.1:{consumer.port}")
 
 
 def test_a_pools_proxy_finds_the_pool_by_dns_and_carries_transfer_params():
     spec, name, plan = plan_of("encoder-pools.yaml")
-    args = flags(proxy_container(spec, name, "team-a", plan, IMAGE, upstream_port=8099))
+    args = flags(proxy_container(spec, name, plan, IMAGE))
     ports = ",".join(str(e.port) for e in plan.encoders)
-    assert args.encoders_dns == f"{pool_name(name, plan.name)}.team-a.svc:{ports}"
+    # The pod's resolver completes the name with its namespace (its search path).
+    assert args.encoders_dns == f"{pool_name(name, plan.name)}:{ports}"
     assert (args.encoder, args.placement) == ([], "Pools")
+
+
+def test_the_proxy_timeouts_and_resources_come_from_spec_proxy():
+    spec, name, plan = plan_of(
+        "encoder-regular.yaml",
+        proxy={"requestTimeoutSeconds": 90, "primeTimeoutSeconds": 30, "resources": {"requests": {"cpu": "1"}}},
+    )
+    container = proxy_container(spec, name, plan, IMAGE)
+    args = flags(container)
+    assert (args.request_timeout_seconds, args.prime_timeout_seconds) == (90, 30)
+    assert container["resources"]["requests"]["cpu"] == "1"

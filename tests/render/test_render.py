@@ -402,17 +402,19 @@ def test_router_for_several_regular_engines() -> None:
         spec(
             [{"workerType": "encoder", "numGpus": 2}, {"workerType": "regular", "numGpus": 2}],
             router={"policy": "power_of_two", "requestTimeoutSeconds": 60, "extraArgs": ["--log-level", "debug"]},
-            ports={"router": 9999},
+            ports={"router": 9999, "routerLoopback": 9998},
         )
     )
     router = plan.router
-    assert (router.container_name, router.port) == ("router", 9999)
+    # Behind the EPD proxy (on ports.router) the router serves the pod's loopback only.
+    assert (router.container_name, router.port) == ("router", 9998)
+    assert (plan.proxy.port, plan.proxy.upstream_port, plan.front_port) == (9999, 9998, 9999)
     assert router.args == [
         "vllm-router",
         "--host",
-        "0.0.0.0",
+        "127.0.0.1",
         "--port",
-        "9999",
+        "9998",
         "--request-timeout-secs",
         "60",
         "--policy",
@@ -545,3 +547,9 @@ def test_every_rendered_port_lies_in_a_block_its_pod_reserves_and_none_twice(pla
         used = [p for e in engines for p in (e.port, e.nixl_port, e.ec_side_channel_port) if p is not None]
         assert len(used) == len(set(used))
         assert all(any(low <= p <= high for low, high in blocks.values()) for p in used), (used, blocks)
+
+
+def test_without_the_proxy_the_router_takes_the_front_port_on_every_address() -> None:
+    plan = plan_of(spec([{"workerType": "regular", "numGpus": 2}], proxy={"enabled": False}))
+    assert plan.proxy is None and plan.router.port == 8000 and plan.front_port == 8000
+    assert plan.router.args[1:5] == ["--host", "0.0.0.0", "--port", "8000"]

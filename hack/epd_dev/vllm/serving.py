@@ -35,8 +35,8 @@ def tiny_manifest(
     overrides merged under each group's own.
 
     Ports are one block from `port_base` (default: a block nothing here listens on): the
-    router, then per engine an HTTP port, a NIXL side-channel port and (a Pools model's
-    encoders) an ECCPUConnector side-channel port. `spec` adds top-level spec fields
+    front port, then per engine an HTTP port, a NIXL side-channel port and (a Pools model's
+    encoders) an ECCPUConnector side-channel port, then the router's behind the EPD proxy. `spec` adds top-level spec fields
     (kvConnector, ...).
     """
     groups = copy.deepcopy(groups)
@@ -44,7 +44,7 @@ def tiny_manifest(
         eager = EAGER if group["workerType"] != "encoder" else {}
         group["overrides"] = {**CPU_OVERRIDES, **eager, **group.get("overrides", {})}
     count = sum(g["numGpus"] // g.get("numGpusPerEngine", 1) for g in groups)
-    base = free_port_range(1 + 3 * count) if port_base is None else port_base
+    base = free_port_range(2 + 3 * count) if port_base is None else port_base
     return {
         "apiVersion": "epd.vime.dev/v1alpha1",
         "kind": "EPDDeployment",
@@ -56,6 +56,7 @@ def tiny_manifest(
                 "engineBase": base + 1,
                 "nixlSideChannelBase": base + 1 + count,
                 "ecSideChannelBase": base + 1 + 2 * count,
+                "routerLoopback": base + 1 + 3 * count,
             },
             "models": [
                 {
@@ -65,6 +66,9 @@ def tiny_manifest(
                     "serverGroups": groups,
                 }
             ],
+            # The unit runner starts vLLM and vllm-router only: the tests that want the EPD
+            # proxy run it in front of the unit themselves (tests/vllm/test_epd_unit.py).
+            "proxy": {"enabled": False},
             **spec,
         },
     }
