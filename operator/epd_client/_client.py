@@ -11,8 +11,8 @@ from typing import Any, Literal, Self
 from urllib.parse import urlencode
 
 from ._endpoints import Endpoints, Engine, ModelEndpoints, SupportsEncoderEndpoints, Unit, rendezvous
-from ._errors import EndpointsError, EngineError, NoReadyUnitError, RequestError
-from ._http import Transport
+from ._errors import EndpointsError, EngineError, InvalidResponseError, NoReadyUnitError, RequestError
+from ._http import Connection, Transport, Verify, json_body
 from ._media import MediaItem, Message, copy_messages, media_items, write_keys
 from ._prime import TransferParams, prime_items
 from ._retry import RetryPolicy
@@ -25,8 +25,10 @@ class EPDClient:
     """Pooled, retrying access to the units of an EPD deployment.
 
     The client owns its connections (kept alive between calls) and lets at most
-    ``max_concurrency`` requests be in flight. ``headers`` go with every request (e.g.
-    ``Authorization`` for engines run with ``--api-key``). Use it as
+    ``max_concurrency`` requests be in flight. ``api_key`` goes with every request as
+    ``Authorization: Bearer`` (the key of an EPDDeployment's ``spec.apiKey``, which its engines,
+    routers and proxies check); ``headers`` too (they win over ``api_key``). ``verify`` is TLS
+    verification as httpx takes it: True, False, a CA bundle's path or an SSLContext. Use it as
     ``async with EPDClient(endpoints) as client:`` or call ``aclose()``. ``endpoints`` may
     be replaced at any time (e.g. after a new ``discover``); open sessions keep their unit.
 
@@ -41,12 +43,14 @@ class EPDClient:
         *,
         retry: RetryPolicy | None = None,
         max_concurrency: int = 64,
+        api_key: str | None = None,
         headers: Mapping[str, str] | None = None,
+        verify: Verify = True,
         weights_version: str | None = None,
     ) -> None:
         self.endpoints = endpoints
         self.weights_version = weights_version
-        self._transport = Transport(retry or RetryPolicy(), max_concurrency, headers)
+        self._transport = Transport(retry or RetryPolicy(), max_concurrency, Connection(api_key, headers, verify))
         self._outstanding: Counter[tuple[str, str]] = Counter()
         self._rotation = itertools.count()
 
@@ -179,7 +183,7 @@ class Session:
         For a ``Pools`` model both calls carry the primed items' ``ec_transfer_params``, so the
         consumer pulls each embedding from its encoder, and generate sends those items
         metadata-only (no image tensors) where the render response offers that."""
-        entry = self.unit.entry_url
+        entry = self.unit.entry
         if entry is None:
             raise EndpointsError(f"unit {self.unit.name!r} has no router or consumer URL")
         if self.weights_version is not None and request.get("messages"):
@@ -188,11 +192,19 @@ class Session:
         body = {"model": self.model.served_name, **request}
         if params:
             body["ec_transfer_params"] = {**params, **(request.get("ec_transfer_params") or {})}
-        rendered = (await self._transport.post((entry,), _RENDER, body)).json()
+        rendered = await self._call(entry, _RENDER, body, idempotent=True)
         if params:
             rendered = _carry_transfer_params(rendered, body["ec_transfer_params"])
-        generated = await self._transport.post((entry,), _GENERATE, rendered)
-        return generated.json()
+        # Not idempotent: a generate that reached the entry may run though its answer was lost.
+        return await self._call(entry, _GENERATE, rendered, idempotent=False)
+
+    async def _call(self, entry: Engine, path: str, body: Any, *, idempotent: bool) -> Any:
+        assert entry.url is not None
+        try:
+            response = await self._transport.post((entry.url,), path, body, idempotent=idempotent)
+            return json_body(response, path)
+        except InvalidResponseError as exc:
+            raise EngineError(f"POST {path}", self.model.name, 1, [(entry, exc)]) from exc
 
 
 async def prime_encoder(
@@ -201,6 +213,9 @@ async def prime_encoder(
     *,
     model_name: str = "default",
     weights_version: str | None = None,
+    api_key: str | None = None,
+    headers: Mapping[str, str] | None = None,
+    verify: Verify = True,
 ) -> TransferParams:
     """Encode every media item of ``messages`` on the encoders before render/generate.
 
@@ -225,7 +240,9 @@ async def prime_encoder(
     Endpoints and EPDClient must give the model exactly one unit, or priming and generation
     could land on different units: with several, use ``EPDClient.session`` or
     ``EPDClient.generate``. Endpoints and Vime args get a client for this call only; pass
-    an EPDClient to keep connections across calls.
+    an EPDClient to keep connections across calls; ``api_key``, ``headers`` and ``verify``
+    are that client's (see EPDClient). An EPDClient uses its own: passing them with one is a
+    TypeError, as they would be ignored.
 
     Returns the ``ec_transfer_params`` to send with render for a ``Pools`` model (its encoders
     run on other nodes: the consumer pulls each embedding from the address its encoder
@@ -233,6 +250,9 @@ async def prime_encoder(
     For a ``Pools`` model an encoder answer without transfer params for its item is a
     PrimeError naming the item and the encoder, never a silent local encode.
     """
+    connection = Connection(api_key, headers, verify)
+    if isinstance(target, EPDClient) and connection.options():
+        raise TypeError("prime_encoder(client, ...) uses the client's api_key, headers and verify: set them there")
     items = media_items(messages)
     if not items:
         return {}
@@ -257,7 +277,7 @@ async def prime_encoder(
         )
     if isinstance(target, EPDClient):
         return await target._prime_on(model, items)
-    async with EPDClient(Endpoints((model,))) as client:
+    async with EPDClient(Endpoints((model,)), **connection.options()) as client:
         return await client._prime_on(model, items)
 
 

@@ -12,6 +12,7 @@ from ._errors import EndpointsError, NoReadyUnitError
 
 ENCODER = "encoder"
 CONSUMER = "consumer"
+ENTRY = "entry"
 POOLS = "Pools"
 
 
@@ -35,7 +36,8 @@ class Engine:
     """The engine's container name, e.g. ``encoder-0``, ``prefill-0``."""
     role: str
     """``encoder``, ``regular``, ``prefill`` or ``decode``; ``consumer`` when only its URL is
-    known (a Unit built from URLs, or a status written before the operator listed engines)."""
+    known (a Unit built from URLs, or a status written before the operator listed engines);
+    ``entry`` for the unit's entry (``Unit.entry``) named in an EngineError."""
     url: str | None
     """Base URL; None while the unit's pod has no IP."""
 
@@ -90,6 +92,12 @@ class Unit:
         if self.router_url:
             return self.router_url
         return self.consumer_urls[0] if self.consumer_urls else None
+
+    @property
+    def entry(self) -> Engine | None:
+        """``entry_url`` as an Engine named and typed ``entry``, for errors to name."""
+        url = self.entry_url
+        return None if url is None else Engine(self.name, ENTRY, ENTRY, url)
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,11 @@ class RequestError(EPDClientError):
         super().__init__(f"POST {path} via {tried} failed after {attempts} attempt(s): {reason}")
 
 
+class InvalidResponseError(RequestError):
+    """The server answered, but not with a whole JSON body: the body was cut off (the
+    connection closed early) or is not JSON. ``status_code`` is the answer's status."""
+
+
 @dataclass(frozen=True)
 class MediaFailure:
     """One media item (image, video or audio part) that could not be primed."""
@@ -84,8 +89,12 @@ class PrimeError(EPDClientError):
 
 
 class EngineError(EPDClientError):
-    """A call that must reach every engine of a model (``EPDClient.pause``/``resume``)
-    failed on some of them; ``failures`` pairs each such engine with its RequestError."""
+    """Engines of a model failed a call; ``failures`` pairs each with its RequestError.
+
+    Raised by the calls that must reach every engine of a model (``EPDClient.pause`` and
+    ``resume``), naming each engine that failed, and by render and generate when the unit's
+    entry (its EPD proxy, router or consumer, as an Engine of that role) answered with a body
+    that is cut off or not JSON (an InvalidResponseError)."""
 
     def __init__(self, call: str, model: str, total: int, failures: Sequence[tuple[Engine, RequestError]]) -> None:
         self.call = call

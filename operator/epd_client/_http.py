@@ -7,19 +7,57 @@ import functools
 import ssl
 import uuid
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
-from ._errors import RequestError
-from ._retry import RETRYABLE_STATUS, RetryableStatus, RetryPolicy, retrying
+from ._errors import InvalidResponseError, RequestError
+from ._retry import RETRYABLE_ERRORS, RETRYABLE_STATUS, UNSENT_ERRORS, RetryableStatus, RetryPolicy, retrying
+
+Verify = bool | str | ssl.SSLContext
+"""TLS verification as httpx takes it: True (the system's CA bundle), False (none, for test
+clusters only), a CA bundle's path, or an SSLContext (client certificates, pinned CAs)."""
 
 
 @functools.cache
-def _ssl_context() -> ssl.SSLContext:
+def _ssl_context(cafile: str | None = None) -> ssl.SSLContext:
     # httpx builds a new context per client by default, which costs 20-80 ms (it loads the
     # CA bundle); short-lived clients made by prime_encoder(args, ...) share this one.
-    return ssl.create_default_context()
+    return ssl.create_default_context(cafile=cafile)
+
+
+def _ssl_verify(verify: Verify) -> ssl.SSLContext | bool:
+    if verify is True:
+        return _ssl_context()
+    if isinstance(verify, str):
+        return _ssl_context(verify)
+    return verify
+
+
+@dataclass(frozen=True)
+class Connection:
+    """What every request of a client carries, and how its TLS is checked."""
+
+    api_key: str | None = field(default=None, repr=False)
+    headers: Mapping[str, str] | None = field(default=None, repr=False)
+    verify: Verify = True
+
+    def all_headers(self) -> dict[str, str] | None:
+        if self.api_key is None:
+            return dict(self.headers) if self.headers else None
+        given = {k.lower() for k in self.headers or {}}
+        auth = {} if "authorization" in given else {"Authorization": f"Bearer {self.api_key}"}
+        return {**auth, **(self.headers or {})}
+
+    def options(self) -> dict[str, Any]:
+        """The keyword arguments that differ from EPDClient's defaults."""
+        defaults = Connection()
+        return {
+            name: getattr(self, name)
+            for name in ("api_key", "headers", "verify")
+            if getattr(self, name) is not getattr(defaults, name)
+        }
 
 
 # httpcore scans every connection of a pool on each request and response, so one pool
@@ -40,12 +78,14 @@ class Transport:
         self,
         policy: RetryPolicy,
         max_concurrency: int,
-        headers: Mapping[str, str] | None = None,
+        connection: Connection | None = None,
     ) -> None:
         if max_concurrency < 1:
             raise ValueError("max_concurrency must be at least 1")
+        connection = connection or Connection()
         self.policy = policy
-        self._headers = headers
+        self._headers = connection.all_headers()
+        self._verify = _ssl_verify(connection.verify)
         # The semaphore bounds concurrency, not the pools: it is released during backoff
         # sleeps, and a waiting request counts against its deadline, not its attempt timeout.
         self._slots = asyncio.Semaphore(max_concurrency)
@@ -66,7 +106,7 @@ class Transport:
             pool = _Pool(
                 httpx.AsyncClient(
                     headers=self._headers,
-                    verify=_ssl_context(),
+                    verify=self._verify,
                     timeout=httpx.Timeout(None, connect=self.policy.connect_timeout),
                     limits=httpx.Limits(max_connections=_POOL_SIZE, max_keepalive_connections=_POOL_SIZE),
                 )
@@ -82,26 +122,34 @@ class Transport:
         *,
         first: int = 0,
         headers: Mapping[str, str] | None = None,
+        idempotent: bool = True,
     ) -> httpx.Response:
         """POST ``body`` as JSON to ``urls[first] + path``; each retry moves to the next URL.
 
         ``headers`` go with this request only. Each attempt has an ``x-request-id`` of its own
         (one that timed out may still run on the engine); an ``x-request-id`` among ``headers``
-        is kept as its prefix, so the attempts can be traced to the request they serve.
+        is kept as its prefix, so the attempts can be traced to the request they serve. A
+        request that is not ``idempotent`` is retried only when it was never sent.
 
-        Raises RequestError once the request cannot succeed.
+        Raises RequestError once the request cannot succeed; InvalidResponseError when the
+        answer's body was cut off.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.policy.deadline
         tried: list[str] = []
+        retry_on = (*RETRYABLE_ERRORS, _CutOff) if idempotent else UNSENT_ERRORS
         try:
-            async for attempt in retrying(self.policy):
+            async for attempt in retrying(self.policy, retry_on):
                 with attempt:
                     url = urls[(first + attempt.retry_state.attempt_number - 1) % len(urls)]
                     tried.append(url)
                     return await self._attempt(url, path, body, deadline, headers)
         except (RetryableStatus, _FatalStatus) as exc:
             raise _request_error(path, tried, exc.response) from exc
+        except _CutOff as exc:
+            raise InvalidResponseError(
+                path, tried, attempts=len(tried), reason=str(exc), status_code=exc.status_code
+            ) from exc
         except _DeadlineExceeded as exc:
             raise RequestError(path, tried, attempts=len(tried), reason=str(exc)) from exc
         except TimeoutError as exc:
@@ -122,7 +170,18 @@ class Transport:
             pool.load += 1
             try:
                 async with asyncio.timeout(min(self.policy.attempt_timeout, remaining)):
-                    response = await pool.client.post(base_url + path, json=body, headers=_with_request_id(headers))
+                    request = pool.client.build_request(
+                        "POST", base_url + path, json=body, headers=_with_request_id(headers)
+                    )
+                    # Streamed, so a body cut off after the status line is told apart from
+                    # a request that failed before any answer.
+                    response = await pool.client.send(request, stream=True)
+                    try:
+                        await response.aread()
+                    except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
+                        raise _CutOff(response.status_code, exc) from exc
+                    finally:
+                        await response.aclose()
             finally:
                 pool.load -= 1
         if response.status_code >= 500 or response.status_code in RETRYABLE_STATUS:
@@ -150,6 +209,26 @@ class _FatalStatus(Exception):
 
 class _DeadlineExceeded(Exception):
     pass
+
+
+class _CutOff(Exception):
+    def __init__(self, status_code: int, cause: httpx.HTTPError) -> None:
+        self.status_code = status_code
+        super().__init__(f"HTTP {status_code} answer cut off: {type(cause).__name__}: {cause}")
+
+
+def json_body(response: httpx.Response, path: str) -> Any:
+    """The answer's JSON; InvalidResponseError naming the server when it is not JSON."""
+    try:
+        return response.json()
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        excerpt = response.text[:120].strip()
+        kind = response.headers.get("content-type", "no content-type")
+        server = str(response.request.url).removesuffix(path)
+        reason = f"HTTP {response.status_code} answer is not JSON ({kind}, {len(response.content)} bytes): {excerpt!r}"
+        raise InvalidResponseError(
+            path, (server,), attempts=1, reason=reason, status_code=response.status_code
+        ) from exc
 
 
 def _request_error(path: str, tried: list[str], response: httpx.Response) -> RequestError:

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Self
 
 from ._errors import MediaFailure, PrimeError, RequestError
-from ._http import Transport
+from ._http import Connection, Transport, Verify, json_body
 from ._media import MediaItem
 from ._retry import RetryPolicy
 
@@ -50,7 +50,11 @@ async def prime_items(
             return MediaFailure(index, short(item.source), exc.urls, exc, item.kind)
         if not pooled:
             return {}
-        params, missing = announced(response.json())
+        try:
+            answer = json_body(response, CHAT)
+        except RequestError as exc:
+            return MediaFailure(index, short(item.source), exc.urls, exc, item.kind)
+        params, missing = announced(answer)
         if missing:
             encoder = str(response.request.url).removesuffix(CHAT)
             error = RequestError(CHAT, (encoder,), attempts=1, reason=missing)
@@ -98,11 +102,20 @@ class Primer:
     send headers per call (the EPD proxy in front of a unit's router).
 
     It owns a connection pool: ``async with Primer() as primer:`` or ``await primer.aclose()``.
-    At most ``max_concurrency`` prime requests are in flight at once.
+    At most ``max_concurrency`` prime requests are in flight at once. ``api_key``, ``headers``
+    and ``verify`` are as EPDClient's; ``prime``'s own headers go with one call.
     """
 
-    def __init__(self, *, retry: RetryPolicy | None = None, max_concurrency: int = 64) -> None:
-        self._transport = Transport(retry or RetryPolicy(), max_concurrency)
+    def __init__(
+        self,
+        *,
+        retry: RetryPolicy | None = None,
+        max_concurrency: int = 64,
+        api_key: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        verify: Verify = True,
+    ) -> None:
+        self._transport = Transport(retry or RetryPolicy(), max_concurrency, Connection(api_key, headers, verify))
 
     @property
     def retry(self) -> RetryPolicy:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass
 
 import httpx
 from tenacity import (
     AsyncRetrying,
-    retry_if_exception_type,
+    retry_if_exception,
     stop_after_attempt,
     stop_before_delay,
     wait_random_exponential,
@@ -24,8 +25,10 @@ class RetryPolicy:
     Sleeps between attempts are "full jitter": uniform in
     ``[0, min(max_backoff, backoff * 2 ** (attempt - 1))]``, so many clients that failed
     together do not retry together. Connection errors, timeouts, 5xx, 408 and 429 are
-    retried; any other 4xx fails at once. The defaults sleep about a minute in all before
-    giving up, like Vime's 60 tries 1 s apart, and cap every request at ten minutes.
+    retried; any other 4xx fails at once. A request that is not idempotent (generate) is
+    retried only when it never reached the server (its connection could not be opened). The
+    defaults sleep about a minute in all before giving up, like Vime's 60 tries 1 s apart,
+    and cap every request at ten minutes.
     """
 
     max_attempts: int = 20
@@ -68,12 +71,27 @@ RETRYABLE_ERRORS = (
     RetryableStatus,
 )
 
+# Failures that prove the request never reached the server: the only ones a request that is
+# not idempotent (generate) is retried on. A timeout or a lost answer may hide a request that
+# runs, and a second one would generate twice.
+UNSENT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
-def retrying(policy: RetryPolicy) -> AsyncRetrying:
+
+def retrying(policy: RetryPolicy, retry_on: tuple[type[BaseException], ...] = RETRYABLE_ERRORS) -> AsyncRetrying:
     """A fresh controller for one request (AsyncRetrying keeps per-iteration state)."""
     return AsyncRetrying(
         stop=stop_after_attempt(policy.max_attempts) | stop_before_delay(policy.deadline),
         wait=wait_random_exponential(multiplier=policy.backoff, max=policy.max_backoff),
-        retry=retry_if_exception_type(RETRYABLE_ERRORS),
+        retry=retry_if_exception(lambda exc: isinstance(exc, retry_on) and not _certificate_refused(exc)),
         reraise=True,
     )
+
+
+def _certificate_refused(exc: BaseException) -> bool:
+    """A TLS certificate that failed verification (httpx raises ConnectError): it will fail
+    the same way on every attempt."""
+    while exc is not None:
+        if isinstance(exc, ssl.SSLCertVerificationError):
+            return True
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return False

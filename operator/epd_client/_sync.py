@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 from ._client import EPDClient, prime_encoder
 from ._endpoints import Endpoints, SupportsEncoderEndpoints
+from ._http import Verify
 from ._media import Message
 from ._retry import RetryPolicy
 
@@ -21,9 +22,22 @@ def prime_encoder_sync(
     *,
     model_name: str = "default",
     weights_version: str | None = None,
+    api_key: str | None = None,
+    headers: Mapping[str, str] | None = None,
+    verify: Verify = True,
 ) -> dict[str, Any]:
     """Blocking ``prime_encoder``."""
-    return _run(lambda: prime_encoder(target, messages, model_name=model_name, weights_version=weights_version))
+    return _run(
+        lambda: prime_encoder(
+            target,
+            messages,
+            model_name=model_name,
+            weights_version=weights_version,
+            api_key=api_key,
+            headers=headers,
+            verify=verify,
+        )
+    )
 
 
 def generate_sync(
@@ -33,11 +47,15 @@ def generate_sync(
     key: str | None = None,
     model_name: str = "default",
     retry: RetryPolicy | None = None,
+    api_key: str | None = None,
+    headers: Mapping[str, str] | None = None,
+    verify: Verify = True,
 ) -> Any:
-    """Blocking ``EPDClient.generate``."""
+    """Blocking ``EPDClient.generate``; ``retry``, ``api_key``, ``headers`` and ``verify`` are
+    the EPDClient's."""
 
     async def run() -> Any:
-        async with EPDClient(endpoints, retry=retry) as client:
+        async with EPDClient(endpoints, retry=retry, api_key=api_key, headers=headers, verify=verify) as client:
             return await client.generate(request, key=key, model_name=model_name)
 
     return _run(run)

@@ -5,6 +5,8 @@
         proxy.add(http_status(503), times=2)          # the next two requests get a 503
         proxy.add(delay(5.0), path="/v1/chat/completions")
         proxy.add(reset(), times=None)                 # every later request: TCP reset
+        proxy.add(cut_off(), path="/inference/v1/generate")  # a 200 whose body stops short
+        proxy.go_away_after("/v1/chat/completions/render")   # later connections are refused
         ... point the client at proxy.url ...
         assert [e.fault for e in proxy.log] == [...]
 
@@ -25,12 +27,12 @@ import threading
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from .httpkit import BackgroundServer, Request, Served, read_request, response_bytes
+from .httpkit import BackgroundServer, Request, Served, head_bytes, read_request, response_bytes
 
 
 @dataclass(frozen=True)
 class Fault:
-    kind: str  # "status", "delay" or "reset"
+    kind: str  # "status", "delay", "reset", "cut_off" or "not_json"
     value: float = 0.0
 
 
@@ -47,6 +49,17 @@ def delay(seconds: float) -> Fault:
 def reset() -> Fault:
     """Read the request, then drop the connection with a TCP reset, answering nothing."""
     return Fault("reset")
+
+
+def cut_off() -> Fault:
+    """Answer 200 with a Content-Length the body never reaches, then close: an answer lost
+    half-way (the upstream never sees the request)."""
+    return Fault("cut_off")
+
+
+def not_json() -> Fault:
+    """Answer 200 with an HTML page, as a misconfigured ingress or captive proxy does."""
+    return Fault("not_json")
 
 
 @dataclass
@@ -72,6 +85,7 @@ class FaultProxy(Served):
         self.upstream_port = parts.port or 80
         self.log: list[LogEntry] = []
         self._rules: list[_Rule] = []
+        self._last_path: str | None = None
         self._lock = threading.Lock()  # rules are added from the test's thread
         self._server = BackgroundServer(self._handle, port=port)
 
@@ -80,6 +94,11 @@ class FaultProxy(Served):
         ``times=None``: forever)."""
         with self._lock:
             self._rules.append(_Rule(fault, path, times))
+
+    def go_away_after(self, path: str) -> None:
+        """Once a request to ``path`` was answered, refuse every new connection (a pod that
+        went away): what follows fails to connect, so it was never sent."""
+        self._last_path = path
 
     def clear(self) -> None:
         with self._lock:
@@ -107,6 +126,9 @@ class FaultProxy(Served):
                 if fault is None or fault.kind == "delay":
                     if fault:
                         await asyncio.sleep(fault.value)
+                    if request.target == self._last_path:
+                        # Before the answer goes back, so no later request can connect.
+                        self._server.stop_listening()
                     entry.status = await self._forward(request, writer)
                     return  # forwarded answers close the connection
                 if fault.kind == "reset":
@@ -115,6 +137,14 @@ class FaultProxy(Served):
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                     writer.transport.abort()
                     return
+                if fault.kind == "cut_off":
+                    writer.write(head_bytes(200, "application/json", [], length=100) + b'{"token_ids": [1, 2')
+                    await writer.drain()
+                    return
+                if fault.kind == "not_json":
+                    writer.write(response_bytes(200, b"<html>Bad gateway</html>", content_type="text/html"))
+                    await writer.drain()
+                    continue
                 body = json.dumps({"error": f"injected HTTP {int(fault.value)}"}).encode()
                 writer.write(response_bytes(int(fault.value), body))
                 await writer.drain()

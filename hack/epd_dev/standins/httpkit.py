@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import ssl
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -90,10 +91,14 @@ class BackgroundServer:
     """An asyncio TCP server on its own event loop in a daemon thread, so it keeps
     answering while the code under test blocks or runs its own loop."""
 
-    def __init__(self, handler: Handler, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self, handler: Handler, host: str = "127.0.0.1", port: int = 0, tls: ssl.SSLContext | None = None
+    ) -> None:
         self._handler = handler
         self.host = host
         self.port = port
+        self._tls = tls
+        self._listener: asyncio.Server | None = None
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -101,7 +106,7 @@ class BackgroundServer:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{'https' if self._tls else 'http'}://{self.host}:{self.port}"
 
     def start(self) -> None:
         self._thread = threading.Thread(target=asyncio.run, args=(self._main(),), daemon=True)
@@ -115,10 +120,15 @@ class BackgroundServer:
         if self._thread:
             self._thread.join(10)
 
+    def stop_listening(self) -> None:
+        """From a handler: refuse new connections from now on; open ones keep going."""
+        if self._listener is not None:
+            self._listener.close()
+
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stopping = self._loop.create_future()
-        server = await asyncio.start_server(self._handler, self.host, self.port)
+        server = self._listener = await asyncio.start_server(self._handler, self.host, self.port, ssl=self._tls)
         self.port = server.sockets[0].getsockname()[1]
         self._ready.set()
         await self._stopping

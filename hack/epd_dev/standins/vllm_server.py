@@ -31,6 +31,7 @@ need vLLM's real behaviour belong with the real engines (tests/vllm).
   OpenAI's shapes (the image of an ``input_image`` part counts as primed like an ``image_url``).
 - ``GET /v1/models``: the one model; ``GET /health``: 200; anything else: 404.
 - ``response_headers`` are added to every answer (for tests of what a proxy passes back).
+- ``tls`` (a server-side SSLContext): serve HTTPS, for tests of the client's TLS verification.
 
 Give the encoders and the consumer of one unit the same ``ec_store`` set to model the
 node-local EC directory; give a pool's encoders none of the consumers' stores. For a separate process run
@@ -45,6 +46,7 @@ import contextlib
 import hashlib
 import itertools
 import json
+import ssl
 import threading
 import time
 import uuid
@@ -87,6 +89,7 @@ class StandinServer(Served):
         mm_metadata: bool = True,
         chunk_gate: threading.Semaphore | None = None,
         response_headers: list[tuple[str, str]] | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.delay = delay
         self.ec_store = ec_store if ec_store is not None else set()
@@ -102,7 +105,7 @@ class StandinServer(Served):
         self.pulled: list[tuple[str, str]] = []  # (mm_hash, "host:port" of the peer it came from)
         self.metadata_only = 0  # generate items that came without their tensors
         self._connection_ids = itertools.count()
-        self._server = BackgroundServer(self.handle, port=port)
+        self._server = BackgroundServer(self.handle, port=port, tls=tls)
 
     def requests(self, path: str) -> list[Record]:
         return [r for r in self.records if r.path == path]
