@@ -1,5 +1,6 @@
 """`epd-operator`: run the operator, the processes of its pods (janitor, proxy), and offline
-tools (render, convert, crds) for people."""
+tools (render, convert, crds) for people. One module, though past 350 lines: one argparse
+tree, so every subcommand's --help and errors read alike."""
 
 from __future__ import annotations
 

@@ -7,7 +7,8 @@
 
 A group's `overrides` are merged over the defaults as an RFC 7386 JSON merge patch (dicts merge
 key by key, null deletes, anything else replaces), so they win over every default and never
-produce a flag twice. docs/rendering.md has the tables.
+produce a flag twice. docs/rendering.md has the tables. One module, though past 350 lines:
+engines, router and proxy are rendered by the same owned-argument and spelling rules.
 """
 
 from __future__ import annotations
