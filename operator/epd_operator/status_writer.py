@@ -23,7 +23,7 @@ from .kube import KubeSession
 from .metrics import OperatorMetrics
 from .plans import Planned
 from .resources import digest
-from .status import compute_status, encoder_gates, invalid_status
+from .status import compute_status, encoder_gates, invalid_status, unit_readiness_events
 from .validation import SpecError
 
 KOPF_FIELD = "kopf"  # kopf's own bookkeeping in the status: not the operator's
@@ -40,6 +40,7 @@ class StatusWriter:
         self._inform = inform
         self._written: dict[Key, str] = {}  # hash of the status last written (or found right)
         self._refusals: dict[Key, tuple[str, str]] = {}  # (reason, message) of a refused child, until a write goes
+        self._fallen: dict[Key, frozenset[str]] = {}  # units that stopped being ready, until they are again
 
     def echoes(self, key: Key, status: Mapping[str, Any]) -> bool:
         """Whether `status` is exactly what this operator last wrote (or found right) for the key."""
@@ -59,6 +60,7 @@ class StatusWriter:
     def forget(self, key: Key) -> None:
         self._written.pop(key, None)
         self._refusals.pop(key, None)
+        self._fallen.pop(key, None)
 
     async def write(self, key: Key, body: kopf.Body, planned: Planned, indexes: Indexes) -> bool:
         """Patch the status computed from the pods and StatefulSets the indexes show, if it
@@ -89,6 +91,9 @@ class StatusWriter:
         ):
             self._warn(body, "ECBudgetTooSmall", budget["message"])
         self._tell_the_rollout(body, previous, status)
+        events, self._fallen[key] = unit_readiness_events(previous, status, self._fallen.get(key, frozenset()))
+        for warning, reason, message in events:
+            (self._warn if warning else self._inform)(body, reason, message)
         await self._session.client.patch_status(namespace, name, status)
         return True
 
