@@ -8,7 +8,7 @@ CLUSTER_NODES ?= 4
 CLUSTER_REAL_NODES ?= 1
 CLUSTER_PY = $(PY)
 
-.PHONY: cluster cluster-up cluster-down cluster-status images images-status
+.PHONY: cluster cluster-up cluster-down cluster-status images images-vllm images-status
 
 ## cluster: build etcd, kube-apiserver/-controller-manager/-scheduler, kubectl, kwok, helm once, and the real node's kubelet and kube-proxy (cached in $EPD_CACHE)
 cluster: venv
@@ -22,6 +22,10 @@ cluster-up: cluster
 ## images: build the real node's images (pause, vllm-cpu, vllm-router, epd-operator; cached in $EPD_CACHE) and import them into the running node of .cluster/ (CLUSTER_DIR=)
 images: vllm-envs cluster
 	$(CLUSTER_PY) -m epd_dev.images build --import-into $(CLUSTER_DIR)
+
+## images-vllm: build the images that need no Go build (base, vllm-cpu, vllm-router, epd-operator): make test builds them beside the control plane
+images-vllm: vllm-envs
+	$(CLUSTER_PY) -m epd_dev.images build base vllm-cpu vllm-router epd-operator
 
 ## images-status: each image's ref, content key and whether it is cached
 images-status: venv
