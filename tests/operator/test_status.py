@@ -501,3 +501,9 @@ def test_a_fallen_unit_scaled_away_is_forgotten():
     _, fallen = unit_readiness_events(_units(u0=True, u1=True), _units(u0=True, u1=False), frozenset())
     events, fallen = unit_readiness_events(_units(u0=True, u1=False), _units(u0=True), fallen)
     assert (events, fallen) == ([], frozenset())
+
+
+def test_a_unit_a_rollout_takes_down_is_the_rollouts_story_not_an_event():
+    rolling = {**_units(u0=False), "conditions": [{"type": "Progressing", "status": "True", "reason": "RollingOut"}]}
+    events, fallen = unit_readiness_events(_units(u0=True), rolling, frozenset())
+    assert (events, fallen) == ([], frozenset())
