@@ -218,7 +218,9 @@ def _router_container(spec: api.EPDDeploymentSpec, command: RouterCommand) -> di
         "env": [],
         "ports": [{"name": FRONT_PORT_NAME, "containerPort": command.port}],
         "resources": _resources(0, spec.router.resources, ROUTER_REQUESTS),
-        **_probes(command.port, spec.probes, startup=False),
+        # vllm-router listens only once its consumers answer, and they load their model: without
+        # a startup window its liveness probe restarts it meanwhile.
+        **_probes(command.port, spec.probes),
         **_lifecycle(spec),
         "securityContext": security_context(spec),
     }

@@ -53,6 +53,17 @@ def test_encoders_are_sidecars_started_before_consumers():
     assert startup["failureThreshold"] * startup["periodSeconds"] == 1800
 
 
+def test_the_router_gets_the_consumers_loading_time_before_its_liveness_probe_counts():
+    """vllm-router refuses connections until its workers answer: without a startupProbe the
+    kubelet killed it while the consumers loaded (seen on the real node)."""
+    pod = children_of("encoder-prefill-decode.yaml")[0]["spec"]["template"]["spec"]
+    (router,) = [c for c in pod["containers"] if c["name"] == "router"]
+    (prefill,) = [c for c in pod["containers"] if c["name"] == "prefill-0"]
+    assert router["startupProbe"]["httpGet"] == {"path": "/health", "port": router["ports"][0]["containerPort"]}
+    window = router["startupProbe"]["failureThreshold"] * router["startupProbe"]["periodSeconds"]
+    assert window == prefill["startupProbe"]["failureThreshold"] * prefill["startupProbe"]["periodSeconds"] == 1800
+
+
 def test_every_engine_shares_one_memory_backed_shm_and_gets_its_gpus():
     sts = children_of("multi-model-overrides.yaml")[0]
     pod = sts["spec"]["template"]["spec"]
