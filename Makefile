@@ -34,15 +34,13 @@ crds: $(PY)
 # or KUBECONFIG=<file> on make's command line. Only there: a KUBECONFIG exported in the shell
 # must not send the demo to a real cluster.
 DEMO_KUBECONFIG ?= $(if $(filter command line,$(origin KUBECONFIG)),$(KUBECONFIG))
-# The unit's router, encoder, prefill and decode listen on DEMO_PORT..+3, the reference on +11.
-DEMO_PORT ?= 28000
 
 # Not `cluster`: the demo checks first that the cache can be written, then builds what is missing.
 ## demo: the operator on the local control plane, then a real multimodal request through its pod
 demo: venv
-	$(PY) -m epd_dev.demo up --port-base $(DEMO_PORT) $(if $(DEMO_KUBECONFIG),--kubeconfig $(DEMO_KUBECONFIG))
+	$(PY) -m epd_dev.demo up $(if $(DEMO_KUBECONFIG),--kubeconfig $(DEMO_KUBECONFIG))
 
-## demo-down: stop everything the demo started (engines, operator, control plane)
+## demo-down: remove everything the demo started (the release, the namespace, the real node, the control plane)
 demo-down: venv
 	$(PY) -m epd_dev.demo down
 
@@ -58,7 +56,10 @@ test-fast: $(PY)
 	$(PY) -m pytest -q -m "not cluster and not vllm"
 
 ## test: lint, then every test (installs what it needs, cached outside the clone)
-test: $(PY) lint cluster vllm-envs images
+# The Go builds (CPU) and the images that need none of them (mostly disk) build side by side.
+test: $(PY) lint
+	$(MAKE) --no-print-directory -j2 cluster images-vllm
+	$(MAKE) --no-print-directory images
 	@start=$$(date +%s); \
 	$(PY) -m pytest -q --durations=15; rc=$$?; \
 	echo "make test: pytest took $$(( $$(date +%s) - start ))s"; exit $$rc

@@ -1,23 +1,23 @@
 """`make demo`: the operator on a local control plane, then one real multimodal request through
-the pod it made.
+the pod it made on a real node.
 
-    python -m epd_dev.demo up [--kubeconfig FILE] [--port-base N]
+    python -m epd_dev.demo up [--kubeconfig FILE]
     python -m epd_dev.demo down
 
 SIMULATED: the control plane (upstream binaries, built once) with four kwok GPU nodes, the
-operator, and the seed's two topologies of Qwen2.5-VL-7B: kwok plays the kubelets, nothing runs.
+operator (helm install, its pod on the real node), and the seed's two topologies of
+Qwen2.5-VL-7B: kwok plays those nodes' kubelets, nothing runs.
 
 REAL: a tiny LLaVA-style model as the seed's second topology (encoder + prefill + decode behind
-vllm-router). The operator makes the unit's pod and kwok schedules it; its containers then run
-here on the CPU as the pod spec says, in the kubelet's order (epd_dev.vllm.unit_runner). One
-request with two images goes through epd_client (prime -> render -> generate) and is compared
-with an aggregated engine's answer (epd_dev.demo_serving).
+vllm-router), and an aggregated engine of the same model to compare with, on the real node
+epd-real-0: its kubelet runs the operator's pods in containerd, with real vLLM in the local
+images. One request with two images goes through epd_client (prime -> render -> generate)
+(epd_dev.demo_serving).
 
-Everything keeps running for exploration. What outlives `up` is recorded in the demo folder as
-it starts (demo.json, operator.pid, serving.json, cluster/), so `down`, Ctrl-C or a failure
-stops exactly that. With --kubeconfig an existing cluster replaces the embedded one for the
-SIMULATED part, in its own namespace, and the REAL part is skipped: that cluster's pods are its
-own kubelets' job.
+Everything keeps running for exploration; `down` (another process, Ctrl-C or a failure) removes
+the release, the namespace and the cluster with its node. With --kubeconfig an existing cluster
+replaces the embedded one for the SIMULATED part, in its own namespace, with the operator as a
+process here, and the REAL part is skipped: that cluster's pods are its own kubelets' job.
 """
 
 from __future__ import annotations
@@ -27,33 +27,28 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from . import paths
-from .demo_serving import Records, print_explore, say, serve
+from . import demo_serving, operator_chart, paths
+from .demo_serving import print_explore, say
+from .images import build as images
 from .localcluster import ClusterError, LocalCluster, binaries
-from .operator_process import OperatorProcess, get_json, install_crd, wait_for
-from .vllm import engines, envs, serving, tiny_model
-from .vllm.unit_runner import UnitRunner
+from .operator_process import OperatorProcess, get_json, group_members, install_crd, wait_for
+from .vllm import envs, real_node, tiny_model
 
 DEMO_DIR = ".demo"
 NAMESPACE = "epd-demo"
 SEEDS = ("encoder-regular.yaml", "encoder-prefill-decode.yaml")
-# Below Linux's ephemeral range (32768+), so no outgoing connection holds one of them.
-PORT_BASE = 28000
-# The unit: router, encoder, prefill, decode (then NIXL side-channel ports nothing binds on CPU).
-UNIT_PORTS = 4
-# The aggregated reference engine's block starts here; its engine listens on base + 1.
-REFERENCE_OFFSET = 10
 ENVS = ["serve", "router"]
+# The local model's PersistentVolume and claim (a PV is cluster-wide).
+MODEL_CLAIM = "tiny-llava-model"
 # Measured (PSS of each engine's processes, serving): prefill, decode and the reference 2.3 GB
 # each (the 1 GiB KV cache of VLLM_CPU_KVCACHE_SPACE=1 included), the encoder 1.2 GB; 7.5 GiB in
 # all, and some slack for loading.
@@ -70,50 +65,6 @@ def banner(title: str) -> None:
 
 
 # --------------------------------------------------------------------------- preflight
-
-
-def check_ports(ports: list[int], hint: str) -> None:
-    """Every port free on 0.0.0.0 (where the rendered engines listen), else who holds it."""
-    for port in ports:
-        with socket.socket() as sock:
-            # As the servers bind: connections of a previous run still in TIME_WAIT do not count.
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind(("0.0.0.0", port))
-            except OSError:
-                raise DemoError(
-                    f"port {port} is in use{_listener(port)}. The demo's engines listen on "
-                    f"{_ranges(ports)}: stop that process, or {hint}"
-                ) from None
-
-
-def _listener(port: int) -> str:
-    """' (pid N: command)' of whoever listens on `port`, from /proc; '' if it cannot be told."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError):
-            for line in Path(table).read_text().splitlines()[1:]:
-                fields = line.split()
-                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # LISTEN
-                    inodes.add(f"socket:[{fields[9]}]")
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
-                command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                return f" (pid {proc.name}: {command.strip()[:100]})"
-    return ""
-
-
-def _ranges(ports: list[int]) -> str:
-    spans: list[list[int]] = []
-    for port in sorted(ports):
-        if spans and port == spans[-1][1] + 1:
-            spans[-1][1] = port
-        else:
-            spans.append([port, port])
-    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
 
 
 def check_memory(engines_needed: int, meminfo: Path = Path("/proc/meminfo")) -> None:
@@ -152,20 +103,18 @@ def missing_caches(runs_engines: bool) -> dict[str, Path]:
     if binaries.missing_binaries():
         wanted["the control plane (make cluster)"] = binaries.cache_dir()
     if runs_engines:
+        if binaries.missing_binaries(binaries.NODE):
+            wanted["the real node's kubelet and kube-proxy (make cluster)"] = binaries.cache_dir(binaries.NODE)
+        builder = images.Builder()
+        # Without the control plane's build there is no Go module cache to key the pause image by.
+        if binaries.missing_binaries() or any(builder.cached(name) is None for name in images.ALL):
+            wanted["the node's images (make images)"] = builder.root
         for name in ENVS:
             if not (envs.env_dir(name) / envs.MARKER).is_file():
                 wanted[f"the vLLM venv {name!r}"] = envs.env_dir(name)
         if not (tiny_model.cached_path() / envs.MARKER).is_file():
             wanted["the tiny model"] = tiny_model.cached_path()
     return wanted
-
-
-def unit_ports(port_base: int) -> list[int]:
-    return list(range(port_base, port_base + UNIT_PORTS))
-
-
-def reference_port(port_base: int) -> int:
-    return port_base + REFERENCE_OFFSET + 1
 
 
 # --------------------------------------------------------------------------- clusters
@@ -211,19 +160,17 @@ def _stop_operator(root: Path) -> bool:
     except OSError:
         return False
     deadline = time.monotonic() + 15
-    while engines.group_members(pid) and time.monotonic() < deadline:
+    while group_members(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)
     return True
 
 
-def _ensure_namespace(cluster: Any, namespace: str) -> None:
+def _ensure_namespace(cluster: Any, namespace: str, labels: dict[str, str] | None = None) -> None:
+    metadata = {"name": namespace, **({"labels": labels} if labels else {})}
     cluster.kubectl(
-        "apply",
-        "-f",
-        "-",
-        input=yaml.safe_dump({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}),
+        "apply", "-f", "-", input=yaml.safe_dump({"apiVersion": "v1", "kind": "Namespace", "metadata": metadata})
     )
     wait_for(
         lambda: cluster.kubectl("get", "serviceaccount", "default", "-n", namespace, check=False).returncode == 0,
@@ -244,7 +191,7 @@ def _apply_seeds(cluster: Any, namespace: str, label: str) -> None:
         cluster.kubectl("apply", "-n", namespace, "-f", str(paths.REPO / "docs" / "examples" / seed))
 
 
-def _wait_reconciled(cluster: Any, namespace: str, operator: OperatorProcess, ready_within: float) -> bool:
+def _wait_reconciled(cluster: Any, namespace: str, operator_log: Callable[[], str], ready_within: float) -> bool:
     """Every EPDDeployment's status written for its generation; then Ready within `ready_within`
     seconds (False if not: an existing cluster may have no GPU nodes for them)."""
 
@@ -254,12 +201,13 @@ def _wait_reconciled(cluster: Any, namespace: str, operator: OperatorProcess, re
             i.get("status", {}).get("observedGeneration") == i["metadata"]["generation"] for i in items
         )
 
-    wait_for(reconciled, 120, "the operator to reconcile the EPDDeployments", operator.tail)
+    wait_for(reconciled, 120, "the operator to reconcile the EPDDeployments", operator_log)
+    names = [f"epd/{name}" for name in _seed_names()]
+    say(f"kubectl wait --for=condition=Ready {' '.join(names)} -n {namespace}")
     out = cluster.kubectl(
         "wait",
         "--for=condition=Ready",
-        "epd",
-        "--all",
+        *names,
         "-n",
         namespace,
         f"--timeout={ready_within:.0f}s",
@@ -271,13 +219,13 @@ def _wait_reconciled(cluster: Any, namespace: str, operator: OperatorProcess, re
 
 def _print_units(cluster: Any, namespace: str, label: str, names: tuple[str, ...]) -> None:
     items = get_json(cluster, "epd", "-n", namespace)["items"]
-    rows = [("", "DEPLOYMENT", "UNIT", "NODE", "READY", "WHY NOT", "ENCODERS", "ENTRY (router or consumer)")]
+    rows = [("", "DEPLOYMENT", "UNIT", "NODE", "READY", "WHY NOT", "ENCODERS", "ENTRY (proxy, router or consumer)")]
     for item in items:
         if item["metadata"]["name"] not in names:
             continue
         for model in item.get("status", {}).get("models", []):
             for unit in model["units"]:
-                entry = unit.get("routerUrl") or ", ".join(unit.get("consumerUrls", []))
+                entry = unit.get("entryUrl") or unit.get("routerUrl") or ", ".join(unit.get("consumerUrls", []))
                 rows.append(
                     (
                         label,
@@ -295,33 +243,21 @@ def _print_units(cluster: Any, namespace: str, label: str, names: tuple[str, ...
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
 
 
-def operator_part(cluster: Any, root: Path, namespace: str, *, embedded: bool) -> OperatorProcess:
-    """The CRD, the operator and the seed's two topologies. On the embedded cluster kwok plays
-    their kubelets; an existing cluster's nodes run them (or say why they cannot)."""
+def simulated_part(cluster: Any, namespace: str, operator_log: Callable[[], str], *, embedded: bool) -> None:
+    """The seed's two topologies. On the embedded cluster kwok plays their kubelets; an
+    existing cluster's nodes run them (or say why they cannot)."""
     label = "SIMULATED" if embedded else "CLUSTER"
-    if embedded:
-        banner("SIMULATED: the operator and the seed's two topologies on kwok's fake GPU nodes")
-    else:
-        banner(f"CLUSTER: the operator and the seed's two topologies on {cluster.kubeconfig}")
-    say(f"{label}  installing the EPDDeployment CRD")
-    install_crd(cluster)
-    _ensure_namespace(cluster, namespace)
-    # On someone else's cluster, watch only the demo's namespace: an operator installed there
-    # owns the others.
-    operator = _start_operator(
-        cluster.kubeconfig, root, ["--all-namespaces"] if embedded else ["--namespace", namespace]
-    )
     _apply_seeds(cluster, namespace, label)
     ready_within = 180 if embedded else 60
     say(f"{label}  waiting for the operator to reconcile both ...")
-    ready = _wait_reconciled(cluster, namespace, operator, ready_within)
+    ready = _wait_reconciled(cluster, namespace, operator_log, ready_within)
     if embedded and not ready:
         raise DemoError(
             f"the seed's EPDDeployments did not become Ready within {ready_within}s on kwok's "
-            f"nodes; the operator's log says why: {operator.log_path}"
+            f"nodes; the operator's log says why:\n{operator_log()}"
         )
     print()
-    print(cluster.kubectl("get", "epd", "-n", namespace, "-o", "wide").stdout)
+    print(cluster.kubectl("get", "epd", *_seed_names(), "-n", namespace, "-o", "wide").stdout)
     _print_units(cluster, namespace, label, _seed_names())
     print()
     if embedded:
@@ -336,79 +272,103 @@ def operator_part(cluster: Any, root: Path, namespace: str, *, embedded: bool) -
             f"CLUSTER  not Ready within {ready_within}s: their pods need nodes with nvidia.com/gpu and pull "
             "vllm/vllm-openai; the WHY NOT column and `kubectl describe pod` say what is missing."
         )
-    return operator
 
 
 # --------------------------------------------------------------------------- up / down
 
 
-def real_part(
-    cluster: LocalCluster, root: Path, namespace: str, port_base: int, reference: engines.Engine, records: Records
-) -> None:
-    banner("REAL: the operator's pod for a tiny LLaVA model, run here on the CPU with real vLLM")
-    answer = serve(cluster, root, namespace, port_base=port_base, reference=reference, records=records)
-    print_explore(answer, cluster, namespace, root)
+def build_missing() -> None:
+    """What the embedded run needs and the cache lacks: each step says what it does (the first
+    time: the control plane about 15 min, the node 2 min, the images about 12 min)."""
+    banner("Building what is missing (cached in " + str(paths.cache_root()) + ")")
+    for bset in (binaries.CONTROL_PLANE, binaries.NODE):
+        if binaries.missing_binaries(bset):
+            binaries.build(bset=bset)
+    envs.install(ENVS)
+    say(f"tiny model: {tiny_model.tiny_model_path()}")
+    images.Builder().build()
+    say("images: " + ", ".join(images.Builder().image(name).ref for name in images.ALL))
 
 
-def start_reference(root: Path, port_base: int, records: Records) -> engines.Engine:
-    """The aggregated engine the answer is compared with: started before the control plane so
-    that it loads meanwhile."""
-    manifest = serving.aggregated_manifest(tiny_model.tiny_model_path(), port_base=port_base + REFERENCE_OFFSET)
-    runner = UnitRunner.from_manifest(
-        serving.in_process_workers(manifest), root / "logs" / "aggregated", uid=str(uuid.uuid4()), die_with_parent=False
-    )
-    (reference,) = runner.consumers
-    reference.start()
-    records.engine(reference, "aggregated")
+def start_embedded(root: Path) -> LocalCluster:
+    """The control plane, kwok's GPU nodes and the real node, with the images imported."""
+    say("starting the control plane, 4 kwok GPU nodes and the real node epd-real-0 ...")
+    return LocalCluster(root / "cluster", nodes=4, real_nodes=1, on_node_runtime=images.import_into).start()
+
+
+def install_operator(cluster: LocalCluster, namespace: str) -> Callable[[], str]:
+    """helm install into `namespace` (Pod Security restricted); returns how to read its log."""
+    _ensure_namespace(cluster, namespace, {"pod-security.kubernetes.io/enforce": "restricted"})
     say(
-        f"REAL  starting the aggregated reference engine in the background (pid {reference.proc and reference.proc.pid}, "
-        f"port {reference.port}, log {reference.log_path})"
+        f"helm install {operator_chart.RELEASE} charts/epd-operator -n {namespace} "
+        "(image localhost/epd-operator:dev, on epd-real-0, watching this namespace)"
     )
-    return reference
+    pod = operator_chart.install(cluster, namespace, operator_chart.values([namespace]))
+    say(f"operator running in pod {pod['metadata']['name']} on {pod['spec']['nodeName']}")
+
+    def log() -> str:
+        deployment = f"deploy/{demo_serving.OPERATOR_DEPLOYMENT}"
+        return cluster.kubectl("logs", "-n", namespace, deployment, "--tail=60", check=False).stdout
+
+    return log
 
 
-def up(root: Path, kubeconfig: Path | None = None, port_base: int = PORT_BASE) -> int:
+def model_claim(cluster: LocalCluster, namespace: str) -> str:
+    """The tiny model on a local PersistentVolume of the real node, and a claim bound to it."""
+    objects = real_node.model_volume(MODEL_CLAIM, tiny_model.tiny_model_path())
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump_all(objects))
+    return MODEL_CLAIM
+
+
+def up(root: Path, kubeconfig: Path | None = None) -> int:
     began = time.monotonic()
     root.mkdir(parents=True, exist_ok=True)
     _raise_on_termination()
-    if down(root):  # a previous demo: its engines hold the ports
+    if down(root):  # a previous demo: its node is the machine's only one
         say("stopped the previous demo")
     (root / "demo.json").write_text(
         json.dumps({"kubeconfig": str(kubeconfig) if kubeconfig else None, "namespace": NAMESPACE})
     )
     try:
-        runs_engines = kubeconfig is None
-        check_cache_writable(missing_caches(runs_engines))
-        if runs_engines:
-            check_ports(
-                [*unit_ports(port_base), reference_port(port_base)], "pick other ports: make demo DEMO_PORT=29000"
-            )
-            check_memory(ENGINES)
-        if binaries.missing_binaries():
-            binaries.build()
-        if kubeconfig is not None:
+        embedded = kubeconfig is None
+        check_cache_writable(missing_caches(embedded))
+        if not embedded:
+            assert kubeconfig is not None
+            if binaries.missing_binaries():
+                binaries.build()
             cluster: Any = ExistingCluster(kubeconfig)
             say(f"using the existing cluster of {kubeconfig} (namespace {NAMESPACE}; the REAL part is skipped)")
-            operator_part(cluster, root, NAMESPACE, embedded=False)
+            banner(f"CLUSTER: the operator and the seed's two topologies on {kubeconfig}")
+            install_crd(cluster)
+            _ensure_namespace(cluster, NAMESPACE)
+            # On someone else's cluster, watch only the demo's namespace: an operator installed
+            # there owns the others.
+            operator = _start_operator(kubeconfig, root, ["--namespace", NAMESPACE])
+            simulated_part(cluster, NAMESPACE, operator.tail, embedded=False)
             say(
                 f"ready in {time.monotonic() - began:.0f}s. Try: kubectl --kubeconfig {kubeconfig} -n {NAMESPACE} "
                 "get epd,statefulsets,pods. Stop (and delete the namespace) with: make demo-down"
             )
             return 0
-        banner("Installing what serving needs (cached in " + str(paths.cache_root()) + ")")
-        envs.install(ENVS)
-        say(f"tiny model: {tiny_model.tiny_model_path()}")
-        records = Records(root)
-        reference = start_reference(root, port_base, records)
-        cluster = LocalCluster(root / "cluster", nodes=4).start()
-        operator_part(cluster, root, NAMESPACE, embedded=True)
-        real_part(cluster, root, NAMESPACE, port_base, reference, records)
+        check_memory(ENGINES)
+        build_missing()
+        cluster = start_embedded(root)
+        banner("SIMULATED: the operator and the seed's two topologies on kwok's fake GPU nodes")
+        operator_log = install_operator(cluster, NAMESPACE)
+        claim = model_claim(cluster, NAMESPACE)
+        say("REAL  applying the tiny model's two EPDDeployments first: the real node loads them meanwhile")
+        demo_serving.apply(cluster, root, NAMESPACE, claim)
+        simulated_part(cluster, NAMESPACE, operator_log, embedded=True)
+        banner("REAL: the operator's pods for a tiny LLaVA model on the real node epd-real-0, real vLLM")
+        answer = demo_serving.serve(cluster, NAMESPACE)
+        print_explore(answer, cluster, NAMESPACE)
         say(f"ready in {time.monotonic() - began:.0f}s; everything keeps running. Stop it all with: make demo-down")
         return 0
     except BaseException as exc:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
         known = isinstance(
-            exc, (DemoError, ClusterError, engines.EngineFailed, envs.MissingEnvironment, AssertionError)
+            exc,
+            (DemoError, ClusterError, operator_chart.ChartError, envs.MissingEnvironment, AssertionError),
         )
         if isinstance(exc, KeyboardInterrupt):
             print()
@@ -440,9 +400,7 @@ def down(root: Path) -> list[str]:
     stopped, each said as it goes."""
     state_file = root / "demo.json"
     state = json.loads(state_file.read_text()) if state_file.exists() else {}
-    stopped = Records(root).stop_all()
-    if stopped:
-        say(f"stopped {', '.join(stopped)}")
+    stopped = []
     if _stop_operator(root):
         say("stopped the operator")
         stopped.append("the operator")
@@ -460,8 +418,18 @@ def down(root: Path) -> list[str]:
     else:
         embedded = LocalCluster(root / "cluster")
         if embedded.state_file.exists():
-            embedded.stop()  # says what it stopped
-            stopped.append("the control plane")
+            if embedded.status()["running"]:
+                namespace = state.get("namespace", NAMESPACE)
+                if operator_chart.uninstall(embedded, namespace):
+                    say(f"helm uninstall {operator_chart.RELEASE} -n {namespace}")
+                    stopped.append("the operator's release")
+                out = embedded.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+                if out.returncode == 0:
+                    say(f"deleting namespace {namespace}")
+                    stopped.append(f"namespace {namespace}")
+                embedded.kubectl("delete", "pv", MODEL_CLAIM, "--wait=false", check=False)
+            embedded.stop()  # the node's pods, containerd, kubelet, the host's bridge and rules; says what it stopped
+            stopped.append("the control plane and the real node")
     state_file.unlink(missing_ok=True)
     return stopped
 
@@ -478,13 +446,6 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="an existing cluster for the operator part (the pods are not run here)",
     )
-    parser.add_argument(
-        "--port-base",
-        type=int,
-        default=PORT_BASE,
-        help=f"the unit listens on this port and the next {UNIT_PORTS - 1}, the reference "
-        f"on +{REFERENCE_OFFSET + 1} (default {PORT_BASE})",
-    )
     args = parser.parse_args(argv)
     root = args.dir.resolve()
     if args.action == "down":
@@ -493,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     kubeconfig = args.kubeconfig.expanduser().resolve() if args.kubeconfig else None
     if kubeconfig is not None and not kubeconfig.is_file():
         parser.error(f"no kubeconfig at {kubeconfig}")
-    return up(root, kubeconfig, args.port_base)
+    return up(root, kubeconfig)
 
 
 if __name__ == "__main__":

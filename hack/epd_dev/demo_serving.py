@@ -1,8 +1,9 @@
-"""The REAL part of `make demo`: the operator's pod for the tiny model run here, one request with
-two images through epd_client, and what happened, printed as a person would want to read it.
+"""The REAL part of `make demo`: the operator's pod for the tiny model on the real node
+epd-real-0 (the kubelet runs its containers in containerd), one request with two images through
+epd_client, and what happened, printed as a person would want to read it.
 
-`serve` is also what tests/vllm/test_demo.py runs, headless, with the test session's cluster,
-operator and aggregated engine.
+`apply` and `serve` are also what tests/node/test_demo.py runs, headless, with the test
+session's cluster, Helm-installed operator and model claim.
 """
 
 from __future__ import annotations
@@ -14,12 +15,10 @@ import json
 import math
 import re
 import shlex
-import shutil
 import sys
 import threading
 import time
 import urllib.request
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Self
@@ -29,10 +28,14 @@ import yaml
 from epd_client import Endpoints, EPDClient
 
 from .operator_process import get_json, wait_for
-from .vllm import engines, payloads, serving, tiny_model
-from .vllm.unit_runner import UnitRunner
+from .vllm import payloads, real_node, serving, tiny_model
 
 NAME = "tiny-llava-pd"
+REFERENCE = "tiny-aggregated"
+# Prefill's KV cache for decode (ExampleConnector): a folder of the pod's own /dev/shm.
+KV_STORE = "/dev/shm/epd-demo-kv"
+# The Helm release's Deployment (release "epd" of the chart epd-operator).
+OPERATOR_DEPLOYMENT = "epd-epd-operator"
 MAX_TOKENS = 12
 # Long enough (with the two images' 32 placeholder tokens) for the prompt to fill two 32-token
 # KV blocks, so the KV cache prefill hands to decode covers both images (serving.prefill_decode_groups).
@@ -56,79 +59,54 @@ def say(message: str) -> None:
     print(f"[demo {time.monotonic() - _BEGAN:4.0f}s] {message}", flush=True)
 
 
-class Records:
-    """What the demo started that outlives it, written to `<root>/serving.json` as each thing
-    starts, so that `down` (from any process) stops and removes exactly that."""
-
-    def __init__(self, root: Path) -> None:
-        self.path = root / "serving.json"
-        self.data: dict[str, list[Any]] = (
-            json.loads(self.path.read_text()) if self.path.exists() else {"engines": [], "folders": []}
-        )
-
-    def engine(self, engine: engines.Engine, name: str | None = None) -> None:
-        assert engine.proc is not None
-        self.data["engines"].append(
-            {
-                "name": name or engine.name,
-                "pid": engine.proc.pid,
-                "ticks": engines.start_ticks(engine.proc.pid),
-                "log": str(engine.log_path),
-            }
-        )
-        self._save()
-
-    def folder(self, path: str | Path) -> None:
-        """A folder in /dev/shm the engines write (EC and KV stores): memory until removed."""
-        self.data["folders"].append(str(path))
-        self._save()
-
-    def _save(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=2))
-        tmp.replace(self.path)
-
-    def stop_all(self) -> list[str]:
-        """Stop every recorded engine (routers first, as started last) and remove the folders."""
-        stopped = [e["name"] for e in reversed(self.data["engines"]) if engines.stop_recorded(e["pid"], e["ticks"])]
-        for folder in self.data["folders"]:
-            shutil.rmtree(folder, ignore_errors=True)
-        self.path.unlink(missing_ok=True)
-        self.data = {"engines": [], "folders": []}
-        return stopped
-
-
 class Progress:
-    """While engines start (a minute or two each): says when each one answers its health check,
-    and every `every` seconds which ones are still loading. `check` is also called before
-    saying an engine started, so that lines come in the order things happen."""
+    """While the kubelet starts the pods' containers (a minute or two each): says when each one
+    starts and becomes ready, as the kubelet reports it (containerStatuses), and every `every`
+    seconds which ones are still loading."""
 
-    def __init__(self, watched: list[tuple[str, engines.Engine]], every: float = 15.0) -> None:
-        self.watched, self.every = watched, every
-        self.ready: set[str] = set()
-        self.seen_loading: set[str] = set()
-        self.last = time.monotonic()
-        self.lock = threading.Lock()
+    def __init__(self, cluster: Any, namespace: str, deployments: tuple[str, ...], every: float = 20.0) -> None:
+        self.cluster, self.namespace, self.every = cluster, namespace, every
+        self.selector = f"epd.vime.dev/deployment in ({','.join(deployments)})"
+        # pod/container -> running, passed its startup probe, ready, restarts
+        self.seen: dict[str, tuple[bool, bool, bool, int]] = {}
+        self.began = time.monotonic()
+        self.last = self.began
         self.done = threading.Event()
 
     def check(self) -> None:
-        with self.lock:
-            loading = []
-            for label, engine in self.watched:
-                if label in self.ready or engine.proc is None or engine.proc.poll() is not None:
-                    continue
-                took = time.monotonic() - engine.started_at
-                if _healthy(engine):
-                    self.ready.add(label)
-                    when = f"after {took:.0f}s" if label in self.seen_loading else "(it loaded meanwhile)"
-                    say(f"REAL  {label} ready {when}: {engine.health_path} on :{engine.port} answers 200")
-                else:
-                    self.seen_loading.add(label)
-                    loading.append(f"{label} {took:.0f}s")
-            if loading and time.monotonic() - self.last >= self.every:
-                self.last = time.monotonic()
-                say(f"REAL  still loading: {', '.join(loading)}")
+        out = self.cluster.kubectl("get", "pods", "-n", self.namespace, "-l", self.selector, "-o", "json", check=False)
+        if out.returncode != 0:
+            return
+        loading = []
+        for pod in json.loads(out.stdout)["items"]:
+            spec = pod["spec"]
+            probed = {
+                c["name"] for c in [*spec.get("initContainers", []), *spec["containers"]] if c.get("startupProbe")
+            }
+            for status in containers(pod):
+                key = f"{pod['metadata']['name']}/{status['name']}"
+                now = (
+                    "running" in status.get("state", {}),
+                    bool(status.get("started")),
+                    bool(status.get("ready")),
+                    status.get("restartCount", 0),
+                )
+                before = self.seen.get(key, (False, False, False, 0))
+                self.seen[key] = now
+                since = f"{time.monotonic() - self.began:.0f}s after the apply"
+                if now[0] and not before[0]:
+                    say(f"REAL  kubelet: {key} running ({short_id(status.get('containerID', ''))})")
+                if now[1] and not before[1] and status["name"] in probed:
+                    say(f"REAL  kubelet: {key} passed its startup probe, {since}")
+                if now[2] and not before[2]:
+                    say(f"REAL  kubelet: {key} ready, {since}")
+                if now[3] > before[3]:
+                    say(f"REAL  kubelet: {key} restarted ({now[3]} restarts)")
+                if now[0] and not now[2]:
+                    loading.append(key)
+        if loading and time.monotonic() - self.last >= self.every:
+            self.last = time.monotonic()
+            say(f"REAL  still loading: {', '.join(loading)}")
 
     def __enter__(self) -> Self:
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -136,7 +114,7 @@ class Progress:
         return self
 
     def _run(self) -> None:
-        while not self.done.wait(1.0):
+        while not self.done.wait(2.0):
             self.check()
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
@@ -146,12 +124,16 @@ class Progress:
             self.check()  # the last ones ready, before whatever the caller says next
 
 
-def _healthy(engine: engines.Engine) -> bool:
-    try:
-        with urllib.request.urlopen(engine.url + engine.health_path, timeout=2) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
+def containers(pod: dict[str, Any]) -> list[dict[str, Any]]:
+    """The kubelet's status of every container of `pod`, sidecars (init containers) first."""
+    status = pod.get("status", {})
+    return [*status.get("initContainerStatuses", []), *status.get("containerStatuses", [])]
+
+
+def short_id(container_id: str) -> str:
+    """containerd://<64 hex> as containerd://<first 12>."""
+    runtime, _, digest = container_id.partition("://")
+    return f"{runtime}://{digest[:12]}" if digest else container_id or "-"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,7 +183,8 @@ def word_token_ids() -> list[int]:
 
 @dataclasses.dataclass
 class Answer:
-    engine_urls: dict[str, str]  # container name -> local URL (router included)
+    engine_urls: dict[str, str]  # container name -> URL at the pod IP (the EPD proxy, the unit's entry, included)
+    front_url: str  # the unit's front Service (its ClusterIP): where any OpenAI client goes
     reference_url: str
     token_ids: list[int]
     logprobs: list[float]
@@ -211,9 +194,10 @@ class Answer:
     seconds: float  # EPDClient.generate, end to end
     served: dict[str, dict[str, tuple[int, float]]]  # engine -> path -> (requests, seconds)
     image_hashes: list[str]  # vLLM's mm_hash of each picture: its folder in the EC store
-    ec_store: Path
+    ec_store: str  # in the pod's /dev/shm
     ec_files: dict[str, list[tuple[str, int]]]  # mm_hash -> (file, bytes), written by the prime
     kv_files: list[tuple[str, int]]  # what prefill wrote for decode
+    pod: dict[str, Any]  # the unit's pod, as the API server has it after the request
 
     @property
     def max_logprob_difference(self) -> float:
@@ -224,65 +208,94 @@ class Answer:
         return self.token_ids == self.reference_token_ids and self.max_logprob_difference <= 1e-3
 
 
-def serve(
-    cluster: Any, root: Path, namespace: str, *, port_base: int, reference: engines.Engine, records: Records
-) -> Answer:
-    """Apply the tiny model's EPDDeployment, run the pod the operator makes as the kubelet would,
-    send the request, print it all; the engines keep running (`records` lists them)."""
-    model_dir = tiny_model.tiny_model_path()
-    kv_store = Path(f"/dev/shm/epd-demo-kv-{uuid.uuid4().hex[:12]}")
-    records.folder(kv_store)
-    manifest = serving.in_process_workers(
-        serving.tiny_manifest(NAME, model_dir, serving.prefill_decode_groups(kv_store), port_base=port_base)
-    )
-    manifest["metadata"]["namespace"] = namespace
-    manifest_path = root / f"{NAME}.yaml"
-    manifest_path.write_text(yaml.safe_dump(manifest, sort_keys=False))
-    say(f"REAL  kubectl apply -f {manifest_path}  (encoder + prefill + decode of {model_dir.name})")
-    cluster.kubectl("apply", "-f", str(manifest_path))
+def manifests(claim: str) -> list[dict[str, Any]]:
+    """The tiny model's two EPDDeployments for the real node: the unit (encoder + prefill + decode
+    behind vllm-router; prefill hands its KV cache to decode through KV_STORE, a folder of the
+    pod's /dev/shm) and the aggregated reference (one engine, no EC config)."""
+    unit = real_node.node_manifest(NAME, claim, serving.prefill_decode_groups(Path(KV_STORE)))
+    reference = real_node.node_manifest(REFERENCE, claim, [{"workerType": "regular", "numGpus": 1}])
+    return [unit, reference]
 
-    def scheduled() -> dict[str, Any] | None:
-        obj = get_json(cluster, "epd", NAME, "-n", namespace)
-        status = (obj or {}).get("status", {})
-        return status if status.get("phase") == "Ready" else None
 
-    status = wait_for(scheduled, 120, f"epd/{NAME} to be Ready on kwok's node")
-    (unit,) = status["models"][0]["units"]
-    pod = get_json(cluster, "pod", unit["pod"], "-n", namespace)
-    say(
-        f"REAL  the operator made pod {unit['pod']}; kwok bound it to {unit['node']} (pod IP "
-        f"{pod['status']['podIP']}). Its containers now run HERE, on the CPU, as the kubelet would start "
-        "them: the encoder sidecar first, on its startup probe; then prefill and decode; then the router."
-    )
+def apply(cluster: Any, root: Path, namespace: str, claim: str, names: tuple[str, ...] = (NAME, REFERENCE)) -> None:
+    """Write and apply the EPDDeployments `names` (both by default); the kubelet starts loading
+    them at once."""
+    for manifest in manifests(claim):
+        if manifest["metadata"]["name"] not in names:
+            continue
+        manifest["metadata"]["namespace"] = namespace
+        path = root / f"{manifest['metadata']['name']}.yaml"
+        path.write_text(yaml.safe_dump(manifest, sort_keys=False))
+        say(f"REAL  kubectl apply -f {path}")
+        cluster.kubectl("apply", "-f", str(path))
 
-    def started(engine: engines.Engine) -> None:
-        records.engine(engine)
-        progress.check()
-        pid = engine.proc.pid if engine.proc else None
-        say(f"REAL  started {engine.name} (pid {pid}, port {engine.port}, log {engine.log_path})")
 
-    runner = UnitRunner(pod, root / "logs", die_with_parent=False, on_start=started)
-    if runner.ec_storage_path:
-        records.folder(runner.ec_storage_path)
+def serve(cluster: Any, namespace: str, *, timeout: float = 1500) -> Answer:
+    """Wait (the kubelet's word, through the EPDDeployments' Ready condition) for what `apply`
+    applied, send the request, print it all; the pods keep running."""
+    print(cluster.kubectl("get", "epd", NAME, REFERENCE, "-n", namespace).stdout.rstrip())
     began = time.monotonic()
-    with Progress([*((e.name, e) for e in runner.engines), ("aggregated", reference)]) as progress:
-        runner.start()
-        reference.wait_healthy()
-    say(f"REAL  the unit is serving, {time.monotonic() - began:.0f}s after its first container started")
-    answer = asyncio.run(
-        _ask(serving.localized(status, runner), runner, reference, Path(status["models"][0]["ecStoragePath"]), kv_store)
-    )
+    with Progress(cluster, namespace, (NAME, REFERENCE)) as progress:
+        status = wait_for(lambda: _scheduled(cluster, namespace), 180, f"the pod of epd/{NAME}")
+        (unit,) = status["models"][0]["units"]
+        pod = wait_for(
+            lambda: (
+                (found := get_json(cluster, "pod", unit["pod"], "-n", namespace))
+                and found["status"].get("podIP")
+                and found
+            ),
+            120,
+            f"pod {unit['pod']}'s IP",
+        )
+        say(
+            f"REAL  the operator made pod {unit['pod']}; the scheduler bound it to {pod['spec']['nodeName']} "
+            f"(pod IP {pod['status'].get('podIP')}). Its kubelet starts the containers in containerd: the encoder "
+            "sidecar first, on its startup probe; then prefill and decode; then the router and the EPD proxy."
+        )
+        say(f"REAL  kubectl wait --for=condition=Ready epd/{NAME} epd/{REFERENCE} -n {namespace}")
+        out = cluster.kubectl(
+            "wait",
+            "--for=condition=Ready",
+            f"epd/{NAME}",
+            f"epd/{REFERENCE}",
+            "-n",
+            namespace,
+            f"--timeout={timeout:.0f}s",
+            check=False,
+            timeout=timeout + 30,
+        )
+        if out.returncode != 0:
+            progress.check()
+            raise AssertionError(f"not Ready within {timeout:.0f}s: {out.stderr.strip()}")
+    say(f"REAL  both Ready, {time.monotonic() - began:.0f}s after the apply")
+    print(cluster.kubectl("get", "epd", NAME, REFERENCE, "-n", namespace).stdout.rstrip())
+    statuses = {name: get_json(cluster, "epd", name, "-n", namespace)["status"] for name in (NAME, REFERENCE)}
+    answer = asyncio.run(_ask(cluster, namespace, statuses[NAME], statuses[REFERENCE]))
     print_answer(answer)
     return answer
 
 
-async def _ask(
-    endpoints: Endpoints, runner: UnitRunner, reference: engines.Engine, ec_store: Path, kv_store: Path
-) -> Answer:
-    engine_urls = {e.name: e.url for e in runner.engines}
-    scraped = [e for e in runner.engines if e is not runner.router]  # vLLM engines have /metrics
-    before = {e.name: payloads.served_seconds(e.url) for e in scraped}
-    ec_before, kv_before = payloads.ec_entries(ec_store), _files(kv_store)
+def _scheduled(cluster: Any, namespace: str) -> dict[str, Any] | None:
+    """The unit's status once its pod is bound to a node."""
+    status = (get_json(cluster, "epd", NAME, "-n", namespace) or {}).get("status", {})
+    units = [u for m in status.get("models", []) for u in m.get("units", [])]
+    return status if units and all(u.get("node") for u in units) else None
+
+
+async def _ask(cluster: Any, namespace: str, status: dict[str, Any], reference_status: dict[str, Any]) -> Answer:
+    endpoints = Endpoints.from_status(status)
+    (unit,) = endpoints.model(serving.MODEL).units
+    engine_urls = {e.name: e.url for e in unit.engines if e.url}
+    if unit.router_url:
+        engine_urls["router"] = unit.router_url
+    if unit.front_url and unit.front_url != unit.router_url:
+        engine_urls["proxy"] = unit.front_url
+    scraped = {n: url for n, url in engine_urls.items() if n not in ("router", "proxy")}  # vLLM's /metrics
+    ec_store = status["models"][0]["ecStoragePath"]
+    assert unit.pod is not None
+    pod_files = PodFiles(cluster, namespace, unit.pod, "encoder-0")
+    before = {name: payloads.served_seconds(url) for name, url in scraped.items()}
+    ec_before, kv_before = pod_files.list(ec_store), pod_files.list(KV_STORE)
     request = demo_request()
 
     start = time.monotonic()
@@ -291,28 +304,32 @@ async def _ask(
     seconds = time.monotonic() - start
 
     served = {}
-    for engine in scraped:
-        now, then = payloads.served_seconds(engine.url), before[engine.name]
+    for name, url in scraped.items():
+        now, then = payloads.served_seconds(url), before[name]
         delta = {
             path: (n - then.get(path, (0, 0.0))[0], s - then.get(path, (0, 0.0))[1]) for path, (n, s) in now.items()
         }
-        served[engine.name] = {path: d for path, d in delta.items() if d[0]}
+        served[name] = {path: d for path, d in delta.items() if d[0]}
     token_ids, logprobs = payloads.output(result)
+    (reference,) = Endpoints.from_status(reference_status).model(serving.MODEL).units
+    reference_url = reference.entry_url
+    assert reference_url is not None, "the reference's status names no entry"
     # The reference renders the same request: its mm_hashes name each picture's EC folder.
-    rendered = reference.post("/v1/chat/completions/render", request)
-    ref_ids, ref_logprobs = payloads.output(reference.post("/inference/v1/generate", rendered))
-    decode = next(e for e in runner.consumers if e.name.startswith("decode"))
-    text = decode.post("/detokenize", {"model": tiny_model.SERVED_NAME, "tokens": token_ids})["prompt"]
-    ec_after = payloads.ec_entries(ec_store)
-    ec_files = {
-        h: [(f, (ec_store / h / f).stat().st_size) for f in files]
-        for h, files in ec_after.items()
-        if h not in ec_before
-    }
-    kv_files = [(name, size) for name, size in _files(kv_store).items() if name not in kv_before]
+    rendered = post(reference_url, "/v1/chat/completions/render", request)
+    ref_ids, ref_logprobs = payloads.output(post(reference_url, "/inference/v1/generate", rendered))
+    decode = next(url for name, url in engine_urls.items() if name.startswith("decode"))
+    text = post(decode, "/detokenize", {"model": tiny_model.SERVED_NAME, "tokens": token_ids})["prompt"]
+    ec_after = pod_files.list(ec_store)
+    ec_files: dict[str, list[tuple[str, int]]] = {}
+    for name, size in ec_after.items():
+        if name not in ec_before and "/" in name:
+            mm_hash, file = name.split("/", 1)
+            ec_files.setdefault(mm_hash, []).append((file, size))
+    kv_files = [(name, size) for name, size in pod_files.list(KV_STORE).items() if name not in kv_before]
     return Answer(
         engine_urls,
-        reference.url,
+        front_service_url(cluster, namespace),
+        reference_url,
         token_ids,
         logprobs,
         text,
@@ -324,14 +341,49 @@ async def _ask(
         ec_store,
         ec_files,
         kv_files,
+        get_json(cluster, "pod", unit.pod, "-n", namespace),
     )
 
 
-def _files(folder: Path) -> dict[str, int]:
-    """Every file under `folder` (relative name -> bytes)."""
-    if not folder.is_dir():
-        return {}
-    return {str(f.relative_to(folder)): f.stat().st_size for f in folder.rglob("*") if f.is_file()}
+def front_service_url(cluster: Any, namespace: str) -> str:
+    """The unit's front Service at its ClusterIP, as any client in the cluster reaches it."""
+    services = get_json(cluster, "services", "-n", namespace, "-l", f"epd.vime.dev/deployment={NAME}")
+    (front,) = [s for s in services["items"] if s["spec"].get("clusterIP") != "None"]
+    return f"http://{front['spec']['clusterIP']}:{front['spec']['ports'][0]['port']}"
+
+
+def post(base: str, path: str, body: dict[str, Any], timeout: float = 120) -> dict[str, Any]:
+    req = urllib.request.Request(
+        base + path, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        found: dict[str, Any] = json.loads(resp.read())
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class PodFiles:
+    """The files of a folder in a container, through `kubectl exec` (the pod's /dev/shm is its
+    own memory emptyDir: the host does not see it as /dev/shm)."""
+
+    cluster: Any
+    namespace: str
+    pod: str
+    container: str
+
+    LIST = (
+        "import os, json, sys; root = sys.argv[1]; "
+        "print(json.dumps({os.path.relpath(os.path.join(d, f), root): os.path.getsize(os.path.join(d, f)) "
+        "for d, _, fs in os.walk(root) for f in fs}))"
+    )
+
+    def list(self, folder: str) -> dict[str, int]:
+        """Every file under `folder` (relative name -> bytes); {} when there is no such folder."""
+        out = self.cluster.kubectl(
+            "exec", "-n", self.namespace, self.pod, "-c", self.container, "--", "python3", "-c", self.LIST, folder
+        )
+        found: dict[str, int] = json.loads(out.stdout)
+        return found
 
 
 def _size(n: int) -> str:
@@ -397,6 +449,24 @@ def print_answer(answer: Answer) -> None:
         f"logprobs differ by at most {answer.max_logprob_difference:.1e})"
     )
 
+    pod = answer.pod
+    _section(f"the unit's pod as its kubelet reports it: {pod['metadata']['name']} on {pod['spec']['nodeName']}")
+    sidecars = {c["name"] for c in pod["spec"].get("initContainers", [])}
+    kubelet: list[tuple[str, ...]] = [("container", "kind", "container ID", "started at", "ready", "restarts")]
+    for status in containers(pod):
+        running = status.get("state", {}).get("running", {})
+        kubelet.append(
+            (
+                status["name"],
+                "sidecar" if status["name"] in sidecars else "main",
+                short_id(status.get("containerID", "")),
+                running.get("startedAt", "-"),
+                "yes" if status.get("ready") else "no",
+                str(status.get("restartCount", 0)),
+            )
+        )
+    _table(kubelet)
+
 
 def _table(rows: list[tuple[str, ...]]) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -404,32 +474,34 @@ def _table(rows: list[tuple[str, ...]]) -> None:
         print("  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
 
 
-def print_explore(answer: Answer, cluster: Any, namespace: str, root: Path) -> None:
+def print_explore(answer: Answer, cluster: Any, namespace: str) -> None:
     _section("keep exploring: everything keeps running")
     roles = {
         "encoder": "the EC producer (a sidecar): primes images into the EC store",
         "prefill": "EC consumer and KV producer",
         "decode": "KV consumer",
         "router": "vllm-router --vllm-pd-disaggregation: the unit's entry",
+        "proxy": "the EPD proxy, the unit's entry: primes every picture, then vllm-router (PD, on the loopback)",
     }
     for name, url in answer.engine_urls.items():
         print(f"  {name:<11}{url:<25}{roles.get(name.split('-')[0], '')}")
-    print(f"  {'aggregated':<11}{answer.reference_url:<25}the reference engine")
-    print(f"  logs       {root / 'logs'}/*.log, operator: {root / 'operator.log'}")
+    print(f"  {'aggregated':<11}{answer.reference_url:<25}the reference engine (pod of epd/{REFERENCE})")
+    pod = answer.pod["metadata"]["name"]
     print(
         f"  kubectl    export KUBECONFIG={cluster.kubeconfig} PATH={cluster.dir / 'bin'}:$PATH; "
         f"kubectl -n {namespace} get epd,pods -o wide"
     )
-    encoder, router = answer.engine_urls["encoder-0"], answer.engine_urls["router"]
+    print(f"  logs       kubectl -n {namespace} logs {pod} -c prefill-0")
+    print(f"  exec       kubectl -n {namespace} exec {pod} -c encoder-0 -- ls -R {answer.ec_store}")
+    print(f"  operator   kubectl -n {namespace} logs deploy/{OPERATOR_DEPLOYMENT}")
+    encoder = answer.engine_urls["encoder-0"]
+    entry = answer.engine_urls.get("proxy") or answer.engine_urls["router"]
+    print(f"  openai     OpenAI base URL: {answer.front_url}/v1 (the front Service: any OpenAI client gets EPD)")
     image = payloads.data_url(SECOND.png)
-    prime = {
-        "model": tiny_model.SERVED_NAME,
-        "max_tokens": 1,
-        "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "IMG"}}]}],
-    }
     ask = {
         "model": tiny_model.SERVED_NAME,
         "max_tokens": 8,
+        "temperature": 0,
         "messages": [
             {
                 "role": "user",
@@ -440,19 +512,29 @@ def print_explore(answer: Answer, cluster: Any, namespace: str, root: Path) -> N
             }
         ],
     }
-    print(f"\n  A second request with curl ({SECOND.title}): prime it on the encoder, then ask the router:\n")
+    print(f"\n  A second request ({SECOND.title}) with curl through the front Service (its proxy primes it):\n")
     print(f"    IMG={shlex.quote(image)}")
-    for url, body in ((encoder, prime), (router, ask)):
-        data = json.dumps(body).replace('"IMG"', "\"'$IMG'\"")
-        print(f"    curl -s -w '\\n' {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{data}'")
+    data = json.dumps(ask).replace('"IMG"', "\"'$IMG'\"")
+    print(
+        f"    curl -s -w '\\n' {answer.front_url}/v1/chat/completions -H 'Content-Type: application/json' -d '{data}'"
+    )
+    sdk = (
+        "import openai, sys; "
+        f"c = openai.OpenAI(base_url={json.dumps(answer.front_url + '/v1')}, api_key='none'); "
+        f"r = c.chat.completions.create(model={json.dumps(tiny_model.SERVED_NAME)}, max_tokens=8, temperature=0, "
+        'messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": sys.argv[1]}}, '
+        '{"type": "text", "text": "what is this?"}]}]); print(repr(r.choices[0].message.content))'
+    )
+    print("\n  The same with the official openai SDK (pip install openai):\n")
+    print(f'    {sys.executable} -c {shlex.quote(sdk)} "$IMG"')
     client = (
         "import epd_client as c, sys; "
-        f"ep = c.Endpoints.from_urls([{json.dumps(encoder)}], {json.dumps(router)}, "
+        f"ep = c.Endpoints.from_urls([{json.dumps(encoder)}], {json.dumps(entry)}, "
         f"served_model_name={json.dumps(tiny_model.SERVED_NAME)}); "
         'img = {"type": "image_url", "image_url": {"url": sys.argv[1]}}; '
         'r = c.generate_sync(ep, {"max_tokens": 8, "messages": [{"role": "user", "content": '
         '[img, {"type": "text", "text": "what is this?"}]}]}); print(r["choices"][0]["token_ids"])'
     )
-    print("\n  The same with epd_client (prime, render, generate):\n")
+    print("\n  With epd_client, as rollouts do (prime on the encoder, then render and generate):\n")
     print(f'    {sys.executable} -c {shlex.quote(client)} "$IMG"')
     print()

@@ -148,3 +148,18 @@ def wait_for(check: Callable[[], Any], timeout: float, what: str, context: Calla
 def get_json(cluster: Any, *args: str) -> Any:
     out = cluster.kubectl("get", *args, "-o", "json", check=False)
     return json.loads(out.stdout) if out.returncode == 0 else None
+
+
+def group_members(pgid: int) -> list[int]:
+    """Running processes of process group `pgid` (zombies left out)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry.name))
+    return members

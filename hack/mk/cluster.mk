@@ -8,7 +8,7 @@ CLUSTER_NODES ?= 4
 CLUSTER_REAL_NODES ?= 1
 CLUSTER_PY = $(PY)
 
-.PHONY: cluster cluster-up cluster-down cluster-status images images-status
+.PHONY: cluster cluster-up cluster-down cluster-status images images-vllm images-status test-node
 
 ## cluster: build etcd, kube-apiserver/-controller-manager/-scheduler, kubectl, kwok, helm once, and the real node's kubelet and kube-proxy (cached in $EPD_CACHE)
 cluster: venv
@@ -23,9 +23,17 @@ cluster-up: cluster
 images: vllm-envs cluster
 	$(CLUSTER_PY) -m epd_dev.images build --import-into $(CLUSTER_DIR)
 
+## images-vllm: build the images that need no Go build (base, vllm-cpu, vllm-router, epd-operator): make test builds them beside the control plane
+images-vllm: vllm-envs
+	$(CLUSTER_PY) -m epd_dev.images build base vllm-cpu vllm-router epd-operator
+
 ## images-status: each image's ref, content key and whether it is cached
 images-status: venv
 	$(CLUSTER_PY) -m epd_dev.images status
+
+## test-node: the operator's pods with real vLLM on the real node (tests/node: the demo's unit, faults, the janitor, Pools)
+test-node: images
+	$(CLUSTER_PY) -m pytest -q -m node tests/node
 
 ## cluster-down: stop the local control plane in .cluster/ (CLUSTER_DIR=)
 cluster-down: venv

@@ -13,7 +13,7 @@ vllm-envs: venv
 vllm-status: venv
 	$(PY) -m epd_dev.vllm.envs status
 
-## test-vllm: the tests that run real vLLM engines
+## test-vllm: the tests that need the vLLM venvs on this host (ECCPUConnector's transport between namespaced nodes)
 test-vllm: vllm-envs
 	$(PY) -m pytest -q -m vllm tests/vllm
 

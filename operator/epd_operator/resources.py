@@ -249,7 +249,11 @@ def _router_container(spec: api.EPDDeploymentSpec, command: RouterCommand, *, fr
         "env": [],
         "ports": [{"name": FRONT_PORT_NAME if front else command.container_name, "containerPort": command.port}],
         "resources": _resources(0, spec.router.resources, ROUTER_RESOURCES),
-        **_probes(command.port, spec.probes, startup=False),
+        # Behind the proxy it listens on the pod's loopback, where the kubelet's probes cannot
+        # reach it: the proxy's readiness asks it through the front port instead. In front,
+        # its startup window matters: it listens only once its consumers answer, and they load
+        # their model meanwhile.
+        **(_probes(command.port, spec.probes) if front else {}),
         **_lifecycle(spec),
         "securityContext": security_context(spec),
     }
@@ -368,12 +372,20 @@ def proxy_container(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPla
             {"name": "proxy-metrics", "containerPort": PROXY_METRICS_PORT},
         ],
         "resources": _resources(0, spec.proxy.resources, PROXY_RESOURCES),
-        # Alive is ready: the pod's readiness already needs the router's and every encoder's.
-        **_probes(PROXY_METRICS_PORT, spec.probes, startup=False),
+        **_proxy_probes(plan.proxy.port, spec.probes),
         **_lifecycle(spec),
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": security_context(spec),
     }
+
+
+def _proxy_probes(port: int, probes: api.Probes) -> dict[str, Any]:
+    """Alive is the proxy's own /health; ready is /health through the front port, answered by
+    what it forwards to (the router on the loopback, which no kubelet probe reaches, or the only
+    consumer): a client is sent to the unit only once a request can go all the way."""
+    alive = _probes(PROXY_METRICS_PORT, probes, startup=False)
+    through = _probes(port, probes, startup=False)
+    return {"readinessProbe": through["readinessProbe"], "livenessProbe": alive["livenessProbe"]}
 
 
 def pod_template(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPlan, operator_image: str) -> dict[str, Any]:

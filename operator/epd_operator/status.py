@@ -271,6 +271,33 @@ def _set(
     )
 
 
+def unit_readiness_events(
+    previous: Mapping[str, Any], status: Mapping[str, Any], fallen: frozenset[str]
+) -> tuple[list[tuple[bool, str, str]], frozenset[str]]:
+    """Events for the units that stopped being ready since `previous` (a warning each, with the
+    status's reason) and for those of `fallen` (units that stopped being ready before) ready again;
+    and the units fallen now. A unit's first readiness is no event: every unit starts unready; nor
+    is a unit going down while a rollout replaces it: the rollout's own Events tell that."""
+
+    def units(body: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+        return {u["name"]: u for m in body.get("models") or [] for u in m.get("units") or []}
+
+    rolling = any(
+        c.get("type") == "Progressing" and c.get("reason") == "RollingOut" for c in status.get("conditions") or []
+    )
+    before, now_ = units(previous), units(status)
+    events: list[tuple[bool, str, str]] = []
+    down = set(fallen) & set(now_)
+    for name, unit in now_.items():
+        if unit.get("ready") and name in down:
+            down.discard(name)
+            events.append((False, "UnitReady", f"unit {name} is ready again"))
+        elif not unit.get("ready") and before.get(name, {}).get("ready") and not rolling:
+            down.add(name)
+            events.append((True, "UnitUnready", f"unit {name}: {unit.get('reason')}: {unit.get('message')}"))
+    return events, frozenset(down)
+
+
 def _previous(status: dict[str, Any] | None) -> dict[str, api.Condition]:
     conditions = (status or {}).get("conditions") or []
     return {c["type"]: api.Condition.model_validate(c) for c in conditions if isinstance(c, dict) and "type" in c}

@@ -24,7 +24,7 @@ from .kube import KubeSession
 from .metrics import OperatorMetrics
 from .plans import Planned
 from .resources import digest
-from .status import compute_status, encoder_gates, invalid_status
+from .status import compute_status, encoder_gates, invalid_status, unit_readiness_events
 from .validation import SpecError
 
 KOPF_FIELD = "kopf"  # kopf's own bookkeeping in the status: not the operator's
@@ -58,6 +58,7 @@ class StatusWriter:
         self._create_failures: dict[tuple[Key, str], tuple[float, str | None]] = {}
         self._written: dict[Key, str] = {}  # hash of the status last written (or found right)
         self._refusals: dict[Key, tuple[str, str]] = {}  # (reason, message) of a refused child, until a write goes
+        self._fallen: dict[Key, frozenset[str]] = {}  # units that stopped being ready, until they are again
 
     def echoes(self, key: Key, status: Mapping[str, Any]) -> bool:
         """Whether `status` is exactly what this operator last wrote (or found right) for the key."""
@@ -77,6 +78,7 @@ class StatusWriter:
     def forget(self, key: Key) -> None:
         self._written.pop(key, None)
         self._refusals.pop(key, None)
+        self._fallen.pop(key, None)
         for entries in (self._lacking, self._create_failures):
             for ref in [ref for ref in entries if ref[0] == key]:
                 del entries[ref]
@@ -112,6 +114,9 @@ class StatusWriter:
         ):
             self._warn(body, "ECBudgetTooSmall", budget["message"])
         self._tell_the_rollout(body, previous, status)
+        events, self._fallen[key] = unit_readiness_events(previous, status, self._fallen.get(key, frozenset()))
+        for warning, reason, message in events:
+            (self._warn if warning else self._inform)(body, reason, message)
         await self._session.client.patch_status(namespace, name, status)
         return True
 

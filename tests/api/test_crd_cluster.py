@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from epd_operator.ec.quantity import MAX_BYTES
 from epd_operator.validation import SpecError, validate
 
 from .test_validation import all_layouts, spec_with
@@ -162,3 +163,20 @@ def test_the_api_server_refuses_a_drain_longer_than_the_grace_period(cluster, cr
     verdict = server_dry_run(cluster, namespace, [manifest("drain", spec)])["drain"]
     assert "the drain must end before the grace period does" in verdict
     assert python_verdict(spec) != []
+
+
+def test_the_api_server_takes_every_byte_bound_up_to_the_largest(cluster, crd, namespace):
+    """Each integer bound of the CRD is one the API server can compare with: a bound it reads as
+    something else than an int64 makes it refuse every object that sets the field at all."""
+    documents = []
+    for name, max_bytes in (("small", 1), ("largest", MAX_BYTES)):
+        spec = spec_with("encoder", "regular")
+        spec["ecStorage"] = {"maxBytes": max_bytes}
+        documents.append(manifest(name, spec))
+        assert not python_verdict(spec), name
+    too_large = spec_with("encoder", "regular")
+    too_large["ecStorage"] = {"maxBytes": MAX_BYTES + 1}
+    documents.append(manifest("too-large", too_large))
+    verdicts = server_dry_run(cluster, namespace, documents)
+    assert verdicts["small"] == verdicts["largest"] == ""
+    assert "should be less than or equal to" in verdicts["too-large"], verdicts["too-large"]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -31,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from epd_dev.images.build import import_into
+from epd_dev.images.build import Builder
 from epd_dev.localcluster import ClusterBusy, LocalCluster, binaries, node
 from epd_dev.localcluster.node import NodeError, RealNode
 from epd_dev.paths import REPO
@@ -39,6 +40,35 @@ from epd_dev.paths import REPO
 BUILD_HINT = "make cluster"
 # Why the session's cluster has no real node, when it has none (the `real_node` fixture says it).
 NO_REAL_NODE = pytest.StashKey[str]()
+# The node's images, imported while the tests that need none of them run.
+IMPORT = pytest.StashKey["BackgroundImport"]()
+
+
+class BackgroundImport(threading.Thread):
+    """Imports the cached images into the real node's containerd (about 3 min for vLLM's 6 GB
+    the first time): the session's first tests need none of them, so they run meanwhile, and the
+    node tests wait for it (`wait`)."""
+
+    def __init__(self, real: RealNode) -> None:
+        super().__init__(name="node-images", daemon=True)
+        self.real = real
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            Builder().import_cached(self.real)
+        except BaseException as exc:  # noqa: BLE001 - handed to the node tests, which fail with it
+            self.error = exc
+
+    def wait(self) -> None:
+        self.join()
+        if self.error is not None:
+            raise self.error
+
+
+def _import_pause(real: RealNode) -> None:
+    """Only the pause image before the kubelet starts: no pod sandbox starts without it."""
+    Builder().import_cached(real, ("pause",))
 
 
 def require_binaries() -> None:
@@ -61,7 +91,7 @@ def _start_cluster() -> tuple[LocalCluster, str]:
     )
     real = 0 if os.environ.get("EPD_TEST_REAL_NODES") == "0" else 1
     for folder in candidates:
-        local = LocalCluster(folder, nodes=4, die_with_parent=True, real_nodes=real, on_node_runtime=import_into)
+        local = LocalCluster(folder, nodes=4, die_with_parent=True, real_nodes=real, on_node_runtime=_import_pause)
         try:
             return local.start(), "" if real else "EPD_TEST_REAL_NODES=0 turned it off"
         except ClusterBusy:
@@ -77,6 +107,9 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
     before = node.host_footprint()
     local, no_real_node = _start_cluster()
     request.config.stash[NO_REAL_NODE] = no_real_node
+    if local.real_nodes:
+        request.config.stash[IMPORT] = BackgroundImport(local.real_node())
+        request.config.stash[IMPORT].start()
     try:
         yield local
     finally:
@@ -96,6 +129,12 @@ def real_node(cluster: LocalCluster, request: pytest.FixtureRequest) -> RealNode
             pytrace=False,
         )
     return cluster.real_node()
+
+
+@pytest.fixture(scope="session")
+def node_images_imported(real_node: RealNode, request: pytest.FixtureRequest) -> None:
+    """The background import of the session's start, finished."""
+    request.config.stash[IMPORT].wait()
 
 
 @pytest.fixture(scope="session")

@@ -65,8 +65,10 @@ def test_pinned_versions() -> None:
 def test_server_version_and_nodes(cluster: LocalCluster, kubectl) -> None:
     version = json.loads(kubectl("version", "-o", "json").stdout)
     assert version["serverVersion"]["gitVersion"] == K8S_VERSION
-    nodes = get(kubectl, "nodes")["items"]
-    assert sorted(n["metadata"]["name"] for n in nodes) == cluster.node_names
+    everything = get(kubectl, "nodes")["items"]
+    # kwok's GPU nodes, and the real node when the session has it (tests/node checks that one).
+    assert sorted(n["metadata"]["name"] for n in everything) == sorted([*cluster.node_names, *cluster.real_node_names])
+    nodes = [n for n in everything if n["metadata"]["name"] in cluster.node_names]
     for node in nodes:
         assert node["status"]["allocatable"]["nvidia.com/gpu"] == "8"
         assert node["metadata"]["annotations"]["kwok.x-k8s.io/node"] == "fake"
@@ -321,7 +323,7 @@ def test_second_cluster_beside_the_first_and_cli_lifecycle(cluster, tmp_path: Pa
         assert cli("status").returncode == 0
         second = LocalCluster(tmp_path, nodes=1)
         assert second.kubectl("get", "nodes", "-o", "name").stdout.split() == ["node/kwok-node-0"]
-        assert cluster.kubectl("get", "nodes", "-o", "name").stdout.count("node/") == 4
+        assert cluster.kubectl("get", "nodes", "-o", "name").stdout.count("node/") == 4 + cluster.real_nodes
 
         # The launcher process is gone; a new `up` finds and kills what it left running.
         again = cli("up", "--nodes", "1", "--recreate")

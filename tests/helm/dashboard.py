@@ -1,7 +1,7 @@
 """The chart's Grafana dashboard and PodMonitor, checked against what really exists.
 
 Every panel's PromQL must name only metrics that something in an EPD deployment exports: the
-real vLLM engine (its names recorded from a real engine by tests/janitor/test_janitor_vllm.py
+real vLLM engine (its names recorded from a real engine by tests/node/test_janitor.py
 into ENGINE_METRICS), the EC janitor, the EPD proxy or the operator (read from their registries).
 """
 

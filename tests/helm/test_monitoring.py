@@ -62,7 +62,7 @@ def test_every_dashboard_query_names_only_metrics_that_are_exported(rendered):
     engine = read_metric_names(ENGINE_METRICS)
     assert engine, (
         f"{ENGINE_METRICS} is empty: record a real engine's metrics with "
-        "UPDATE_GOLDEN=1 pytest -m vllm tests/janitor/test_janitor_vllm.py"
+        "UPDATE_GOLDEN=1 pytest -m node tests/node/test_janitor.py"
     )
     exported = engine | janitor_metric_names() | proxy_metric_names() | operator_metric_names()
     used: dict[str, str] = {}

@@ -10,28 +10,31 @@ import json
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from epd_dev import demo_serving, operator_chart
 from epd_dev.images.build import Builder
+from epd_dev.localcluster import node
 from epd_dev.operator_process import OperatorProcess, wait_for
 from epd_dev.vllm import real_node as on_node
 from epd_dev.vllm import tiny_model
-from tests.helm.chart import CHART, helm
 
 IMAGES = ("pause", "vllm-cpu", "vllm-router", "epd-operator")
 
 
 @pytest.fixture(scope="session")
-def node_images(real_node) -> None:
-    """The local images, in the node's containerd (built by `make images`)."""
+def node_images(real_node, node_images_imported) -> None:
+    """The local images, in the node's containerd (built by `make images`; imported since the
+    session started)."""
     builder = Builder()
     missing = [name for name in IMAGES if builder.cached(name) is None]
     if missing:
         pytest.fail(f"images not built: {', '.join(missing)}. Build them with:\n\n    make images\n", pytrace=False)
-    builder.import_cached(real_node)
+    builder.import_cached(real_node)  # nothing left to do, unless one was built meanwhile
 
 
 @pytest.fixture(scope="session")
@@ -52,28 +55,12 @@ def helm_operator(cluster, node_images, node_namespace) -> Iterator[dict[str, An
     paused = OperatorProcess.running(cluster.kubeconfig)
     for operator in paused:
         operator.stop()
-    values = {
-        "image.repository": "localhost/epd-operator",
-        "image.tag": "dev",
-        "image.pullPolicy": "Never",
-        "watchNamespaces": [node_namespace],
-        "nodeSelector": on_node.NODE_SELECTOR,
-        "tolerations": on_node.TOLERATIONS,
-        "janitorScrape.interval": 5,
-        # No cluster DNS on the local cluster: kopf's in-cluster login names the API server so.
-        "hostAliases": [{"ip": "10.96.0.1", "hostnames": ["kubernetes.default.svc"]}],
-    }
-    flags = [arg for key, value in values.items() for arg in ("--set-json", f"{key}={json.dumps(value)}")]
-    helm("install", "epd", str(CHART), "-n", node_namespace, *flags, "--wait", "--timeout", "180s", env=cluster.env())
-    (pod,) = json.loads(
-        cluster.kubectl(
-            "get", "pods", "-n", node_namespace, "-l", "app.kubernetes.io/name=epd-operator", "-o", "json"
-        ).stdout
-    )["items"]
     try:
-        yield pod
+        yield operator_chart.install(
+            cluster, node_namespace, operator_chart.values([node_namespace], **{"janitorScrape.interval": 5})
+        )
     finally:
-        helm("uninstall", "epd", "-n", node_namespace, "--wait", env=cluster.env(), check=False)
+        operator_chart.uninstall(cluster, node_namespace)
         for operator in paused:
             operator.start()
 
@@ -97,6 +84,12 @@ def tiny_model_claim(cluster, node_namespace) -> Iterator[str]:
     cluster.kubectl("delete", "pv", name, "--wait=false", check=False)
 
 
+def host_shm(pod: dict[str, Any]) -> Path:
+    """Where the kubelet keeps `pod`'s /dev/shm (its memory emptyDir `dshm`) on the host: the
+    tests run as root on the node and read the engines' stores there."""
+    return node.KUBELET_ROOT / "pods" / pod["metadata"]["uid"] / "volumes" / "kubernetes.io~empty-dir" / "dshm"
+
+
 def get(cluster, *args: str) -> Any:
     return json.loads(cluster.kubectl("get", *args, "-o", "json").stdout)
 
@@ -113,3 +106,21 @@ def wait_ready(cluster, namespace: str, name: str, timeout: float = 900) -> dict
             pods = cluster.kubectl("get", "pods", "-n", namespace, "-o", "wide", check=False).stdout
             raise AssertionError(f"epd/{name} not Ready after {timeout:.0f}s:\n{json.dumps(epd.get('status'))}\n{pods}")
         time.sleep(2)
+
+
+@pytest.fixture(scope="session")
+def reference_applied(cluster, helm_operator, node_namespace, tiny_model_claim, tmp_path_factory) -> Iterator[str]:
+    """The aggregated reference (one engine of the tiny model, no EC config), the demo's
+    EPDDeployment `tiny-aggregated`, applied once for the session; its name. A module asks for
+    this before applying its unit, and for `reference` once the unit is Ready: both load at once."""
+    demo_serving.apply(
+        cluster, tmp_path_factory.mktemp("reference"), node_namespace, tiny_model_claim, names=(demo_serving.REFERENCE,)
+    )
+    yield demo_serving.REFERENCE
+    cluster.kubectl("delete", "epd", demo_serving.REFERENCE, "-n", node_namespace, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="session")
+def reference(cluster, node_namespace, reference_applied) -> dict[str, Any]:
+    """The reference's status, once Ready."""
+    return dict(wait_ready(cluster, node_namespace, reference_applied)["status"])

@@ -5,7 +5,7 @@ from pathlib import Path
 import yaml
 
 from epd_operator.render import render
-from epd_operator.resources import child_name, desired_children, is_headless
+from epd_operator.resources import PROXY_METRICS_PORT, child_name, desired_children, is_headless
 from epd_operator.validation import validate
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
@@ -52,6 +52,17 @@ def test_encoders_are_sidecars_started_before_consumers():
     startup = pod["initContainers"][0]["startupProbe"]
     # Default 1800 s of model loading at a 10 s period.
     assert startup["failureThreshold"] * startup["periodSeconds"] == 1800
+
+
+def test_the_router_gets_the_consumers_loading_time_before_its_liveness_probe_counts():
+    """vllm-router refuses connections until its workers answer: without a startupProbe the
+    kubelet killed it while the consumers loaded (seen on the real node)."""
+    pod = children_of("encoder-prefill-decode.yaml")[0]["spec"]["template"]["spec"]
+    (router,) = [c for c in pod["containers"] if c["name"] == "router"]
+    (prefill,) = [c for c in pod["containers"] if c["name"] == "prefill-0"]
+    assert router["startupProbe"]["httpGet"] == {"path": "/health", "port": router["ports"][0]["containerPort"]}
+    window = router["startupProbe"]["failureThreshold"] * router["startupProbe"]["periodSeconds"]
+    assert window == prefill["startupProbe"]["failureThreshold"] * prefill["startupProbe"]["periodSeconds"] == 1800
 
 
 def test_every_engine_shares_one_memory_backed_shm_and_gets_its_gpus():
@@ -293,12 +304,29 @@ def containers(pod: dict) -> list[dict]:
 def test_liveness_is_laxer_than_readiness_on_every_probed_container():
     for container in containers(unit_pod()):
         if "readinessProbe" not in container:
-            continue  # the janitor: no HTTP server of vLLM's
+            continue  # the janitor, the router on the loopback
         ready, live = container["readinessProbe"], container["livenessProbe"]
-        assert ready["httpGet"] == live["httpGet"] and ready["httpGet"] is not live["httpGet"]
+        if container["name"] != "proxy":  # its readiness goes through the front port (below)
+            assert ready["httpGet"] == live["httpGet"] and ready["httpGet"] is not live["httpGet"]
         patience = live["failureThreshold"] * live["periodSeconds"] + live["timeoutSeconds"]
         assert patience > ready["failureThreshold"] * ready["periodSeconds"] + ready["timeoutSeconds"]
         assert live["timeoutSeconds"] > ready["timeoutSeconds"], container["name"]
+
+
+def test_behind_the_proxy_the_router_has_no_probe_and_the_proxys_readiness_goes_through_it():
+    pod = unit_pod()
+    router = next(c for c in pod["containers"] if c["name"] == "router")
+    proxy = next(c for c in pod["containers"] if c["name"] == "proxy")
+    # The router listens on 127.0.0.1: a kubelet probe (sent to the pod IP) would never pass.
+    assert "--host" in router["args"] and router["args"][router["args"].index("--host") + 1] == "127.0.0.1"
+    assert not {"startupProbe", "readinessProbe", "livenessProbe"} & router.keys()
+    front = next(p["containerPort"] for p in proxy["ports"] if p["name"] == "http")
+    assert proxy["readinessProbe"]["httpGet"] == {"path": "/health", "port": front}
+    assert proxy["livenessProbe"]["httpGet"] == {"path": "/health", "port": PROXY_METRICS_PORT}
+    # Without the proxy the router is the front, probed with a startup window.
+    router = next(c for c in unit_pod(proxy={"enabled": False})["containers"] if c["name"] == "router")
+    assert router["args"][router["args"].index("--host") + 1] == "0.0.0.0"
+    assert {"startupProbe", "readinessProbe", "livenessProbe"} <= router.keys()
 
 
 def test_every_container_drains_before_sigterm_within_the_grace_period():

@@ -6,7 +6,7 @@ import yaml
 
 from epd_operator.indexes import StatefulSetSummary
 from epd_operator.render import render
-from epd_operator.status import compute_status, encoder_gates
+from epd_operator.status import compute_status, encoder_gates, unit_readiness_events
 from epd_operator.validation import validate
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
@@ -504,3 +504,42 @@ def test_a_unit_whose_proxy_is_not_ready_is_not_ready_and_says_so():
     (entry,) = status["models"][0]["units"]
     assert (entry["ready"], entry["reason"], entry["message"]) == (False, "EngineUnready", "proxy not ready")
     assert entry["entryUrl"] == "http://10.0.0.5:8000" and "routerUrl" not in entry
+
+
+def _units(**ready: bool) -> dict:
+    units = [
+        {
+            "name": n,
+            "ready": r,
+            "reason": None if r else "EngineUnready",
+            "message": None if r else "regular-0 not ready",
+        }
+        for n, r in ready.items()
+    ]
+    return {"models": [{"name": "default", "units": units}]}
+
+
+def test_a_unit_that_stops_being_ready_is_a_warning_and_ready_again_a_normal_event():
+    # Its first readiness is no event: every unit starts unready.
+    events, fallen = unit_readiness_events(_units(u0=False), _units(u0=True), frozenset())
+    assert (events, fallen) == ([], frozenset())
+    events, fallen = unit_readiness_events(_units(u0=True, u1=True), _units(u0=False, u1=True), fallen)
+    assert events == [(True, "UnitUnready", "unit u0: EngineUnready: regular-0 not ready")]
+    assert fallen == {"u0"}
+    # Still down (restarting, then starting): nothing more to say.
+    events, fallen = unit_readiness_events(_units(u0=False, u1=True), _units(u0=False, u1=True), fallen)
+    assert (events, fallen) == ([], {"u0"})
+    events, fallen = unit_readiness_events(_units(u0=False, u1=True), _units(u0=True, u1=True), fallen)
+    assert (events, fallen) == ([(False, "UnitReady", "unit u0 is ready again")], frozenset())
+
+
+def test_a_fallen_unit_scaled_away_is_forgotten():
+    _, fallen = unit_readiness_events(_units(u0=True, u1=True), _units(u0=True, u1=False), frozenset())
+    events, fallen = unit_readiness_events(_units(u0=True, u1=False), _units(u0=True), fallen)
+    assert (events, fallen) == ([], frozenset())
+
+
+def test_a_unit_a_rollout_takes_down_is_the_rollouts_story_not_an_event():
+    rolling = {**_units(u0=False), "conditions": [{"type": "Progressing", "status": "True", "reason": "RollingOut"}]}
+    events, fallen = unit_readiness_events(_units(u0=True), rolling, frozenset())
+    assert (events, fallen) == ([], frozenset())

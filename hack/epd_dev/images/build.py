@@ -191,6 +191,19 @@ class Builder:
 
     def _build_vllm_cpu(self, ref: str) -> None:
         container = self._venv_image("/opt/vllm", _env_path("serve"), "vllm")
+        packages = " ".join(recipes.VLLM_CPU_PACKAGES)
+        self.buildah.long(
+            f"installing {packages} (apt-get)",
+            "run",
+            "--isolation",
+            "chroot",
+            container,
+            "--",
+            "sh",
+            "-c",
+            f"apt-get update -q && apt-get install -y -q --no-install-recommends {packages} "
+            "&& rm -rf /var/lib/apt/lists/* /var/cache/apt/archives/*.deb",
+        )
         root = Path(self.buildah("mount", container))
         site = root / "opt/vllm/lib/python3.11/site-packages"
         alias = site / recipes.VLLM_ALIAS_DIST_INFO

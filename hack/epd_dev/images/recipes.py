@@ -27,6 +27,11 @@ DEBIAN_SUITE = "bookworm"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
 # minbase has no Python; python-is-python3 gives the `python` the Dockerfile's RUN calls.
 BASE_PACKAGES = ("python3", "python3-venv", "python-is-python3", "ca-certificates", "libnuma1", "procps")
+# What vLLM's own CPU image has besides Python: torch's inductor compiles kernels at run time even
+# in eager mode (the sampler's logprobs are a torch.compile'd function), as C++ against Python's
+# headers; without them an engine dies at its first request with logprobs ("InvalidCxxCompiler",
+# then "Python.h: No such file or directory").
+VLLM_CPU_PACKAGES = ("g++", "python3-dev")
 PAUSE_VERSION = "3.10.2"  # build/pause/Makefile's TAG in kubernetes v1.36.3
 # Bump one to rebuild that image after a change in how it is built that its inputs do not show.
 RECIPES = {"pause": "1", "base": "1", "vllm-cpu": "1", "vllm-router": "1", "epd-operator": "1"}
@@ -103,7 +108,9 @@ def base_key() -> str:
 
 
 def vllm_cpu_key(base: str, serve_venv: str) -> str:
-    return digest(["vllm-cpu", RECIPES["vllm-cpu"], base, serve_venv, json.dumps(VLLM_CPU_ENV), VLLM_SCRIPT])
+    return digest(
+        ["vllm-cpu", RECIPES["vllm-cpu"], base, serve_venv, json.dumps(VLLM_CPU_ENV), VLLM_SCRIPT, *VLLM_CPU_PACKAGES]
+    )
 
 
 def router_key(base: str, router_venv: str) -> str:

@@ -43,6 +43,9 @@ LABEL = ("epd.vime.dev/node", "real")
 # Only pods that ask for the real node go there: every other test's pods stay on kwok's nodes
 # (the real kubelet would try to pull their images).
 TAINT = {"key": LABEL[0], "value": LABEL[1], "effect": "NoSchedule"}
+# What a pod sets to run there.
+NODE_SELECTOR = {LABEL[0]: LABEL[1]}
+TOLERATIONS = [{"key": TAINT["key"], "operator": "Equal", "value": TAINT["value"], "effect": "NoSchedule"}]
 GPUS = 8  # nvidia.com/gpu capacity, patched into the node status (CPU engines ignore it)
 
 BRIDGE = "epdbr0"

@@ -20,8 +20,12 @@ from .serving import in_process_workers, tiny_manifest
 
 MODEL_MOUNT = "/models/tiny-llava"
 STORAGE_CLASS = "epd-local"
-NODE_SELECTOR = {node.LABEL[0]: node.LABEL[1]}
-TOLERATIONS = [{"key": node.TAINT["key"], "operator": "Equal", "value": node.TAINT["value"], "effect": "NoSchedule"}]
+# What a user sets for an engine of a 1.3 MB model (the operator's defaults, 1 CPU and 4Gi an
+# engine, are sized for real models): the 24 GiB node then schedules a unit and the reference
+# together. Requests only: a limit would cap the engine's real use, about 2 GB while loading.
+ENGINE_REQUESTS = {"cpu": "100m", "memory": "512Mi"}
+ROUTER_REQUESTS = {"cpu": "50m", "memory": "64Mi"}
+SHM = "256Mi"
 
 
 def model_volume(name: str, model_dir: Path) -> list[dict[str, Any]]:
@@ -65,18 +69,20 @@ def model_volume(name: str, model_dir: Path) -> list[dict[str, Any]]:
 
 
 def node_manifest(
-    name: str, claim: str, groups: list[dict[str, Any]], *, shm: str = "1Gi", **spec: Any
+    name: str, claim: str, groups: list[dict[str, Any]], *, shm: str = SHM, **spec: Any
 ) -> dict[str, Any]:
     """`tiny_manifest` for the real node: the local vLLM and router images, the model from the
     claim `claim` mounted read-only at MODEL_MOUNT, pinned to epd-real-0 (its nodeSelector and
-    taint), engines in-process (one process less each: this machine has 2 cores), probes every
-    2 s so the tests see changes soon. `spec` adds or replaces top-level spec fields."""
+    taint), small requests (ENGINE_REQUESTS) and /dev/shm (`shm`), engines in-process (one
+    process less each: this machine has 2 cores), probes every 2 s so the tests see changes
+    soon. `spec` adds or replaces top-level spec fields."""
+    groups = [{"resources": {"requests": dict(ENGINE_REQUESTS)}, **group} for group in groups]
     manifest = in_process_workers(tiny_manifest(name, Path(MODEL_MOUNT), groups, port_base=8000))
     body = manifest["spec"]
     body["image"] = recipes.VLLM_CPU_REF
-    body["router"] = {"image": recipes.ROUTER_REF}
-    body["nodeSelector"] = dict(NODE_SELECTOR)
-    body["tolerations"] = copy.deepcopy(TOLERATIONS)
+    body["router"] = {"image": recipes.ROUTER_REF, "resources": {"requests": dict(ROUTER_REQUESTS)}}
+    body["nodeSelector"] = dict(node.NODE_SELECTOR)
+    body["tolerations"] = copy.deepcopy(node.TOLERATIONS)
     body["volumes"] = [{"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}]
     body["volumeMounts"] = [{"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}]
     body["shm"] = {"sizeLimit": shm}

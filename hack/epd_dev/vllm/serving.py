@@ -1,5 +1,5 @@
-"""EPDDeployments of the tiny model that real vLLM serves on this CPU, and the addresses of a unit
-run here: what the vLLM tests and `make demo` share.
+"""EPDDeployments of the tiny model that real vLLM serves on this CPU: what the node tests and
+`make demo` share (real_node.py puts them on the real node).
 
 What serving on CPU needs (docs/testing.md, "Serving vLLM on CPU") is set the way a user would
 set it, through each server group's `overrides`; the rendered commands are otherwise the
@@ -9,15 +9,10 @@ operator's.
 from __future__ import annotations
 
 import copy
-import dataclasses
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from epd_client import Endpoints, ModelEndpoints
-
 from . import tiny_model
-from .unit_runner import UnitRunner, free_port_range
 
 # Every engine gets these; encoders run eager already (a role default), consumers need it too
 # (no CUDA graphs on CPU).
@@ -29,14 +24,15 @@ MODEL = "default"
 
 
 def tiny_manifest(
-    name: str, model_dir: Path, groups: list[dict[str, Any]], *, port_base: int | None = None, **spec: Any
+    name: str, model_dir: Path, groups: list[dict[str, Any]], *, port_base: int = 8000, **spec: Any
 ) -> dict[str, Any]:
     """An EPDDeployment serving the tiny model with `groups` (serverGroups, camelCase), the CPU
     overrides merged under each group's own.
 
-    Ports are one block from `port_base` (default: a block nothing here listens on): the
-    front port, then per engine an HTTP port, a NIXL side-channel port and (a Pools model's
-    encoders) an ECCPUConnector side-channel port, then the router's behind the EPD proxy. `spec` adds top-level spec fields
+    Ports are one block from `port_base` (each pod has a network of its own): the front port
+    (the EPD proxy's), then per engine an HTTP port, a NIXL side-channel port and (a Pools
+    model's encoders) an ECCPUConnector side-channel port, then the router's on the pod's
+    loopback behind the proxy. `spec` adds top-level spec fields
     (kvConnector, ...).
     """
     groups = copy.deepcopy(groups)
@@ -44,7 +40,7 @@ def tiny_manifest(
         eager = EAGER if group["workerType"] != "encoder" else {}
         group["overrides"] = {**CPU_OVERRIDES, **eager, **group.get("overrides", {})}
     count = sum(g["numGpus"] // g.get("numGpusPerEngine", 1) for g in groups)
-    base = free_port_range(2 + 3 * count) if port_base is None else port_base
+    base = port_base
     return {
         "apiVersion": "epd.vime.dev/v1alpha1",
         "kind": "EPDDeployment",
@@ -66,9 +62,6 @@ def tiny_manifest(
                     "serverGroups": groups,
                 }
             ],
-            # The unit runner starts vLLM and vllm-router only: the tests that want the EPD
-            # proxy run it in front of the unit themselves (tests/vllm/test_epd_unit.py).
-            "proxy": {"enabled": False},
             **spec,
         },
     }
@@ -88,12 +81,6 @@ def in_process_workers(manifest: dict[str, Any]) -> dict[str, Any]:
             group["overrides"] = {**group.get("overrides", {}), "distributed_executor_backend": "uni"}
     spec["env"] = [*spec.get("env", []), {"name": "VLLM_ENABLE_V1_MULTIPROCESSING", "value": "0"}]
     return manifest
-
-
-def aggregated_manifest(model_dir: Path, *, port_base: int | None = None) -> dict[str, Any]:
-    """The reference: one engine serving the whole model, without any EC config (what the
-    operator renders for a text-only model)."""
-    return tiny_manifest("tiny-aggregated", model_dir, [{"workerType": "regular", "numGpus": 1}], port_base=port_base)
 
 
 def prefill_decode_groups(kv_store: Path) -> list[dict[str, Any]]:
@@ -119,18 +106,3 @@ def prefill_decode_groups(kv_store: Path) -> list[dict[str, Any]]:
         {"workerType": "prefill", "numGpus": 1, "overrides": kv},
         {"workerType": "decode", "numGpus": 1, "overrides": kv},
     ]
-
-
-def localized(status: Mapping[str, Any], runner: UnitRunner, model: str = MODEL) -> Endpoints:
-    """`model`'s endpoints from an EPDDeployment status, its one unit run here by `runner`:
-    the status's URLs carry the pod IP, reachable here as 127.0.0.1 (the ports are the pod's)."""
-    found = Endpoints.from_status(status).model(model)
-    (unit,) = found.units
-    local = dataclasses.replace(
-        unit,
-        encoder_urls=tuple(map(runner.local_url, unit.encoder_urls)),
-        consumer_urls=tuple(map(runner.local_url, unit.consumer_urls)),
-        router_url=runner.local_url(unit.router_url) if unit.router_url else None,
-        engines=tuple(dataclasses.replace(e, url=runner.local_url(e.url) if e.url else None) for e in unit.engines),
-    )
-    return Endpoints((ModelEndpoints(found.name, (local,), found.served_model_name),))

@@ -13,8 +13,11 @@ from decimal import Decimal
 BYTE_QUANTITY = r"^\+?([0-9]{1,19}(\.[0-9]{0,19})?|\.[0-9]{1,19})([eE][+]?[0-9]{1,2}|Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
 # Kubernetes' own quantity grammar (resource.Quantity), exponent bounded likewise.
 QUANTITY = r"^[+-]?([0-9]{1,19}(\.[0-9]{0,19})?|\.[0-9]{1,19})([KMGTPE]i|[numkMGTPE]|[eE][+-]?[0-9]{1,2})?$"
-# Kubernetes keeps quantities in an int64: no emptyDir or budget can be larger.
-MAX_BYTES = 2**63 - 1
+# Kubernetes keeps quantities in an int64: no emptyDir or budget can be larger. The bound is 2**62,
+# not 2**63 - 1: the API server reads a CRD's `maximum` as a float64, where 2**63 - 1 becomes 2**63,
+# no longer an int64, and then refuses every object that sets the field ("Maximum boundary value
+# must be of type integer").
+MAX_BYTES = 2**62
 _PATTERN = re.compile(BYTE_QUANTITY)
 
 _SUFFIXES = {

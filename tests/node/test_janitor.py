@@ -1,44 +1,39 @@
-"""The janitor against a real vLLM EPD unit: a small budget while a real encoder primes images,
-and the consumer's silent fallback encodes counted.
+"""The janitor in the operator's unit pod on the real node: a small budget while a real encoder
+primes images, and the consumer's silent fallback encodes counted, by the operator too.
 
-The unit is the operator's pod for the tiny model (one encoder, one regular engine) run by
-tests/vllm/unit_runner.py; its janitor container, which the runner leaves out, is run here as
-rendered (its real `epd-operator janitor` command), only on a free metrics port. The budget is
-a few embeddings, so evictions start as soon as entries leave the grace period. The same unit's
-engines also give the list of metrics a real vLLM engine exports (the chart's dashboard is
-checked against it).
+The unit is the operator's pod for the tiny model (one encoder, one regular engine) with a budget
+of a few embeddings, so evictions start as soon as entries leave the grace period. Its janitor is
+the pod's own container (`epd-operator janitor`, the operator's image); the tests read its metrics
+at the pod IP, its log with `kubectl logs`, and the store where the kubelet keeps the pod's
+/dev/shm on the host. The same unit's engines also give the list of metrics a real vLLM engine
+exports (the chart's dashboard is checked against it).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
-import socket
 import struct
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
-import uuid
 from pathlib import Path
 
-import aiohttp
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from epd_dev.demo_serving import post
+from epd_dev.operator_process import wait_for
 from epd_dev.vllm import payloads, tiny_model
-from epd_dev.vllm.serving import tiny_manifest
-from epd_dev.vllm.unit_runner import UnitRunner
+from epd_dev.vllm.real_node import node_manifest
 from epd_operator.ec.janitor import EMBEDDING_FILE, GRACE_SECONDS
-from epd_operator.ec.scrape import JanitorScraper
-from epd_operator.indexes import DeploymentSummary, Indexes, PodSummary, StatefulSetSummary
 from tests.helm.dashboard import ENGINE_METRICS, read_metric_names
-from tests.vllm.conftest import start_unit
+from tests.node.conftest import get, host_shm, wait_ready
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.node, pytest.mark.cluster, pytest.mark.vllm]
 
+NAME = "tiny-janitor"
 # One embedding of the tiny model: 16 tokens x 128 x bf16 = 4 KiB of data plus a header, two
 # pages of tmpfs. The budget holds a few of them.
 ENTRY_BYTES = 8192
@@ -48,58 +43,53 @@ IMAGES = 30
 SETTLED_AFTER = GRACE_SECONDS + 4.0
 
 
+class Unit:
+    """The module's unit: its status, pod and the paths and URLs the tests use."""
+
+    def __init__(self, cluster, namespace: str, status: dict) -> None:
+        self.cluster, self.namespace, self.status = cluster, namespace, status
+        (unit,) = status["models"][0]["units"]
+        self.name = unit["pod"]
+        self.pod = get(cluster, "pod", self.name, "-n", namespace)
+        (self.encoder,) = unit["encoderUrls"]
+        (self.consumer,) = unit["consumerUrls"]
+        self.store = host_shm(self.pod) / Path(status["models"][0]["ecStoragePath"]).relative_to("/dev/shm")
+        self.janitor = f"http://{self.pod['status']['podIP']}:9400"
+
+    def logs(self, container: str) -> str:
+        return self.cluster.kubectl("logs", "-n", self.namespace, self.name, "-c", container).stdout
+
+
 @pytest.fixture(scope="module")
-def unit(tiny_model_dir, tmp_path_factory):
-    manifest = tiny_manifest(
-        "janitor",
-        tiny_model_dir,
+def unit(cluster, helm_operator, node_namespace, tiny_model_claim):
+    manifest = node_manifest(
+        NAME,
+        tiny_model_claim,
         [{"workerType": "encoder", "numGpus": 1}, {"workerType": "regular", "numGpus": 1}],
         ecStorage={"maxBytes": BUDGET},
     )
-    runner = UnitRunner.from_manifest(manifest, tmp_path_factory.mktemp("janitor-unit"), uid=str(uuid.uuid4()))
-    with start_unit(runner, "encoder + regular (janitor)"):
-        yield runner
+    cluster.kubectl("apply", "-n", node_namespace, "-f", "-", input=yaml.safe_dump(manifest))
+    yield Unit(cluster, node_namespace, wait_ready(cluster, node_namespace, NAME)["status"])
+    cluster.kubectl("delete", "epd", NAME, "-n", node_namespace, "--wait=false", check=False)
 
 
-@pytest.fixture
-def janitor(unit, tmp_path):
-    """The unit's janitor container, run as rendered but for its metrics port."""
-    (container,) = [c for c in unit.pod["spec"]["containers"] if c["name"] == "janitor"]
-    args = list(container["args"])
-    port = _free_port()
-    args[args.index("--metrics-port") + 1] = str(port)
-    cli = Path(sys.executable).with_name(container["command"][0])
-    log = tmp_path / "janitor.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([str(cli), *container["command"][1:], *args], stdout=out, stderr=subprocess.STDOUT)
-    try:
-        yield port, log
-    finally:
-        proc.terminate()
-        assert proc.wait(timeout=10) == 0
-
-
-def test_a_small_budget_holds_while_a_real_encoder_primes_and_the_consumer_keeps_answering(unit, janitor, vllm_timings):
-    port, log = janitor
-    store = Path(unit.ec_storage_path)
-    encoder, consumer = unit.sidecars[0], unit.consumers[0]
+def test_a_small_budget_holds_while_a_real_encoder_primes_and_the_consumer_keeps_answering(unit):
+    store, encoder, consumer = unit.store, unit.encoder, unit.consumer
     watcher = StoreWatcher(store)
     watcher.start()
-    started = time.monotonic()
     try:
         for i in range(IMAGES):
             part = payloads.image_part((i * 8 % 256, 255 - i * 8 % 256, 100))
             prime(encoder, part)
-            rendered = consumer.post("/v1/chat/completions/render", payloads.greedy(payloads.messages(part)))
-            tokens, _ = payloads.output(consumer.post("/inference/v1/generate", rendered))
+            rendered = post(consumer, "/v1/chat/completions/render", payloads.greedy(payloads.messages(part)))
+            tokens, _ = payloads.output(post(consumer, "/inference/v1/generate", rendered))
             assert len(tokens) == 6  # the consumer keeps answering
             # The janitor never touches a fresh entry: what was just primed is there to read.
             (mm_hash,) = payloads.image_hashes(rendered)
             assert (store / mm_hash / EMBEDDING_FILE).stat().st_blocks * 512 == ENTRY_BYTES
-        vllm_timings[f"janitor: prime, render, generate x{IMAGES}"] = time.monotonic() - started
         # Until every entry has been judged, then the store is within its budget.
         time.sleep(SETTLED_AFTER)
-        metrics = scrape(port)
+        metrics = scrape(unit.janitor)
     finally:
         watcher.stop()
 
@@ -115,10 +105,10 @@ def test_a_small_budget_holds_while_a_real_encoder_primes_and_the_consumer_keeps
     # A consumer's cache miss (an image never primed): vLLM 0.32 encodes it itself, silently,
     # and its existence check leaves an empty folder, which the janitor removes once the grace
     # period is over.
-    rendered = consumer.post(
-        "/v1/chat/completions/render", payloads.greedy(payloads.messages(payloads.image_part((1, 2, 3))))
+    rendered = post(
+        consumer, "/v1/chat/completions/render", payloads.greedy(payloads.messages(payloads.image_part((1, 2, 3))))
     )
-    tokens, _ = payloads.output(consumer.post("/inference/v1/generate", rendered))
+    tokens, _ = payloads.output(post(consumer, "/inference/v1/generate", rendered))
     assert len(tokens) == 6
     miss = store / payloads.image_hashes(rendered)[0]
     assert miss.is_dir() and not any(miss.iterdir())
@@ -126,31 +116,28 @@ def test_a_small_budget_holds_while_a_real_encoder_primes_and_the_consumer_keeps
     while miss.exists():
         assert time.monotonic() < deadline, "the cache miss's empty folder was not removed"
         time.sleep(0.5)
-    assert scrape(port)["epd_ec_evictions_total", "empty"] == 1
-    assert "Traceback" not in consumer.log_path.read_text(errors="replace")
-    assert "Traceback" not in encoder.log_path.read_text(errors="replace")
+    assert scrape(unit.janitor)["epd_ec_evictions_total", "empty"] == 1
+    assert "Traceback" not in unit.logs("regular-0")
+    assert "Traceback" not in unit.logs("encoder-0")
 
-    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    lines = [json.loads(line) for line in unit.logs("janitor").splitlines()]
     assert lines[0]["event"] == "started" and lines[0]["max_bytes"] == BUDGET
     budget_lines = [line for line in lines if line["event"] == "evicted" and line["reason"] == "budget"]
     assert budget_lines and all(line["youngest_age_seconds"] >= GRACE_SECONDS for line in budget_lines)
 
 
-def test_a_request_whose_image_was_not_primed_counts_one_fallback_encode_and_a_primed_one_none(
-    unit, janitor, vllm_timings
-):
+def test_a_request_whose_image_was_not_primed_counts_one_fallback_encode_and_a_primed_one_none(unit):
     """vLLM 0.32 answers both; only the unprimed one leaves the empty folder the janitor counts,
-    and the operator's scraper turns the count into an ECFallbackEncodes Event."""
-    port, log = janitor
-    store = Path(unit.ec_storage_path)
-    encoder, consumer = unit.sidecars[0], unit.consumers[0]
-    started = time.monotonic()
+    and the operator, which scrapes the janitor, turns the count into an ECFallbackEncodes Event
+    and the unit's status."""
+    store, encoder, consumer = unit.store, unit.encoder, unit.consumer
+    fallbacks_before = scrape(unit.janitor).get("epd_ec_fallback_encodes_total", 0)
     primed, unprimed = payloads.image_part((10, 200, 30)), payloads.image_part((200, 10, 30))
     prime(encoder, primed)
     hashes = {}
     for label, part in (("primed", primed), ("unprimed", unprimed)):
-        rendered = consumer.post("/v1/chat/completions/render", payloads.greedy(payloads.messages(part)))
-        tokens, _ = payloads.output(consumer.post("/inference/v1/generate", rendered))
+        rendered = post(consumer, "/v1/chat/completions/render", payloads.greedy(payloads.messages(part)))
+        tokens, _ = payloads.output(post(consumer, "/inference/v1/generate", rendered))
         assert len(tokens) == 6  # both answered: the fallback is silent
         (hashes[label],) = payloads.image_hashes(rendered)
     assert payloads.ec_entries(store)[hashes["primed"]] == [EMBEDDING_FILE]
@@ -161,66 +148,41 @@ def test_a_request_whose_image_was_not_primed_counts_one_fallback_encode_and_a_p
         assert time.monotonic() < deadline, "the unprimed image's empty folder was not judged"
         time.sleep(0.5)
     time.sleep(3)  # at least one more sweep: the primed entry has settled too, and was judged
-    vllm_timings["janitor: primed + unprimed request, judged"] = time.monotonic() - started
-    metrics = scrape(port)
-    assert metrics["epd_ec_fallback_encodes_total"] == 1
-    reported = [json.loads(line) for line in log.read_text().splitlines() if '"fallback_encodes"' in line]
-    assert [h for line in reported for h in line["mm_hashes"]] == [hashes["unprimed"]]
+    metrics = scrape(unit.janitor)
+    assert metrics["epd_ec_fallback_encodes_total"] - fallbacks_before == 1
+    reported = [json.loads(line) for line in unit.logs("janitor").splitlines() if '"fallback_encodes"' in line]
+    assert hashes["unprimed"] in [h for line in reported for h in line["mm_hashes"]]
+    assert hashes["primed"] not in [h for line in reported for h in line["mm_hashes"]]
 
-    events = []
-    scraper = JanitorScraper(
-        warn=lambda _body, reason, message: events.append((reason, message)), changed=lambda _key: None, port=port
-    )
-    pod = PodSummary.of(
-        {
-            "metadata": {"name": unit.name, "ownerReferences": [{"uid": "units", "controller": True}]},
-            "status": {
-                "phase": "Running",
-                "podIP": "127.0.0.1",
-                "containerStatuses": [{"name": "janitor", "ready": True}],
-            },
-        }
-    )
+    def event() -> str | None:
+        events = get(unit.cluster, "events", "-n", unit.namespace, "--field-selector", f"involvedObject.name={NAME}")
+        found = [e["message"] for e in events["items"] if e["reason"] == "ECFallbackEncodes"]
+        return found[-1] if found else None
 
-    async def scrape_once():
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3, connect=1)) as session:
-            deployment = DeploymentSummary.of(
-                {
-                    "apiVersion": "epd.vime.dev/v1alpha1",
-                    "kind": "EPDDeployment",
-                    "metadata": {"namespace": "ns", "name": "janitor", "uid": "epd"},
-                }
-            )
-            key = ("ns", "janitor")
-            units = StatefulSetSummary(
-                name=unit.name.rsplit("-", 1)[0], spec_hash=None, uid="units", controller_uid="epd"
-            )
-            indexes = Indexes(
-                deployments={key: [deployment]},
-                stateful_sets={key: [units]},
-                services={},
-                budgets={},
-                pods={key: [pod]},
-            )
-            await scraper.scrape(session, indexes)
+    message = wait_for(event, 60, "the operator's ECFallbackEncodes Event")
+    assert message.startswith(f"unit {unit.name}: ") and "encoded by its consumers themselves" in message
 
-    asyncio.run(scrape_once())
-    (message,) = [m for reason, m in events if reason == "ECFallbackEncodes"]
-    assert message.startswith(f"unit {unit.name}: 1 image encoded by its consumers themselves")
+    def counted() -> bool:
+        units = get(unit.cluster, "epd", NAME, "-n", unit.namespace)["status"]["models"][0]["units"]
+        return bool(units[0].get("fallbackEncodes") == metrics["epd_ec_fallback_encodes_total"])
+
+    wait_for(counted, 60, "the unit's status to count the janitor's fallback encodes")
 
 
 def test_the_engines_export_the_metrics_the_dashboard_may_name(unit):
     """Every metric name recorded in tests/helm (which the chart's dashboard is checked against)
     is one the real engines export; UPDATE_GOLDEN=1 records what they export now."""
-    encoder, consumer = unit.sidecars[0], unit.consumers[0]
+    encoder, consumer = unit.encoder, unit.consumer
     part = payloads.image_part((5, 6, 7))
     prime(encoder, part)  # every engine has served a request: its request metrics have samples
-    consumer.post(
-        "/inference/v1/generate", consumer.post("/v1/chat/completions/render", payloads.greedy(payloads.messages(part)))
+    post(
+        consumer,
+        "/inference/v1/generate",
+        post(consumer, "/v1/chat/completions/render", payloads.greedy(payloads.messages(part))),
     )
     exported = set()
     for engine in (encoder, consumer):
-        with urllib.request.urlopen(engine.url + "/metrics", timeout=10) as response:
+        with urllib.request.urlopen(engine + "/metrics", timeout=10) as response:
             text = response.read().decode()
         exported |= {s.name for family in text_string_to_metric_families(text) for s in family.samples}
     assert {"vllm:time_to_first_token_seconds_bucket", "vllm:num_requests_running"} <= exported
@@ -233,9 +195,10 @@ def test_the_engines_export_the_metrics_the_dashboard_may_name(unit):
     )
 
 
-def prime(encoder, part: dict) -> None:
+def prime(encoder: str, part: dict) -> None:
     """Vime's prime_encoder request for one image: an image-only message, one token."""
-    encoder.post(
+    post(
+        encoder,
         "/v1/chat/completions",
         {
             "model": tiny_model.SERVED_NAME,
@@ -246,8 +209,8 @@ def prime(encoder, part: dict) -> None:
     )
 
 
-def scrape(port: int) -> dict:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+def scrape(url: str) -> dict:
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
         text = response.read().decode()
     samples = {}
     for family in text_string_to_metric_families(text):
@@ -308,9 +271,3 @@ class StoreWatcher(threading.Thread):
     def stop(self) -> None:
         self._stop_event.set()
         self.join(timeout=10)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -1,14 +1,10 @@
-"""`make demo` (hack/epd_dev/demo.py, demo_serving.py).
+"""`make demo` (hack/epd_dev/demo.py); its REAL part runs on the real node in tests/node/test_demo.py.
 
-- Its REAL part, headless, on the test session's cluster, operator and aggregated engine: the
-  operator's pod for the tiny model runs here, the request's answer equals the aggregated
-  engine's, the commands it prints for a second request work, and `demo down` (another
-  process, as `make demo-down`) leaves none of the processes it started.
 - `up --kubeconfig` against the session's control plane started as an "existing" cluster: the
   operator and the seeds there, nothing run here; `down` leaves that cluster running; Ctrl-C in
   the middle stops what was started.
-- The checks made before anything starts: a port in use, too little memory, a cache folder this
-  user cannot write.
+- The checks made before anything starts: too little memory, a cache folder this user cannot
+  write.
 """
 
 from __future__ import annotations
@@ -20,7 +16,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -32,86 +27,14 @@ from pathlib import Path
 import pytest
 
 from epd_dev import demo
-from epd_dev.demo_serving import MAX_TOKENS, PICTURES, Records, demo_request, print_explore, serve
-from epd_dev.operator_process import OperatorProcess, get_json, wait_for
+from epd_dev.operator_process import OperatorProcess, get_json, group_members, wait_for
 from epd_dev.paths import REPO
-from epd_dev.vllm import engines, payloads
-from epd_dev.vllm.unit_runner import free_port_range
 
 DEMO = [sys.executable, "-m", "epd_dev.demo"]
 
 
 def run_demo(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*DEMO, *args], check=False, capture_output=True, text=True, timeout=timeout, cwd=REPO)
-
-
-# --------------------------------------------------------------------------- REAL, headless
-
-
-@pytest.fixture
-def demo_dir(tmp_path):
-    """The demo's folder; whatever a failing test leaves running there, `demo down` stops."""
-    yield tmp_path
-    run_demo("down", "--dir", str(tmp_path))
-
-
-@pytest.mark.vllm
-@pytest.mark.cluster
-def test_the_demo_serves_through_the_operators_pod_and_down_leaves_nothing(
-    cluster, namespace, epd_operator, aggregated, demo_dir, capsys
-):
-    port_base = free_port_range(demo.UNIT_PORTS)
-    answer = serve(cluster, demo_dir, namespace, port_base=port_base, reference=aggregated, records=Records(demo_dir))
-    printed = capsys.readouterr().out
-    recorded = json.loads((demo_dir / "serving.json").read_text())
-
-    # The answer, checked here against the aggregated engine independently of the demo's own check.
-    rendered = aggregated.post("/v1/chat/completions/render", demo_request())
-    ref_ids, ref_logprobs = payloads.output(aggregated.post("/inference/v1/generate", rendered))
-    assert len(answer.token_ids) == MAX_TOKENS and answer.token_ids == ref_ids
-    assert answer.logprobs == pytest.approx(ref_logprobs, abs=1e-3)
-    assert "identical: yes" in printed and answer.text and repr(answer.text) in printed
-    # Every stage where EPD puts it: one prime per picture on the encoder only, the PD router's two
-    # generate stages on prefill and decode; the prime's embeddings, one per picture, in the EC store.
-    assert answer.served["encoder-0"].keys() == {"/v1/chat/completions"}
-    assert answer.served["encoder-0"]["/v1/chat/completions"][0] == len(PICTURES)
-    assert answer.served["prefill-0"]["/inference/v1/generate"][0] == 1
-    assert answer.served["decode-0"]["/inference/v1/generate"][0] == 1
-    assert len(set(answer.image_hashes)) == len(PICTURES)
-    assert {h: [f for f, _ in files] for h, files in answer.ec_files.items()} == {
-        h: [payloads.EMBEDDING_FILE] for h in answer.image_hashes
-    }
-    assert answer.kv_files, "prefill handed no KV cache to decode"
-
-    # What it prints for a second request works as printed (bash, against the running unit).
-    out = io.StringIO()
-    with redirect_stdout(out):
-        print_explore(answer, cluster, namespace, demo_dir)
-    script = "\n".join(
-        line.strip()
-        for line in out.getvalue().splitlines()
-        if line.strip().startswith(("IMG=", "curl ", sys.executable))
-    )
-    ran = subprocess.run(
-        ["bash", "-euo", "pipefail", "-c", script], check=False, capture_output=True, text=True, timeout=120
-    )
-    assert ran.returncode == 0, ran.stderr
-    _prime, chat, client = ran.stdout.strip().splitlines()
-    assert json.loads(chat)["choices"][0]["message"]["content"] is not None
-    assert len(json.loads(client)) == 8
-
-    # `make demo-down` from another process stops every process of every engine it started.
-    assert [e["name"] for e in recorded["engines"]] == ["encoder-0", "prefill-0", "decode-0", "router"]
-    assert all(engines.group_members(e["pid"]) for e in recorded["engines"])
-    assert all(Path(f).is_dir() for f in recorded["folders"])  # EC store, KV store
-    down = run_demo("down", "--dir", str(demo_dir))
-    assert down.returncode == 0, down.stderr
-    assert {e["name"]: engines.group_members(e["pid"]) for e in recorded["engines"]} == {
-        e["name"]: [] for e in recorded["engines"]
-    }
-    assert not any(Path(f).exists() for f in recorded["folders"])
-    demo.check_ports(list(range(port_base, port_base + demo.UNIT_PORTS)), "")  # free again
-    assert aggregated.proc.poll() is None, "the injected reference is not the demo's to stop"
 
 
 # --------------------------------------------------------------------------- an existing cluster
@@ -143,7 +66,7 @@ def operator_pid(root: Path) -> int:
 
 
 def alive(pid: int) -> bool:
-    return bool(engines.group_members(pid))
+    return bool(group_members(pid))
 
 
 @pytest.mark.cluster
@@ -203,18 +126,6 @@ def test_ctrl_c_in_the_middle_stops_what_the_demo_started(existing_cluster, tmp_
 
 
 # --------------------------------------------------------------------------- checks before anything starts
-
-
-def test_a_port_in_use_is_named_with_who_holds_it():
-    with socket.socket() as sock:
-        sock.bind(("0.0.0.0", 0))
-        sock.listen()
-        port = sock.getsockname()[1]
-        with pytest.raises(demo.DemoError) as err:
-            demo.check_ports([port], "pick other ports: make demo DEMO_PORT=29000")
-    message = str(err.value)
-    assert f"port {port} is in use (pid {os.getpid()}: " in message
-    assert "make demo DEMO_PORT=29000" in message
 
 
 def test_too_little_memory_says_how_much_the_engines_need(tmp_path):
