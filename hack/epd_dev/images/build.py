@@ -37,6 +37,8 @@ PACKAGES = ("buildah", "debootstrap", "gcc", "libc6-dev")
 ALL = ("pause", "base", "vllm-cpu", "vllm-router", "epd-operator")
 # containerd label naming the key an imported image was built with.
 KEY_LABEL = "epd.vime.dev/image-key"
+# Free disk a build needs at its peak (vfs storage: working container, committed layer, archive).
+BUILD_SPACE = {"vllm-cpu": 20 * 2**30}
 
 
 def log(msg: str) -> None:
@@ -104,6 +106,9 @@ class Builder:
                 return folder / ARCHIVE
             if name != "base" and name != "pause":
                 self._base_in_storage()
+            # An older key is never reused (its inputs changed): its space is what the build needs.
+            self._prune(name, folder)
+            self._check_space(name)
             self.log(f"{name}: building {image.ref} (key {image.key})")
             started = time.monotonic()
             shutil.rmtree(folder, ignore_errors=True)
@@ -133,7 +138,6 @@ class Builder:
             info = {"name": name, "ref": image.ref, "key": image.key, "build_seconds": took, "bytes": size}
             (folder / MARKER).write_text(json.dumps(info, indent=2) + "\n")
             self.log(f"{name}: built in {took:.0f}s ({size / 2**30:.2f} GiB archive)")
-            self._prune(name, folder)
             return folder / ARCHIVE
 
     def _prune(self, name: str, keep: Path) -> None:
@@ -141,6 +145,18 @@ class Builder:
         for old in self.root.glob(f"{name}-" + "?" * len(keep.name.rsplit("-", 1)[1])):
             if old != keep:
                 shutil.rmtree(old, ignore_errors=True)
+
+    def _check_space(self, name: str) -> None:
+        """Fail before a build that cannot finish: buildah's vfs storage holds the working
+        container, the committed layer and the archive at once (about 3x the image)."""
+        needed = BUILD_SPACE.get(name, 0)
+        free = shutil.disk_usage(self.root).free
+        if free < needed:
+            raise SystemExit(
+                f"error: building {name} needs about {needed / 2**30:.0f} GiB free in {self.root}, "
+                f"{free / 2**30:.1f} GiB are: free some (old folders there are safe to delete), or point "
+                "EPD_CACHE at a bigger disk"
+            )
 
     def _base_in_storage(self) -> None:
         base = self.image("base")
@@ -330,6 +346,10 @@ class Builder:
                 continue
             if present.get(image.ref) == image.key:
                 continue
+            if image.ref in present:
+                # The older build's layers go at once (--sync: containerd's garbage collection),
+                # not beside the new ones: vllm-cpu is 6 GB unpacked and packed.
+                node.ctr("images", "rm", "--sync", image.ref, timeout=600)
             self.log(f"importing {image.ref} into the node's containerd")
             started = time.monotonic()
             node.ctr("images", "import", str(archive), timeout=1800)
