@@ -32,6 +32,7 @@ import yaml
 
 from epd_client import Endpoints, EPDClient, prime_encoder, vime_rollout_args
 from epd_dev.demo_serving import containers, post
+from epd_dev.images import recipes
 from epd_dev.localcluster import node
 from epd_dev.operator_process import wait_for
 from epd_dev.vllm import payloads, tiny_model
@@ -396,6 +397,96 @@ def test_text_only_through_the_front_service_never_reaches_the_encoder(cluster, 
     assert answer.choices[0].token_ids == expected.choices[0].token_ids
     assert [m.id for m in client.models.list()] == [tiny_model.SERVED_NAME]  # passed through
     assert EncoderLoad.of(cluster, node_namespace, deployed) == before
+
+
+# --------------------------------------------------------------------------- the NetworkPolicy, enforced by kube-router
+
+# Each target host:port -> whether a TCP connection opened within 3 s.
+CONNECT = """
+import json, socket, sys
+found = {}
+for target in sys.argv[1:]:
+    host, port = target.rsplit(":", 1)
+    with socket.socket() as sock:
+        sock.settimeout(3)
+        try:
+            sock.connect((host, int(port)))
+            found[target] = True
+        except OSError:
+            found[target] = False
+print(json.dumps(found))
+"""
+
+
+def reachable_from(cluster, namespace: str, targets: list[str]) -> dict[str, bool]:
+    """Which `targets` a pod of `namespace` on the real node can connect to (a restricted pod of
+    the operator's image, which has python3)."""
+    name = f"probe-{uuid.uuid4().hex[:6]}"
+    restricted = {
+        "runAsNonRoot": True,
+        "runAsUser": 65532,
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "restartPolicy": "Never",
+            "nodeSelector": dict(node.NODE_SELECTOR),
+            "tolerations": node.TOLERATIONS,
+            "containers": [
+                {
+                    "name": "probe",
+                    "image": recipes.OPERATOR_REF,
+                    "imagePullPolicy": "Never",
+                    "command": ["python3", "-c", CONNECT, *targets],
+                    "securityContext": restricted,
+                    "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "64Mi"}},
+                }
+            ],
+        },
+    }
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(pod))
+    try:
+        wait_for(
+            lambda: get(cluster, "pod", name, "-n", namespace)["status"].get("phase") in ("Succeeded", "Failed"),
+            120,
+            f"probe pod {name} to finish",
+        )
+        found: dict[str, bool] = json.loads(cluster.kubectl("logs", "-n", namespace, name).stdout)
+        return found
+    finally:
+        cluster.kubectl("delete", "pod", name, "-n", namespace, "--wait=false", check=False)
+
+
+def test_the_network_policy_admits_only_the_namespace_to_the_serving_ports(cluster, deployed, node_namespace):
+    pod = unit_pod(cluster, node_namespace)
+    ip = pod["status"]["podIP"]
+    front, encoder = f"{ip}:8000", encoder_url(deployed).removeprefix("http://")
+    janitor, proxy_metrics = f"{ip}:9400", f"{ip}:9401"
+    service = front_service_url(cluster, node_namespace).removeprefix("http://")
+    # The unit's namespace (its clients by default; the operator runs there too, so the janitor's
+    # metrics port is open to it): the front door and the engines, not the proxy's metrics.
+    assert reachable_from(cluster, node_namespace, [front, service, encoder, janitor, proxy_metrics]) == {
+        front: True,
+        service: True,
+        encoder: True,
+        janitor: True,
+        proxy_metrics: False,
+    }
+    # Another team's namespace reaches nothing: no prime under a key this unit reads.
+    other = f"epd-other-{uuid.uuid4().hex[:5]}"
+    cluster.kubectl("create", "namespace", other)
+    try:
+        targets = [front, service, encoder, janitor, proxy_metrics]
+        assert reachable_from(cluster, other, targets) == dict.fromkeys(targets, False)
+    finally:
+        cluster.kubectl("delete", "namespace", other, "--wait=false", check=False)
+    # The node itself (the kubelet's probes, these tests) still reaches every port.
+    assert janitor_metrics(pod)["epd_ec_store_budget_bytes"] == BUDGET
 
 
 def test_cache_miss_is_encoded_by_the_consumer_leaving_an_empty_folder(cluster, deployed, node_namespace, reference):

@@ -43,7 +43,9 @@ def test_a_unit_proxy_primes_on_its_own_encoders_takes_the_front_port_and_forwar
     # The front Service's targetPort is the name `http`: the proxy holds it.
     assert {"name": "http", "containerPort": spec.ports.router} in container["ports"]
     assert container["image"] == IMAGE
-    assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": args.metrics_port}
+    # Ready once a request goes all the way (through it to the router); alive is its own /health.
+    assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": args.port}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": args.metrics_port}
     assert {"name": "proxy-metrics", "containerPort": args.metrics_port} in container["ports"]
     assert container["securityContext"]["readOnlyRootFilesystem"]
     assert container["resources"]["requests"] == {"cpu": "100m", "memory": "96Mi"}
