@@ -65,6 +65,12 @@ def slots(spec: EPDDeploymentSpec, model: ModelSpec) -> list[Slot]:
     return placed
 
 
+def proxied(spec: EPDDeploymentSpec, model: ModelSpec) -> bool:
+    """Whether the model's units run the EPD proxy: when enabled, for a model with encoders to
+    prime on (one without encodes on its consumers by design, and its proxy would have none)."""
+    return spec.proxy.enabled and model.has_encoders
+
+
 def unit_ports(spec: EPDDeploymentSpec, model: ModelSpec) -> dict[str, Block]:
     """The port blocks a unit pod reserves, named after the spec field that moves each (or what
     takes it, for a fixed port): its engines' HTTP ports, the front port (the EPD proxy's or the
@@ -72,11 +78,12 @@ def unit_ports(spec: EPDDeploymentSpec, model: ModelSpec) -> dict[str, Block]:
     prefill/decode NIXL side channels, and the EC janitor's metrics port (units with encoders)."""
     engines = model.consumer_engines if model.pooled else model.encoder_engines + model.consumer_engines
     blocks = {"ports.engineBase": _block(spec.ports.engine_base, engines)}
-    if model.needs_router or spec.proxy.enabled:
+    proxy = proxied(spec, model)
+    if model.needs_router or proxy:
         blocks["ports.router"] = _block(spec.ports.router, 1)
-    if model.needs_router and spec.proxy.enabled:
+    if model.needs_router and proxy:
         blocks["ports.routerLoopback"] = _block(spec.ports.router_loopback, 1)
-    if spec.proxy.enabled:
+    if proxy:
         blocks["the EPD proxy's metrics port"] = _block(PROXY_METRICS_PORT, 1)
     if model.is_pd:
         blocks["ports.nixlSideChannelBase"] = _block(spec.ports.nixl_side_channel_base, engines)

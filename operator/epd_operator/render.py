@@ -28,7 +28,7 @@ import yaml
 
 from .api import EPDDeploymentSpec, ModelSpec, Placement, WorkerType
 from .ec.regions import cpu_bytes, uses_cpu_regions
-from .layout import slots
+from .layout import proxied, slots
 from .validation import ROUTER_KV_CONNECTORS, CheckedSpec
 
 ROUTER = "router"
@@ -281,7 +281,7 @@ def _model_plan(spec: EPDDeploymentSpec, minor: str, model: ModelSpec, ec_path: 
         )
     router = _router(spec, model, engines)
     proxy = None
-    if spec.proxy.enabled:
+    if proxied(spec, model):
         upstream = router.port if router else next(e.port for e in engines if not e.worker_type.is_encoder)
         proxy = ProxyCommand(port=spec.ports.router, upstream_port=upstream)
     # Placement(): the API models keep enum values (Schema's use_enum_values), the plans the enum.
@@ -357,7 +357,7 @@ def _router(spec: EPDDeploymentSpec, model: ModelSpec, engines: list[EngineComma
         return [f"http://127.0.0.1:{e.port}" for e in consumers if e.worker_type == worker_type]
 
     # Behind the EPD proxy the router serves the pod's loopback only: every client comes through the proxy.
-    host, port = ("127.0.0.1", spec.ports.router_loopback) if spec.proxy.enabled else ("0.0.0.0", spec.ports.router)
+    host, port = ("127.0.0.1", spec.ports.router_loopback) if proxied(spec, model) else ("0.0.0.0", spec.ports.router)
     args = _load_yaml(
         _templates.get_template("router.yaml.j2").render(
             router=spec.router,

@@ -93,8 +93,8 @@ def test_router_only_with_several_consumers_and_front_service_targets_it():
     # The EPD proxy holds the front port's name; the router serves the proxy on the loopback.
     assert router["ports"] == [{"name": "router", "containerPort": 8001}]
     assert {"name": "http", "containerPort": 8000} in proxy["ports"]
-    # Text-only: no encoder, no EC store, so no janitor either.
-    assert [c["name"] for c in reward["spec"]["template"]["spec"]["containers"]] == ["regular-0", "proxy"]
+    # Text-only: no encoder, so nothing for a proxy to prime on, no EC store, no janitor.
+    assert [c["name"] for c in reward["spec"]["template"]["spec"]["containers"]] == ["regular-0"]
     assert (
         "initContainers" not in reward["spec"]["template"]["spec"]
         or not reward["spec"]["template"]["spec"]["initContainers"]

@@ -77,3 +77,16 @@ def test_the_proxy_timeouts_and_resources_come_from_spec_proxy():
     args = flags(container)
     assert (args.request_timeout_seconds, args.prime_timeout_seconds) == (90, 30)
     assert container["resources"]["requests"]["cpu"] == "1"
+
+
+def test_a_model_without_encoders_has_no_proxy_and_its_router_keeps_the_front_port():
+    """Nothing to prime on: its consumers encode by design (an aggregated deployment), and a
+    proxy with no encoder would not start (`--encoder` or `--encoders-dns` is required)."""
+    manifest = yaml.safe_load((EXAMPLES / "encoder-prefill-decode.yaml").read_text())
+    model = manifest["spec"]["models"][0]
+    model["serverGroups"] = [g for g in model["serverGroups"] if g["workerType"] != "encoder"]
+    checked = validate(manifest["spec"])
+    (plan,) = render(checked, namespace="ns", name="pd", uid="uid-1")
+    assert plan.proxy is None and plan.router is not None
+    assert plan.router.port == checked.spec.ports.router == plan.front_port
+    assert plan.router.args[plan.router.args.index("--host") + 1] == "0.0.0.0"
