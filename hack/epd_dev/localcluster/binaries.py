@@ -3,10 +3,12 @@
     python -m epd_dev.localcluster.build [--node] [--force] [--print-bin-dir]   (see build.py)
 
 Every binary is compiled from published Go modules pinned by the go.mod/go.sum
-files under hack/go (no Docker, no release downloads). Two sets, each with a cache
+files under hack/go (no Docker, no release downloads). Three sets, each with a cache
 of its own: the control plane (``CONTROL_PLANE``: hack/go/{kubernetes,etcd,kwok,helm})
-in ``<cache root>/controlplane/<key>/bin`` and the real node's kubelet and kube-proxy
-(``NODE``: hack/go/node) in ``<cache root>/node/<key>/bin`` (``epd_dev.paths.cache_root``).
+in ``<cache root>/controlplane/<key>/bin``, the real node's kubelet and kube-proxy
+(``NODE``: hack/go/node) in ``<cache root>/node/<key>/bin`` (``epd_dev.paths.cache_root``),
+and its NetworkPolicy engine, kube-router (``NETWORK_POLICY``: hack/go/kube-router), in
+``<cache root>/network-policy/<key>/bin``; ``--node`` builds the last two.
 A set's key names its versions plus a hash of its own Go module files only, so changing a
 pin builds a fresh cache entry of that set and never mixes versions; the node's module
 can change without rebuilding the control plane (the Go build cache makes the node quick
@@ -38,10 +40,12 @@ K8S_VERSION = "v1.36.3"
 ETCD_VERSION = "v3.6.16"
 KWOK_VERSION = "v0.8.0"
 HELM_VERSION = "v3.22.0"
+KUBE_ROUTER_VERSION = "v2.1.0"
 
 # Bump when the build recipe changes in a way the Go files do not show.
 RECIPE = "1"
 NODE_RECIPE = "1"
+NETWORK_POLICY_RECIPE = "1"
 
 # Upstream's own release flags; without the -X values the binaries say v0.0.0.
 # The warm-up build used exactly these, so the Go build cache is shared.
@@ -106,6 +110,13 @@ NODE_BINARIES: tuple[Binary, ...] = (
     Binary("kubelet", "node", "k8s.io/kubernetes/cmd/kubelet", ("--version",), f"Kubernetes {K8S_VERSION}"),
     Binary("kube-proxy", "node", "k8s.io/kubernetes/cmd/kube-proxy", ("--version",), f"Kubernetes {K8S_VERSION}"),
 )
+KUBE_ROUTER = Binary(
+    "kube-router",
+    "kube-router",
+    "github.com/cloudnativelabs/kube-router/v2/cmd/kube-router",
+    ("--version",),
+    f"version {KUBE_ROUTER_VERSION},",
+)
 
 
 @dataclass(frozen=True)
@@ -117,6 +128,7 @@ class BinarySet:
     binaries: tuple[Binary, ...]
     pins: tuple[tuple[str, str, str], ...]
     recipe: str
+    versions: str  # the cache key's readable part
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -125,11 +137,6 @@ class BinarySet:
     @property
     def modules(self) -> tuple[str, ...]:
         return tuple(module for module, _, _ in self.pins)
-
-    def key_prefix(self) -> str:
-        if self.name == "controlplane":
-            return f"k8s-{K8S_VERSION}_etcd-{ETCD_VERSION}_kwok-{KWOK_VERSION}_helm-{HELM_VERSION}"
-        return f"k8s-{K8S_VERSION}"
 
 
 CONTROL_PLANE = BinarySet(
@@ -142,8 +149,18 @@ CONTROL_PLANE = BinarySet(
         ("helm", "helm.sh/helm/v3", HELM_VERSION),
     ),
     RECIPE,
+    f"k8s-{K8S_VERSION}_etcd-{ETCD_VERSION}_kwok-{KWOK_VERSION}_helm-{HELM_VERSION}",
 )
-NODE = BinarySet("node", NODE_BINARIES, (("node", "k8s.io/kubernetes", K8S_VERSION),), NODE_RECIPE)
+NODE = BinarySet(
+    "node", NODE_BINARIES, (("node", "k8s.io/kubernetes", K8S_VERSION),), NODE_RECIPE, f"k8s-{K8S_VERSION}"
+)
+NETWORK_POLICY = BinarySet(
+    "network-policy",
+    (KUBE_ROUTER,),
+    (("kube-router", "github.com/cloudnativelabs/kube-router/v2", KUBE_ROUTER_VERSION),),
+    NETWORK_POLICY_RECIPE,
+    f"kube-router-{KUBE_ROUTER_VERSION}",
+)
 
 # kwok ships no default stages in its binary (kwokctl injects them), so the
 # launcher feeds it these files from the same kwok module: nodes become Ready
@@ -184,7 +201,7 @@ def cache_key(bset: BinarySet = CONTROL_PLANE) -> str:
         if path.parent.name in bset.modules and path.suffix in (".go", ".mod", ".sum"):
             digest.update(str(path.relative_to(_go_dir())).encode() + b"\0")
             digest.update(path.read_bytes() + b"\0")
-    return f"{bset.key_prefix()}_{digest.hexdigest()[:12]}"
+    return f"{bset.versions}_{digest.hexdigest()[:12]}"
 
 
 def cache_root(bset: BinarySet = CONTROL_PLANE) -> Path:
@@ -226,6 +243,10 @@ def _go(module: str, *args: str) -> str:
 def _ldflags(binary: Binary) -> str:
     if binary.module in ("kubernetes", "node"):
         return K8S_LDFLAGS
+    if binary is KUBE_ROUTER:
+        # kube-router's Makefile sets these; without them it says "version , built on ".
+        v = "github.com/cloudnativelabs/kube-router/v2/pkg/version"
+        return f"-s -w -X {v}.Version={KUBE_ROUTER_VERSION} -X {v}.BuildDate=epd-dev"
     if binary.name == "helm":
         # Mirrors helm's Makefile: its version, plus the Kubernetes version it
         # reports to charts, derived from the client-go it was built with.
@@ -366,14 +387,17 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--force", action="store_true", help="rebuild even if cached")
-    parser.add_argument("--node", action="store_true", help="the real node's kubelet and kube-proxy instead")
+    parser.add_argument(
+        "--node", action="store_true", help="the real node's kubelet, kube-proxy and kube-router instead"
+    )
     parser.add_argument(
         "--print-bin-dir", action="store_true", help="print the cache's bin folder and exit (builds nothing)"
     )
     args = parser.parse_args(argv)
-    bset = NODE if args.node else CONTROL_PLANE
+    sets = (NODE, NETWORK_POLICY) if args.node else (CONTROL_PLANE,)
     if args.print_bin_dir:
-        print(bin_dir(bset))
+        print(*(bin_dir(bset) for bset in sets), sep="\n")
         return 0
-    build(force=args.force, bset=bset)
+    for bset in sets:
+        build(force=args.force, bset=bset)
     return 0

@@ -66,7 +66,43 @@ NODE_RESOURCES = {
 
 # Start order; stop goes in reverse.
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
-NODE_COMPONENTS = ("containerd", "kubelet", "kube-proxy")
+NODE_COMPONENTS = ("containerd", "kubelet", "kube-proxy", "kube-router")
+
+# kube-router's identity and what its network policy controller reads (its upstream
+# DaemonSet's ClusterRole, less what routing and the service proxy need).
+KUBE_ROUTER_USER = "system:kube-router"
+KUBE_ROUTER_RBAC = {
+    "apiVersion": "v1",
+    "kind": "List",
+    "items": [
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRole",
+            "metadata": {"name": "epd-dev:kube-router"},
+            "rules": [
+                {
+                    "apiGroups": [""],
+                    "resources": ["namespaces", "pods", "services", "nodes", "endpoints"],
+                    "verbs": ["get", "list", "watch"],
+                },
+                {
+                    "apiGroups": ["networking.k8s.io"],
+                    "resources": ["networkpolicies"],
+                    "verbs": ["get", "list", "watch"],
+                },
+                {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
+                {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": {"name": "epd-dev:kube-router"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "epd-dev:kube-router"},
+            "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": KUBE_ROUTER_USER}],
+        },
+    ],
+}
 
 # Entries of the cluster folder this module owns (wiped on a fresh start).
 _OWNED = ("state.json", "kubeconfig", "pki", "kubeconfigs", "etcd", "logs", "run", "bin", "kwok.yaml", "node")
@@ -131,6 +167,14 @@ def _free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def _http_ok(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{LOOPBACK}:{port}/healthz", timeout=2) as resp:
+            return bool(resp.status == 200)
+    except (OSError, urllib.error.URLError):
+        return False
 
 
 def _b64(path: Path) -> str:
@@ -288,6 +332,7 @@ class LocalCluster:
         missing = [n for n in binaries.NAMES if not os.access(self.bin_dir / n, os.X_OK)]
         if self.real_nodes:
             missing += binaries.missing_binaries(binaries.NODE)
+            missing += binaries.missing_binaries(binaries.NETWORK_POLICY)
         if missing:
             raise ClusterError(
                 f"control plane binaries missing from {self.bin_dir}: {', '.join(missing)}. "
@@ -385,6 +430,14 @@ class LocalCluster:
         hook_seconds = time.monotonic() - hook_started
         self._spawn("kubelet", real.kubelet_args(self.dir / "kubeconfigs"), binary=self._node_bin("kubelet"))
         self._spawn("kube-proxy", real.kube_proxy_args(), binary=self._node_bin("kube-proxy"))
+        self.kubectl("apply", "-f", "-", input=json.dumps(KUBE_ROUTER_RBAC))
+        (health_port,) = _free_ports(1)
+        self._spawn(
+            "kube-router",
+            real.kube_router_args(self.dir / "kubeconfigs", health_port),
+            binary=binaries.bin_dir(binaries.NETWORK_POLICY) / "kube-router",
+        )
+        self._wait("kube-router enforcing NetworkPolicies", lambda: _http_ok(health_port), deadline, "kube-router")
         real.record(
             {n: {"pid": p.pid, "start_ticks": p.start_ticks} for n, p in self._procs.items() if n in NODE_COMPONENTS}
         )
@@ -617,6 +670,7 @@ class LocalCluster:
             # the kubelet serves with a certificate of the cluster CA for the node IP.
             identities["kubelet"] = (f"system:node:{node.NAME}", ("system:nodes",))
             identities["kube-proxy"] = ("system:kube-proxy", ())
+            identities["kube-router"] = (KUBE_ROUTER_USER, ())
             pki.issue("kubelet-serving", f"system:node:{node.NAME}", dns=(node.NAME,), ips=(node.NODE_IP,))
             # What the apiserver shows the kubelet for logs, exec and port-forward.
             pki.issue("apiserver-kubelet-client", "kube-apiserver-kubelet-client", orgs=("system:masters",))

@@ -1,4 +1,5 @@
-"""The one real node beside the kwok GPU nodes: containerd, runc, CNI, kubelet and kube-proxy here.
+"""The one real node beside the kwok GPU nodes: containerd, runc, CNI, kubelet, kube-proxy and a
+NetworkPolicy engine (kube-router, firewall only) here.
 
 A `RealNode` is started and stopped by its `LocalCluster` (cluster.py), which records the
 node's processes with its own; docs/local-cluster.md ("The real node") explains the choices.
@@ -27,6 +28,7 @@ import fcntl
 import ipaddress
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -72,7 +74,7 @@ CTR = Path("/usr/bin/ctr")
 SHIM = "containerd-shim-runc-v2"
 
 # Debian packages of the runtime (bookworm: containerd 1.6.20, runc 1.1.5, plugins 1.1.1).
-PACKAGES = ("containerd", "runc", "containernetworking-plugins", "iptables", "conntrack")
+PACKAGES = ("containerd", "runc", "containernetworking-plugins", "iptables", "conntrack", "ipset")
 
 # Host settings the kubelet, kube-proxy and the bridge plugin change: restored on stop.
 SYSCTLS = (
@@ -85,6 +87,7 @@ SYSCTLS = (
 )
 # Chains the kubelet makes, and the hint kube-proxy and the kubelet leave (`kube-proxy
 # --cleanup` removes the rest of kube-proxy's).
+KUBE_ROUTER_CHAINS = ("KUBE-ROUTER-", "KUBE-NWPLCY-", "KUBE-POD-FW-")
 KUBELET_CHAINS = {
     "filter": ("KUBE-FIREWALL", "KUBE-KUBELET-CANARY"),
     "nat": ("KUBE-KUBELET-CANARY",),
@@ -463,6 +466,22 @@ class RealNode:
     def kube_proxy_args(self) -> list[str]:
         return [f"--config={self.layout.kube_proxy_config}", "--v=1"]
 
+    def kube_router_args(self, kubeconfigs: Path, health_port: int) -> list[str]:
+        """kube-router as the NetworkPolicy engine only: the bridge plugin wires pods and
+        kube-proxy serves Services, so its routing and service proxy stay off."""
+        return [
+            "--run-firewall=true",
+            "--run-router=false",
+            "--run-service-proxy=false",
+            f"--kubeconfig={kubeconfigs / 'kube-router.kubeconfig'}",
+            f"--hostname-override={NAME}",
+            f"--service-cluster-ip-range={self.layout.service_cidr}",
+            "--enable-ipv6=false",
+            f"--health-port={health_port}",
+            "--metrics-port=0",
+            "--v=1",
+        ]
+
     def containerd_ready(self) -> bool:
         return _run(CTR, "--address", CONTAINERD_SOCKET, "version", check=False, timeout=10).returncode == 0
 
@@ -477,7 +496,7 @@ class RealNode:
     def stop_workloads(self, terminate: Callable[[tuple[str, ...]], list[str]]) -> list[str]:
         """Stop the kubelet (so nothing restarts), then every container while containerd still
         runs, so their shims exit by themselves. Returns the names `terminate` stopped."""
-        stopped = terminate(("kube-proxy", "kubelet"))
+        stopped = terminate(("kube-router", "kube-proxy", "kubelet"))
         if CONTAINERD_SOCKET.exists() and self.containerd_ready():
             self.purge_containers()
         return stopped
@@ -557,12 +576,14 @@ def host_footprint() -> set[str]:
     for table in ("filter", "nat", "mangle"):
         rules = _run("iptables", "-t", table, "-S", check=False).stdout
         found |= {f"iptables -t {table} {r}" for r in rules.splitlines() if "KUBE" in r or "epd-real-node" in r}
+    found |= {f"ipset {name}" for name in _kube_router_ipsets()}
     found |= {f"process {pid}" for pid in _shim_pids() + _kubepods_pids()}
     for entry in Path("/proc").iterdir():
         with contextlib.suppress(OSError):
             if entry.name.isdigit() and Path(os.readlink(entry / "exe")).name in (
                 "kubelet",
                 "kube-proxy",
+                "kube-router",
                 "containerd",
             ):
                 found.add(f"process {entry.name} {os.readlink(entry / 'exe')}")
@@ -645,6 +666,17 @@ def _iptables_cleanup(layout: NodeLayout) -> None:
     proxy = binaries.bin_dir(binaries.NODE) / "kube-proxy"
     if os.access(proxy, os.X_OK):
         _run(proxy, "--cleanup", check=False, timeout=60)
+    # kube-router's own --cleanup-config leaves its top chains (2.1.0) and then panics in its
+    # service proxy's cleanup: its chains go here, then its ipsets (only unused ones can).
+    chains = _kube_router_chains()
+    for chain in chains:
+        for rule in _referring_rules("filter", chain):
+            _run("iptables", "-t", "filter", *rule, check=False)
+    for flag in ("-F", "-X"):
+        for chain in chains:
+            _run("iptables", "-t", "filter", flag, chain, check=False)
+    for name in _kube_router_ipsets():
+        _run("ipset", "destroy", name, check=False)
     for table, chains in KUBELET_CHAINS.items():
         for chain in chains:
             for rule in _referring_rules(table, chain):
@@ -653,13 +685,31 @@ def _iptables_cleanup(layout: NodeLayout) -> None:
             _run("iptables", "-t", table, "-X", chain, check=False)
 
 
+def _kube_router_chains() -> list[str]:
+    """kube-router's network policy chains in the filter table."""
+    out = _run("iptables", "-t", "filter", "-S", check=False)
+    return [
+        words[1]
+        for words in (line.split() for line in out.stdout.splitlines())
+        if words[:1] == ["-N"] and words[1].startswith(KUBE_ROUTER_CHAINS)
+    ]
+
+
+def _kube_router_ipsets() -> list[str]:
+    """The ipsets kube-router keeps for pods and policies (it names them all KUBE-*)."""
+    if shutil.which("ipset") is None:
+        return []
+    out = _run("ipset", "list", "-n", check=False)
+    return [name for name in out.stdout.split() if name.startswith("KUBE-")]
+
+
 def _referring_rules(table: str, chain: str) -> list[list[str]]:
     """`-D ...` arguments deleting every rule that jumps to `chain`."""
     out = _run("iptables", "-t", table, "-S", check=False)
     rules = []
     for line in out.stdout.splitlines():
-        words = line.split()
-        if words[:1] == ["-A"] and f"-j {chain}" in line and words[1] != chain:
+        words = shlex.split(line)  # comments are quoted
+        if words[:1] == ["-A"] and words[-2:] == ["-j", chain] and words[1] != chain:
             rules.append(["-D", *words[1:]])
     return rules
 
