@@ -71,7 +71,8 @@ def test_vime_args_from_the_live_status(cluster, namespace, deployment):
         vllm_model_encoder_endpoints={
             "actor": ("actor", [url for name, url in engine_containers(actor) if name.startswith("encoder-")]),
         },
-        vllm_model_routers={"actor": router, "reward": (reward_ip, port_of(reward, "proxy"))},
+        # The text-only reward model has no encoder, so no proxy: its one engine is the front.
+        vllm_model_routers={"actor": router, "reward": (reward_ip, port_of(reward, "regular-0"))},
         vllm_router_ip=router[0],  # no model is named "default": the first model's router
         vllm_router_port=router[1],
     )
