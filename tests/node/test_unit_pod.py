@@ -63,6 +63,9 @@ def deployed(cluster, helm_operator, node_namespace, tiny_model_claim, reference
         [{"workerType": "encoder", "numGpus": 1}, {"workerType": "regular", "numGpus": 2}],
         ecStorage={"maxBytes": BUDGET},
         serverDevMode=True,
+        # Priming gives up after 15 s (retries included): the encoder fault test sees the
+        # proxy's 502 before the restarted encoder is back.
+        proxy={"primeTimeoutSeconds": 15},
     )
     cluster.kubectl("apply", "-n", node_namespace, "-f", "-", input=yaml.safe_dump(unit))
     yield wait_ready(cluster, node_namespace, UNIT)["status"]
@@ -401,19 +404,32 @@ def test_text_only_through_the_front_service_never_reaches_the_encoder(cluster, 
 
 # --------------------------------------------------------------------------- the NetworkPolicy, enforced by kube-router
 
-# Each target host:port -> whether a TCP connection opened within 3 s.
+# Each target host:port -> whether a TCP connection opened within 20 s. It retries: kube-router
+# admits a new pod's address only once it has seen the pod (its ipsets follow pod events).
 CONNECT = """
-import json, socket, sys
+import json, socket, sys, threading, time
+
 found = {}
-for target in sys.argv[1:]:
+
+def attempt(target):
     host, port = target.rsplit(":", 1)
-    with socket.socket() as sock:
-        sock.settimeout(3)
-        try:
-            sock.connect((host, int(port)))
-            found[target] = True
-        except OSError:
-            found[target] = False
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        with socket.socket() as sock:
+            sock.settimeout(2)
+            try:
+                sock.connect((host, int(port)))
+                found[target] = True
+                return
+            except OSError:
+                time.sleep(0.5)
+    found[target] = False
+
+threads = [threading.Thread(target=attempt, args=(t,)) for t in sys.argv[1:]]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
 print(json.dumps(found))
 """
 
@@ -653,6 +669,19 @@ async def test_the_janitor_trims_the_store_to_its_budget(cluster, deployed, node
 # --------------------------------------------------------------------------- faults
 
 
+def unscraped(models: list[dict]) -> list[dict]:
+    """The models' status without the janitors' counters, which move by themselves (an earlier
+    test's cache miss is judged, entries are evicted) while the node restarts."""
+    scraped = ("ecEvictions", "fallbackEncodes")
+    return [
+        {
+            **{k: v for k, v in model.items() if k not in scraped},
+            "units": [{k: v for k, v in u.items() if k not in scraped} for u in model["units"]],
+        }
+        for model in models
+    ]
+
+
 def test_restarting_the_kubelet_and_containerd_leaves_the_engines_serving(cluster, deployed, node_namespace):
     before_pod, before_status = (
         unit_pod(cluster, node_namespace),
@@ -672,7 +701,7 @@ def test_restarting_the_kubelet_and_containerd_leaves_the_engines_serving(cluste
     after = unit_pod(cluster, node_namespace)
     assert kubelet_view(after) == kubelet_view(before_pod), "no container was restarted or replaced"
     status = get(cluster, "epd", UNIT, "-n", node_namespace)["status"]
-    assert status["models"] == before_status["models"]
+    assert unscraped(status["models"]) == unscraped(before_status["models"])
 
 
 def test_a_drain_waits_while_the_disruption_budget_is_spent(cluster, deployed, node_namespace):
@@ -765,7 +794,8 @@ def test_a_killed_consumer_is_restarted_and_the_status_and_events_say_so(cluster
             (dt.datetime.fromisoformat(e["metadata"]["creationTimestamp"]), e["reason"], e["message"])
             for e in events["items"]
         )
-        return [(reason, message) for when, reason, message in created if when >= since]
+        # The units' own story; the janitor's ECEvicted reports go on meanwhile.
+        return [(reason, message) for when, reason, message in created if when >= since and reason.startswith("Unit")]
 
     found = wait_for(lambda: (r := reasons()) and r[-1][0] == "UnitReady" and r, 60, "the UnitReady event")
     assert [reason for reason, _ in found] == ["UnitUnready", "UnitReady"], found
