@@ -61,7 +61,9 @@ def test_every_rendered_router_command_is_read_as_intended(router_binary: Path) 
         args = result["args"]
         consumers = [e for e in plan.engines if e.worker_type != "encoder"]
         url = "http://127.0.0.1:{}".format
-        assert (args["host"], args["port"]) == ("0.0.0.0", plan.router.port), key
+        # Behind the EPD proxy (every model with encoders) it serves the pod's loopback only.
+        host = "127.0.0.1" if plan.proxy else "0.0.0.0"
+        assert (args["host"], args["port"]) == (host, plan.router.port), key
         assert args["policy"] == raw_spec(key.split("/")[0], version).get("router", {}).get("policy", "round_robin")
         if any(e.worker_type == "prefill" for e in consumers):
             assert args["vllm_pd_disaggregation"] and args["kv_connector"] == "nixl", key
@@ -96,7 +98,7 @@ def _free_port() -> int:
 @pytest.mark.parametrize("case", ["encoder-prefill-decode", "overrides-regular"])
 def test_the_binary_starts_with_a_rendered_command(router_binary: Path, case: str) -> None:
     raw = raw_spec(case, VERSIONS[-1])
-    raw["ports"] = {"router": _free_port()}
+    raw["ports"] = {"router": _free_port(), "routerLoopback": _free_port()}
     raw["router"] = {**raw.get("router", {}), "extraArgs": ["--prometheus-port", str(_free_port())]}
     [plan] = render(validate(raw), **OBJECT)
     proc = subprocess.Popen(
@@ -117,7 +119,8 @@ def test_the_binary_starts_with_a_rendered_command(router_binary: Path, case: st
         proc.wait(timeout=10)
         reader.join(timeout=10)
     output = "".join(lines)
-    assert f"Starting router on 0.0.0.0:{plan.router.port}" in output, output[-3000:]
+    host = "127.0.0.1" if plan.proxy else "0.0.0.0"
+    assert f"Starting router on {host}:{plan.router.port}" in output, output[-3000:]
     for engine in plan.engines:
         listed = f'"http://127.0.0.1:{engine.port}"' in output
         assert listed == (engine.worker_type != "encoder"), (engine.container_name, output[-3000:])
