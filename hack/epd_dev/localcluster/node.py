@@ -668,12 +668,12 @@ def _iptables_cleanup(layout: NodeLayout) -> None:
         _run(proxy, "--cleanup", check=False, timeout=60)
     # kube-router's own --cleanup-config leaves its top chains (2.1.0) and then panics in its
     # service proxy's cleanup: its chains go here, then its ipsets (only unused ones can).
-    chains = _kube_router_chains()
-    for chain in chains:
+    router_chains = _kube_router_chains()
+    for chain in router_chains:
         for rule in _referring_rules("filter", chain):
             _run("iptables", "-t", "filter", *rule, check=False)
     for flag in ("-F", "-X"):
-        for chain in chains:
+        for chain in router_chains:
             _run("iptables", "-t", "filter", flag, chain, check=False)
     for name in _kube_router_ipsets():
         _run("ipset", "destroy", name, check=False)
