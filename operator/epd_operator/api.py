@@ -585,7 +585,7 @@ class EPDDeploymentSpec(Schema):
     pod_security_context: OpenObject | None = Field(
         default=None,
         description=(
-            "Merged over the pods' securityContext (default: runAsNonRoot, uid/gid 1000, seccomp RuntimeDefault: "
+            "Merged over the pods' securityContext (default: runAsNonRoot, uid/gid 65532, seccomp RuntimeDefault: "
             "Pod Security restricted), for images that need another uid or an fsGroup."
         ),
     )
