@@ -345,11 +345,18 @@ async def _ask(cluster: Any, namespace: str, status: dict[str, Any], reference_s
     )
 
 
-def front_service_url(cluster: Any, namespace: str) -> str:
-    """The unit's front Service at its ClusterIP, as any client in the cluster reaches it."""
-    services = get_json(cluster, "services", "-n", namespace, "-l", f"epd.vime.dev/deployment={NAME}")
+def front_service(cluster: Any, namespace: str, deployment: str = NAME) -> dict[str, Any]:
+    """The deployment's front Service: of its Services, the one with a ClusterIP (the other is
+    its units' headless governing Service)."""
+    services = get_json(cluster, "services", "-n", namespace, "-l", f"epd.vime.dev/deployment={deployment}")
     (front,) = [s for s in services["items"] if s["spec"].get("clusterIP") != "None"]
-    return f"http://{front['spec']['clusterIP']}:{front['spec']['ports'][0]['port']}"
+    return dict(front)
+
+
+def front_service_url(cluster: Any, namespace: str, deployment: str = NAME) -> str:
+    """The deployment's front Service at its ClusterIP, as any client in the cluster reaches it."""
+    spec = front_service(cluster, namespace, deployment)["spec"]
+    return f"http://{spec['clusterIP']}:{spec['ports'][0]['port']}"
 
 
 def post(base: str, path: str, body: dict[str, Any], timeout: float = 120) -> dict[str, Any]:

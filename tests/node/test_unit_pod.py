@@ -31,7 +31,7 @@ import pytest
 import yaml
 
 from epd_client import Endpoints, EPDClient, prime_encoder, vime_rollout_args
-from epd_dev.demo_serving import containers, post
+from epd_dev.demo_serving import containers, front_service, front_service_url, post
 from epd_dev.images import recipes
 from epd_dev.localcluster import node
 from epd_dev.operator_process import wait_for
@@ -95,9 +95,8 @@ def pod_ready(pod: dict) -> bool:
 
 
 def front_endpoints(cluster, namespace: str) -> list[dict]:
-    """The endpoints of the unit's front Service (the one with a ClusterIP), from its EndpointSlices."""
-    services = get(cluster, "services", "-n", namespace, "-l", f"epd.vime.dev/deployment={UNIT}")["items"]
-    (front,) = [s["metadata"]["name"] for s in services if s["spec"].get("clusterIP") != "None"]
+    """The endpoints of the unit's front Service, from its EndpointSlices."""
+    front = front_service(cluster, namespace, UNIT)["metadata"]["name"]
     slices = get(cluster, "endpointslices", "-n", namespace, "-l", f"kubernetes.io/service-name={front}")["items"]
     return [e for s in slices for e in s.get("endpoints") or []]
 
@@ -280,14 +279,6 @@ async def test_text_only_requests_bypass_the_encoder(cluster, deployed, node_nam
 # --------------------------------------------------------------------------- any OpenAI client, through the front Service
 
 
-def front_service_url(cluster, namespace: str) -> str:
-    """The unit's front Service as a client in the cluster reaches it: its ClusterIP (kube-proxy
-    sends it on to the EPD proxy of a ready unit)."""
-    services = get(cluster, "services", "-n", namespace, "-l", f"epd.vime.dev/deployment={UNIT}")["items"]
-    (front,) = [s for s in services if s["spec"].get("clusterIP") != "None"]
-    return f"http://{front['spec']['clusterIP']}:{front['spec']['ports'][0]['port']}"
-
-
 @dataclasses.dataclass(frozen=True)
 class EncoderLoad:
     """What the encoder served, and what the store and the janitor saw, at one look."""
@@ -338,7 +329,7 @@ def test_an_openai_client_through_the_front_service_gets_the_aggregated_answer(
 ):
     msgs = messages(image_part((40, 90, 220)), image_part((220, 90, 40)), text="two colours")
     before = EncoderLoad.of(cluster, node_namespace, deployed)
-    answer = sdk(front_service_url(cluster, node_namespace)).chat.completions.create(
+    answer = sdk(front_service_url(cluster, node_namespace, UNIT)).chat.completions.create(
         **chat_request(msgs, logprobs=True)
     )
     # The janitor judges an entry once it is GRACE_SECONDS old, at its next sweep (every 2 s).
@@ -359,7 +350,7 @@ def test_an_openai_client_through_the_front_service_gets_the_aggregated_answer(
 
 
 def test_a_stream_through_the_front_service_gives_the_same_tokens(cluster, deployed, node_namespace):
-    client = sdk(front_service_url(cluster, node_namespace))
+    client = sdk(front_service_url(cluster, node_namespace, UNIT))
     msgs = messages(image_part((130, 200, 60)), text="one colour")
     before = EncoderLoad.of(cluster, node_namespace, deployed)
     whole = client.chat.completions.create(**chat_request(msgs))
@@ -384,7 +375,7 @@ def test_responses_input_images_are_primed_through_the_front_service(cluster, de
         "extra_body": {"ignore_eos": True},
     }
     before = EncoderLoad.of(cluster, node_namespace, deployed)
-    answer = sdk(front_service_url(cluster, node_namespace)).responses.create(**request)
+    answer = sdk(front_service_url(cluster, node_namespace, UNIT)).responses.create(**request)
     after = EncoderLoad.of(cluster, node_namespace, deployed)
     assert answer.output_text == sdk(reference_url(reference)).responses.create(**request).output_text
     assert after.finished - before.finished == 1
@@ -392,7 +383,7 @@ def test_responses_input_images_are_primed_through_the_front_service(cluster, de
 
 
 def test_text_only_through_the_front_service_never_reaches_the_encoder(cluster, deployed, node_namespace, reference):
-    client = sdk(front_service_url(cluster, node_namespace))
+    client = sdk(front_service_url(cluster, node_namespace, UNIT))
     before = EncoderLoad.of(cluster, node_namespace, deployed)
     request = chat_request([{"role": "user", "content": "no picture here"}])
     answer = client.chat.completions.create(**request)
@@ -483,7 +474,7 @@ def test_the_network_policy_admits_only_the_namespace_to_the_serving_ports(clust
     ip = pod["status"]["podIP"]
     front, encoder = f"{ip}:8000", encoder_url(deployed).removeprefix("http://")
     janitor, proxy_metrics = f"{ip}:9400", f"{ip}:9401"
-    service = front_service_url(cluster, node_namespace).removeprefix("http://")
+    service = front_service_url(cluster, node_namespace, UNIT).removeprefix("http://")
     # The unit's namespace (its clients by default; the operator runs there too, so the janitor's
     # metrics port is open to it): the front door and the engines, not the proxy's metrics.
     assert reachable_from(cluster, node_namespace, [front, service, encoder, janitor, proxy_metrics]) == {
