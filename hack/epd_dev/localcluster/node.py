@@ -33,7 +33,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -668,21 +668,22 @@ def _iptables_cleanup(layout: NodeLayout) -> None:
         _run(proxy, "--cleanup", check=False, timeout=60)
     # kube-router's own --cleanup-config leaves its top chains (2.1.0) and then panics in its
     # service proxy's cleanup: its chains go here, then its ipsets (only unused ones can).
-    router_chains = _kube_router_chains()
-    for chain in router_chains:
-        for rule in _referring_rules("filter", chain):
-            _run("iptables", "-t", "filter", *rule, check=False)
-    for flag in ("-F", "-X"):
-        for chain in router_chains:
-            _run("iptables", "-t", "filter", flag, chain, check=False)
+    _remove_chains("filter", _kube_router_chains())
     for name in _kube_router_ipsets():
         _run("ipset", "destroy", name, check=False)
     for table, chains in KUBELET_CHAINS.items():
+        _remove_chains(table, chains)
+
+
+def _remove_chains(table: str, chains: Sequence[str]) -> None:
+    """Delete `chains` and every rule jumping to them; all are flushed before any is deleted, as
+    they may jump to each other (kube-router's do)."""
+    for chain in chains:
+        for rule in _referring_rules(table, chain):
+            _run("iptables", "-t", table, *rule, check=False)
+    for flag in ("-F", "-X"):
         for chain in chains:
-            for rule in _referring_rules(table, chain):
-                _run("iptables", "-t", table, *rule, check=False)
-            _run("iptables", "-t", table, "-F", chain, check=False)
-            _run("iptables", "-t", table, "-X", chain, check=False)
+            _run("iptables", "-t", table, flag, chain, check=False)
 
 
 def _kube_router_chains() -> list[str]:
