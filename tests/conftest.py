@@ -1,12 +1,27 @@
-"""Shared pytest configuration: the real local control plane and the operator are session fixtures."""
+"""Shared pytest configuration: the real local control plane and the operator are session
+fixtures; STAND-IN servers (tests/client, tests/proxy) are entered on one ExitStack per test."""
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 
 import pytest
 
 from epd_dev.operator_process import OperatorProcess, install_crd
+from epd_dev.standins.vllm_server import StandinServer
 
 pytest_plugins = ["tests.controlplane.fixtures"]
+
+
+@pytest.fixture
+def stack() -> Iterator[ExitStack]:
+    with ExitStack() as stack:
+        yield stack
+
+
+@pytest.fixture
+def server(stack: ExitStack) -> Callable[..., StandinServer]:
+    """``server(**kw)``: a stand-in vLLM server on its own thread, stopped after the test."""
+    return lambda **kw: stack.enter_context(StandinServer(**kw))
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,7 @@ thread so they keep serving whatever the test's event loop is doing."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import ExitStack
 
 import pytest
@@ -12,17 +12,6 @@ from epd_dev.standins.fault_proxy import FaultProxy
 from epd_dev.standins.vllm_server import StandinServer
 
 from .helpers import UnitServers
-
-
-@pytest.fixture
-def stack() -> Iterator[ExitStack]:
-    with ExitStack() as stack:
-        yield stack
-
-
-@pytest.fixture
-def server(stack: ExitStack) -> Callable[..., StandinServer]:
-    return lambda **kw: stack.enter_context(StandinServer(**kw))
 
 
 @pytest.fixture

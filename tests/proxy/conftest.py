@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +15,6 @@ import pytest
 
 from epd_client import Primer, RetryPolicy
 from epd_dev.standins.fault_proxy import FaultProxy
-from epd_dev.standins.vllm_server import StandinServer
 from epd_operator.proxy.core import DNSTarget
 from epd_operator.proxy.encoders import Encoders, Resolve, resolve_addresses
 from epd_operator.proxy.metrics import ProxyMetrics
@@ -34,17 +33,6 @@ class RunningProxy:
     async def metrics_text(self) -> str:
         async with aiohttp.ClientSession() as http, http.get(self.admin_url + "/metrics") as response:
             return await response.text()
-
-
-@pytest.fixture
-def stack() -> Iterator[ExitStack]:
-    with ExitStack() as stack:
-        yield stack
-
-
-@pytest.fixture
-def server(stack: ExitStack) -> Callable[..., StandinServer]:
-    return lambda **kw: stack.enter_context(StandinServer(**kw))
 
 
 @pytest.fixture
