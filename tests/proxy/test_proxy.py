@@ -378,3 +378,22 @@ async def test_an_answer_broken_off_upstream_is_broken_off_for_the_client(start_
             assert response.status == 200
             with pytest.raises(aiohttp.ClientPayloadError):
                 await response.read()
+
+
+async def test_a_whole_answer_broken_off_upstream_is_a_502(start_proxy, http, server):
+    """An answer of known length is read whole before anything goes out, so when the upstream
+    drops it halfway the client can still get a proper error instead of a cut body."""
+
+    async def half_a_body(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{"id": ')
+        await writer.drain()
+        writer.transport.abort()
+
+    listener = await asyncio.start_server(half_a_body, "127.0.0.1", 0)
+    async with listener:
+        port = listener.sockets[0].getsockname()[1]
+        proxy = await start_proxy(f"http://127.0.0.1:{port}", [server().url])
+        status, answer, _ = await post(http, proxy.url + "/v1/completions", {"prompt": "x"})
+    assert (status, answer["error"]["type"]) == (502, "BadGatewayError")
+    assert "broke off" in answer["error"]["message"]

@@ -17,8 +17,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import heapq
+import itertools
 import json
 import re
+import threading
+import time
+from collections.abc import Callable
 from typing import cast
 
 _LENGTH = re.compile(rb"\r\ncontent-length:\s*(\d+)", re.IGNORECASE)
@@ -53,11 +58,39 @@ _FIRST_EVENT = _chunk(_EVENT)
 _REST = _chunk(_EVENT) * 3 + _chunk(b"data: [DONE]\n\n") + _chunk(b"")
 
 
+class _Clock:
+    """Service times to the microsecond. The event loop's timers are not: uvloop's (libuv's)
+    count whole milliseconds from a cached loop time, so a 2.5 ms delay would end 2 to 3.5 ms
+    later depending on where in the millisecond the request came, and the proxy's extra hop
+    would move requests across those boundaries, adding up to a millisecond that is not the
+    proxy's. One thread sleeps until the earliest deadline and hands the write to the loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._due: list[tuple[float, int, Callable[[], None]]] = []
+        self._order = itertools.count()  # ties in deadline keep their order
+        self._changed = threading.Condition()
+        threading.Thread(target=self._run, name="standin-clock", daemon=True).start()
+
+    def call_later(self, seconds: float, callback: Callable[[], None]) -> None:
+        with self._changed:
+            heapq.heappush(self._due, (time.monotonic() + seconds, next(self._order), callback))
+            self._changed.notify()
+
+    def _run(self) -> None:
+        with self._changed:
+            while True:
+                now = time.monotonic()
+                while self._due and self._due[0][0] <= now:
+                    self._loop.call_soon_threadsafe(heapq.heappop(self._due)[2])
+                self._changed.wait(self._due[0][0] - now if self._due else None)
+
+
 class _Connection(asyncio.Protocol):
-    def __init__(self) -> None:
+    def __init__(self, clock: _Clock) -> None:
         self._buffer = bytearray()
         self._transport: asyncio.Transport | None = None
-        self._loop = asyncio.get_running_loop()
+        self._clock = clock
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
@@ -86,7 +119,7 @@ class _Connection(asyncio.Protocol):
 
     def _later(self, seconds: float, data: bytes) -> None:
         if seconds:
-            self._loop.call_later(seconds, self._write, data)
+            self._clock.call_later(seconds, lambda: self._write(data))
         else:
             self._write(data)
 
@@ -96,7 +129,9 @@ class _Connection(asyncio.Protocol):
 
 
 async def _serve(port: int) -> None:
-    server = await asyncio.get_running_loop().create_server(_Connection, "127.0.0.1", port)
+    loop = asyncio.get_running_loop()
+    clock = _Clock(loop)
+    server = await loop.create_server(lambda: _Connection(clock), "127.0.0.1", port)
     print(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", flush=True)
     await server.serve_forever()
 
