@@ -7,6 +7,7 @@ import random
 
 import kopf
 
+from . import indexing_gate
 from .loop import event_loop
 from .settings import Settings
 
@@ -57,6 +58,7 @@ def run(
     from . import handlers  # noqa: F401  (registers the handlers)
     from .reconciler import Reconciler
 
+    indexing_gate.install()
     reconciler = Reconciler(settings)
     if metrics_port:
         reconciler.metrics.serve(metrics_port)

@@ -1,12 +1,19 @@
 """The operator process (runner.py): its event loop is uvloop, a runtime dependency on Linux, as
-`kopf run` would pick it (docs/performance.md); its memo is shared by every watched object."""
+`kopf run` would pick it (docs/performance.md); its memo is shared by every watched object; kopf's
+indexing gate wakes its waiters once (indexing_gate.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import inspect
 
 import uvloop
+from kopf._cogs.aiokits import aiotoggles
+from kopf._core.reactor import orchestration
 
+from epd_operator import indexing_gate
+from epd_operator.indexing_gate import QuietToggleSet
 from epd_operator.loop import event_loop
 from epd_operator.runner import SharedMemo
 
@@ -21,3 +28,38 @@ def test_every_watched_object_shares_the_one_memo():
     memo = SharedMemo(reconciler="the reconciler")
     assert copy.copy(memo) is memo
     assert memo.reconciler == "the reconciler"  # still kopf's attribute-style Memo
+
+
+async def test_the_indexing_gate_wakes_its_waiters_only_when_it_opens(monkeypatch):
+    """kopf holds every listed object's worker on one ToggleSet until every index is filled;
+    kopf's own set wakes them all on each of its n changes (n^2 at a restart beside thousands of
+    objects), this one on the one change they wait for."""
+    gate = QuietToggleSet(all)
+    blocker = await gate.make_toggle(name="orchestration blocker")
+    wakeups = 0
+    notify_all = gate._condition.notify_all
+
+    def counted() -> None:
+        nonlocal wakeups
+        wakeups += len(gate._condition._waiters)
+        notify_all()
+
+    monkeypatch.setattr(gate._condition, "notify_all", counted)
+    waiters = [asyncio.create_task(gate.wait_for(True)) for _ in range(500)]
+    await asyncio.sleep(0)  # every waiter waits
+    toggles = [await gate.make_toggle(name=f"object {i}") for i in range(500)]
+    for toggle in toggles:
+        await gate.drop_toggle(toggle)
+    await asyncio.sleep(0)
+    assert not any(w.done() for w in waiters) and wakeups == 0  # still closed: nobody woken
+    await gate.drop_toggle(blocker)
+    await asyncio.wait_for(asyncio.gather(*waiters), 5)  # open: every waiter through, woken once
+    assert wakeups == 500
+
+
+def test_kopf_makes_its_gates_of_the_quiet_kind_once_installed(monkeypatch):
+    monkeypatch.setattr(aiotoggles, "ToggleSet", aiotoggles.ToggleSet)  # undone after the test
+    indexing_gate.install()
+    assert aiotoggles.ToggleSet is QuietToggleSet
+    # kopf's orchestration builds the gate from the module's attribute, at run time.
+    assert "aiotoggles.ToggleSet(all)" in inspect.getsource(orchestration)
