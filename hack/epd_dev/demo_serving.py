@@ -247,10 +247,11 @@ def serve(
         return status if status.get("phase") == "Ready" else None
 
     status = wait_for(scheduled, 120, f"epd/{NAME} to be Ready on kwok's node")
-    (unit,) = status["models"][0]["units"]
-    pod = get_json(cluster, "pod", unit["pod"], "-n", namespace)
+    found = serving.discover_ready(cluster.kubeconfig, NAME, namespace)
+    (unit,) = found.model(serving.MODEL).units
+    pod = get_json(cluster, "pod", unit.name, "-n", namespace)
     say(
-        f"REAL  the operator made pod {unit['pod']}; kwok bound it to {unit['node']} (pod IP "
+        f"REAL  the operator made pod {unit.name}; kwok bound it to {unit.node} (pod IP "
         f"{pod['status']['podIP']}). Its containers now run HERE, on the CPU, as the kubelet would start "
         "them: the encoder sidecar first, on its startup probe; then prefill and decode; then the router."
     )
@@ -270,7 +271,7 @@ def serve(
         reference.wait_healthy()
     say(f"REAL  the unit is serving, {time.monotonic() - began:.0f}s after its first container started")
     answer = asyncio.run(
-        _ask(serving.localized(status, runner), runner, reference, Path(status["models"][0]["ecStoragePath"]), kv_store)
+        _ask(serving.localized(found, runner), runner, reference, Path(status["models"][0]["ecStoragePath"]), kv_store)
     )
     print_answer(answer)
     return answer

@@ -4,7 +4,8 @@
 
 It remembers, per EPDDeployment, the hash of the status it last wrote (or found right), so the
 event filter can tell the echo of its own patch, and the API server's refusal of a child, which
-the status says until a write goes through.
+the status says until a write goes through; and its pods as last observed (status.Observations),
+so that a refresh observes again only the pods that changed.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from .kube import KubeSession
 from .metrics import OperatorMetrics
 from .plans import Planned
 from .resources import digest
-from .status import compute_status, encoder_gates, invalid_status
+from .status import Observations, compute_status, encoder_gates, invalid_status
 from .validation import SpecError
 
 KOPF_FIELD = "kopf"  # kopf's own bookkeeping in the status: not the operator's
@@ -53,6 +54,7 @@ class StatusWriter:
         self._inform = inform
         self._requeue_after = requeue_after
         self._clock = clock
+        self._observations: dict[Key, Observations] = {}
         # Per (key, StatefulSet) lacking pods: since when, and its FailedCreate Event as last read.
         self._lacking: dict[tuple[Key, str], float] = {}
         self._create_failures: dict[tuple[Key, str], tuple[float, str | None]] = {}
@@ -77,6 +79,7 @@ class StatusWriter:
     def forget(self, key: Key) -> None:
         self._written.pop(key, None)
         self._refusals.pop(key, None)
+        self._observations.pop(key, None)
         for entries in (self._lacking, self._create_failures):
             for ref in [ref for ref in entries if ref[0] == key]:
                 del entries[ref]
@@ -91,7 +94,7 @@ class StatusWriter:
             deployment=name,
             spec=planned.spec,
             plans=planned.plans,
-            pods=indexes.pod_trees(key),
+            pods=indexes.pod_summaries(key),
             stateful_sets={s.name: s for s in indexes.stateful_sets.get(key, ())},
             generation=body.metadata.get("generation"),
             previous=previous,
@@ -100,6 +103,7 @@ class StatusWriter:
             fallback_encodes=self._scraper.fallback_encodes(key),
             write_failure=self._refusals.get(key),
             create_failures=failures,
+            observations=self._observations.setdefault(key, Observations()),
         )
         self._metrics.set_ready_units(namespace, name, sum(m["readyUnits"] for m in status["models"]))
         self._written[key] = status_hash(status)
@@ -159,7 +163,7 @@ class StatusWriter:
         if not any(plan.pooled for plan in planned.plans):
             return
         namespace, name = key
-        gates = encoder_gates(name, planned.spec, planned.plans, indexes.pod_trees(key), now())
+        gates = encoder_gates(name, planned.spec, planned.plans, indexes.pod_summaries(key), now())
         kube = self._session.client
         await asyncio.gather(*(kube.patch_pod_condition(namespace, pod, c) for pod, c in gates.items()))
 

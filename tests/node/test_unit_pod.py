@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from epd_client import Endpoints, EPDClient
+from epd_client import EPDClient
 from epd_dev.localcluster import node
 from epd_dev.vllm import payloads
 from epd_dev.vllm.payloads import image_part, messages
 from epd_dev.vllm.real_node import node_manifest
+from epd_dev.vllm.serving import discover_ready
 from epd_operator.resources import UNIT_UID
 from tests.node.conftest import get, wait_ready
 
@@ -122,13 +123,13 @@ def test_the_janitor_runs_and_serves_its_metrics(cluster, deployed, node_namespa
     assert "epd_ec" in text
 
 
-async def test_epd_client_answers_as_one_aggregated_engine(deployed):
-    """prime -> render -> generate against the pod IPs of the status, as users' clients do."""
-    endpoints = Endpoints.from_status(deployed[UNIT])
+async def test_epd_client_answers_as_one_aggregated_engine(cluster, deployed, node_namespace):
+    """prime -> render -> generate against the pod IPs discover finds, as users' clients do."""
+    endpoints = discover_ready(cluster.kubeconfig, UNIT, node_namespace)
     msgs = messages(image_part((10, 200, 200)), image_part((200, 100, 0)), text="two pictures")
     async with EPDClient(endpoints) as client:
         epd = payloads.output(await client.generate(payloads.greedy(msgs, max_tokens=8), model_name=MODEL))
-    (ref_unit,) = Endpoints.from_status(deployed[REFERENCE]).model(MODEL).units
+    (ref_unit,) = discover_ready(cluster.kubeconfig, REFERENCE, node_namespace).model(MODEL).units
     reference = payloads.output(
         _post(
             ref_unit.entry_url,

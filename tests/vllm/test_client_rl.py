@@ -2,10 +2,10 @@
 
 One unit rendered from a real EPDDeployment (no cluster needed): one encoder and one regular
 engine, with spec.serverDevMode (the operator renders VLLM_SERVER_DEV_MODE=1; vLLM serves /pause and
-/resume only then). Its status is written here as the operator writes it, engine list
-included; the reference output is conftest's `aggregated` engine.
+/resume only then). Its endpoints are built here as discover gives them, engine list included;
+the reference output is conftest's `aggregated` engine.
 
-- a Vime rollout runs against vime_rollout_args(status) as Vime's default generate does;
+- a Vime rollout runs against vime_rollout_args(endpoints) as Vime's default generate does;
 - pause/resume reach every engine, the encoder included, and really hold generation;
 - after a weight update (simulated: X's embedding in the EC store replaced by Y's), the old
   weights version serves the stale embedding, a new one does not.
@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from epd_client import Endpoints, EPDClient, prime_encoder, vime_rollout_args
+from epd_client import Endpoints, Engine, EPDClient, ModelEndpoints, Unit, prime_encoder, vime_rollout_args
 from epd_dev.vllm import payloads, tiny_model
 from epd_dev.vllm.payloads import EMBEDDING_FILE, image_part, messages
 from epd_dev.vllm.serving import tiny_manifest
@@ -51,28 +51,17 @@ def unit(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def status(unit) -> dict:
-    """The unit's EPDDeployment status as the operator writes it (engines listed)."""
+def endpoints(unit) -> Endpoints:
+    """The unit's endpoints as discover gives them (engines listed)."""
     assert unit.router is None  # one consumer: render and generate go to it directly
     engines = [*unit.sidecars, *unit.consumers]
-    return {
-        "models": [
-            {
-                "name": MODEL,
-                "servedModelName": tiny_model.SERVED_NAME,
-                "ecStoragePath": unit.ec_storage_path,
-                "units": [
-                    {
-                        "name": unit.name,
-                        "ready": True,
-                        "encoderUrls": [e.url for e in unit.sidecars],
-                        "consumerUrls": [e.url for e in unit.consumers],
-                        "engines": [{"name": e.name, "role": e.name.rsplit("-", 1)[0], "url": e.url} for e in engines],
-                    }
-                ],
-            }
-        ]
-    }
+    found = Unit(
+        name=unit.name,
+        encoder_urls=tuple(e.url for e in unit.sidecars),
+        consumer_urls=tuple(e.url for e in unit.consumers),
+        engines=tuple(Engine(unit.name, e.name, e.name.rsplit("-", 1)[0], e.url) for e in engines),
+    )
+    return Endpoints((ModelEndpoints(MODEL, (found,), tiny_model.SERVED_NAME),))
 
 
 def reference(aggregated, msgs: list[dict]) -> tuple[list[int], list[float]]:
@@ -105,10 +94,10 @@ def is_paused(url: str) -> bool:
         return json.loads(resp.read())["is_paused"]
 
 
-async def test_a_vime_rollout_runs_unchanged_against_vime_args(unit, status, aggregated):
+async def test_a_vime_rollout_runs_unchanged_against_vime_args(unit, endpoints, aggregated):
     """Vime's default multimodal generate: prime_encoder(args, messages) with no model name,
     then render and generate at the model's router address from vllm_model_routers."""
-    args = vime_rollout_args(status)
+    args = vime_rollout_args(endpoints)
     assert args.vllm_model_encoder_endpoints == {MODEL: (tiny_model.SERVED_NAME, [e.url for e in unit.sidecars])}
     ip, port = args.vllm_model_routers[MODEL]
     assert (args.vllm_router_ip, args.vllm_router_port) == (ip, port)
@@ -122,9 +111,9 @@ async def test_a_vime_rollout_runs_unchanged_against_vime_args(unit, status, agg
     assert_same(output, reference(aggregated, msgs))
 
 
-async def test_pause_and_resume_hold_every_engine(unit, status):
+async def test_pause_and_resume_hold_every_engine(unit, endpoints):
     engines = [*unit.sidecars, *unit.consumers]
-    async with EPDClient(Endpoints.from_status(status)) as client:
+    async with EPDClient(endpoints) as client:
         assert [e.name for e in client.engines(MODEL)] == ["encoder-0", "regular-0"]
         await client.pause(MODEL)
         assert all(is_paused(e.url) for e in engines)
@@ -138,13 +127,13 @@ async def test_pause_and_resume_hold_every_engine(unit, status):
         assert len(payloads.output(await asyncio.wait_for(held, 60))[0]) == 6
 
 
-async def test_a_new_weights_version_never_reads_old_embeddings(unit, status, aggregated):
+async def test_a_new_weights_version_never_reads_old_embeddings(unit, endpoints, aggregated):
     store = Path(unit.ec_storage_path)
     (consumer,) = unit.consumers
     ref_x, ref_y = reference(aggregated, messages(image_part(X))), reference(aggregated, messages(image_part(Y)))
     assert ref_x[0] != ref_y[0]
 
-    async with EPDClient(Endpoints.from_status(status), weights_version="step-1") as client:
+    async with EPDClient(endpoints, weights_version="step-1") as client:
         # Step 1: X is generated (its embedding now cached by the consumer too), Y primed.
         assert_same(payloads.output(await client.generate(payloads.greedy(messages(image_part(X))))), ref_x)
         x_step1, y_step1 = messages(image_part(X)), messages(image_part(Y))

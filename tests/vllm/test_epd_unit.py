@@ -31,7 +31,7 @@ from epd_dev.operator_process import get_json, wait_for
 from epd_dev.proxy_process import ProxyProcess
 from epd_dev.vllm import payloads, tiny_model
 from epd_dev.vllm.payloads import EMBEDDING_FILE, image_part, messages
-from epd_dev.vllm.serving import localized, tiny_manifest
+from epd_dev.vllm.serving import discover_ready, localized, tiny_manifest
 from epd_dev.vllm.unit_runner import UnitRunner
 from tests.vllm.conftest import start_unit
 
@@ -92,11 +92,12 @@ def unit(cluster, vllm_namespace, epd_operator, tiny_model_dir, tmp_path_factory
         return obj["status"] if obj and obj.get("status", {}).get("phase") == "Ready" else None
 
     status = wait_for(ready_status, 120, f"epd/{NAME} to become Ready", lambda: epd_operator.tail(40))
-    (unit_status,) = status["models"][0]["units"]
-    pod = get_json(cluster, "pod", unit_status["pod"], "-n", vllm_namespace)
+    endpoints = discover_ready(cluster.kubeconfig, NAME, vllm_namespace)
+    (found,) = endpoints.model(MODEL).units
+    pod = get_json(cluster, "pod", found.name, "-n", vllm_namespace)
     runner = UnitRunner(pod, tmp_path_factory.mktemp("unit-logs"))
     with start_unit(runner, "encoder + 2 regular + router (operator's pod)"):
-        yield RunningUnit(runner, localized(status, runner, MODEL), Path(status["models"][0]["ecStoragePath"]))
+        yield RunningUnit(runner, localized(endpoints, runner, MODEL), Path(status["models"][0]["ecStoragePath"]))
 
 
 def test_the_operators_pod_runs_as_one_unit(unit):

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from epd_client import Endpoints, ModelEndpoints
+from epd_client import Endpoints, EPDClientError, ModelEndpoints, discover
 
+from ..operator_process import wait_for
 from . import tiny_model
 from .unit_runner import UnitRunner, free_port_range
 
@@ -121,16 +121,37 @@ def prefill_decode_groups(kv_store: Path) -> list[dict[str, Any]]:
     ]
 
 
-def localized(status: Mapping[str, Any], runner: UnitRunner, model: str = MODEL) -> Endpoints:
-    """`model`'s endpoints from an EPDDeployment status, its one unit run here by `runner`:
-    the status's URLs carry the pod IP, reachable here as 127.0.0.1 (the ports are the pod's)."""
-    found = Endpoints.from_status(status).model(model)
+def discover_ready(kubeconfig: Path, name: str, namespace: str, model: str = MODEL, timeout: float = 120) -> Endpoints:
+    """The EPDDeployment's endpoints once `discover` shows every unit of `model` ready: the
+    EndpointSlices that say where and how each unit is may trail the status that says Ready."""
+
+    def ready() -> Endpoints | None:
+        try:
+            endpoints = discover(name, namespace, kubeconfig=str(kubeconfig))
+        except EPDClientError:
+            return None
+        units = endpoints.model(model).units
+        return endpoints if units and all(u.ready for u in units) else None
+
+    found: Endpoints = wait_for(ready, timeout, f"epd/{name}'s units ready in its EndpointSlices")
+    return found
+
+
+def localized(endpoints: Endpoints, runner: UnitRunner, model: str = MODEL) -> Endpoints:
+    """`model`'s endpoints as `discover` gives them, its one unit run here by `runner`: its URLs
+    carry the pod IP, reachable here as 127.0.0.1 (the ports are the pod's)."""
+    found = endpoints.model(model)
     (unit,) = found.units
-    local = dataclasses.replace(
+
+    def local(url: str | None) -> str | None:
+        return runner.local_url(url) if url else None
+
+    moved = dataclasses.replace(
         unit,
         encoder_urls=tuple(map(runner.local_url, unit.encoder_urls)),
         consumer_urls=tuple(map(runner.local_url, unit.consumer_urls)),
-        router_url=runner.local_url(unit.router_url) if unit.router_url else None,
-        engines=tuple(dataclasses.replace(e, url=runner.local_url(e.url) if e.url else None) for e in unit.engines),
+        router_url=local(unit.router_url),
+        front_url=local(unit.front_url),
+        engines=tuple(dataclasses.replace(e, url=local(e.url)) for e in unit.engines),
     )
-    return Endpoints((ModelEndpoints(found.name, (local,), found.served_model_name),))
+    return Endpoints((ModelEndpoints(found.name, (moved,), found.served_model_name),))
