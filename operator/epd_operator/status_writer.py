@@ -6,12 +6,19 @@ It remembers, per EPDDeployment, the hash of the status it last wrote (or found 
 event filter can tell the echo of its own patch, and the API server's refusal of a child, which
 the status says until a write goes through; and its pods as last observed (status.Observations),
 so that a refresh observes again only the pods that changed.
+
+A status that only moves counts and messages (units starting, one by one) is written at most
+every `units x status_seconds_per_unit` seconds (at most STATUS_SPACING_MAX): a status write costs
+the same whatever the number of units, so at thousands of units this keeps the writes to a few
+per hundred units during a scale-up, while one a phase or a condition flips, or a new generation,
+goes at once (Ready is reported as soon as it is true).
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime
+import math
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -33,6 +40,7 @@ KOPF_FIELD = "kopf"  # kopf's own bookkeeping in the status: not the operator's
 # FailedCreate Events read, again every CREATE_FAILURE_RECHECK seconds while it lacks them.
 CREATE_FAILURE_GRACE = 10.0
 CREATE_FAILURE_RECHECK = 10.0
+STATUS_SPACING_MAX = 30.0
 
 
 class StatusWriter:
@@ -46,6 +54,7 @@ class StatusWriter:
         inform: Post,
         requeue_after: Callable[[Key, float], None] = lambda _key, _delay: None,
         clock: Callable[[], float] = time.monotonic,
+        seconds_per_unit: float = 0.0,
     ) -> None:
         self._session = session
         self._scraper = scraper
@@ -54,7 +63,9 @@ class StatusWriter:
         self._inform = inform
         self._requeue_after = requeue_after
         self._clock = clock
+        self._seconds_per_unit = seconds_per_unit
         self._observations: dict[Key, Observations] = {}
+        self._last_write: dict[Key, float] = {}  # when the status was last patched (clock)
         # Per (key, StatefulSet) lacking pods: since when, and its FailedCreate Event as last read.
         self._lacking: dict[tuple[Key, str], float] = {}
         self._create_failures: dict[tuple[Key, str], tuple[float, str | None]] = {}
@@ -80,13 +91,15 @@ class StatusWriter:
         self._written.pop(key, None)
         self._refusals.pop(key, None)
         self._observations.pop(key, None)
+        self._last_write.pop(key, None)
         for entries in (self._lacking, self._create_failures):
             for ref in [ref for ref in entries if ref[0] == key]:
                 del entries[ref]
 
     async def write(self, key: Key, body: kopf.Body, planned: Planned, indexes: Indexes) -> bool:
         """Patch the status computed from the pods and StatefulSets the indexes show, if it
-        changed; True if it did (a refusal said again writes nothing)."""
+        changed and may be written now (else a reconcile is queued for when it may); True if it
+        was (a refusal said again writes nothing)."""
         namespace, name = key
         previous = dict(body.status)
         failures = await self._read_create_failures(key, body, indexes)
@@ -106,9 +119,15 @@ class StatusWriter:
             observations=self._observations.setdefault(key, Observations()),
         )
         self._metrics.set_ready_units(namespace, name, sum(m["readyUnits"] for m in status["models"]))
-        self._written[key] = status_hash(status)
         if _same(status, previous):
+            self._written[key] = status_hash(status)
             return False
+        wait = self._spacing(status) - (self._clock() - self._last_write.get(key, -math.inf))
+        if wait > 0 and not flips(status, previous):
+            self._requeue_after(key, wait)
+            return False
+        self._written[key] = status_hash(status)
+        self._last_write[key] = self._clock()
         budget = _condition(status, "ECBudgetSufficient")
         if (
             budget["status"] == "False"
@@ -118,6 +137,10 @@ class StatusWriter:
         self._tell_the_rollout(body, previous, status)
         await self._session.client.patch_status(namespace, name, status)
         return True
+
+    def _spacing(self, status: Mapping[str, Any]) -> float:
+        units = sum(m.get("desiredUnits", 0) for m in status.get("models") or [])
+        return min(STATUS_SPACING_MAX, units * self._seconds_per_unit)
 
     async def _read_create_failures(self, key: Key, body: kopf.Body, indexes: Indexes) -> dict[str, str]:
         """Why each StatefulSet that has lacked pods for CREATE_FAILURE_GRACE seconds cannot create
@@ -181,6 +204,20 @@ class StatusWriter:
             and _condition(previous, "Degraded").get("reason") != "RolloutStalled"
         ):
             self._warn(body, "RolloutStalled", degraded["message"])
+
+
+def flips(status: Mapping[str, Any], previous: Mapping[str, Any]) -> bool:
+    """Whether `status` says more than how far its units are: another generation, phase, or the
+    value of a condition."""
+
+    def values(s: Mapping[str, Any]) -> dict[str, Any]:
+        return {c.get("type"): c.get("status") for c in s.get("conditions") or []}
+
+    return (
+        status.get("observedGeneration") != previous.get("observedGeneration")
+        or status.get("phase") != previous.get("phase")
+        or values(status) != values(previous)
+    )
 
 
 def status_hash(status: Mapping[str, Any]) -> str:
