@@ -36,6 +36,8 @@ from typing import Any
 
 import yaml
 
+from epd_client import EPDClientError, discover
+
 from . import demo_serving, operator_chart, paths
 from .demo_serving import print_explore, say
 from .images import build as images
@@ -218,24 +220,33 @@ def _wait_reconciled(cluster: Any, namespace: str, operator_log: Callable[[], st
 
 
 def _print_units(cluster: Any, namespace: str, label: str, names: tuple[str, ...]) -> None:
+    """Each unit as a client finds it (`discover`: the status and the units' EndpointSlices),
+    and why it is not ready as the status says."""
     items = get_json(cluster, "epd", "-n", namespace)["items"]
     rows = [("", "DEPLOYMENT", "UNIT", "NODE", "READY", "WHY NOT", "ENCODERS", "ENTRY (proxy, router or consumer)")]
     for item in items:
-        if item["metadata"]["name"] not in names:
+        name = item["metadata"]["name"]
+        if name not in names:
             continue
-        for model in item.get("status", {}).get("models", []):
-            for unit in model["units"]:
-                entry = unit.get("entryUrl") or unit.get("routerUrl") or ", ".join(unit.get("consumerUrls", []))
+        try:
+            endpoints = discover(name, namespace, kubeconfig=str(cluster.kubeconfig))
+        except EPDClientError as error:
+            rows.append((label, name, "-", "-", "False", str(error), "", ""))
+            continue
+        for model in endpoints.models:
+            status = next(m for m in item["status"]["models"] if m["name"] == model.name)
+            why = {u["name"]: u["reason"] for u in status.get("unready") or []}
+            for unit in model.units:
                 rows.append(
                     (
                         label,
-                        item["metadata"]["name"],
-                        unit["pod"],
-                        unit.get("node", "-"),
-                        str(unit["ready"]),
-                        unit.get("reason", ""),
-                        ", ".join(unit.get("encoderUrls", [])),
-                        entry,
+                        name,
+                        unit.name,
+                        unit.node or "-",
+                        str(unit.ready),
+                        why.get(unit.name, ""),
+                        ", ".join(unit.encoder_urls),
+                        unit.entry_url or "",
                     )
                 )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

@@ -236,19 +236,10 @@ def serve(cluster: Any, namespace: str, *, timeout: float = 1500) -> Answer:
     print(cluster.kubectl("get", "epd", NAME, REFERENCE, "-n", namespace).stdout.rstrip())
     began = time.monotonic()
     with Progress(cluster, namespace, (NAME, REFERENCE)) as progress:
-        status = wait_for(lambda: _scheduled(cluster, namespace), 180, f"the pod of epd/{NAME}")
-        (unit,) = status["models"][0]["units"]
-        pod = wait_for(
-            lambda: (
-                (found := get_json(cluster, "pod", unit["pod"], "-n", namespace))
-                and found["status"].get("podIP")
-                and found
-            ),
-            120,
-            f"pod {unit['pod']}'s IP",
-        )
+        pod = wait_for(lambda: _unit_pod(cluster, namespace), 180, f"the pod of epd/{NAME} on a node, with an IP")
+        unit = pod["metadata"]["name"]
         say(
-            f"REAL  the operator made pod {unit['pod']}; the scheduler bound it to {pod['spec']['nodeName']} "
+            f"REAL  the operator made pod {unit}; the scheduler bound it to {pod['spec']['nodeName']} "
             f"(pod IP {pod['status'].get('podIP')}). Its kubelet starts the containers in containerd: the encoder "
             "sidecar first, on its startup probe; then prefill and decode; then the router and the EPD proxy."
         )
@@ -269,21 +260,26 @@ def serve(cluster: Any, namespace: str, *, timeout: float = 1500) -> Answer:
             raise AssertionError(f"not Ready within {timeout:.0f}s: {out.stderr.strip()}")
     say(f"REAL  both Ready, {time.monotonic() - began:.0f}s after the apply")
     print(cluster.kubectl("get", "epd", NAME, REFERENCE, "-n", namespace).stdout.rstrip())
-    statuses = {name: get_json(cluster, "epd", name, "-n", namespace)["status"] for name in (NAME, REFERENCE)}
-    answer = asyncio.run(_ask(cluster, namespace, statuses[NAME], statuses[REFERENCE]))
+    status = get_json(cluster, "epd", NAME, "-n", namespace)["status"]
+    found = {name: serving.discover_ready(cluster.kubeconfig, name, namespace) for name in (NAME, REFERENCE)}
+    answer = asyncio.run(_ask(cluster, namespace, status["models"][0]["ecStoragePath"], found[NAME], found[REFERENCE]))
     print_answer(answer)
     return answer
 
 
-def _scheduled(cluster: Any, namespace: str) -> dict[str, Any] | None:
-    """The unit's status once its pod is bound to a node."""
+def _unit_pod(cluster: Any, namespace: str) -> dict[str, Any] | None:
+    """The unit's pod (its StatefulSet's first) once it is bound to a node and has an IP."""
     status = (get_json(cluster, "epd", NAME, "-n", namespace) or {}).get("status", {})
-    units = [u for m in status.get("models", []) for u in m.get("units", [])]
-    return status if units and all(u.get("node") for u in units) else None
+    models = status.get("models") or []
+    if not models or not models[0].get("statefulSet"):
+        return None
+    pod = get_json(cluster, "pod", f"{models[0]['statefulSet']}-0", "-n", namespace)
+    return pod if pod and pod["spec"].get("nodeName") and pod["status"].get("podIP") else None
 
 
-async def _ask(cluster: Any, namespace: str, status: dict[str, Any], reference_status: dict[str, Any]) -> Answer:
-    endpoints = Endpoints.from_status(status)
+async def _ask(
+    cluster: Any, namespace: str, ec_store: str, endpoints: Endpoints, reference_endpoints: Endpoints
+) -> Answer:
     (unit,) = endpoints.model(serving.MODEL).units
     engine_urls = {e.name: e.url for e in unit.engines if e.url}
     if unit.router_url:
@@ -291,9 +287,7 @@ async def _ask(cluster: Any, namespace: str, status: dict[str, Any], reference_s
     if unit.front_url and unit.front_url != unit.router_url:
         engine_urls["proxy"] = unit.front_url
     scraped = {n: url for n, url in engine_urls.items() if n not in ("router", "proxy")}  # vLLM's /metrics
-    ec_store = status["models"][0]["ecStoragePath"]
-    assert unit.pod is not None
-    pod_files = PodFiles(cluster, namespace, unit.pod, "encoder-0")
+    pod_files = PodFiles(cluster, namespace, unit.name, "encoder-0")
     before = {name: payloads.served_seconds(url) for name, url in scraped.items()}
     ec_before, kv_before = pod_files.list(ec_store), pod_files.list(KV_STORE)
     request = demo_request()
@@ -311,7 +305,7 @@ async def _ask(cluster: Any, namespace: str, status: dict[str, Any], reference_s
         }
         served[name] = {path: d for path, d in delta.items() if d[0]}
     token_ids, logprobs = payloads.output(result)
-    (reference,) = Endpoints.from_status(reference_status).model(serving.MODEL).units
+    (reference,) = reference_endpoints.model(serving.MODEL).units
     reference_url = reference.entry_url
     assert reference_url is not None, "the reference's status names no entry"
     # The reference renders the same request: its mm_hashes name each picture's EC folder.
@@ -341,7 +335,7 @@ async def _ask(cluster: Any, namespace: str, status: dict[str, Any], reference_s
         ec_store,
         ec_files,
         kv_files,
-        get_json(cluster, "pod", unit.pod, "-n", namespace),
+        get_json(cluster, "pod", unit.name, "-n", namespace),
     )
 
 

@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 from typing import Any, Literal, Self
 from urllib.parse import urlencode
 
-from ._endpoints import Endpoints, Engine, ModelEndpoints, SupportsEncoderEndpoints, Unit, rendezvous
+from ._endpoints import Endpoints, Engine, ModelEndpoints, SupportsEncoderEndpoints, Unit
 from ._errors import EndpointsError, EngineError, InvalidResponseError, NoReadyUnitError, RequestError
 from ._http import Connection, Transport, Verify, json_body
 from ._media import MediaItem, Message, copy_messages, media_items, write_keys
@@ -141,9 +141,9 @@ class EPDClient:
             return await _prime(self._transport, model, session.unit, items)
 
     def _choose(self, model: ModelEndpoints, key: str | None) -> Unit:
-        ready = model.ready_units()
         if key is not None:
-            return rendezvous(ready, key)
+            return model.unit_for(key)
+        ready = model.ready_units()
         # Least open sessions; the rotating start breaks ties so idle units take turns.
         start = next(self._rotation) % len(ready)
         order = ready[start:] + ready[:start]

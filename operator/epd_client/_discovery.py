@@ -1,12 +1,15 @@
-"""Endpoints from an EPDDeployment's status. The only module that touches Kubernetes, and
-only when called: the client itself must stay importable without the kubernetes package."""
+"""Endpoints from an EPDDeployment's status and the EndpointSlices it names. The only module
+that touches Kubernetes, and only when called: the client itself must stay importable without
+the kubernetes package."""
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Mapping
 from typing import Any
 
-from ._endpoints import Endpoints
+from ._endpoints import SERVICE_NAME_LABEL, Endpoints
 from ._errors import DiscoveryError
 
 GROUP = "epd.vime.dev"
@@ -15,10 +18,12 @@ PLURAL = "epddeployments"
 
 
 def discover(name: str, namespace: str, kubeconfig: str | None = None) -> Endpoints:
-    """Read EPDDeployment ``namespace/name`` and return the endpoints in its status.
+    """Read EPDDeployment ``namespace/name`` and the EndpointSlices of the Services its status
+    names, and return the endpoints they give (``Endpoints.from_status``).
 
     Uses ``kubeconfig`` if given, else $KUBECONFIG or ~/.kube/config if present, else the
-    pod's service account. Blocking; from async code use ``asyncio.to_thread(discover, ...)``.
+    pod's service account, which needs ``get`` on epddeployments and ``list`` on
+    endpointslices. Blocking; from async code use ``asyncio.to_thread(discover, ...)``.
     """
     try:
         from kubernetes import client, config
@@ -33,17 +38,52 @@ def discover(name: str, namespace: str, kubeconfig: str | None = None) -> Endpoi
     except config.ConfigException as exc:
         raise DiscoveryError(f"no Kubernetes configuration: {exc}") from exc
     try:
-        obj = client.CustomObjectsApi(api).get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
-    except client.ApiException as exc:
-        raise DiscoveryError(f"cannot read EPDDeployment {namespace}/{name}: {exc.status} {exc.reason}") from exc
+        what = f"EPDDeployment {namespace}/{name}"
+        # Raw JSON: the client's models would take longer to build than everything else here.
+        obj = _read(
+            client,
+            what,
+            lambda: client.CustomObjectsApi(api).get_namespaced_custom_object(
+                GROUP, VERSION, namespace, PLURAL, name, _preload_content=False
+            ),
+        )
+        status = obj.get("status") or {}
+        services = _services(status)
+        slices = []
+        if services:
+            selector = f"{SERVICE_NAME_LABEL} in ({','.join(sorted(services))})"
+            slices = _read(
+                client,
+                f"the EndpointSlices of {what} (needs list on endpointslices.discovery.k8s.io)",
+                lambda: client.DiscoveryV1Api(api).list_namespaced_endpoint_slice(
+                    namespace, label_selector=selector, _preload_content=False
+                ),
+            )["items"]
     finally:
         api.close()
 
-    status = obj.get("status") if isinstance(obj, dict) else None
-    endpoints = Endpoints.from_status(status or {})
+    endpoints = Endpoints.from_status(status, slices)
     if not endpoints.models:
-        raise DiscoveryError(f"EPDDeployment {namespace}/{name} lists no models in its status yet")
+        raise DiscoveryError(f"{what} lists no models in its status yet")
     return endpoints
+
+
+def _read(client: Any, what: str, call: Any) -> Any:
+    try:
+        response = call()
+    except client.ApiException as exc:
+        raise DiscoveryError(f"cannot read {what}: {exc.status} {exc.reason}") from exc
+    return json.loads(response.data)
+
+
+def _services(status: Mapping[str, Any]) -> set[str]:
+    """The Services whose EndpointSlices list the units (and encoder pool pods) of the status."""
+    services = set()
+    for model in status.get("models") or ():
+        if isinstance(model, Mapping):
+            services.add(model.get("unitsService"))
+            services.add((model.get("encoderPool") or {}).get("service"))
+    return {s for s in services if isinstance(s, str)}
 
 
 def _api_client(client: Any, config: Any, kubeconfig: str | None) -> Any:

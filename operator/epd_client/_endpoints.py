@@ -1,12 +1,12 @@
 """Where a model's EPD units and engines are: plain, immutable data, parsed from explicit
-URLs, a Vime args object or an EPDDeployment status."""
+URLs, a Vime args object, or an EPDDeployment status and the EndpointSlices it names."""
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, overload
 
 from ._errors import EndpointsError, NoReadyUnitError
 
@@ -14,6 +14,8 @@ ENCODER = "encoder"
 CONSUMER = "consumer"
 ENTRY = "entry"
 POOLS = "Pools"
+# kube-controller-manager labels each EndpointSlice with the Service it lists the pods of.
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 
 
 class SupportsEncoderEndpoints(Protocol):
@@ -103,7 +105,9 @@ class Unit:
 @dataclass(frozen=True)
 class ModelEndpoints:
     name: str
-    units: tuple[Unit, ...]
+    units: Sequence[Unit]
+    """Every unit, ready or not. A tuple when built by hand; from ``Endpoints.from_status``
+    a sequence that builds each ``Unit`` when first read (a model may have thousands)."""
     served_model_name: str | None = None
     placement: str = "Unit"
     """``Unit`` (each unit holds its encoders) or ``Pools``: the encoders form one encoder pool
@@ -113,7 +117,8 @@ class ModelEndpoints:
     """With ``Pools``: the encoder pool's engines, ready or not (``Engine.unit`` is their pod)."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "units", tuple(self.units))
+        if not isinstance(self.units, UnitTable):
+            object.__setattr__(self, "units", tuple(self.units))
         object.__setattr__(self, "pool_engines", tuple(self.pool_engines))
 
     @property
@@ -128,13 +133,34 @@ class ModelEndpoints:
     @property
     def has_encoders(self) -> bool:
         """Whether the model is served with encoder disaggregation (its images get primed)."""
+        if isinstance(self.units, UnitTable):
+            return self.pooled or self.units.has_encoders
         return self.pooled or any(e.role == ENCODER for u in self.units for e in u.all_engines())
+
+    def unit(self, name: str) -> Unit | None:
+        """The unit of that name (its pod's), if the model has it."""
+        if isinstance(self.units, UnitTable):
+            return self.units.named(name)
+        return next((u for u in self.units if u.name == name), None)
 
     def ready_units(self) -> tuple[Unit, ...]:
         ready = tuple(u for u in self.units if u.ready)
         if not ready:
             raise NoReadyUnitError(f"model {self.name!r} has no ready unit (of {len(self.units)})")
         return ready
+
+    def unit_for(self, key: str) -> Unit:
+        """The ready unit that serves ``key`` (a sample, session or conversation id), as
+        ``EPDClient.generate`` and ``session`` choose it: stable for a key while its unit stays
+        ready (rendezvous hashing)."""
+        if not isinstance(self.units, UnitTable):
+            return rendezvous(self.ready_units(), key)
+        names = self.units.ready_names()
+        if not names:
+            raise NoReadyUnitError(f"model {self.name!r} has no ready unit (of {len(self.units)})")
+        chosen = self.units.named(max(names, key=lambda name: _weight(key, name)))
+        assert chosen is not None  # one of its own names
+        return chosen
 
     def engines(self, role: str | None = None) -> tuple[Engine, ...]:
         """Every engine of every unit (ready or not), or only those of ``role``; with
@@ -193,39 +219,158 @@ class Endpoints:
         )
 
     @classmethod
-    def from_status(cls, status: Mapping[str, Any]) -> Endpoints:
-        """Parse ``status`` of an EPDDeployment (camelCase, as the operator writes it)."""
+    def from_status(cls, status: Mapping[str, Any], endpoint_slices: Iterable[Mapping[str, Any]] = ()) -> Endpoints:
+        """Parse ``status`` of an EPDDeployment (camelCase, as the operator writes it) and the
+        EndpointSlices of the Services it names (``unitsService``, ``encoderPool.service``; as
+        the API server lists them, e.g. the ``items`` of a list): the status says what each unit
+        holds, the EndpointSlices where each unit is and whether it is ready. A unit without an
+        endpoint (its pod has no IP yet) is listed, not ready, with no URL."""
         try:
-            return cls(tuple(_model_from_status(m) for m in status.get("models") or ()))
-        except (KeyError, TypeError, AttributeError) as exc:
-            raise EndpointsError(f"malformed EPDDeployment status: {exc!r}") from exc
+            found = _slice_endpoints(endpoint_slices)
+            return cls(tuple(_model_from_status(m, found) for m in status.get("models") or ()))
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            raise EndpointsError(f"malformed EPDDeployment status or EndpointSlice: {exc!r}") from exc
 
 
-def _model_from_status(model: Mapping[str, Any]) -> ModelEndpoints:
-    pooled = model.get("placement") == POOLS
-    # Pools: every unit primes on the pool's ready encoders, which the operator lists per model.
-    pool_urls = tuple(model.get("encoderUrls") or ())
-    units = tuple(
-        Unit(
-            name=unit["name"],
-            encoder_urls=pool_urls if pooled else tuple(unit.get("encoderUrls") or ()),
-            router_url=unit.get("routerUrl"),
-            front_url=unit.get("entryUrl"),
-            consumer_urls=tuple(unit.get("consumerUrls") or ()),
-            # A unit the operator has not yet called ready must not receive traffic.
-            ready=unit.get("ready") is True,
-            pod=unit.get("pod"),
-            node=unit.get("node"),
-            # Older statuses have no engine list: Unit.all_engines derives one from the URLs.
-            engines=tuple(Engine(unit["name"], e["name"], e["role"], e.get("url")) for e in unit.get("engines") or ()),
+# An endpoint of an EndpointSlice, as this library reads it: its pod's IP, node and readiness.
+Found = tuple[str, str | None, bool]
+
+
+def _slice_endpoints(slices: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, Found]]:
+    """Service name -> pod name -> (IP, node, ready), from EndpointSlices. Ready is the pod's
+    readiness (``serving``; a Service with publishNotReadyAddresses says ``ready`` of every
+    pod), never a terminating pod."""
+    found: dict[str, dict[str, Found]] = {}
+    for endpoint_slice in slices:
+        service = endpoint_slice["metadata"]["labels"][SERVICE_NAME_LABEL]
+        pods = found.setdefault(service, {})
+        for endpoint in endpoint_slice.get("endpoints") or ():
+            addresses, target = endpoint.get("addresses"), endpoint.get("targetRef")
+            if not addresses or not target:
+                continue
+            conditions = endpoint.get("conditions") or {}
+            serving = conditions.get("serving", conditions.get("ready"))
+            ready = serving is True and conditions.get("terminating") is not True
+            pods[target["name"]] = (addresses[0], endpoint.get("nodeName"), ready)
+    return found
+
+
+@dataclass(frozen=True, slots=True)
+class _Template:
+    """What every unit of a model holds, from the status: its engines' names, roles and ports."""
+
+    engines: tuple[tuple[str, str, int], ...]  # (container name, role, port), encoders first
+    entry_port: int | None
+    router_port: int | None
+    pool_urls: tuple[str, ...] | None  # Pools: the pool's ready encoders, where every unit primes
+
+
+def _url(ip: str, port: int) -> str:
+    return f"http://[{ip}]:{port}" if ":" in ip else f"http://{ip}:{port}"
+
+
+class UnitTable(Sequence[Unit]):
+    """A model's units as the status and the EndpointSlices give them: a name and, where the
+    unit's pod has an endpoint, its IP, node and readiness; each ``Unit`` is built when first
+    read, so that choosing one of thousands builds one."""
+
+    def __init__(self, names: Sequence[str], found: Mapping[str, Found], template: _Template) -> None:
+        self._names = names
+        self._index = {name: i for i, name in enumerate(names)}
+        self._found = found
+        self._template = template
+        self._built: dict[int, Unit] = {}
+
+    @property
+    def has_encoders(self) -> bool:
+        return any(role == ENCODER for _, role, _ in self._template.engines)
+
+    def ready_names(self) -> list[str]:
+        return [name for name in self._names if (f := self._found.get(name)) is not None and f[2]]
+
+    def named(self, name: str) -> Unit | None:
+        i = self._index.get(name)
+        return None if i is None else self[i]
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    @overload
+    def __getitem__(self, index: int) -> Unit: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[Unit, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> Unit | tuple[Unit, ...]:
+        if isinstance(index, slice):
+            return tuple(self[i] for i in range(len(self))[index])
+        i = range(len(self))[index]  # negative indexes, and IndexError past the end
+        unit = self._built.get(i)
+        if unit is None:
+            unit = self._built[i] = self._build(self._names[i])
+        return unit
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and tuple(self) == tuple(other)
+
+    __hash__ = None  # type: ignore[assignment]  # equal to tuples, which hash otherwise
+
+    def _build(self, name: str) -> Unit:
+        template = self._template
+        ip, node, ready = self._found.get(name) or (None, None, False)
+
+        def url(port: int | None) -> str | None:
+            return _url(ip, port) if ip is not None and port is not None else None
+
+        engines = tuple(Engine(name, container, role, url(port)) for container, role, port in template.engines)
+        own_encoders = tuple(e.url for e in engines if e.role == ENCODER and e.url is not None)
+        return Unit(
+            name=name,
+            encoder_urls=template.pool_urls if template.pool_urls is not None else own_encoders,
+            router_url=url(template.router_port),
+            consumer_urls=tuple(e.url for e in engines if e.role != ENCODER and e.url is not None),
+            ready=ready,
+            pod=name,
+            node=node,
+            engines=engines,
+            front_url=url(template.entry_port),
         )
-        for unit in model.get("units") or ()
+
+
+def _pod_names(stateful_set: str, count: int) -> list[str]:
+    """A StatefulSet's pods are named by ordinal."""
+    return [f"{stateful_set}-{i}" for i in range(count)]
+
+
+def _model_from_status(model: Mapping[str, Any], found: Mapping[str, Mapping[str, Found]]) -> ModelEndpoints:
+    pooled = model.get("placement") == POOLS
+    pool = model.get("encoderPool") or {}
+    pool_engines: tuple[Engine, ...] = ()
+    pool_urls = None
+    if pooled:
+        pool_pods = found.get(pool["service"], {})
+        engines = [(e["name"], e["role"], int(e["port"])) for e in pool.get("engines") or ()]
+        pool_engines = tuple(
+            Engine(pod, name, role, _url(f[0], port) if (f := pool_pods.get(pod)) else None)
+            for pod in _pod_names(pool["name"], int(pool["replicas"]))
+            for name, role, port in engines
+        )
+        # Every unit primes on the pool's ready encoders.
+        pool_urls = tuple(
+            _url(f[0], port)
+            for pod in _pod_names(pool["name"], int(pool["replicas"]))
+            if (f := pool_pods.get(pod)) is not None and f[2]
+            for _, role, port in engines
+            if role == ENCODER
+        )
+    template = _Template(
+        engines=tuple((e["name"], e["role"], int(e["port"])) for e in model.get("engines") or ()),
+        entry_port=model.get("entryPort"),
+        router_port=model.get("routerPort"),
+        pool_urls=pool_urls,
     )
-    pool_engines = tuple(
-        Engine(pod["name"], e["name"], e["role"], e.get("url"))
-        for pod in (model.get("encoderPool") or {}).get("pods") or ()
-        for e in pod.get("engines") or ()
-    )
+    names = _pod_names(model["statefulSet"], int(model.get("desiredUnits", 0)))
+    units = UnitTable(names, found.get(model["unitsService"], {}), template)
     return ModelEndpoints(
         model["name"], units, model.get("servedModelName"), model.get("placement") or "Unit", pool_engines
     )
@@ -234,7 +379,8 @@ def _model_from_status(model: Mapping[str, Any]) -> ModelEndpoints:
 def rendezvous(units: Sequence[Unit], key: str) -> Unit:
     """Highest-random-weight choice: stable for a key, and when a unit leaves only its own
     keys move (a modulo hash would reshuffle almost all of them)."""
-    return max(
-        units,
-        key=lambda u: hashlib.blake2b(f"{key}\0{u.name}".encode(), digest_size=8).digest(),
-    )
+    return max(units, key=lambda u: _weight(key, u.name))
+
+
+def _weight(key: str, unit: str) -> bytes:
+    return hashlib.blake2b(f"{key}\0{unit}".encode(), digest_size=8).digest()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 from urllib.parse import urlsplit
 
 from ._endpoints import Endpoints, ModelEndpoints, Unit
@@ -27,13 +26,14 @@ class VimeRolloutArgs:
 
 
 def vime_rollout_args(
-    source: Endpoints | Mapping[str, Any],
+    endpoints: Endpoints,
     *,
     default_model: str | None = None,
     units: Mapping[str, str] | None = None,
 ) -> VimeRolloutArgs:
     """Vime's rollout arguments for an EPDDeployment, so a Vime rollout function runs
-    unchanged against it. ``source`` is ``discover(...)`` or the object's status dict.
+    unchanged against it. ``endpoints``: ``discover(...)``, or ``Endpoints.from_status`` of the
+    object's status and EndpointSlices.
 
     A Vime rollout primes and generates on one node, so the arguments name one unit per
     model: a model's only unit, or the one ``units`` names (``{"actor": "demo-actor-1"}``);
@@ -45,7 +45,6 @@ def vime_rollout_args(
     (Vime renders and generates there when no model is named): by default the model named
     "default", else the first model, as in Vime.
     """
-    endpoints = source if isinstance(source, Endpoints) else Endpoints.from_status(source)
     if not endpoints.models:
         raise EndpointsError("the EPDDeployment lists no models (is its status written yet?)")
     chosen = {model.name: _unit(model, (units or {}).get(model.name)) for model in endpoints.models}
@@ -65,18 +64,20 @@ def vime_rollout_args(
 
 
 def _unit(model: ModelEndpoints, name: str | None) -> Unit:
-    names = ", ".join(u.name for u in model.units) or "none"
+    def names() -> str:
+        return ", ".join(u.name for u in model.units) or "none"
+
     if name is not None:
-        unit = next((u for u in model.units if u.name == name), None)
+        unit = model.unit(name)
         if unit is None:
-            raise EndpointsError(f"model {model.name!r} has no unit {name!r} (units: {names})")
+            raise EndpointsError(f"model {model.name!r} has no unit {name!r} (units: {names()})")
     elif len(model.units) == 1:
         (unit,) = model.units
     elif not model.units:
         raise EndpointsError(f"model {model.name!r} has no units yet")
     else:
         raise EndpointsError(
-            f"model {model.name!r} has {len(model.units)} units ({names}); a Vime rollout "
+            f"model {model.name!r} has {len(model.units)} units ({names()}); a Vime rollout "
             f"primes and generates on one node: choose one with units={{{model.name!r}: ...}}"
         )
     if not unit.ready:

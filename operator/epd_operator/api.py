@@ -540,7 +540,8 @@ class EPDDeploymentSpec(Schema):
     replicas: int = Field(
         default=1,
         ge=0,
-        le=1000,
+        # The status is bounded whatever the count (units are listed in EndpointSlices, not in it).
+        le=10000,
         description="EPD units per model (one pod each). The scale subresource: `kubectl scale`, HPA, KEDA.",
     )
     max_unavailable: int | str = Field(
@@ -631,77 +632,88 @@ class Condition(Schema):
     observed_generation: int | None = None
 
 
-class EngineStatus(Schema):
-    """One engine of a pod (a unit, or an encoder pool pod), for trainers that must reach every engine
-    (weight sync, pause)."""
+# Units and pool pods listed by name in the status, at most: a status must stay far below the
+# object size etcd accepts (1.5 MiB) whatever the number of units; every other one is counted.
+LISTED_PODS = 10
+
+
+class EngineEndpoint(Schema):
+    """One engine of every unit (or encoder pool pod): a pod's engine `name` is at
+    http://<the pod's IP>:<port>, its IP in the EndpointSlices of the Service that lists the pods."""
 
     name: str = Field(description="Container name, e.g. encoder-0 or prefill-1.")
     role: WorkerType = Field(description="encoder, regular, prefill or decode.")
-    url: str | None = Field(default=None, description="http://<pod IP>:<port>; unset while the pod has no IP.")
+    port: int
 
 
-class PodStatus(Schema):
-    """What the status says of one pod: a unit, or a pod of an encoder pool."""
+class UnreadyPod(Schema):
+    """A unit or encoder pool pod that is not ready, and why."""
 
     name: str
-    pod: str
     node: str | None = None
-    ready: bool = False
-    reason: str | None = None
+    reason: str = Field(
+        description="EncoderUnready, EncoderStarting, EngineUnready, EngineStarting, Unschedulable, PodMissing, ..."
+    )
     message: str | None = None
-    encoder_urls: list[str] = Field(default_factory=list)
-    engines: list[EngineStatus] = Field(default_factory=list, description="Every engine of the pod, by role.")
-
-
-class UnitStatus(PodStatus):
-    """One EPD unit: a pod holding every engine of a model on one node (with Pools, its consumers)."""
-
-    consumer_urls: list[str] = Field(default_factory=list)
-    entry_url: str | None = Field(
-        default=None,
-        description="The unit's front door, for any OpenAI client: its EPD proxy, else its router, else its only consumer.",
-    )
-    router_url: str | None = Field(
-        default=None, description="Its vllm-router, where reachable (behind the EPD proxy it serves the loopback only)."
-    )
-    ec_evictions: int | None = Field(
-        default=None, description="EC entries its janitor evicted for budget since it started (scraped)."
-    )
-    fallback_encodes: int | None = Field(
-        default=None,
-        description="Images its consumers encoded themselves, not finding them in the EC store (cache misses), "
-        "since its janitor started (scraped).",
-    )
-
-
-class EncoderPodStatus(PodStatus):
-    """One pod of a model's encoder pool (placement Pools)."""
 
 
 class EncoderPoolStatus(Schema):
-    """A Pools model's encoder pool: its StatefulSet, Service and pods."""
+    """A Pools model's encoder pool: its StatefulSet, Service and what its pods say."""
 
-    name: str = Field(description="The pool's StatefulSet.")
-    service: str = Field(description="Its headless Service, listing the ready encoder pods.")
+    name: str = Field(description="The pool's StatefulSet; its pods are <name>-0 to <name>-<replicas - 1>.")
+    service: str = Field(description="Its headless Service, whose EndpointSlices list the pods with an IP.")
     replicas: int
     ready_pods: int = 0
-    pods: list[EncoderPodStatus] = Field(default_factory=list)
+    engines: list[EngineEndpoint] = Field(default_factory=list, description="The engines of each pool pod.")
+    unready_reasons: dict[str, int] = Field(default_factory=dict, description="Pods not ready, by reason.")
+    unready: list[UnreadyPod] = Field(
+        default_factory=list, max_length=LISTED_PODS, description="The first pods not ready (broken ones first)."
+    )
 
 
 class ModelStatus(Schema):
+    """One model's units: what each has (the same for every unit) and how many are ready. Where
+    each unit is, the EndpointSlices of `unitsService` say: an endpoint per unit pod with an IP
+    (its name in targetRef, its node), `conditions.serving` its readiness."""
+
     name: str
     served_model_name: str
     ec_storage_path: str | None = None
     ec_storage_max_bytes: int | None = None
+    placement: Placement | None = None
+    stateful_set: str | None = Field(
+        default=None, description="The units' StatefulSet: unit i is its pod <statefulSet>-<i>."
+    )
+    units_service: str | None = Field(
+        default=None, description="The headless Service listing every unit (not ready ones too) in its EndpointSlices."
+    )
+    desired_units: int = 0
     ready_units: int = 0
     updated_units: int = Field(default=0, description="Units running the current spec's pod template.")
-    fallback_encodes: int | None = Field(
-        default=None, description="Sum of its units' fallbackEncodes (unset until a janitor was scraped)."
+    engines: list[EngineEndpoint] = Field(
+        default_factory=list, description="The engines of each unit, encoders first (a Pools unit has no encoder)."
     )
-    units: list[UnitStatus] = Field(default_factory=list)
-    placement: Placement | None = None
-    encoder_urls: list[str] | None = Field(
-        default=None, description="Placement Pools: the URLs of the pool's ready encoders, which prime for every unit."
+    entry_port: int | None = Field(
+        default=None,
+        description="Each unit's front door, for any OpenAI client: its EPD proxy, else its router, else its only "
+        "consumer.",
+    )
+    router_port: int | None = Field(
+        default=None, description="Its vllm-router, where reachable (behind the EPD proxy it serves the loopback only)."
+    )
+    unready_reasons: dict[str, int] = Field(default_factory=dict, description="Units not ready, by reason.")
+    unready: list[UnreadyPod] = Field(
+        default_factory=list, max_length=LISTED_PODS, description="The first units not ready (broken ones first)."
+    )
+    ec_evictions: int | None = Field(
+        default=None,
+        description="EC entries its units' janitors evicted for budget since they started (scraped; unset until one "
+        "was).",
+    )
+    fallback_encodes: int | None = Field(
+        default=None,
+        description="Images its units' consumers encoded themselves, not finding them in the EC store (cache misses), "
+        "since their janitors started (scraped; unset until one was).",
     )
     encoder_pool: EncoderPoolStatus | None = None
 
@@ -719,7 +731,7 @@ class EPDDeploymentStatus(Schema):
     selector: str | None = Field(default=None, description="Label selector of the unit pods (scale subresource).")
     model_count: int | None = None
     fallback_encodes: int | None = Field(
-        default=None, description="Sum of every unit's fallbackEncodes (unset until a janitor was scraped)."
+        default=None, description="Sum of every model's fallbackEncodes (unset until a janitor was scraped)."
     )
     conditions: list[Condition] = Field(default_factory=list)
     models: list[ModelStatus] = Field(default_factory=list)

@@ -253,6 +253,6 @@ class Indexes:
         sets = {s.uid for s in self.stateful_sets.get(key, ()) if s.uid and s.controller_uid == owner}
         return [p for p in self.pods.get(key, ()) if p.controller_uid in sets]
 
-    def pod_trees(self, key: Key) -> dict[str, Pod]:
-        """The deployment's unit and encoder pods by name, decoded as they are now."""
-        return {p.name: p.tree() for p in self.pods.get(key, ())}
+    def pod_summaries(self, key: Key) -> dict[str, PodSummary]:
+        """The deployment's unit and encoder pods by name, as they are now."""
+        return {p.name: p for p in self.pods.get(key, ())}

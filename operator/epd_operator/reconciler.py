@@ -55,7 +55,13 @@ class Reconciler:
         self.scraper = JanitorScraper(warn=warn, changed=self.enqueue, rate=settings.janitor_scrape_rate)
         self.children = ChildWriter(self.session, self.expectations, self.enqueue_after)
         self.status = StatusWriter(
-            self.session, self.scraper, self.metrics, warn=warn, inform=inform, requeue_after=self.enqueue_after
+            self.session,
+            self.scraper,
+            self.metrics,
+            warn=warn,
+            inform=inform,
+            requeue_after=self.enqueue_after,
+            seconds_per_unit=settings.status_seconds_per_unit,
         )
         self._warn = warn
         self._indexes: Indexes | None = None

@@ -40,6 +40,9 @@ class Settings:
     """Longest backoff of a failing reconcile."""
     status_debounce_seconds: float = 0.2
     """Pod events come in bursts (all containers of a unit flip at once): coalesce them."""
+    status_seconds_per_unit: float = 0.005
+    """A status that moves only counts and messages is written at most every `units` x this many
+    seconds (5 s at 1,000 units, at most 30 s); one that flips a phase or condition goes at once."""
     created_settle_seconds: float = 5.0
     """How long a child this operator created counts as existing while no watch event of it has
     come (a loaded API server delivers it well within a second)."""

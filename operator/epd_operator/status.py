@@ -10,19 +10,22 @@ containers too so that a consumer is never reported Ready while its encoders are
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import pydantic
+
 from . import api
 from .ec.budget import budget_warning, effective_max_bytes
-from .indexes import REVISION_LABEL, Pod, StatefulSetSummary
+from .indexes import REVISION_LABEL, Pod, PodSummary, StatefulSetSummary
 from .render import EngineCommand, ModelPlan, ProxyCommand, RouterCommand
 from .resources import ENCODERS_READY_GATE, child_name, pool_name, unit_pod_selector
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ObservedPod:
     """What one pod says about itself: a unit, or (kind "encoder pod") a pod of an encoder pool."""
 
@@ -32,11 +35,14 @@ class ObservedPod:
     ready: bool
     starting: bool
     encoders_ready: bool
-    reason: str
+    reason: str  # "Ready" when ready
     message: str
-    status: api.UnitStatus
+    node: str | None = None
     kind: str = "unit"  # "encoder pod" for a pod of an encoder pool
     revision: str | None = None  # of the pod's template (None while there is no pod)
+
+    def unready(self) -> api.UnreadyPod:
+        return api.UnreadyPod(name=self.name, node=self.node, reason=self.reason, message=self.message or None)
 
 
 def _condition(pod: Pod, kind: str) -> dict[str, Any]:
@@ -44,107 +50,104 @@ def _condition(pod: Pod, kind: str) -> dict[str, Any]:
     return next((c for c in conditions if c.get("type") == kind), {})
 
 
-def _containers(pod: Pod) -> dict[str, dict[str, Any]]:
-    status = pod.get("status", {})
-    return {
-        c["name"]: c for c in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]
-    }
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """The containers of a model's units that status reads, named once per model (not per pod)."""
+
+    model: str
+    encoders: tuple[str, ...]
+    routed: tuple[str, ...]  # what a request passes through: the consumers, the router, the EPD proxy
+
+    @classmethod
+    def of(cls, plan: ModelPlan) -> Shape:
+        routed: list[EngineCommand | RouterCommand | ProxyCommand] = [
+            *plan.consumers,
+            *([plan.router] if plan.router else []),
+            *([plan.proxy] if plan.proxy else []),
+        ]
+        return cls(
+            plan.name, tuple(e.container_name for e in plan.unit_encoders), tuple(c.container_name for c in routed)
+        )
 
 
 def observe_unit(
-    plan: ModelPlan,
+    shape: Shape,
     unit_name: str,
     pod: Pod | None,
-    ec_evictions: int | None = None,
     pool: Pool | None = None,
-    fallback_encodes: int | None = None,
     create_failure: str | None = None,
 ) -> ObservedPod:
     """What one unit's pod says about it; `pod` is None while it does not exist yet.
-    `ec_evictions`, `fallback_encodes`: its janitor's counters, as the operator last scraped them.
     `pool`: the model's encoder pool (placement Pools), whose encoders the unit's consumers need.
     `create_failure`: why its StatefulSet cannot create the pods it lacks (its FailedCreate Event)."""
     if pod is None:
         reason, message = "PodMissing", "pod not created yet"
         if create_failure:  # not progress: admission, a quota or a webhook refuses the pod
             reason, message = "FailedCreate", f"the StatefulSet cannot create the pod: {create_failure}"
-        status = api.UnitStatus(name=unit_name, pod=unit_name, reason=reason, message=message)
-        return ObservedPod(unit_name, plan.name, False, False, not create_failure, False, reason, message, status)
-    ip = pod.get("status", {}).get("podIP")
-    containers = _containers(pod)
-    encoders, consumers = plan.unit_encoders, plan.consumers
-    # The containers a request passes through: the consumers, the router, the EPD proxy.
-    routed: list[EngineCommand | RouterCommand | ProxyCommand] = [
-        *consumers,
-        *([plan.router] if plan.router else []),
-        *([plan.proxy] if plan.proxy else []),
-    ]
-
-    def ready(name: str) -> bool:
-        return bool(containers.get(name, {}).get("ready"))
-
-    unready_encoders = [e.container_name for e in encoders if not ready(e.container_name)]
-    unready_consumers = [c.container_name for c in routed if not ready(c.container_name)]
+        return ObservedPod(unit_name, shape.model, False, False, not create_failure, False, reason, message)
+    status = pod.get("status", {})
+    containers = {
+        c["name"]: c for c in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]
+    }
+    conditions = {c.get("type"): c for c in status.get("conditions") or []}
+    unready_encoders = [n for n in shape.encoders if not containers.get(n, {}).get("ready")]
+    unready_consumers = [n for n in shape.routed if not containers.get(n, {}).get("ready")]
     # A container that has not started yet is still loading its model: progress, not damage.
     not_started = [n for n in [*unready_encoders, *unready_consumers] if not containers.get(n, {}).get("started")]
-    pod_ready = _condition(pod, "Ready").get("status") == "True"
-    scheduled = _condition(pod, "PodScheduled")
+    ready_condition = conditions.get("Ready", {})
+    scheduled = conditions.get("PodScheduled", {})
     # A pod bound to a node is scheduled whatever PodScheduled says: the scheduler can record a
     # bind error after a bind that went through (seen across an API server restart), and nothing
     # rewrites that condition afterwards.
-    unscheduled = scheduled.get("status") == "False" and not pod.get("spec", {}).get("nodeName")
+    node = pod.get("spec", {}).get("nodeName")
+    unscheduled = scheduled.get("status") == "False" and not node
     if pod.get("metadata", {}).get("deletionTimestamp"):
         reason, message = "Terminating", "pod is terminating"
     elif unscheduled:
         reason, message = scheduled.get("reason") or "Unschedulable", scheduled.get("message") or "pod not scheduled"
     elif unready_encoders:
         reason = "EncoderStarting" if set(unready_encoders) <= set(not_started) else "EncoderUnready"
-        message = f"encoder {', '.join(unready_encoders)} not ready" + (": consumers get no traffic" if routed else "")
+        message = f"encoder {', '.join(unready_encoders)} not ready" + (
+            ": consumers get no traffic" if shape.routed else ""
+        )
     elif unready_consumers:
         reason = "EngineStarting" if set(unready_consumers) <= set(not_started) else "EngineUnready"
         message = f"{', '.join(unready_consumers)} not ready"
-    elif pool is not None and not pool.ready_urls:
+    elif pool is not None and not pool.ready_pods:
         reason, message = (
             "NoReadyEncoder",
             f"encoder pool {pool.name} has no ready encoder: its readiness gate is closed",
         )
-    elif not pod_ready:
-        reason, message = "PodNotReady", _condition(pod, "Ready").get("message") or "pod is not Ready"
+    elif ready_condition.get("status") != "True":
+        reason, message = "PodNotReady", ready_condition.get("message") or "pod is not Ready"
     else:
         reason, message = "Ready", ""
     is_ready = reason == "Ready"
-
-    def url(port: int) -> str | None:
-        return f"http://{ip}:{port}" if ip else None
-
-    status = api.UnitStatus(
-        name=unit_name,
-        pod=unit_name,
-        node=pod.get("spec", {}).get("nodeName"),
-        ready=is_ready,
-        reason=None if is_ready else reason,
-        message=message or None,
-        encoder_urls=[u for e in encoders if (u := url(e.port))],
-        consumer_urls=[u for c in consumers if (u := url(c.port))],
-        entry_url=url(plan.front_port) if routed else None,
-        router_url=url(plan.router.port) if plan.router and plan.proxy is None else None,
-        engines=[
-            api.EngineStatus(name=e.container_name, role=e.worker_type, url=url(e.port)) for e in plan.unit_engines
-        ],
-        ec_evictions=ec_evictions,
-        fallback_encodes=fallback_encodes,
-    )
     # A unit being replaced (Terminating) is progress too, as during every rollout.
     starting = (
         reason in ("EncoderStarting", "EngineStarting", "PodNotReady", "Terminating")
         or (unscheduled and reason != "Unschedulable")
         or (reason == "NoReadyEncoder" and pool is not None and pool.starting)
     )
-    encoders_ready = not unready_encoders and (pool is None or bool(pool.ready_urls))
+    encoders_ready = not unready_encoders and (pool is None or pool.ready_pods > 0)
     revision = (pod.get("metadata", {}).get("labels") or {}).get(REVISION_LABEL)
     return ObservedPod(
-        unit_name, plan.name, True, is_ready, starting, encoders_ready, reason, message, status, revision=revision
+        unit_name, shape.model, True, is_ready, starting, encoders_ready, reason, message, node, revision=revision
     )
+
+
+def endpoints(engines: Iterable[EngineCommand]) -> list[api.EngineEndpoint]:
+    """Name, role and port of each engine: the same in every pod of a StatefulSet."""
+    return [api.EngineEndpoint(name=e.container_name, role=e.worker_type, port=e.port) for e in engines]
+
+
+def unready_summary(pods: Iterable[ObservedPod]) -> tuple[dict[str, int], list[api.UnreadyPod]]:
+    """The pods not ready counted by reason, and the first LISTED_PODS of them: the broken ones
+    (not merely starting) first, each group in order."""
+    unready = [p for p in pods if not p.ready]
+    reasons = collections.Counter(p.reason for p in unready)
+    listed = sorted(unready, key=lambda p: p.starting)[: api.LISTED_PODS]
+    return dict(sorted(reasons.items())), [p.unready() for p in listed]
 
 
 def unit_names(deployment: str, plan: ModelPlan, replicas: int) -> list[str]:
@@ -153,6 +156,46 @@ def unit_names(deployment: str, plan: ModelPlan, replicas: int) -> list[str]:
 
 
 # --------------------------------------------------------------------------- encoder pools
+
+
+class Observations:
+    """The pods of one EPDDeployment as last observed, each with what its observation was made
+    from: a pod is decoded and observed again only when its summary (or its pool's readiness, or
+    its StatefulSet's failure to create it) changed. A status is recomputed from every pod at each
+    refresh, and at thousands of units most of them did not change since the last."""
+
+    def __init__(self) -> None:
+        self._memo: dict[str, tuple[tuple[Any, ...], ObservedPod]] = {}
+        self._seen: dict[str, tuple[tuple[Any, ...], ObservedPod]] = {}
+
+    def observe(
+        self,
+        shape: Shape,
+        name: str,
+        pod: PodSummary | None,
+        pool: Pool | None = None,
+        create_failure: str | None = None,
+        kind: str = "unit",
+    ) -> ObservedPod:
+        pool_state = (pool.ready_pods > 0, pool.starting, pool.name) if pool else None
+        made_from = (pod.summary_json if pod else create_failure, shape, pool_state, kind)
+        remembered = self._memo.get(name)
+        if remembered is not None and remembered[0] == made_from:
+            observed = remembered[1]
+        else:
+            observed = observe_unit(shape, name, pod.tree() if pod else None, pool, create_failure)
+            if kind != observed.kind:
+                observed = dataclasses.replace(observed, kind=kind)
+        self._seen[name] = (made_from, observed)
+        return observed
+
+    def done(self) -> None:
+        """Forget the pods not observed since the last call (gone, or no longer wanted)."""
+        self._memo, self._seen = self._seen, {}
+
+    def units(self) -> dict[str, ObservedPod]:
+        """The units (not the encoder pool pods) as observed by the last status computed."""
+        return {name: observed for name, (_, observed) in self._memo.items() if observed.kind == "unit"}
 
 
 @dataclass(frozen=True)
@@ -164,35 +207,25 @@ class Pool:
     members: list[ObservedPod]
 
     @property
-    def ready_urls(self) -> list[str]:
-        """The ready encoders' URLs: where the model's images are primed."""
-        return [url for m in self.members if m.ready for url in m.status.encoder_urls]
+    def ready_pods(self) -> int:
+        """Its ready pods: where the model's images are primed."""
+        return sum(m.ready for m in self.members)
 
     @property
     def starting(self) -> bool:
         """Every pod not ready yet is still starting (or there is none yet): nothing is broken."""
         return all(m.starting for m in self.members if not m.ready)
 
-    def status(self, replicas: int) -> api.EncoderPoolStatus:
-        pods = [
-            api.EncoderPodStatus(
-                name=m.name,
-                pod=m.status.pod,
-                node=m.status.node,
-                ready=m.ready,
-                reason=m.status.reason,
-                message=m.status.message,
-                encoder_urls=m.status.encoder_urls,
-                engines=m.status.engines,
-            )
-            for m in self.members
-        ]
+    def status(self, plan: ModelPlan) -> api.EncoderPoolStatus:
+        reasons, unready = unready_summary(self.members)
         return api.EncoderPoolStatus(
             name=self.name,
             service=self.name,
-            replicas=replicas,
-            ready_pods=sum(m.ready for m in self.members),
-            pods=pods,
+            replicas=len(self.members),
+            ready_pods=self.ready_pods,
+            engines=endpoints(plan.encoders),
+            unready_reasons=reasons,
+            unready=unready,
         )
 
 
@@ -200,27 +233,23 @@ def observe_pool(
     deployment: str,
     spec: api.EPDDeploymentSpec,
     plan: ModelPlan,
-    pods: Mapping[str, Pod],
+    pods: Mapping[str, PodSummary],
+    observations: Observations,
     create_failure: str | None = None,
 ) -> Pool:
     """The encoder pool of a Pools model from its pods (by name)."""
     name = pool_name(deployment, plan.name)
     # A pool pod holds the model's encoders and nothing else: observed as a unit of that shape.
-    encoders_only = dataclasses.replace(
-        plan, engines=plan.encoders, router=None, proxy=None, placement=api.Placement.unit
-    )
+    encoders_only = Shape(plan.name, tuple(e.container_name for e in plan.encoders), ())
     members = [
-        dataclasses.replace(
-            observe_unit(encoders_only, pod_name, pods.get(pod_name), create_failure=create_failure),
-            kind="encoder pod",
-        )
+        observations.observe(encoders_only, pod_name, pods.get(pod_name), None, create_failure, kind="encoder pod")
         for pod_name in (f"{name}-{i}" for i in range(spec.model(plan.name).encoder_replicas))
     ]
     return Pool(name, plan.name, members)
 
 
 def encoder_gates(
-    deployment: str, spec: api.EPDDeploymentSpec, plans: list[ModelPlan], pods: Mapping[str, Pod], now: str
+    deployment: str, spec: api.EPDDeploymentSpec, plans: list[ModelPlan], pods: Mapping[str, PodSummary], now: str
 ) -> dict[str, dict[str, Any]]:
     """The readiness-gate condition to write on each unit pod of a Pools model whose condition
     does not say yet what its pool says: True while the pool has a ready encoder, else False."""
@@ -228,8 +257,8 @@ def encoder_gates(
     for plan in plans:
         if not plan.pooled:
             continue
-        pool = observe_pool(deployment, spec, plan, pods)
-        ready = bool(pool.ready_urls)
+        pool = observe_pool(deployment, spec, plan, pods, Observations())
+        ready = pool.ready_pods > 0
         want = {
             "type": ENCODERS_READY_GATE,
             "status": "True" if ready else "False",
@@ -237,7 +266,8 @@ def encoder_gates(
             "message": f"encoder pool {pool.name} has {'a' if ready else 'no'} ready encoder",
         }
         for pod_name in unit_names(deployment, plan, spec.replicas):
-            pod = pods.get(pod_name)
+            summary = pods.get(pod_name)
+            pod = summary.tree() if summary else None
             if pod is None or pod.get("metadata", {}).get("deletionTimestamp"):
                 continue
             current = _condition(pod, ENCODERS_READY_GATE)
@@ -272,29 +302,22 @@ def _set(
 
 
 def unit_readiness_events(
-    previous: Mapping[str, Any], status: Mapping[str, Any], fallen: frozenset[str]
+    before: Mapping[str, ObservedPod], now: Mapping[str, ObservedPod], rolling: bool, fallen: frozenset[str]
 ) -> tuple[list[tuple[bool, str, str]], frozenset[str]]:
-    """Events for the units that stopped being ready since `previous` (a warning each, with the
-    status's reason) and for those of `fallen` (units that stopped being ready before) ready again;
-    and the units fallen now. A unit's first readiness is no event: every unit starts unready; nor
-    is a unit going down while a rollout replaces it: the rollout's own Events tell that."""
-
-    def units(body: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
-        return {u["name"]: u for m in body.get("models") or [] for u in m.get("units") or []}
-
-    rolling = any(
-        c.get("type") == "Progressing" and c.get("reason") == "RollingOut" for c in status.get("conditions") or []
-    )
-    before, now_ = units(previous), units(status)
+    """Events for the units that stopped being ready since `before` (the units at the last status
+    written: a warning each, with the unit's reason) and for those of `fallen` (units that stopped
+    being ready before) ready again; and the units fallen now. A unit's first readiness is no
+    event: every unit starts unready; nor is a unit going down while a rollout replaces it
+    (`rolling`): the rollout's own Events tell that."""
     events: list[tuple[bool, str, str]] = []
-    down = set(fallen) & set(now_)
-    for name, unit in now_.items():
-        if unit.get("ready") and name in down:
+    down = set(fallen) & set(now)
+    for name, unit in now.items():
+        if unit.ready and name in down:
             down.discard(name)
             events.append((False, "UnitReady", f"unit {name} is ready again"))
-        elif not unit.get("ready") and before.get(name, {}).get("ready") and not rolling:
+        elif not unit.ready and name in before and before[name].ready and not rolling:
             down.add(name)
-            events.append((True, "UnitUnready", f"unit {name}: {unit.get('reason')}: {unit.get('message')}"))
+            events.append((True, "UnitUnready", f"unit {name}: {unit.reason}: {unit.message}"))
     return events, frozenset(down)
 
 
@@ -318,7 +341,7 @@ def invalid_status(
         model_count=(previous or {}).get("modelCount"),
         fallback_encodes=(previous or {}).get("fallbackEncodes"),
         conditions=conditions + kept,
-        models=[api.ModelStatus.model_validate(m) for m in (previous or {}).get("models") or []],
+        models=_previous_models(previous),
     )
     return status.model_dump(by_alias=True, exclude_none=True)
 
@@ -328,7 +351,7 @@ def compute_status(
     deployment: str,
     spec: api.EPDDeploymentSpec,
     plans: list[ModelPlan],
-    pods: dict[str, Pod],
+    pods: Mapping[str, PodSummary],
     stateful_sets: Mapping[str, StatefulSetSummary],
     generation: int | None,
     previous: dict[str, Any] | None,
@@ -337,12 +360,14 @@ def compute_status(
     fallback_encodes: Mapping[str, int] | None = None,
     write_failure: tuple[str, str] | None = None,
     create_failures: Mapping[str, str] | None = None,
+    observations: Observations | None = None,
 ) -> dict[str, Any]:
     """The full status from the pods and StatefulSets of this deployment (each by name);
     `evictions`, `fallback_encodes`: budget evictions and consumers' fallback encodes by unit
     name, for the units whose janitor the operator scraped; `write_failure`: (reason, message)
     of a child this reconcile could not write (the spec is not applied until it goes);
     `create_failures`: by StatefulSet name, why it cannot create the pods it lacks."""
+    observations = observations or Observations()
     models: list[api.ModelStatus] = []
     units: list[ObservedPod] = []
     pools: list[Pool] = []
@@ -351,18 +376,16 @@ def compute_status(
     rolled_out = True  # every StatefulSet observed, all its pods on its current template
     new_revision = False  # a template change in flight (a scale changes no revision)
     existing_per_model = []
+    before_models = {m.name: m for m in _previous_models(previous)}
     for plan in plans:
         failures = create_failures or {}
         pool_failure = failures.get(pool_name(deployment, plan.name))
-        pool = observe_pool(deployment, spec, plan, pods, pool_failure) if plan.pooled else None
+        pool = observe_pool(deployment, spec, plan, pods, observations, pool_failure) if plan.pooled else None
         unit_failure = failures.get(child_name(deployment, plan.name))
         pools += [pool] if pool else []
-        observed = [
-            observe_unit(
-                plan, n, pods.get(n), (evictions or {}).get(n), pool, (fallback_encodes or {}).get(n), unit_failure
-            )
-            for n in unit_names(deployment, plan, spec.replicas)
-        ]
+        names = unit_names(deployment, plan, spec.replicas)
+        shape = Shape.of(plan)
+        observed = [observations.observe(shape, n, pods.get(n), pool, unit_failure) for n in names]
         units += observed
         existing_per_model.append(sum(u.exists for u in observed))
         # Until the StatefulSet controller has seen the current template, its counts are the old one's.
@@ -378,21 +401,32 @@ def compute_status(
                 stalled += [
                     u for u in members if u.revision == current.update_revision and not u.ready and not u.starting
                 ]
+        reasons, listed = unready_summary(observed)
+        earlier = before_models.get(plan.name)
+        routed = bool(plan.consumers or plan.router or plan.proxy)
         models.append(
             api.ModelStatus(
                 name=plan.name,
                 served_model_name=plan.served_model_name,
                 ec_storage_path=plan.ec_storage_path,
                 ec_storage_max_bytes=effective_max_bytes(spec) if plan.ec_storage_path else None,
+                placement=plan.placement,
+                stateful_set=child_name(deployment, plan.name),
+                units_service=child_name(deployment, plan.name, "units", limit=63),
+                desired_units=spec.replicas,
                 ready_units=sum(u.ready for u in observed),
                 updated_units=updated,
-                fallback_encodes=_sum_known(u.status.fallback_encodes for u in observed),
-                units=[u.status for u in observed],
-                placement=plan.placement,
-                encoder_urls=pool.ready_urls if pool else None,
-                encoder_pool=pool.status(spec.model(plan.name).encoder_replicas) if pool else None,
+                engines=endpoints(plan.unit_engines),
+                entry_port=plan.front_port if routed else None,
+                router_port=plan.router.port if plan.router and plan.proxy is None else None,
+                unready_reasons=reasons,
+                unready=listed,
+                ec_evictions=_model_sum(names, evictions, earlier.ec_evictions if earlier else None),
+                fallback_encodes=_model_sum(names, fallback_encodes, earlier.fallback_encodes if earlier else None),
+                encoder_pool=pool.status(plan) if pool else None,
             )
         )
+    observations.done()
     pool_members = [m for pool in pools for m in pool.members]
     before = _previous(previous)
     conditions: list[api.Condition] = []
@@ -402,7 +436,7 @@ def compute_status(
     has_encoders = [u for u in units if u.model in encoder_models] + pool_members
     unready_encoders = [u for u in has_encoders if not u.encoders_ready]
     # Pools: the condition names every pool left without a ready encoder first.
-    empty = [f"encoder pool {p.name} of model {p.model} has no ready encoder" for p in pools if not p.ready_urls]
+    empty = [f"encoder pool {p.name} of model {p.model} has no ready encoder" for p in pools if not p.ready_pods]
     if not has_encoders and not pools:
         _set(conditions, before, now, generation, "EncodersReady", True, "NoEncoders", "text-only models")
     else:
@@ -511,12 +545,36 @@ def compute_status(
     return status.model_dump(by_alias=True, exclude_none=True)
 
 
+def _previous_models(status: Mapping[str, Any] | None) -> list[api.ModelStatus]:
+    """The models of a previous status; one an older operator wrote in another shape is left out
+    (the next status computed says it anew)."""
+    models = []
+    for model in (status or {}).get("models") or []:
+        try:
+            models.append(api.ModelStatus.model_validate(model))
+        except pydantic.ValidationError:
+            continue
+    return models
+
+
+def _model_sum(units: Iterable[str], counts: Mapping[str, int] | None, before: int | None) -> int | None:
+    """A model's sum of its units' scraped `counts`; while none of them is known (a restarted
+    operator has not scraped them yet) what the status said before."""
+    known = [counts[u] for u in units if u in counts] if counts else []
+    return sum(known) if known else before
+
+
 def _current(stateful_set: StatefulSetSummary | None) -> StatefulSetSummary | None:
     return stateful_set if stateful_set and stateful_set.observed else None
 
 
 def _describe(units: list[ObservedPod]) -> str:
-    return "; ".join(f"{u.kind} {u.name}: {u.reason}" + (f" ({u.message})" if u.message else "") for u in units)
+    """The first LISTED_PODS pods and why each is not ready; how many more there are."""
+    listed = "; ".join(
+        f"{u.kind} {u.name}: {u.reason}" + (f" ({u.message})" if u.message else "") for u in units[: api.LISTED_PODS]
+    )
+    more = len(units) - api.LISTED_PODS
+    return listed + (f"; and {more} more" if more > 0 else "")
 
 
 def _sum_known(counts: Iterable[int | None]) -> int | None:

@@ -4,13 +4,21 @@
 
 It remembers, per EPDDeployment, the hash of the status it last wrote (or found right), so the
 event filter can tell the echo of its own patch, and the API server's refusal of a child, which
-the status says until a write goes through.
+the status says until a write goes through; and its pods as last observed (status.Observations),
+so that a refresh observes again only the pods that changed.
+
+A status that only moves counts and messages (units starting, one by one) is written at most
+every `units x status_seconds_per_unit` seconds (at most STATUS_SPACING_MAX): a status write costs
+the same whatever the number of units, so at thousands of units this keeps the writes to a few
+per hundred units during a scale-up, while one a phase or a condition flips, or a new generation,
+goes at once (Ready is reported as soon as it is true).
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime
+import math
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -24,7 +32,7 @@ from .kube import KubeSession
 from .metrics import OperatorMetrics
 from .plans import Planned
 from .resources import digest
-from .status import compute_status, encoder_gates, invalid_status, unit_readiness_events
+from .status import Observations, ObservedPod, compute_status, encoder_gates, invalid_status, unit_readiness_events
 from .validation import SpecError
 
 KOPF_FIELD = "kopf"  # kopf's own bookkeeping in the status: not the operator's
@@ -32,6 +40,7 @@ KOPF_FIELD = "kopf"  # kopf's own bookkeeping in the status: not the operator's
 # FailedCreate Events read, again every CREATE_FAILURE_RECHECK seconds while it lacks them.
 CREATE_FAILURE_GRACE = 10.0
 CREATE_FAILURE_RECHECK = 10.0
+STATUS_SPACING_MAX = 30.0
 
 
 class StatusWriter:
@@ -45,6 +54,7 @@ class StatusWriter:
         inform: Post,
         requeue_after: Callable[[Key, float], None] = lambda _key, _delay: None,
         clock: Callable[[], float] = time.monotonic,
+        seconds_per_unit: float = 0.0,
     ) -> None:
         self._session = session
         self._scraper = scraper
@@ -53,12 +63,16 @@ class StatusWriter:
         self._inform = inform
         self._requeue_after = requeue_after
         self._clock = clock
+        self._seconds_per_unit = seconds_per_unit
+        self._observations: dict[Key, Observations] = {}
+        self._last_write: dict[Key, float] = {}  # when the status was last patched (clock)
         # Per (key, StatefulSet) lacking pods: since when, and its FailedCreate Event as last read.
         self._lacking: dict[tuple[Key, str], float] = {}
         self._create_failures: dict[tuple[Key, str], tuple[float, str | None]] = {}
         self._written: dict[Key, str] = {}  # hash of the status last written (or found right)
         self._refusals: dict[Key, tuple[str, str]] = {}  # (reason, message) of a refused child, until a write goes
         self._fallen: dict[Key, frozenset[str]] = {}  # units that stopped being ready, until they are again
+        self._units_written: dict[Key, dict[str, ObservedPod]] = {}  # the units as the last status written saw them
 
     def echoes(self, key: Key, status: Mapping[str, Any]) -> bool:
         """Whether `status` is exactly what this operator last wrote (or found right) for the key."""
@@ -79,13 +93,17 @@ class StatusWriter:
         self._written.pop(key, None)
         self._refusals.pop(key, None)
         self._fallen.pop(key, None)
+        self._units_written.pop(key, None)
+        self._observations.pop(key, None)
+        self._last_write.pop(key, None)
         for entries in (self._lacking, self._create_failures):
             for ref in [ref for ref in entries if ref[0] == key]:
                 del entries[ref]
 
     async def write(self, key: Key, body: kopf.Body, planned: Planned, indexes: Indexes) -> bool:
         """Patch the status computed from the pods and StatefulSets the indexes show, if it
-        changed; True if it did (a refusal said again writes nothing)."""
+        changed and may be written now (else a reconcile is queued for when it may); True if it
+        was (a refusal said again writes nothing)."""
         namespace, name = key
         previous = dict(body.status)
         failures = await self._read_create_failures(key, body, indexes)
@@ -93,7 +111,7 @@ class StatusWriter:
             deployment=name,
             spec=planned.spec,
             plans=planned.plans,
-            pods=indexes.pod_trees(key),
+            pods=indexes.pod_summaries(key),
             stateful_sets={s.name: s for s in indexes.stateful_sets.get(key, ())},
             generation=body.metadata.get("generation"),
             previous=previous,
@@ -102,11 +120,19 @@ class StatusWriter:
             fallback_encodes=self._scraper.fallback_encodes(key),
             write_failure=self._refusals.get(key),
             create_failures=failures,
+            observations=(observations := self._observations.setdefault(key, Observations())),
         )
         self._metrics.set_ready_units(namespace, name, sum(m["readyUnits"] for m in status["models"]))
-        self._written[key] = status_hash(status)
         if _same(status, previous):
+            self._written[key] = status_hash(status)
+            self._units_written[key] = observations.units()  # what the status found in place says
             return False
+        wait = self._spacing(status) - (self._clock() - self._last_write.get(key, -math.inf))
+        if wait > 0 and not flips(status, previous):
+            self._requeue_after(key, wait)
+            return False
+        self._written[key] = status_hash(status)
+        self._last_write[key] = self._clock()
         budget = _condition(status, "ECBudgetSufficient")
         if (
             budget["status"] == "False"
@@ -114,11 +140,22 @@ class StatusWriter:
         ):
             self._warn(body, "ECBudgetTooSmall", budget["message"])
         self._tell_the_rollout(body, previous, status)
-        events, self._fallen[key] = unit_readiness_events(previous, status, self._fallen.get(key, frozenset()))
+        units = observations.units()
+        events, self._fallen[key] = unit_readiness_events(
+            self._units_written.get(key, {}),
+            units,
+            _condition(status, "Progressing").get("reason") == "RollingOut",
+            self._fallen.get(key, frozenset()),
+        )
+        self._units_written[key] = units
         for warning, reason, message in events:
             (self._warn if warning else self._inform)(body, reason, message)
         await self._session.client.patch_status(namespace, name, status)
         return True
+
+    def _spacing(self, status: Mapping[str, Any]) -> float:
+        units = sum(m.get("desiredUnits", 0) for m in status.get("models") or [])
+        return min(STATUS_SPACING_MAX, units * self._seconds_per_unit)
 
     async def _read_create_failures(self, key: Key, body: kopf.Body, indexes: Indexes) -> dict[str, str]:
         """Why each StatefulSet that has lacked pods for CREATE_FAILURE_GRACE seconds cannot create
@@ -164,7 +201,7 @@ class StatusWriter:
         if not any(plan.pooled for plan in planned.plans):
             return
         namespace, name = key
-        gates = encoder_gates(name, planned.spec, planned.plans, indexes.pod_trees(key), now())
+        gates = encoder_gates(name, planned.spec, planned.plans, indexes.pod_summaries(key), now())
         kube = self._session.client
         await asyncio.gather(*(kube.patch_pod_condition(namespace, pod, c) for pod, c in gates.items()))
 
@@ -182,6 +219,20 @@ class StatusWriter:
             and _condition(previous, "Degraded").get("reason") != "RolloutStalled"
         ):
             self._warn(body, "RolloutStalled", degraded["message"])
+
+
+def flips(status: Mapping[str, Any], previous: Mapping[str, Any]) -> bool:
+    """Whether `status` says more than how far its units are: another generation, phase, or the
+    value of a condition."""
+
+    def values(s: Mapping[str, Any]) -> dict[str, Any]:
+        return {c.get("type"): c.get("status") for c in s.get("conditions") or []}
+
+    return (
+        status.get("observedGeneration") != previous.get("observedGeneration")
+        or status.get("phase") != previous.get("phase")
+        or values(status) != values(previous)
+    )
 
 
 def status_hash(status: Mapping[str, Any]) -> str:

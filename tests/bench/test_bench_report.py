@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 
 from epd_dev.bench.bench_operator import KCM_DEFAULT, Results, Scale, report, stage_means_ms
+from epd_dev.bench.big import Big, Step
+from epd_dev.bench.restart import Restart
 
 
 def run(n: int, converged: float, peak_mb: float, rss_mb: float, reconciles: float) -> Scale:
@@ -84,3 +86,42 @@ def test_stage_means_are_per_reconcile_that_ran_the_stage():
     # plan: 0.5 s over 200 reconciles; children: 2 s over the 10 that wrote; status: 0.3 s over 10.
     assert stage_means_ms(before, after) == pytest.approx({"plan": 2.5, "children": 200.0, "status": 30.0})
     assert stage_means_ms(after, after) == {}  # no reconcile between the two: no mean to give
+
+
+def big(ready: float, floor: float, patches: float, *, discover: list[float]) -> Big:
+    steps = [
+        Step(0, 1000, ready, floor, patches, status_bytes=4000, object_bytes=9000),
+        Step(1000, 100, 20.0, 25.0, 2, status_bytes=3000, object_bytes=8000),
+        Step(100, 1000, 50.0, 40.0, 30, status_bytes=4100, object_bytes=9100),
+    ]
+    return Big(1000, KCM_DEFAULT, steps, 30.0, 110.0, 90.0, 80.0, discover)
+
+
+def test_the_big_and_restart_keys():
+    results = Results(
+        bigs=[
+            big(66.0, 60.0, 40, discover=[12.0, 10.0]),
+            big(70.0, 60.0, 50, discover=[14.0]),
+            big(64.0, 64.0, 30, discover=[11.0]),
+        ],
+        restarts=[Restart(1000, seconds=42.0, child_writes=0, status_writes=3, events=5, reconciles=1000)],
+    )
+    keys = results.keys()
+    assert keys["big_1000_ready_seconds"] == 66.0 and keys["big_1000_floor_seconds"] == 60.0
+    assert keys["big_1000_ready_ratio_floor"] == pytest.approx(1.1)  # median of 1.1, 1.167, 1.0
+    assert keys["big_status_patches_per_unit"] == pytest.approx(0.04) == keys["big_1000_status_patches_per_unit"]
+    assert keys["big_status_bytes_per_unit"] == pytest.approx(4.1)  # the largest status of a run, per unit
+    # Scaled down and up again: each step against the floor's same step, patches per unit moved.
+    assert keys["big_1000_scale_1000_to_100_ratio_floor"] == pytest.approx(0.8)
+    assert keys["big_1000_scale_100_to_1000_status_patches_per_unit"] == pytest.approx(30 / 900)
+    assert keys["client_discover_1000_ms"] == 11.0  # the median of each run's median
+    assert keys["big_1000_operator_peak_rss_mb"] == 110.0
+    # Status writes count, Events do not (anyone posts them).
+    assert (keys["restart_1000_seconds"], keys["restart_1000_writes"]) == (42.0, 3)
+
+
+def test_the_big_report_has_a_row_per_step(capsys):
+    report(Results(bigs=[big(66.0, 60.0, 40, discover=[12.0])]))
+    lines = capsys.readouterr().out.splitlines()
+    assert "| 1000 -> 100 | 20.0 | 25.0 | 0.80x | 2 | 0.002 | 3000 | 8000 |" in lines
+    assert "PASS  status patches per unit during the scale-up <= 0.2: 0.04" in lines

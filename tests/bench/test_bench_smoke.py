@@ -27,7 +27,17 @@ KEYS = {
     "rss_mb_slope_kb_per_epd",
     "floor_5_seconds",
     "scale_5_over_floor",
+    "restart_5_seconds",
+    "restart_5_writes",
+    "big_3_ready_seconds",
+    "big_3_ready_ratio_floor",
+    "big_3_status_bytes",
+    "big_3_scale_3_to_1_ratio_floor",
+    "big_status_patches_per_unit",
+    "big_status_bytes_per_unit",
+    "client_discover_3_ms",
 }
+ZERO_OR_MORE = {"idle_cpu_percent", "rss_mb_slope_kb_per_epd", "restart_5_writes"}
 
 
 @pytest.fixture
@@ -38,12 +48,25 @@ def api(cluster):
 
 
 def test_benchmark_reports_every_key(cluster, api, bench_operator, capsys):
-    results = benchmark(cluster, api, bench_operator, sizes=[5], scales=[3, 5], idle_seconds=2, floor=True)
+    results = benchmark(
+        cluster,
+        api,
+        bench_operator,
+        sizes=[5],
+        scales=[3, 5],
+        idle_seconds=2,
+        floor=True,
+        restart=True,
+        big=[3],
+        big_scale_to=1,
+    )
     report(results)
     lines = capsys.readouterr().out.splitlines()
     values = dict(line.split("=", 1) for line in lines if "=" in line and " " not in line)
     assert KEYS <= values.keys(), lines[-20:]
-    assert all(float(values[key]) > 0 for key in KEYS - {"idle_cpu_percent", "rss_mb_slope_kb_per_epd"}), values
+    assert all(float(values[key]) > 0 for key in KEYS - ZERO_OR_MORE), values
+    # A restarted operator beside converged objects rewrites none of them.
+    assert float(values["restart_5_writes"]) == 0 and float(values["restart_3_writes"]) == 0
     # The API server's own metrics: measured for our creates, and printed (its busiest 12 rows;
     # which rows those are at this toy size depends on the machine's leases and events).
     assert all(("POST", "statefulsets") in s.api_requests for s in results.scales)

@@ -57,3 +57,54 @@ class UnitServers:
     @property
     def prime_count(self) -> int:
         return sum(len(e.requests("/v1/chat/completions")) for e in self.encoders)
+
+
+def model_status(
+    name: str,
+    stateful_set: str,
+    units: int,
+    engines: list[tuple[str, str, int]],
+    *,
+    entry_port: int | None = 8000,
+    router_port: int | None = None,
+    served_model_name: str | None = None,
+    pool: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One model of an EPDDeployment status as the operator writes it: what each unit holds;
+    where the units are, the EndpointSlices of ``<stateful_set>-units`` say."""
+    model: dict[str, Any] = {
+        "name": name,
+        "statefulSet": stateful_set,
+        "unitsService": f"{stateful_set}-units",
+        "desiredUnits": units,
+        "engines": [{"name": n, "role": r, "port": p} for n, r, p in engines],
+    }
+    if served_model_name is not None:
+        model["servedModelName"] = served_model_name
+    if entry_port is not None:
+        model["entryPort"] = entry_port
+    if router_port is not None:
+        model["routerPort"] = router_port
+    if pool is not None:
+        model.update(placement="Pools", encoderPool=pool)
+    return model
+
+
+def endpoint_slice(service: str, *endpoints: tuple[str, str, bool], node: str = "gpu-1") -> dict[str, Any]:
+    """An EndpointSlice of ``service`` as kube-controller-manager writes it for a Service with
+    publishNotReadyAddresses: every pod ``ready``, ``serving`` its readiness. Each endpoint is
+    (pod name, IP, serving)."""
+    return {
+        "metadata": {"name": f"{service}-abcde", "labels": {"kubernetes.io/service-name": service}},
+        "endpoints": [
+            {
+                "addresses": [ip],
+                "conditions": {"ready": True, "serving": serving, "terminating": False},
+                "hostname": pod,
+                "nodeName": node,
+                "targetRef": {"kind": "Pod", "namespace": "ns", "name": pod, "uid": "u"},
+            }
+            for pod, ip, serving in endpoints
+        ],
+        "ports": [{"name": "http", "port": 8000, "protocol": "TCP"}],
+    }

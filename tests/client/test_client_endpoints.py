@@ -12,68 +12,94 @@ from pathlib import Path
 
 import pytest
 
-from epd_client import DiscoveryError, Endpoints, EndpointsError, RetryPolicy, Unit, discover
+from epd_client import (
+    DiscoveryError,
+    Endpoints,
+    EndpointsError,
+    Engine,
+    ModelEndpoints,
+    RetryPolicy,
+    Unit,
+    discover,
+)
 
-STATUS = {
-    "observedGeneration": 3,
-    "models": [
-        {
-            "name": "actor",
-            "servedModelName": "Qwen/Qwen2-VL-2B",
-            "ecStoragePath": "/dev/shm/vime-ec-actor",
-            "units": [
-                {
-                    "name": "actor-0",
-                    "pod": "demo-actor-0",
-                    "node": "gpu-1",
-                    "ready": True,
-                    "encoderUrls": ["http://10.0.0.5:8001", "http://10.0.0.5:8002/"],
-                    "routerUrl": "http://10.0.0.5:8000",
-                    "consumerUrls": ["http://10.0.0.5:8010"],
-                },
-                {
-                    "name": "actor-1",
-                    "pod": "demo-actor-1",
-                    "node": "gpu-2",
-                    "ready": False,
-                    "encoderUrls": ["http://10.0.0.6:8001"],
-                    "routerUrl": None,
-                    "consumerUrls": ["http://10.0.0.6:8010", "http://10.0.0.6:8011"],
-                },
-            ],
-        },
-        {"name": "critic", "units": [{"name": "critic-0", "encoderUrls": []}]},
-    ],
-}
+from .helpers import endpoint_slice, model_status
+
+ACTOR = model_status(
+    "actor",
+    "demo-actor",
+    3,
+    [("encoder-0", "encoder", 8001), ("encoder-1", "encoder", 8002), ("regular-0", "regular", 8010)],
+    entry_port=8000,
+    served_model_name="Qwen/Qwen2-VL-2B",
+)
+STATUS = {"observedGeneration": 3, "models": [ACTOR, model_status("critic", "demo-critic", 1, [])]}
+SLICES = [
+    endpoint_slice("demo-actor-units", ("demo-actor-0", "10.0.0.5", True)),
+    endpoint_slice("demo-actor-units", ("demo-actor-1", "10.0.0.6", False), node="gpu-2"),
+    endpoint_slice("someone-elses", ("demo-actor-2", "10.0.0.9", True)),  # another Service's: not a unit of ours
+]
 
 
-def test_from_status() -> None:
-    endpoints = Endpoints.from_status(STATUS)
+def test_from_status_and_endpoint_slices() -> None:
+    endpoints = Endpoints.from_status(STATUS, SLICES)
     actor = endpoints.model("actor")
     assert actor.served_name == "Qwen/Qwen2-VL-2B"
-    first, second = actor.units
+    first, second, third = actor.units
     assert first == Unit(
-        name="actor-0",
+        name="demo-actor-0",
         encoder_urls=("http://10.0.0.5:8001", "http://10.0.0.5:8002"),
-        router_url="http://10.0.0.5:8000",
         consumer_urls=("http://10.0.0.5:8010",),
+        front_url="http://10.0.0.5:8000",
         ready=True,
         pod="demo-actor-0",
         node="gpu-1",
+        engines=(
+            Engine("demo-actor-0", "encoder-0", "encoder", "http://10.0.0.5:8001"),
+            Engine("demo-actor-0", "encoder-1", "encoder", "http://10.0.0.5:8002"),
+            Engine("demo-actor-0", "regular-0", "regular", "http://10.0.0.5:8010"),
+        ),
     )
-    # The entry URL is the router, else the first consumer.
+    # The entry URL is the unit's front door (its EPD proxy).
     assert first.entry_url == "http://10.0.0.5:8000"
-    assert second.entry_url == "http://10.0.0.6:8010"
-    assert actor.ready_units() == (first,)
-    # No servedModelName: the model's name is sent; a unit without "ready" is not ready.
+    # Not serving (its pod is not Ready): listed, never used.
+    assert (second.ready, second.node, second.entry_url) == (False, "gpu-2", "http://10.0.0.6:8000")
+    # No endpoint in the units Service's slices (no IP yet): listed, not ready, no URL.
+    assert (third.name, third.ready, third.entry_url, third.encoder_urls) == ("demo-actor-2", False, None, ())
+    assert [e.url for e in third.engines] == [None, None, None]
+    assert actor.ready_units() == (first,) and actor.unit_for("any key") == first
+    assert actor.unit("demo-actor-1") == second and actor.unit("demo-actor-9") is None
+    # No servedModelName: the model's name is sent.
     critic = endpoints.model("critic")
-    assert critic.served_name == "critic"
-    assert critic.units[0].ready is False
+    assert critic.served_name == "critic" and critic.units[0].ready is False
+
+
+def test_a_terminating_pod_is_not_a_ready_unit() -> None:
+    terminating = endpoint_slice("demo-actor-units", ("demo-actor-0", "10.0.0.5", True))
+    terminating["endpoints"][0]["conditions"]["terminating"] = True
+    assert Endpoints.from_status(STATUS, [terminating]).model("actor").units[0].ready is False
+
+
+def test_an_ipv6_unit_gets_brackets_in_its_urls() -> None:
+    slices = [endpoint_slice("demo-actor-units", ("demo-actor-0", "fd00::5", True))]
+    unit = Endpoints.from_status(STATUS, slices).model("actor").units[0]
+    assert unit.entry_url == "http://[fd00::5]:8000" and unit.encoder_urls[0] == "http://[fd00::5]:8001"
+
+
+def test_a_unit_is_chosen_for_a_key_among_thousands_building_only_that_one() -> None:
+    model = model_status("actor", "big-actor", 5000, [("encoder-0", "encoder", 8001), ("regular-0", "regular", 8010)])
+    pods = [(f"big-actor-{i}", f"10.1.{i // 250}.{i % 250}", i % 10 != 3) for i in range(5000)]
+    slices = [endpoint_slice("big-actor-units", *pods[i : i + 100]) for i in range(0, 5000, 100)]
+    actor = Endpoints.from_status({"models": [model]}, slices).model("actor")
+    chosen = actor.unit_for("sample-17")
+    # The same choice as among the same units built by hand.
+    assert chosen.ready and chosen == ModelEndpoints("actor", actor.ready_units()).unit_for("sample-17")
+    assert len(actor.units) == 5000 and len(actor.ready_units()) == 4500
 
 
 @pytest.mark.parametrize(
     "status",
-    [{"models": [{"units": []}]}, {"models": [{"name": "m", "units": [{}]}]}, {"models": 3}],
+    [{"models": [{"units": []}]}, {"models": [{"name": "m", "statefulSet": "s"}]}, {"models": 3}],
 )
 def test_malformed_status(status) -> None:
     with pytest.raises(EndpointsError, match="malformed"):
@@ -90,9 +116,10 @@ def test_retry_policy_rejects_nonsense() -> None:
 
 
 class FakeKubernetes:
-    """Stands in for the kubernetes package: records the calls, returns ``obj``."""
+    """Stands in for the kubernetes package: records the calls, answers ``obj`` and ``slices``
+    as raw JSON (what discover asks for)."""
 
-    def __init__(self, obj: dict | None = None, error_status: int | None = None) -> None:
+    def __init__(self, obj: dict | None = None, error_status: int | None = None, slices: list | None = None) -> None:
         calls: list[tuple] = []
         self.calls = calls
 
@@ -104,21 +131,38 @@ class FakeKubernetes:
             def close(self) -> None:
                 calls.append(("close",))
 
+        def answer(document: object) -> types.SimpleNamespace:
+            return types.SimpleNamespace(data=json.dumps(document).encode())
+
         class CustomObjectsApi:
             def __init__(self, api_client: ApiClient) -> None:
                 assert isinstance(api_client, ApiClient)
 
-            def get_namespaced_custom_object(self, *args: str) -> dict | None:
+            def get_namespaced_custom_object(self, *args: str, _preload_content: bool) -> types.SimpleNamespace:
+                assert _preload_content is False
                 calls.append(("get", *args))
                 if error_status:
                     raise ApiException(error_status)
-                return obj
+                return answer(obj)
+
+        class DiscoveryV1Api:
+            def __init__(self, api_client: ApiClient) -> None:
+                assert isinstance(api_client, ApiClient)
+
+            def list_namespaced_endpoint_slice(
+                self, namespace: str, *, label_selector: str, _preload_content: bool
+            ) -> types.SimpleNamespace:
+                assert _preload_content is False
+                calls.append(("list endpointslices", namespace, label_selector))
+                return answer({"items": slices or []})
 
         def new_client_from_config(config_file: str | None = None) -> ApiClient:
             calls.append(("config", config_file))
             return ApiClient()
 
-        self.client = types.SimpleNamespace(CustomObjectsApi=CustomObjectsApi, ApiException=ApiException)
+        self.client = types.SimpleNamespace(
+            CustomObjectsApi=CustomObjectsApi, DiscoveryV1Api=DiscoveryV1Api, ApiException=ApiException
+        )
         self.config = types.SimpleNamespace(
             new_client_from_config=new_client_from_config,
             ConfigException=RuntimeError,
@@ -131,16 +175,17 @@ class FakeKubernetes:
         monkeypatch.setitem(sys.modules, "kubernetes", package)
 
 
-def test_discover_reads_the_epddeployment_status(monkeypatch) -> None:
-    fake = FakeKubernetes({"status": STATUS})
+def test_discover_reads_the_status_then_the_endpoint_slices_it_names(monkeypatch) -> None:
+    fake = FakeKubernetes({"status": STATUS}, slices=SLICES[:2])
     fake.install(monkeypatch)
     endpoints = discover("demo", "team-a", kubeconfig="/tmp/kubeconfig")
     assert fake.calls == [
         ("config", "/tmp/kubeconfig"),
         ("get", "epd.vime.dev", "v1alpha1", "team-a", "epddeployments", "demo"),
+        ("list endpointslices", "team-a", "kubernetes.io/service-name in (demo-actor-units,demo-critic-units)"),
         ("close",),
     ]
-    assert endpoints == Endpoints.from_status(STATUS)
+    assert endpoints == Endpoints.from_status(STATUS, SLICES[:2])
 
 
 @pytest.mark.parametrize(
@@ -171,29 +216,3 @@ def test_import_loads_neither_kopf_nor_kubernetes() -> None:
     env = {**os.environ, "PYTHONPATH": str(operator_dir)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert json.loads(out) == []
-
-
-def test_the_units_front_door_from_the_status_is_where_render_and_generate_go():
-    status = {
-        "models": [
-            {
-                "name": "default",
-                "servedModelName": "m",
-                "units": [
-                    {
-                        "name": "u-0",
-                        "ready": True,
-                        "encoderUrls": ["http://10.0.0.5:8100"],
-                        "consumerUrls": ["http://10.0.0.5:8101", "http://10.0.0.5:8102"],
-                        "entryUrl": "http://10.0.0.5:8000/",
-                    }
-                ],
-            }
-        ]
-    }
-    (unit,) = Endpoints.from_status(status).model("default").units
-    assert unit.entry_url == "http://10.0.0.5:8000"  # the EPD proxy: the router behind it serves the loopback only
-    # An operator before the proxy wrote no entryUrl: the router, else the first consumer.
-    del status["models"][0]["units"][0]["entryUrl"]
-    (unit,) = Endpoints.from_status(status).model("default").units
-    assert unit.entry_url == "http://10.0.0.5:8101"

@@ -3,7 +3,6 @@ all at once."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import pytest
@@ -21,60 +20,29 @@ from epd_client import (
 from epd_dev.standins.engine_control import EngineControl
 from epd_dev.standins.fault_proxy import http_status
 
-from .helpers import FAST
+from .helpers import FAST, endpoint_slice, model_status
 
-# A status as the operator writes it once it lists every engine of a unit.
+# A status as the operator writes it, and the units Services' EndpointSlices.
 STATUS = {
     "models": [
-        {
-            "name": "actor",
-            "servedModelName": "actor",
-            "ecStoragePath": "/dev/shm/vime-ec-actor",
-            "units": [
-                {
-                    "name": "demo-actor-0",
-                    "ready": True,
-                    "encoderUrls": ["http://10.0.0.5:8100"],
-                    "routerUrl": "http://10.0.0.5:8000",
-                    "consumerUrls": ["http://10.0.0.5:8101", "http://10.0.0.5:8102"],
-                    "engines": [
-                        {"name": "encoder-0", "role": "encoder", "url": "http://10.0.0.5:8100/"},
-                        {"name": "prefill-0", "role": "prefill", "url": "http://10.0.0.5:8101"},
-                        {"name": "decode-0", "role": "decode", "url": "http://10.0.0.5:8102"},
-                    ],
-                },
-                {
-                    "name": "demo-actor-1",
-                    "ready": False,
-                    "encoderUrls": [],
-                    "routerUrl": None,
-                    "consumerUrls": [],
-                    "engines": [
-                        {"name": "encoder-0", "role": "encoder", "url": None},
-                        {"name": "prefill-0", "role": "prefill", "url": None},
-                        {"name": "decode-0", "role": "decode", "url": None},
-                    ],
-                },
-            ],
-        },
-        {
-            "name": "reward",
-            "servedModelName": "reward",
-            "units": [
-                {
-                    "name": "demo-reward-0",
-                    "ready": True,
-                    "consumerUrls": ["http://10.0.0.7:8100"],
-                    "engines": [{"name": "regular-0", "role": "regular", "url": "http://10.0.0.7:8100"}],
-                }
-            ],
-        },
+        model_status(
+            "actor",
+            "demo-actor",
+            2,
+            [("encoder-0", "encoder", 8100), ("prefill-0", "prefill", 8101), ("decode-0", "decode", 8102)],
+            served_model_name="actor",
+        ),
+        model_status("reward", "demo-reward", 1, [("regular-0", "regular", 8100)], served_model_name="reward"),
     ]
 }
+SLICES = [
+    endpoint_slice("demo-actor-units", ("demo-actor-0", "10.0.0.5", True)),  # demo-actor-1 has no IP yet
+    endpoint_slice("demo-reward-units", ("demo-reward-0", "10.0.0.7", True)),
+]
 
 
 def test_engines_by_role_from_the_status() -> None:
-    endpoints = Endpoints.from_status(STATUS)
+    endpoints = Endpoints.from_status(STATUS, SLICES)
     assert endpoints.engines("actor") == (
         Engine("demo-actor-0", "encoder-0", "encoder", "http://10.0.0.5:8100"),
         Engine("demo-actor-0", "prefill-0", "prefill", "http://10.0.0.5:8101"),
@@ -93,20 +61,9 @@ def test_engines_by_role_from_the_status() -> None:
         endpoints.engines("critic")
 
 
-def test_a_status_without_an_engine_list_falls_back_to_the_urls() -> None:
-    status = copy.deepcopy(STATUS)
-    for model in status["models"]:
-        for unit in model["units"]:
-            del unit["engines"]
-    endpoints = Endpoints.from_status(status)
-    # Written before the operator listed engines: roles beyond "encoder" are unknown.
-    assert endpoints.engines("actor") == (
-        Engine("demo-actor-0", "encoder-0", "encoder", "http://10.0.0.5:8100"),
-        Engine("demo-actor-0", "consumer-0", "consumer", "http://10.0.0.5:8101"),
-        Engine("demo-actor-0", "consumer-1", "consumer", "http://10.0.0.5:8102"),
-    )
-    # Units built from URLs get the same listing, derived from their URLs when asked, so a
-    # copy with other URLs (e.g. mapped to localhost) lists those.
+def test_units_built_from_urls_list_engines_derived_from_them() -> None:
+    # Units built from URLs list their engines derived from their URLs when asked (roles beyond
+    # "encoder" unknown), so a copy with other URLs (e.g. mapped to localhost) lists those.
     endpoints = Endpoints.from_urls(["http://e:1"], "http://c:2")
     assert endpoints.engines("default") == (
         Engine("default", "encoder-0", "encoder", "http://e:1"),
@@ -121,20 +78,17 @@ def test_a_status_without_an_engine_list_falls_back_to_the_urls() -> None:
 def control_endpoints(*units: list, router: EngineControl | None = None) -> Endpoints:
     """Model "actor" whose unit i has the engines at the URLs of units[i] (servers or
     proxies; the first an encoder)."""
-    status_units = []
-    for i, engines in enumerate(units):
-        status_units.append(
-            {
-                "name": f"u{i}",
-                "ready": True,
-                "routerUrl": router.url if router else None,
-                "engines": [
-                    {"name": f"e{j}", "role": "encoder" if j == 0 else "regular", "url": e.url}
-                    for j, e in enumerate(engines)
-                ],
-            }
+    built = tuple(
+        Unit(
+            name=f"u{i}",
+            router_url=router.url if router else None,
+            engines=tuple(
+                Engine(f"u{i}", f"e{j}", "encoder" if j == 0 else "regular", e.url) for j, e in enumerate(engines)
+            ),
         )
-    return Endpoints.from_status({"models": [{"name": "actor", "units": status_units}]})
+        for i, engines in enumerate(units)
+    )
+    return Endpoints((ModelEndpoints("actor", built),))
 
 
 async def test_pause_and_resume_call_every_engine_at_once(stack) -> None:
@@ -197,18 +151,16 @@ async def test_failed_engines_are_named_with_the_fix(stack, proxy) -> None:
 
 async def test_engines_without_a_url_fail_before_any_call(stack) -> None:
     engine = stack.enter_context(EngineControl())
-    endpoints = Endpoints.from_status(
-        {
-            "models": [
-                {
-                    "name": "actor",
-                    "units": [
-                        {"name": "u0", "engines": [{"name": "encoder-0", "role": "encoder", "url": engine.url}]},
-                        {"name": "u1", "engines": [{"name": "encoder-0", "role": "encoder", "url": None}]},
-                    ],
-                }
-            ]
-        }
+    endpoints = Endpoints(
+        (
+            ModelEndpoints(
+                "actor",
+                (
+                    Unit("u0", engines=(Engine("u0", "encoder-0", "encoder", engine.url),)),
+                    Unit("u1", engines=(Engine("u1", "encoder-0", "encoder", None),)),
+                ),
+            ),
+        )
     )
     async with EPDClient(endpoints) as client:
         with pytest.raises(EndpointsError, match=r"no IP yet\): u1/encoder-0;"):

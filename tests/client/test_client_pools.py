@@ -9,55 +9,37 @@ import pytest
 
 from epd_client import (
     Endpoints,
+    Engine,
     EPDClient,
+    ModelEndpoints,
     NoReadyUnitError,
     PrimeError,
+    Unit,
     prime_encoder,
     vime_rollout_args,
 )
 
-from .helpers import FAST, image_messages, image_urls
+from .helpers import FAST, endpoint_slice, image_messages, image_urls, model_status
 
 
-def pools_status(encoder_urls: list[str], consumer_urls: list[str], *, placement: str = "Pools") -> dict:
-    """An EPDDeployment status as the operator writes it for a Pools model."""
-    return {
-        "models": [
-            {
-                "name": "actor",
-                "servedModelName": "served",
-                "placement": placement,
-                "encoderUrls": encoder_urls,
-                "encoderPool": {
-                    "name": "demo-actor-encoders",
-                    "service": "demo-actor-encoders",
-                    "replicas": 3,
-                    "readyPods": len(encoder_urls),
-                    "pods": [
-                        {
-                            "name": f"demo-actor-encoders-{i}",
-                            "pod": f"demo-actor-encoders-{i}",
-                            "ready": i < len(encoder_urls),
-                            "encoderUrls": [url],
-                            "engines": [{"name": "encoder-0", "role": "encoder", "url": url}],
-                        }
-                        for i, url in enumerate([*encoder_urls, "http://10.9.9.9:8100"])
-                    ],
-                },
-                "units": [
-                    {
-                        "name": f"demo-actor-{i}",
-                        "pod": f"demo-actor-{i}",
-                        "ready": True,
-                        "encoderUrls": [],
-                        "consumerUrls": [url],
-                        "engines": [{"name": "regular-0", "role": "regular", "url": url}],
-                    }
-                    for i, url in enumerate(consumer_urls)
-                ],
-            }
-        ]
-    }
+def pools_endpoints(encoder_urls: list[str], consumer_urls: list[str], *, placement: str = "Pools") -> Endpoints:
+    """A Pools model whose pool's ready encoders and units' consumers are at these URLs (stand-in
+    servers, each on a port of its own: not the one port per engine a status names)."""
+    pool = tuple(
+        Engine(f"demo-actor-encoders-{i}", "encoder-0", "encoder", url)
+        for i, url in enumerate([*encoder_urls, "http://10.9.9.9:8100"])
+    )
+    units = tuple(
+        Unit(
+            name=f"demo-actor-{i}",
+            encoder_urls=tuple(encoder_urls),
+            consumer_urls=(url,),
+            pod=f"demo-actor-{i}",
+            engines=(Engine(f"demo-actor-{i}", "regular-0", "regular", url),),
+        )
+        for i, url in enumerate(consumer_urls)
+    )
+    return Endpoints((ModelEndpoints("actor", units, "served", placement, pool),))
 
 
 def chat(images: int) -> dict:
@@ -65,22 +47,47 @@ def chat(images: int) -> dict:
 
 
 def test_status_of_a_pools_model() -> None:
-    status = pools_status(["http://10.0.1.1:8100", "http://10.0.1.2:8100/"], ["http://10.0.2.1:8100"])
-    model = Endpoints.from_status(status).model("actor")
+    pool = {
+        "name": "demo-actor-encoders",
+        "service": "demo-actor-encoders",
+        "replicas": 3,
+        "readyPods": 2,
+        "engines": [{"name": "encoder-0", "role": "encoder", "port": 8100}],
+    }
+    status = {
+        "models": [
+            model_status(
+                "actor", "demo-actor", 1, [("regular-0", "regular", 8100)], served_model_name="served", pool=pool
+            )
+        ]
+    }
+    # The pool's Service has no publishNotReadyAddresses: a pod not Ready is neither ready nor serving.
+    slices = [
+        endpoint_slice(
+            "demo-actor-encoders",
+            ("demo-actor-encoders-0", "10.0.1.1", True),
+            ("demo-actor-encoders-1", "10.0.1.2", True),
+            ("demo-actor-encoders-2", "10.0.1.3", False),
+        ),
+        endpoint_slice("demo-actor-units", ("demo-actor-0", "10.0.2.1", True)),
+    ]
+    endpoints = Endpoints.from_status(status, slices)
+    model = endpoints.model("actor")
     assert model.pooled and model.has_encoders
     # Every unit primes on the pool's ready encoders.
     (unit,) = model.units
     assert unit.encoder_urls == ("http://10.0.1.1:8100", "http://10.0.1.2:8100")
+    assert unit.consumer_urls == ("http://10.0.2.1:8100",) and unit.entry_url == "http://10.0.2.1:8000"
     # Each engine once: the pool's encoders (ready or not), then the units' consumers.
-    assert [(e.unit, e.name, e.role) for e in model.engines()] == [
-        ("demo-actor-encoders-0", "encoder-0", "encoder"),
-        ("demo-actor-encoders-1", "encoder-0", "encoder"),
-        ("demo-actor-encoders-2", "encoder-0", "encoder"),
-        ("demo-actor-0", "regular-0", "regular"),
+    assert [(e.unit, e.name, e.role, e.url) for e in model.engines()] == [
+        ("demo-actor-encoders-0", "encoder-0", "encoder", "http://10.0.1.1:8100"),
+        ("demo-actor-encoders-1", "encoder-0", "encoder", "http://10.0.1.2:8100"),
+        ("demo-actor-encoders-2", "encoder-0", "encoder", "http://10.0.1.3:8100"),
+        ("demo-actor-0", "regular-0", "regular", "http://10.0.2.1:8100"),
     ]
     assert len(model.engines("encoder")) == 3
     # Vime's args name the pool's ready encoders for the model.
-    assert vime_rollout_args(status).vllm_model_encoder_endpoints == {
+    assert vime_rollout_args(endpoints).vllm_model_encoder_endpoints == {
         "actor": ("served", ["http://10.0.1.1:8100", "http://10.0.1.2:8100"])
     }
 
@@ -88,8 +95,7 @@ def test_status_of_a_pools_model() -> None:
 async def test_prime_round_robins_over_the_pool_and_generate_carries_the_transfer_params(server) -> None:
     encoders = [server(ec_transfer=True), server(ec_transfer=True)]  # no store shared with anyone
     consumers = [server(), server()]
-    status = pools_status([e.url for e in encoders], [c.url for c in consumers])
-    async with EPDClient(Endpoints.from_status(status), retry=FAST) as client:
+    async with EPDClient(pools_endpoints([e.url for e in encoders], [c.url for c in consumers]), retry=FAST) as client:
         for i in range(4):
             result = await client.generate(chat(2), key=f"sample-{i}", model_name="actor")
             assert result["choices"][0]["token_ids"] == [7, 8, 9]
@@ -118,7 +124,7 @@ async def test_items_without_metadata_keep_their_tensors(server) -> None:
     generate item with neither tensors nor metadata is a 500 in vLLM. The client sends the
     tensors with the transfer params, and the consumer still pulls (it does not encode)."""
     encoder, consumer = server(ec_transfer=True), server(mm_metadata=False)
-    async with EPDClient(Endpoints.from_status(pools_status([encoder.url], [consumer.url])), retry=FAST) as client:
+    async with EPDClient(pools_endpoints([encoder.url], [consumer.url]), retry=FAST) as client:
         result = await client.generate(chat(2), model_name="actor")
     assert result["choices"][0]["token_ids"] == [7, 8, 9]
     (generate,) = consumer.requests("/inference/v1/generate")
@@ -130,7 +136,7 @@ async def test_items_without_metadata_keep_their_tensors(server) -> None:
 
 async def test_prime_returns_the_transfer_params_to_send_with_render(server) -> None:
     encoder, consumer = server(ec_transfer=True), server()
-    endpoints = Endpoints.from_status(pools_status([encoder.url], [consumer.url]))
+    endpoints = pools_endpoints([encoder.url], [consumer.url])
     params = await prime_encoder(endpoints, image_messages(3), model_name="actor")
     host = encoder.url.removeprefix("http://").rsplit(":", 1)[0]
     assert len(params) == 3 and all(p["peer_host"] == host for p in params.values())
@@ -139,7 +145,7 @@ async def test_prime_returns_the_transfer_params_to_send_with_render(server) -> 
 async def test_an_encoder_answering_without_transfer_params_is_an_error_naming_image_and_encoder(server) -> None:
     good, bad = server(ec_transfer=True), server()  # bad: an EC connector that announces nothing
     consumer = server()
-    endpoints = Endpoints.from_status(pools_status([good.url, bad.url], [consumer.url]))
+    endpoints = pools_endpoints([good.url, bad.url], [consumer.url])
     async with EPDClient(endpoints, retry=FAST) as client:
         with pytest.raises(PrimeError) as error:
             await client.generate(chat(2), model_name="actor")
@@ -153,14 +159,14 @@ async def test_an_entry_without_a_peer_address_is_an_error_too(server, monkeypat
     encoder, consumer = server(ec_transfer=True), server()
     # What vLLM's producer announces for an embedding it no longer holds: metadata, no address.
     monkeypatch.setattr(encoder, "_announce", lambda urls: {"h1": {"item_indices": [0], "metadata": {}}})
-    endpoints = Endpoints.from_status(pools_status([encoder.url], [consumer.url]))
+    endpoints = pools_endpoints([encoder.url], [consumer.url])
     with pytest.raises(PrimeError, match=r"announced no peer address for h1 \(not saved, or evicted\)"):
         await prime_encoder(endpoints, image_messages(1), model_name="actor")
 
 
 async def test_a_pool_without_a_ready_encoder_refuses_to_prime(server) -> None:
     consumer = server()
-    endpoints = Endpoints.from_status(pools_status([], [consumer.url]))
+    endpoints = pools_endpoints([], [consumer.url])
     with pytest.raises(NoReadyUnitError, match="encoder pool has no ready encoder"):
         await prime_encoder(endpoints, image_messages(1), model_name="actor")
     # Text-only requests need no encoder at all.
@@ -171,11 +177,8 @@ async def test_a_pool_without_a_ready_encoder_refuses_to_prime(server) -> None:
 
 async def test_unit_models_send_no_transfer_params(make_unit) -> None:
     unit = make_unit("a")
-    status = pools_status([], [], placement="Unit")
-    status["models"][0]["units"] = [
-        {"name": "a", "ready": True, "encoderUrls": [e.url for e in unit.encoders], "consumerUrls": [unit.consumer.url]}
-    ]
-    async with EPDClient(Endpoints.from_status(status), retry=FAST) as client:
+    endpoints = Endpoints((ModelEndpoints("actor", (unit.unit(),), "served"),))
+    async with EPDClient(endpoints, retry=FAST) as client:
         assert await prime_encoder(client, image_messages(2), model_name="actor") == {}
         await client.generate(chat(2), model_name="actor")
     (render,) = unit.consumer.requests("/v1/chat/completions/render")

@@ -1,4 +1,4 @@
-"""vime_rollout_args: Vime's rollout arguments from an EPDDeployment status."""
+"""vime_rollout_args: Vime's rollout arguments from an EPDDeployment's endpoints."""
 
 from __future__ import annotations
 
@@ -11,44 +11,42 @@ import pytest
 from epd_client import (
     Endpoints,
     EndpointsError,
+    ModelEndpoints,
     NoReadyUnitError,
     VimeRolloutArgs,
     prime_encoder,
     vime_rollout_args,
 )
 
-from .helpers import image_messages
+from .helpers import endpoint_slice, image_messages, model_status
 
 # Two models as multi-model-overrides.yaml deploys them: an actor (encoders + two regular
 # engines behind a router) with two units, and a text-only reward model (one engine, no router).
+ACTOR = [("encoder-0", "encoder", 8001), ("encoder-1", "encoder", 8002), ("regular-0", "regular", 8003)]
 STATUS = {
     "models": [
-        {
-            "name": "actor",
-            "servedModelName": "actor-served",
-            "ecStoragePath": "/dev/shm/vime-ec-actor",
-            "units": [
-                {
-                    "name": f"rl-actor-{i}",
-                    "ready": True,
-                    "encoderUrls": [f"http://10.0.0.{i}:8001", f"http://10.0.0.{i}:8002"],
-                    "routerUrl": f"http://10.0.0.{i}:8000",
-                    "consumerUrls": [f"http://10.0.0.{i}:8003", f"http://10.0.0.{i}:8004"],
-                }
-                for i in range(2)
-            ],
-        },
-        {
-            "name": "reward",
-            "servedModelName": "/models/reward",
-            "units": [{"name": "rl-reward-0", "ready": True, "consumerUrls": ["http://10.0.1.0:8001"]}],
-        },
+        model_status(
+            "actor", "rl-actor", 2, [*ACTOR, ("regular-1", "regular", 8004)], served_model_name="actor-served"
+        ),
+        model_status(
+            "reward",
+            "rl-reward",
+            1,
+            [("regular-0", "regular", 8001)],
+            served_model_name="/models/reward",
+            entry_port=8001,
+        ),
     ]
 }
+SLICES = [
+    endpoint_slice("rl-actor-units", ("rl-actor-0", "10.0.0.0", True), ("rl-actor-1", "10.0.0.1", True)),
+    endpoint_slice("rl-reward-units", ("rl-reward-0", "10.0.1.0", True)),
+]
+ENDPOINTS = Endpoints.from_status(STATUS, SLICES)
 
 
 def test_the_attributes_vimes_rollout_reads() -> None:
-    args = vime_rollout_args(STATUS, units={"actor": "rl-actor-1"})
+    args = vime_rollout_args(ENDPOINTS, units={"actor": "rl-actor-1"})
     assert args == VimeRolloutArgs(
         vllm_model_encoder_endpoints={"actor": ("actor-served", ["http://10.0.0.1:8001", "http://10.0.0.1:8002"])},
         vllm_model_routers={"actor": ("10.0.0.1", 8000), "reward": ("10.0.1.0", 8001)},
@@ -56,8 +54,7 @@ def test_the_attributes_vimes_rollout_reads() -> None:
         vllm_router_ip="10.0.0.1",
         vllm_router_port=8000,
     )
-    # Same from Endpoints (e.g. discover's), and as Vime's own args object.
-    assert vime_rollout_args(Endpoints.from_status(STATUS), units={"actor": "rl-actor-1"}) == args
+    # Into Vime's own args object.
     namespace = argparse.Namespace(hf_checkpoint="/models/actor")
     vars(namespace).update(vars(args))
     assert namespace.vllm_model_routers["reward"] == ("10.0.1.0", 8001)
@@ -65,14 +62,14 @@ def test_the_attributes_vimes_rollout_reads() -> None:
 
 def test_the_default_model() -> None:
     chosen = {"actor": "rl-actor-0"}
-    args = vime_rollout_args(STATUS, default_model="reward", units=chosen)
+    args = vime_rollout_args(ENDPOINTS, default_model="reward", units=chosen)
     assert (args.vllm_router_ip, args.vllm_router_port) == ("10.0.1.0", 8001)
     status = copy.deepcopy(STATUS)
     status["models"][1]["name"] = "default"  # a model named "default" is Vime's default
-    args = vime_rollout_args(status, units=chosen)
+    args = vime_rollout_args(Endpoints.from_status(status, SLICES), units=chosen)
     assert (args.vllm_router_ip, args.vllm_router_port) == ("10.0.1.0", 8001)
     with pytest.raises(EndpointsError, match="unknown model 'critic'"):
-        vime_rollout_args(STATUS, default_model="critic", units=chosen)
+        vime_rollout_args(ENDPOINTS, default_model="critic", units=chosen)
 
 
 @pytest.mark.parametrize(
@@ -85,24 +82,21 @@ def test_the_default_model() -> None:
 )
 def test_one_unit_per_model_must_be_named(units, message) -> None:
     with pytest.raises(EndpointsError, match=message):
-        vime_rollout_args(STATUS, units=units)
+        vime_rollout_args(ENDPOINTS, units=units)
 
 
 def test_unusable_units_are_refused() -> None:
-    status = copy.deepcopy(STATUS)
-    status["models"][1]["units"][0]["ready"] = False
+    slices = [SLICES[0], endpoint_slice("rl-reward-units", ("rl-reward-0", "10.0.1.0", False))]
     with pytest.raises(NoReadyUnitError, match="unit 'rl-reward-0' of model 'reward'"):
-        vime_rollout_args(status, units={"actor": "rl-actor-0"})
+        vime_rollout_args(Endpoints.from_status(STATUS, slices), units={"actor": "rl-actor-0"})
     with pytest.raises(EndpointsError, match="lists no models"):
-        vime_rollout_args({"phase": "Pending"})
+        vime_rollout_args(Endpoints.from_status({"phase": "Pending"}))
 
 
 def test_an_ipv6_router_keeps_its_brackets() -> None:
     """Vime builds f"http://{ip}:{port}" itself."""
-    status = {
-        "models": [{"name": "default", "units": [{"name": "u", "ready": True, "routerUrl": "http://[fd00::5]:8000"}]}]
-    }
-    args = vime_rollout_args(status)
+    status = {"models": [model_status("default", "u", 1, [("regular-0", "regular", 8100)])]}
+    args = vime_rollout_args(Endpoints.from_status(status, [endpoint_slice("u-units", ("u-0", "fd00::5", True))]))
     assert (args.vllm_router_ip, args.vllm_router_port) == ("[fd00::5]", 8000)
     assert args.vllm_model_encoder_endpoints == {}
 
@@ -111,24 +105,9 @@ async def test_a_vime_rollout_runs_unchanged_against_the_status(make_unit) -> No
     """Vime's default multimodal generate, step by step: prime without a model name, then
     render and generate at f"http://{vllm_router_ip}:{vllm_router_port}"."""
     unit = make_unit("demo-default-0")
-    status = {
-        "models": [
-            {
-                "name": "default",
-                "servedModelName": "m",
-                "units": [
-                    {
-                        "name": unit.name,
-                        "ready": True,
-                        "encoderUrls": [e.url for e in unit.encoders],
-                        "consumerUrls": [unit.consumer.url],
-                    }
-                ],
-            }
-        ]
-    }
+    endpoints = Endpoints((ModelEndpoints("default", (unit.unit(),), "m"),))
     args = argparse.Namespace(hf_checkpoint="m")
-    vars(args).update(vars(vime_rollout_args(status)))
+    vars(args).update(vars(vime_rollout_args(endpoints)))
 
     messages = image_messages(3)
     await prime_encoder(args, messages)

@@ -6,6 +6,7 @@ Nothing is skipped: a missing image or node fails with the command that provides
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -16,12 +17,14 @@ from typing import Any
 import pytest
 import yaml
 
+from epd_client import Endpoints, Unit
 from epd_dev import demo_serving, operator_chart
 from epd_dev.images.build import Builder
 from epd_dev.localcluster import node
 from epd_dev.operator_process import OperatorProcess, wait_for
 from epd_dev.vllm import real_node as on_node
 from epd_dev.vllm import tiny_model
+from epd_dev.vllm.serving import MODEL, discover_ready
 
 IMAGES = ("pause", "vllm-cpu", "vllm-router", "epd-operator")
 
@@ -108,6 +111,29 @@ def wait_ready(cluster, namespace: str, name: str, timeout: float = 900) -> dict
         time.sleep(2)
 
 
+@dataclasses.dataclass(frozen=True)
+class Deployed:
+    """An EPDDeployment of one model and one unit, once Ready: its status, and its unit where a
+    client finds it (`discover`: the status and the units' EndpointSlices)."""
+
+    status: dict[str, Any]
+    endpoints: Endpoints
+
+    @property
+    def unit(self) -> Unit:
+        (unit,) = self.endpoints.model(MODEL).units
+        return unit
+
+    @property
+    def ec_storage_path(self) -> str:
+        return str(self.status["models"][0]["ecStoragePath"])
+
+
+def deployed_ready(cluster, namespace: str, name: str, timeout: float = 900) -> Deployed:
+    status = wait_ready(cluster, namespace, name, timeout)["status"]
+    return Deployed(status, discover_ready(cluster.kubeconfig, name, namespace))
+
+
 @pytest.fixture(scope="session")
 def reference_applied(cluster, helm_operator, node_namespace, tiny_model_claim, tmp_path_factory) -> Iterator[str]:
     """The aggregated reference (one engine of the tiny model, no EC config), the demo's
@@ -121,6 +147,6 @@ def reference_applied(cluster, helm_operator, node_namespace, tiny_model_claim, 
 
 
 @pytest.fixture(scope="session")
-def reference(cluster, node_namespace, reference_applied) -> dict[str, Any]:
-    """The reference's status, once Ready."""
-    return dict(wait_ready(cluster, node_namespace, reference_applied)["status"])
+def reference(cluster, node_namespace, reference_applied) -> Deployed:
+    """The reference, once Ready."""
+    return deployed_ready(cluster, node_namespace, reference_applied)

@@ -47,8 +47,7 @@ def started_at(status: dict) -> dt.datetime:
 def test_the_answer_through_epd_client_equals_the_aggregated_engines(served, reference):
     answer, printed = served
     # Checked here against the reference pod independently of the demo's own check.
-    (unit,) = reference["models"][0]["units"]
-    url = unit["consumerUrls"][0]
+    url = reference.unit.consumer_urls[0]
     rendered = demo_serving.post(url, "/v1/chat/completions/render", demo_request())
     ref_ids, ref_logprobs = payloads.output(demo_serving.post(url, "/inference/v1/generate", rendered))
     assert len(answer.token_ids) == MAX_TOKENS and answer.token_ids == ref_ids
@@ -129,8 +128,7 @@ async def test_decode_continues_from_the_prefills_kv_cache(served, reference):
 
     corrupted = payloads.output(demo_serving.post(answer.engine_urls["decode-0"], "/inference/v1/generate", rendered))
 
-    (unit,) = reference["models"][0]["units"]
-    url = unit["consumerUrls"][0]
+    url = reference.unit.consumer_urls[0]
     expected = payloads.output(
         demo_serving.post(
             url, "/inference/v1/generate", demo_serving.post(url, "/v1/chat/completions/render", payloads.greedy(msgs))

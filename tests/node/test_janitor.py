@@ -29,7 +29,7 @@ from epd_dev.vllm import payloads, tiny_model
 from epd_dev.vllm.real_node import node_manifest
 from epd_operator.ec.janitor import EMBEDDING_FILE, GRACE_SECONDS
 from tests.helm.dashboard import ENGINE_METRICS, read_metric_names
-from tests.node.conftest import get, host_shm, wait_ready
+from tests.node.conftest import Deployed, deployed_ready, get, host_shm
 
 pytestmark = [pytest.mark.node, pytest.mark.cluster, pytest.mark.vllm]
 
@@ -44,16 +44,15 @@ SETTLED_AFTER = GRACE_SECONDS + 4.0
 
 
 class Unit:
-    """The module's unit: its status, pod and the paths and URLs the tests use."""
+    """The module's unit: its pod and the paths and URLs the tests use."""
 
-    def __init__(self, cluster, namespace: str, status: dict) -> None:
-        self.cluster, self.namespace, self.status = cluster, namespace, status
-        (unit,) = status["models"][0]["units"]
-        self.name = unit["pod"]
+    def __init__(self, cluster, namespace: str, deployed: Deployed) -> None:
+        self.cluster, self.namespace = cluster, namespace
+        self.name = deployed.unit.name
         self.pod = get(cluster, "pod", self.name, "-n", namespace)
-        (self.encoder,) = unit["encoderUrls"]
-        (self.consumer,) = unit["consumerUrls"]
-        self.store = host_shm(self.pod) / Path(status["models"][0]["ecStoragePath"]).relative_to("/dev/shm")
+        (self.encoder,) = deployed.unit.encoder_urls
+        (self.consumer,) = deployed.unit.consumer_urls
+        self.store = host_shm(self.pod) / Path(deployed.ec_storage_path).relative_to("/dev/shm")
         self.janitor = f"http://{self.pod['status']['podIP']}:9400"
 
     def logs(self, container: str) -> str:
@@ -69,7 +68,7 @@ def unit(cluster, helm_operator, node_namespace, tiny_model_claim):
         ecStorage={"maxBytes": BUDGET},
     )
     cluster.kubectl("apply", "-n", node_namespace, "-f", "-", input=yaml.safe_dump(manifest))
-    yield Unit(cluster, node_namespace, wait_ready(cluster, node_namespace, NAME)["status"])
+    yield Unit(cluster, node_namespace, deployed_ready(cluster, node_namespace, NAME))
     cluster.kubectl("delete", "epd", NAME, "-n", node_namespace, "--wait=false", check=False)
 
 
@@ -163,10 +162,10 @@ def test_a_request_whose_image_was_not_primed_counts_one_fallback_encode_and_a_p
     assert message.startswith(f"unit {unit.name}: ") and "encoded by its consumers themselves" in message
 
     def counted() -> bool:
-        units = get(unit.cluster, "epd", NAME, "-n", unit.namespace)["status"]["models"][0]["units"]
-        return bool(units[0].get("fallbackEncodes") == metrics["epd_ec_fallback_encodes_total"])
+        model = get(unit.cluster, "epd", NAME, "-n", unit.namespace)["status"]["models"][0]
+        return bool(model.get("fallbackEncodes") == metrics["epd_ec_fallback_encodes_total"])
 
-    wait_for(counted, 60, "the unit's status to count the janitor's fallback encodes")
+    wait_for(counted, 60, "the model's status to count its one unit's fallback encodes")
 
 
 def test_the_engines_export_the_metrics_the_dashboard_may_name(unit):

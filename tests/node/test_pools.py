@@ -124,8 +124,8 @@ def test_the_gate_holds_a_ready_consumer_out_until_the_pool_has_a_ready_encoder(
     assert all(s["ready"] for s in containers(unit)), [(s["name"], s["ready"]) for s in containers(unit)]
     assert condition(unit, ENCODERS_READY_GATE)["status"] == "False"
     assert condition(unit, "Ready")["status"] == "False"
-    status = get(cluster, "epd", NAME, "-n", node_namespace)["status"]["models"][0]["units"][0]
-    assert (status["ready"], status["reason"]) == (False, "NoReadyEncoder")
+    model = get(cluster, "epd", NAME, "-n", node_namespace)["status"]["models"][0]
+    assert model["readyUnits"] == 0 and [u["reason"] for u in model["unready"]] == ["NoReadyEncoder"]
 
     cluster.kubectl(
         "apply",
@@ -147,7 +147,7 @@ def test_the_gate_holds_a_ready_consumer_out_until_the_pool_has_a_ready_encoder(
     unit = wait_for(opened, 900, "the pool's encoder ready and the unit's gate opened")
     assert condition(unit, ENCODERS_READY_GATE)["status"] == "True"
     wait_for(
-        lambda: get(cluster, "epd", NAME, "-n", node_namespace)["status"]["models"][0]["units"][0]["ready"],
+        lambda: get(cluster, "epd", NAME, "-n", node_namespace)["status"]["models"][0]["readyUnits"] == 1,
         60,
         "the status to say the unit is Ready",
     )

@@ -30,7 +30,7 @@ import openai
 import pytest
 import yaml
 
-from epd_client import Endpoints, EPDClient, prime_encoder, vime_rollout_args
+from epd_client import EPDClient, prime_encoder, vime_rollout_args
 from epd_dev.demo_serving import containers, front_service, front_service_url, post
 from epd_dev.images import recipes
 from epd_dev.localcluster import node
@@ -41,7 +41,7 @@ from epd_dev.vllm.real_node import SHM, node_manifest
 from epd_operator.ec.janitor import GRACE_SECONDS
 from epd_operator.ec.quantity import parse_quantity
 from epd_operator.resources import UNIT_UID
-from tests.node.conftest import get, host_shm, wait_ready
+from tests.node.conftest import Deployed, deployed_ready, get, host_shm, wait_ready
 
 pytestmark = [pytest.mark.node, pytest.mark.cluster, pytest.mark.vllm]
 
@@ -68,7 +68,7 @@ def deployed(cluster, helm_operator, node_namespace, tiny_model_claim, reference
         proxy={"primeTimeoutSeconds": 15},
     )
     cluster.kubectl("apply", "-n", node_namespace, "-f", "-", input=yaml.safe_dump(unit))
-    yield wait_ready(cluster, node_namespace, UNIT)["status"]
+    yield deployed_ready(cluster, node_namespace, UNIT)
     cluster.kubectl("delete", "epd", UNIT, "-n", node_namespace, "--wait=false", check=False)
 
 
@@ -144,32 +144,34 @@ def test_the_encoder_passes_its_startup_probe_before_the_consumers_start_and_the
     # The router fronts the consumers only; the status points clients at it.
     (router,) = [c for c in pod["spec"]["containers"] if c["name"] == "router"]
     urls = [a for a in [*router.get("command", []), *router.get("args", [])] if a.startswith("http://")]
-    unit = deployed["models"][0]["units"][0]
+    unit = deployed.unit
     # Behind the EPD proxy (the front port, 8000) the router serves the pod's loopback only.
-    assert len(urls) == 2 and unit["entryUrl"].endswith(":8000") and "routerUrl" not in unit
-    assert [u.rsplit(":", 1)[1] for u in urls] == [u.rsplit(":", 1)[1] for u in unit["consumerUrls"]]
+    assert len(urls) == 2 and unit.entry_url is not None and unit.entry_url.endswith(":8000")
+    assert unit.router_url is None
+    assert [u.rsplit(":", 1)[1] for u in urls] == [u.rsplit(":", 1)[1] for u in unit.consumer_urls]
 
 
-def store(cluster, namespace: str, status: dict) -> Path:
+def store(cluster, namespace: str, deployed: Deployed) -> Path:
     """The unit's EC store as the host sees it: inside the kubelet's folder of the pod's /dev/shm."""
-    path = Path(status["models"][0]["ecStoragePath"])
+    path = Path(deployed.ec_storage_path)
     return host_shm(unit_pod(cluster, namespace)) / path.relative_to("/dev/shm")
 
 
-def encoder_url(status: dict) -> str:
-    (url,) = status["models"][0]["units"][0]["encoderUrls"]
-    return str(url)
+def encoder_url(deployed: Deployed) -> str:
+    (url,) = deployed.unit.encoder_urls
+    return url
 
 
-def front_post(status: dict, path: str, body: dict) -> dict:
+def front_post(deployed: Deployed, path: str, body: dict) -> dict:
     """Through the unit's front door: the EPD proxy passes render and generate on to the router."""
-    return post(status["models"][0]["units"][0]["entryUrl"], path, body)
+    assert deployed.unit.entry_url is not None
+    return post(deployed.unit.entry_url, path, body)
 
 
 async def test_prime_then_generate_through_the_router(cluster, deployed, node_namespace):
     red, green = image_part((200, 30, 30)), image_part((30, 160, 40))
     msgs = messages(red, green, red)  # two distinct images, one of them twice
-    endpoints = Endpoints.from_status(deployed)
+    endpoints = deployed.endpoints
     urls = {e.name: e.url for e in endpoints.model(MODEL).units[0].engines if e.url}
     before = {name: payloads.served_requests(url) for name, url in urls.items()}
 
@@ -199,7 +201,7 @@ async def test_prime_then_generate_through_the_router(cluster, deployed, node_na
 async def test_consumer_reads_the_primed_embeddings(cluster, deployed, node_namespace):
     """Swap proof: Y's embedding file replaced by X's makes Y generate exactly as X."""
     x, y, z = (image_part(rgb) for rgb in ((250, 250, 20), (20, 20, 250), (120, 20, 120)))
-    endpoints = Endpoints.from_status(deployed)
+    endpoints = deployed.endpoints
     rendered = {}
     for name, part in (("x", x), ("y", y), ("z", z)):
         await prime_encoder(endpoints, messages(part), model_name=MODEL)
@@ -251,12 +253,12 @@ def test_logs_exec_and_the_restricted_uid(cluster, deployed, node_namespace):
 
 
 async def test_epd_client_answers_as_one_aggregated_engine(deployed, reference):
-    """prime -> render -> generate against the pod IPs of the status, as users' clients do."""
-    endpoints = Endpoints.from_status(deployed)
+    """prime -> render -> generate against the pod IPs discover finds, as users' clients do."""
+    endpoints = deployed.endpoints
     msgs = messages(image_part((10, 200, 200)), image_part((200, 100, 0)), text="two pictures")
     async with EPDClient(endpoints) as client:
         epd = payloads.output(await client.generate(payloads.greedy(msgs, max_tokens=8), model_name=MODEL))
-    (ref_unit,) = Endpoints.from_status(reference).model(MODEL).units
+    (ref_unit,) = reference.endpoints.model(MODEL).units
     assert ref_unit.entry_url is not None
     rendered = post(ref_unit.entry_url, "/v1/chat/completions/render", payloads.greedy(msgs, max_tokens=8))
     expected = payloads.output(post(ref_unit.entry_url, "/inference/v1/generate", rendered))
@@ -267,7 +269,7 @@ async def test_epd_client_answers_as_one_aggregated_engine(deployed, reference):
 async def test_text_only_requests_bypass_the_encoder(cluster, deployed, node_namespace):
     encoder_before = payloads.served_requests(encoder_url(deployed))
     store_before = payloads.ec_entries(store(cluster, node_namespace, deployed))
-    async with EPDClient(Endpoints.from_status(deployed)) as client:
+    async with EPDClient(deployed.endpoints) as client:
         result = await client.generate(
             payloads.greedy([{"role": "user", "content": "no picture here"}]), model_name=MODEL
         )
@@ -318,8 +320,8 @@ def chat_request(msgs: list[dict], **extra: object) -> dict:
     }
 
 
-def reference_url(reference: dict) -> str:
-    (unit,) = Endpoints.from_status(reference).model(MODEL).units
+def reference_url(reference: Deployed) -> str:
+    unit = reference.unit
     assert unit.entry_url is not None
     return unit.entry_url
 
@@ -514,10 +516,9 @@ def test_cache_miss_is_encoded_by_the_consumer_leaving_an_empty_folder(cluster, 
     assert out[0] == aggregated(reference, msgs)[0]
 
 
-def aggregated(reference: dict, msgs: list[dict]) -> tuple[list[int], list[float]]:
+def aggregated(reference: Deployed, msgs: list[dict]) -> tuple[list[int], list[float]]:
     """The reference pod's greedy answer to `msgs`."""
-    (unit,) = reference["models"][0]["units"]
-    url = unit["consumerUrls"][0]
+    url = reference.unit.consumer_urls[0]
     return payloads.output(
         post(url, "/inference/v1/generate", post(url, "/v1/chat/completions/render", payloads.greedy(msgs)))
     )
@@ -546,11 +547,11 @@ def is_paused(url: str) -> bool:
 async def test_a_vime_rollout_runs_unchanged_against_vime_args(deployed, reference):
     """Vime's default multimodal generate: prime_encoder(args, messages) with no model name,
     then render and generate at the model's router address from vllm_model_routers."""
-    args = vime_rollout_args(deployed)
+    args = vime_rollout_args(deployed.endpoints)
     assert args.vllm_model_encoder_endpoints == {MODEL: (tiny_model.SERVED_NAME, [encoder_url(deployed)])}
     ip, port = args.vllm_model_routers[MODEL]
     assert (args.vllm_router_ip, args.vllm_router_port) == (ip, port)
-    assert f"http://{ip}:{port}" == deployed["models"][0]["units"][0]["entryUrl"]
+    assert f"http://{ip}:{port}" == deployed.unit.entry_url
     msgs = messages(image_part((10, 200, 200)), image_part((200, 100, 0)), text="two pictures")
     before = payloads.served_requests(encoder_url(deployed)).get("/v1/chat/completions", 0)
 
@@ -562,7 +563,7 @@ async def test_a_vime_rollout_runs_unchanged_against_vime_args(deployed, referen
 
 
 async def test_pause_and_resume_hold_every_engine(deployed):
-    async with EPDClient(Endpoints.from_status(deployed)) as client:
+    async with EPDClient(deployed.endpoints) as client:
         engines = client.engines(MODEL)
         assert [e.name for e in engines] == ["encoder-0", "regular-0", "regular-1"]
         await client.pause(MODEL)
@@ -579,11 +580,11 @@ async def test_pause_and_resume_hold_every_engine(deployed):
 
 async def test_a_new_weights_version_never_reads_old_embeddings(cluster, deployed, node_namespace, reference):
     ec = store(cluster, node_namespace, deployed)
-    consumer = deployed["models"][0]["units"][0]["consumerUrls"][0]
+    consumer = deployed.unit.consumer_urls[0]
     ref_x, ref_y = aggregated(reference, messages(image_part(X))), aggregated(reference, messages(image_part(Y)))
     assert ref_x[0] != ref_y[0]
 
-    async with EPDClient(Endpoints.from_status(deployed), weights_version="step-1") as client:
+    async with EPDClient(deployed.endpoints, weights_version="step-1") as client:
         # Step 1: X is generated (its embedding now cached by a consumer too), Y primed.
         assert_same(payloads.output(await client.generate(payloads.greedy(messages(image_part(X))))), ref_x)
         x_step1, y_step1 = messages(image_part(X)), messages(image_part(Y))
@@ -638,7 +639,7 @@ async def test_the_janitor_trims_the_store_to_its_budget(cluster, deployed, node
     pod = unit_pod(cluster, node_namespace)
     assert janitor_metrics(pod)["epd_ec_store_budget_bytes"] == BUDGET
     colours = [(i * 37 % 256, 90, 255 - i * 29 % 256) for i in range(10)]
-    await prime_encoder(Endpoints.from_status(deployed), messages(*(image_part(c) for c in colours)))
+    await prime_encoder(deployed.endpoints, messages(*(image_part(c) for c in colours)))
 
     ec = store(cluster, node_namespace, deployed)
 
@@ -650,9 +651,7 @@ async def test_the_janitor_trims_the_store_to_its_budget(cluster, deployed, node
     # Fresh entries are left alone for the janitor's grace period (10 s), then trimmed.
     found = wait_for(trimmed, 90, "the janitor to trim the EC store to its budget")
     # The consumer sees the store as the host does: one tmpfs, the pod's.
-    listed = exec_in(
-        cluster, node_namespace, pod["metadata"]["name"], "regular-0", "ls", deployed["models"][0]["ecStoragePath"]
-    )
+    listed = exec_in(cluster, node_namespace, pod["metadata"]["name"], "regular-0", "ls", deployed.ec_storage_path)
     assert sorted(listed.split()) == sorted(payloads.ec_entries(ec))
     assert found["epd_ec_store_entries"] <= BUDGET // ENTRY_BYTES
 
@@ -667,7 +666,6 @@ def unscraped(models: list[dict]) -> list[dict]:
     return [
         {
             **{k: v for k, v in model.items() if k not in scraped},
-            "units": [{k: v for k, v in u.items() if k not in scraped} for u in model["units"]],
         }
         for model in models
     ]
@@ -682,8 +680,8 @@ def test_restarting_the_kubelet_and_containerd_leaves_the_engines_serving(cluste
         cluster.restart(component)
         # The engines answer throughout; the kubelet finds its containers again.
         for url in (
-            *deployed["models"][0]["units"][0]["encoderUrls"],
-            *deployed["models"][0]["units"][0]["consumerUrls"],
+            *deployed.unit.encoder_urls,
+            *deployed.unit.consumer_urls,
         ):
             with urllib.request.urlopen(url + "/health", timeout=10) as resp:
                 assert resp.status == 200
@@ -750,7 +748,7 @@ def test_an_encoder_that_fails_its_health_check_takes_the_unit_out_and_comes_bac
     wait_for(lambda: ready_addresses(cluster, node_namespace) == [], 60, "the unit out of the front Service")
     # Meanwhile a picture sent to the unit's own proxy (at its pod IP: the Service sends nothing
     # now) is refused, naming the part, and never reaches a consumer to be encoded there.
-    consumers = deployed["models"][0]["units"][0]["consumerUrls"]
+    consumers = deployed.unit.consumer_urls
     served = [payloads.served_requests(url) for url in consumers]
     with pytest.raises(openai.APIStatusError) as refused:
         sdk(f"http://{ip}:8000").chat.completions.create(**chat_request(messages(image_part((9, 9, 9)))))
@@ -769,12 +767,20 @@ def test_a_killed_consumer_is_restarted_and_the_status_and_events_say_so(cluster
     since = dt.datetime.now(dt.UTC).replace(microsecond=0)
     kill_engine(cluster, node_namespace, "regular-0")
 
-    def unit_status() -> dict:
-        return get(cluster, "epd", UNIT, "-n", node_namespace)["status"]["models"][0]["units"][0]
+    def model_status() -> dict:
+        return dict(get(cluster, "epd", UNIT, "-n", node_namespace)["status"]["models"][0])
 
-    down = wait_for(lambda: None if (u := unit_status())["ready"] else u, 60, "the status to say the unit is down")
+    def unready() -> dict | None:
+        """The unit as the status lists it among the units not ready (None: it is not there)."""
+        return next((u for u in model_status().get("unready") or [] if u["name"] == f"{UNIT}-{MODEL}-0"), None)
+
+    down = wait_for(unready, 60, "the status to say the unit is down")
     assert down["reason"] in ("EngineUnready", "EngineStarting") and "regular-0" in down["message"]
-    wait_for(lambda: unit_status()["ready"], 600, "the status to say the unit is Ready again")
+    wait_for(
+        lambda: unready() is None and model_status()["readyUnits"] == 1,
+        600,
+        "the status to say the unit is Ready again",
+    )
     (regular,) = [s for s in containers(unit_pod(cluster, node_namespace)) if s["name"] == "regular-0"]
     assert regular["restartCount"] == 1 and regular["ready"]
 

@@ -50,7 +50,7 @@ def test_a_pod_admission_refuses_is_said_in_the_status_and_an_event(cluster, nam
     degraded = condition(obj, "Degraded")
     assert degraded["reason"] == "FailedCreate" and obj["status"]["phase"] == "Degraded"
     assert 'violates PodSecurity "restricted:latest"' in degraded["message"], degraded
-    (unit,) = obj["status"]["models"][0]["units"]
+    (unit,) = obj["status"]["models"][0]["unready"]
     assert unit["reason"] == "FailedCreate"
     events = get_json(cluster, "events", "-n", namespace, "--field-selector", "involvedObject.kind=EPDDeployment")
     assert any(e["reason"] == "FailedCreate" and e["type"] == "Warning" for e in events["items"])

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from epd_client import discover
 from epd_dev.operator_process import get_json, wait_for
 from epd_dev.paths import REPO
 
@@ -98,13 +99,27 @@ def test_encoder_regular_topology_becomes_ready(cluster, namespace, epd_operator
     assert condition(obj, "EncodersReady")["status"] == "True"
     (model,) = status["models"]
     assert model["ecStoragePath"].startswith("/dev/shm/vime-ec-")
-    (unit,) = model["units"]
-    assert unit["pod"] == pod["metadata"]["name"] and unit["ready"] is True
-    assert unit["encoderUrls"] == [f"http://{ip}:{encoder['ports'][0]['containerPort']}"]
+    assert (model["statefulSet"], model["unitsService"], model["readyUnits"]) == (
+        sts["metadata"]["name"],
+        headless["metadata"]["name"],
+        1,
+    )
+    # Where the unit is, the units Service's EndpointSlices say; what it holds, the status.
+    (unit,) = wait_for(
+        lambda: [
+            u
+            for u in discover("qwen-vl-regular", namespace, kubeconfig=str(cluster.kubeconfig)).model("default").units
+            if u.ready
+        ],
+        30,
+        "the unit in its Service's EndpointSlices",
+    )
+    assert unit.pod == pod["metadata"]["name"] and unit.node == pod["spec"]["nodeName"]
+    assert unit.encoder_urls == (f"http://{ip}:{encoder['ports'][0]['containerPort']}",)
     (consumer,) = [c for c in pod_spec["containers"] if c["name"] == "regular-0"]
-    assert unit["consumerUrls"] == [f"http://{ip}:{consumer['ports'][0]['containerPort']}"]
-    assert unit["entryUrl"] == f"http://{ip}:{http_port['containerPort']}"  # the EPD proxy, in front of it
-    assert "routerUrl" not in unit
+    assert unit.consumer_urls == (f"http://{ip}:{consumer['ports'][0]['containerPort']}",)
+    assert unit.entry_url == f"http://{ip}:{http_port['containerPort']}"  # the EPD proxy, in front of it
+    assert unit.router_url is None and "routerPort" not in model
 
     table = cluster.kubectl("get", "epd", "-n", namespace).stdout
     assert table.split()[:6] == ["NAME", "READY", "PHASE", "MODELS", "REPLICAS", "AGE"]
@@ -124,9 +139,9 @@ def test_prefill_decode_topology_gets_a_router_listing_only_consumers(cluster, n
     assert f":{ports['encoder-0']}" not in router_args
     nixl = [p for c in pod_spec["containers"] for p in c["ports"] if p["name"].startswith("nixl")]
     assert len({p["containerPort"] for p in nixl}) == 2  # a side channel per engine
-    unit = obj["status"]["models"][0]["units"][0]
+    (model,) = obj["status"]["models"]
     # The unit's entry is its EPD proxy; the router serves it on the loopback only.
-    assert unit["entryUrl"].endswith(f":{ports['proxy']}") and "routerUrl" not in unit
+    assert model["entryPort"] == ports["proxy"] and "routerPort" not in model
     assert "--host 127.0.0.1" in router_args
 
 
@@ -167,9 +182,8 @@ def test_unready_encoder_takes_its_unit_out_and_recovers(cluster, namespace, epd
     degraded = condition(obj, "Degraded")
     assert degraded["status"] == "True" and degraded["reason"] == "EncoderUnready"
     assert sick in degraded["message"] and "encoder-0" in degraded["message"]
-    units = {u["pod"]: u for u in obj["status"]["models"][0]["units"]}
-    assert units[sick]["ready"] is False and units[sick]["reason"] == "EncoderUnready"
-    assert units["qwen-vl-regular-default-0"]["ready"] is True
+    (unready,) = obj["status"]["models"][0]["unready"]
+    assert (unready["name"], unready["reason"]) == (sick, "EncoderUnready")
     assert obj["status"]["ready"] == "1/2" and obj["status"]["phase"] == "Degraded"
     # The kubelet's verdict and ours agree: the sick unit's pod is out of the Service.
     endpoints = get_json(
@@ -345,7 +359,6 @@ def test_pools_put_encoders_and_consumer_units_on_different_nodes(cluster, names
         assert (gate["status"], gate["reason"]) == ("True", "EncodersReady"), gate
     (model,) = obj["status"]["models"]
     assert model["placement"] == "Pools" and model["readyUnits"] == 3
-    assert sorted(model["encoderUrls"]) == sorted(f"http://{p['status']['podIP']}:8100" for p in pool)
     assert model["encoderPool"]["readyPods"] == 2
     assert condition(obj, "EncodersReady")["status"] == "True"
     # Each Service holds its own kind of pod only.
@@ -404,8 +417,8 @@ def test_the_readiness_gate_closes_when_every_encoder_is_unready_and_opens_when_
         "no unit left in the model's Service",
     )
     obj = wait_condition(cluster, namespace, POOLS, "Ready", "False")
-    assert all(u["reason"] == "NoReadyEncoder" for u in obj["status"]["models"][0]["units"])
-    assert obj["status"]["models"][0]["encoderUrls"] == []
+    assert obj["status"]["models"][0]["unreadyReasons"] == {"NoReadyEncoder": 3}
+    assert obj["status"]["models"][0]["encoderPool"]["readyPods"] == 0
 
     cluster.kubectl("annotate", "pod", encoders[1], "-n", namespace, f"{SIMULATE_ENCODER_UNREADY}=false", "--overwrite")
 
@@ -431,7 +444,7 @@ def test_the_readiness_gate_closes_when_every_encoder_is_unready_and_opens_when_
         "3 ready units in the status",
     )
     (model,) = obj["status"]["models"]
-    assert len(model["encoderUrls"]) == 1 and model["encoderPool"]["readyPods"] == 1
+    assert model["encoderPool"]["readyPods"] == 1
     # One encoder is still down: the deployment says so, but every unit serves.
     assert condition(obj, "EncodersReady")["reason"] == "EncoderUnready"
 

@@ -1,12 +1,23 @@
 """Unit readiness and conditions from observed pods: pure, checked without a cluster."""
 
+import json
 from pathlib import Path
 
 import yaml
 
-from epd_operator.indexes import StatefulSetSummary
+from epd_operator import api
+from epd_operator import status as status_module
+from epd_operator.indexes import PodSummary, StatefulSetSummary
 from epd_operator.render import render
-from epd_operator.status import compute_status, encoder_gates, unit_readiness_events
+from epd_operator.status import (
+    Observations,
+    ObservedPod,
+    compute_status,
+    encoder_gates,
+    invalid_status,
+    observe_unit,
+    unit_readiness_events,
+)
 from epd_operator.validation import validate
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
@@ -68,13 +79,18 @@ def pod(
     }
 
 
+def summaries(pods):
+    """Pods in the test's shape (name, metadata, spec, status) as the operator's index keeps them."""
+    return {p["name"]: PodSummary.of({**p, "metadata": {**p["metadata"], "name": p["name"]}}) for p in pods}
+
+
 def status_of(pods, replicas=1, sets=None, previous=None):
     spec, plans = setup(replicas)
     return compute_status(
         deployment="d",
         spec=spec,
         plans=plans,
-        pods={p["name"]: p for p in pods},
+        pods=summaries(pods),
         stateful_sets=unit_set(replicas) if sets is None else sets,
         generation=3,
         previous=previous,
@@ -97,14 +113,26 @@ def test_all_units_ready():
         "Degraded": "False",
         "ECBudgetSufficient": "True",
     }
-    unit = status["models"][0]["units"][0]
-    assert unit["encoderUrls"] == ["http://10.0.0.5:8100"] and unit["consumerUrls"] == ["http://10.0.0.5:8101"]
+    (model,) = status["models"]
+    assert (model["desiredUnits"], model["readyUnits"], model["unready"], model["unreadyReasons"]) == (1, 1, [], {})
+    # What every unit holds; where each one is, the units Service's EndpointSlices say.
+    assert (model["statefulSet"], model["unitsService"]) == ("d-default", "d-default-units")
+    assert model["engines"] == [
+        {"name": "encoder-0", "role": "encoder", "port": 8100},
+        {"name": "regular-0", "role": "regular", "port": 8101},
+    ]
+    assert model["entryPort"] == 8000 and "routerPort" not in model  # the proxy, in front of the only consumer
 
 
 def test_consumer_never_ready_while_its_encoder_is_not_even_if_the_pod_says_so():
     status = status_of([pod("d-default-0", encoder_ready=False, ready=True)])
-    unit = status["models"][0]["units"][0]
-    assert unit["ready"] is False and unit["reason"] == "EncoderUnready"
+    (unit,) = status["models"][0]["unready"]
+    assert unit == {
+        "name": "d-default-0",
+        "node": "node-a",
+        "reason": "EncoderUnready",
+        "message": "encoder encoder-0 not ready: consumers get no traffic",
+    }
     c = conditions(status)
     assert c["Ready"]["status"] == "False" and c["EncodersReady"]["status"] == "False"
     assert c["Degraded"]["reason"] == "EncoderUnready" and "unit d-default-0" in c["Degraded"]["message"]
@@ -120,7 +148,8 @@ def test_loading_encoder_is_progress_not_degradation():
 def test_missing_pods_are_pending_units():
     status = status_of([], replicas=2, sets={})
     assert status["phase"] == "Pending" and status["ready"] == "0/2"
-    assert [u["reason"] for u in status["models"][0]["units"]] == ["PodMissing", "PodMissing"]
+    assert [u["reason"] for u in status["models"][0]["unready"]] == ["PodMissing", "PodMissing"]
+    assert status["models"][0]["unreadyReasons"] == {"PodMissing": 2}
 
 
 def test_a_pod_its_statefulset_cannot_create_is_degraded_with_the_reason():
@@ -137,7 +166,7 @@ def test_a_pod_its_statefulset_cannot_create_is_degraded_with_the_reason():
         now=NOW,
         create_failures={"d-default": refusal},
     )
-    (unit,) = status["models"][0]["units"]
+    (unit,) = status["models"][0]["unready"]
     assert unit["reason"] == "FailedCreate" and refusal in unit["message"]
     degraded = conditions(status)["Degraded"]
     assert (degraded["status"], degraded["reason"]) == ("True", "FailedCreate") and refusal in degraded["message"]
@@ -174,7 +203,7 @@ def test_a_bound_ready_pod_is_a_ready_unit_despite_a_stale_scheduler_error():
         "message": 'pods "d-default-0" is forbidden: cannot create pods/binding',
     }
     status = status_of([p])
-    assert status["models"][0]["units"][0]["ready"] is True and conditions(status)["Ready"]["status"] == "True"
+    assert status["models"][0]["readyUnits"] == 1 and conditions(status)["Ready"]["status"] == "True"
 
 
 def test_transition_time_is_kept_while_a_condition_holds():
@@ -183,7 +212,7 @@ def test_transition_time_is_kept_while_a_condition_holds():
         deployment="d",
         spec=setup()[0],
         plans=setup()[1],
-        pods={"d-default-0": pod("d-default-0")},
+        pods=summaries([pod("d-default-0")]),
         stateful_sets=unit_set(),
         generation=3,
         previous=first,
@@ -194,7 +223,7 @@ def test_transition_time_is_kept_while_a_condition_holds():
         deployment="d",
         spec=setup()[0],
         plans=setup()[1],
-        pods={"d-default-0": pod("d-default-0", consumer_ready=False)},
+        pods=summaries([pod("d-default-0", consumer_ready=False)]),
         stateful_sets=unit_set(),
         generation=3,
         previous=first,
@@ -209,7 +238,7 @@ def test_too_small_ec_budget_is_a_warning_condition():
         deployment="d",
         spec=spec,
         plans=plans,
-        pods={"d-default-0": pod("d-default-0")},
+        pods=summaries([pod("d-default-0")]),
         stateful_sets=unit_set(),
         generation=3,
         previous=None,
@@ -222,23 +251,28 @@ def test_too_small_ec_budget_is_a_warning_condition():
     assert status["phase"] == "Ready"  # a warning, not an outage
 
 
-def test_scraped_ec_evictions_show_per_unit():
+def test_scraped_ec_evictions_are_summed_per_model():
     spec, plans = setup(replicas=2)
-    pods = {p["name"]: p for p in [pod("d-default-0"), pod("d-default-1")]}
-    status = compute_status(
-        deployment="d",
-        spec=spec,
-        plans=plans,
-        pods=pods,
-        stateful_sets=unit_set(),
-        generation=3,
-        previous=None,
-        now=NOW,
-        evictions={"d-default-0": 12},
-    )
-    units = status["models"][0]["units"]
-    assert units[0]["ecEvictions"] == 12
-    assert "ecEvictions" not in units[1]  # not scraped (yet): no note rather than a made-up 0
+    pods = summaries([pod("d-default-0"), pod("d-default-1")])
+
+    def status(evictions, previous=None):
+        return compute_status(
+            deployment="d",
+            spec=spec,
+            plans=plans,
+            pods=pods,
+            stateful_sets=unit_set(),
+            generation=3,
+            previous=previous,
+            now=NOW,
+            evictions=evictions,
+        )
+
+    scraped = status({"d-default-0": 12})
+    assert scraped["models"][0]["ecEvictions"] == 12  # the units scraped so far
+    assert "ecEvictions" not in status({})["models"][0]  # none scraped: no note rather than a made-up 0
+    # A restarted operator that has scraped none of them yet keeps what the status said.
+    assert status({}, previous=scraped)["models"][0]["ecEvictions"] == 12
 
 
 def test_scale_subresource_fields():
@@ -334,7 +368,7 @@ def pools_status(pods):
         deployment="d",
         spec=spec,
         plans=plans,
-        pods={p["name"]: p for p in pods},
+        pods=summaries(pods),
         stateful_sets=sets,
         generation=3,
         previous=None,
@@ -342,7 +376,7 @@ def pools_status(pods):
     )
 
 
-def test_pools_status_lists_the_pools_ready_encoders_and_the_units_consumers():
+def test_pools_status_says_what_the_pool_and_the_units_hold_and_which_pods_are_not_ready():
     status = pools_status(
         [
             pool_pod("d-default-encoders-0"),
@@ -353,7 +387,6 @@ def test_pools_status_lists_the_pools_ready_encoders_and_the_units_consumers():
     )
     (model,) = status["models"]
     assert model["placement"] == "Pools" and "ecStoragePath" not in model
-    assert model["encoderUrls"] == ["http://10.0.1.1:8100"]  # ready encoders only: where priming goes
     pool = model["encoderPool"]
     assert (pool["name"], pool["service"], pool["replicas"], pool["readyPods"]) == (
         "d-default-encoders",
@@ -361,16 +394,19 @@ def test_pools_status_lists_the_pools_ready_encoders_and_the_units_consumers():
         2,
         1,
     )
-    assert [(p["pod"], p["ready"], p.get("reason")) for p in pool["pods"]] == [
-        ("d-default-encoders-0", True, None),
-        ("d-default-encoders-1", False, "EncoderUnready"),
+    assert pool["engines"] == [{"name": "encoder-0", "role": "encoder", "port": 8100}]
+    assert pool["unready"] == [
+        {
+            "name": "d-default-encoders-1",
+            "node": "node-e",
+            "reason": "EncoderUnready",
+            "message": "encoder encoder-0 not ready",
+        }
     ]
-    assert pool["pods"][0]["engines"] == [{"name": "encoder-0", "role": "encoder", "url": "http://10.0.1.1:8100"}]
-    # Units hold the consumers only: their engines and URLs.
+    assert pool["unreadyReasons"] == {"EncoderUnready": 1}
+    # Units hold the consumers only.
     assert model["readyUnits"] == 2 and status["ready"] == "2/2"
-    unit = model["units"][0]
-    assert unit["encoderUrls"] == [] and unit["consumerUrls"] == ["http://10.0.2.1:8100"]
-    assert [e["role"] for e in unit["engines"]] == ["regular"]
+    assert model["engines"] == [{"name": "regular-0", "role": "regular", "port": 8100}]
     c = conditions(status)
     # One encoder down: the units still serve, but the deployment is not fully Ready.
     assert c["EncodersReady"]["status"] == "False" and c["EncodersReady"]["reason"] == "EncoderUnready"
@@ -392,16 +428,15 @@ def test_a_pool_without_a_ready_encoder_takes_every_unit_out_and_is_named():
     assert c["EncodersReady"]["message"].startswith(
         "encoder pool d-default-encoders of model default has no ready encoder"
     )
-    units = status["models"][0]["units"]
-    assert [(u["ready"], u["reason"]) for u in units] == [(False, "NoReadyEncoder")] * 2
-    assert "encoder pool d-default-encoders has no ready encoder" in units[0]["message"]
-    assert status["models"][0]["encoderUrls"] == [] and status["phase"] == "Degraded"
+    (model,) = status["models"]
+    assert [u["reason"] for u in model["unready"]] == ["NoReadyEncoder"] * 2
+    assert "encoder pool d-default-encoders has no ready encoder" in model["unready"][0]["message"]
+    assert model["encoderPool"]["readyPods"] == 0 and status["phase"] == "Degraded"
 
 
 def test_a_unit_is_not_ready_while_its_pool_has_no_ready_encoder_even_if_its_pod_says_so():
     status = pools_status([unit_pod("d-default-0"), unit_pod("d-default-1")])  # pool pods not created yet
-    units = status["models"][0]["units"]
-    assert [u["ready"] for u in units] == [False, False]
+    assert status["models"][0]["readyUnits"] == 0
     # The pool is starting: that is progress, not damage.
     assert status["phase"] == "Progressing" and conditions(status)["Degraded"]["status"] == "False"
 
@@ -417,12 +452,12 @@ def test_every_encoder_ready_makes_everything_ready():
     )
     assert status["phase"] == "Ready"
     assert conditions(status)["EncodersReady"]["reason"] == "EncodersReady"
-    assert status["models"][0]["encoderUrls"] == ["http://10.0.1.1:8100", "http://10.0.1.2:8100"]
+    assert status["models"][0]["encoderPool"]["readyPods"] == 2
 
 
 def gates(pods):
     spec, plans = pools_setup()
-    return encoder_gates("d", spec, plans, {p["name"]: p for p in pods}, NOW)
+    return encoder_gates("d", spec, plans, summaries(pods), NOW)
 
 
 def test_the_gate_opens_while_one_encoder_is_ready_and_closes_when_none_is():
@@ -463,12 +498,12 @@ def test_only_pods_whose_gate_differs_are_patched():
 
 def test_unit_models_have_no_gates():
     spec, plans = setup()
-    assert encoder_gates("d", spec, plans, {"d-default-0": pod("d-default-0")}, NOW) == {}
+    assert encoder_gates("d", spec, plans, summaries([pod("d-default-0")]), NOW) == {}
 
 
-def test_scraped_fallback_encodes_show_per_unit_per_model_and_in_all():
+def test_scraped_fallback_encodes_show_per_model_and_in_all():
     spec, plans = setup(replicas=3)
-    pods = {p["name"]: p for p in [pod("d-default-0"), pod("d-default-1"), pod("d-default-2")]}
+    pods = summaries([pod("d-default-0"), pod("d-default-1"), pod("d-default-2")])
     status = compute_status(
         deployment="d",
         spec=spec,
@@ -481,7 +516,6 @@ def test_scraped_fallback_encodes_show_per_unit_per_model_and_in_all():
         fallback_encodes={"d-default-0": 2, "d-default-1": 0},
     )
     (model,) = status["models"]
-    assert [u.get("fallbackEncodes") for u in model["units"]] == [2, 0, None]
     assert model["fallbackEncodes"] == 2 and status["fallbackEncodes"] == 2
 
     nothing_scraped = compute_status(
@@ -501,45 +535,90 @@ def test_a_unit_whose_proxy_is_not_ready_is_not_ready_and_says_so():
     unit = pod("d-default-0")
     unit["status"]["containerStatuses"][1] = {"name": "proxy", "ready": False, "started": True}
     status = status_of([unit])
-    (entry,) = status["models"][0]["units"]
-    assert (entry["ready"], entry["reason"], entry["message"]) == (False, "EngineUnready", "proxy not ready")
-    assert entry["entryUrl"] == "http://10.0.0.5:8000" and "routerUrl" not in entry
+    (entry,) = status["models"][0]["unready"]
+    assert (entry["reason"], entry["message"]) == ("EngineUnready", "proxy not ready")
+    assert status["models"][0]["entryPort"] == 8000 and "routerPort" not in status["models"][0]
 
 
-def _units(**ready: bool) -> dict:
-    units = [
-        {
-            "name": n,
-            "ready": r,
-            "reason": None if r else "EngineUnready",
-            "message": None if r else "regular-0 not ready",
-        }
+def test_thousands_of_units_keep_the_status_small_and_name_the_broken_ones_first():
+    """etcd refuses objects over 1.5 MiB: units are counted, and a few are listed by name."""
+    replicas = 5000
+    pods = [pod(f"d-default-{i}", consumer_ready=False, consumer_started=False) for i in range(replicas)]
+    pods[4321] = pod("d-default-4321", consumer_ready=False, consumer_started=True)  # broken, not loading
+    status = status_of(pods, replicas=replicas, sets=unit_set(replicas))
+    assert len(json.dumps(status)) < 16 * 1024
+    (model,) = status["models"]
+    assert model["unreadyReasons"] == {"EngineStarting": replicas - 1, "EngineUnready": 1}
+    listed = [u["name"] for u in model["unready"]]
+    assert len(listed) == api.LISTED_PODS and listed[:2] == ["d-default-4321", "d-default-0"]
+    ready = conditions(status)["Ready"]["message"]
+    assert ready.startswith("0/5000 units ready: unit d-default-0: EngineStarting") and ready.endswith(
+        f"; and {replicas - api.LISTED_PODS} more"
+    )
+
+
+def test_a_pod_observed_again_unchanged_is_not_observed_anew(monkeypatch):
+    spec, plans = setup(replicas=2)
+    observations = Observations()
+    observed = []
+    monkeypatch.setattr(status_module, "observe_unit", lambda *a, **k: observed.append(a[1]) or observe_unit(*a, **k))
+    pods = summaries([pod("d-default-0"), pod("d-default-1", consumer_ready=False)])
+
+    def status(pods):
+        return compute_status(
+            deployment="d",
+            spec=spec,
+            plans=plans,
+            pods=pods,
+            stateful_sets=unit_set(2),
+            generation=3,
+            previous=None,
+            now=NOW,
+            observations=observations,
+        )
+
+    first = status(pods)
+    assert status(pods) == first and observed == ["d-default-0", "d-default-1"]  # observed once each
+    assert status({**pods, **summaries([pod("d-default-1")])})["ready"] == "2/2"
+    assert observed[2:] == ["d-default-1"]  # only the pod that changed
+    assert status(summaries([pod("d-default-0")]))["models"][0]["unreadyReasons"] == {"PodMissing": 1}
+
+
+def test_a_status_of_an_older_operator_does_not_stop_an_invalid_spec_being_reported():
+    old = {"models": [{"name": "default", "servedModelName": "m", "units": [{"name": "d-default-0"}]}]}
+    status = invalid_status(["bad"], 4, old, NOW)
+    assert status["phase"] == "Invalid" and status["models"] == []
+
+
+def _units(**ready: bool) -> dict[str, ObservedPod]:
+    return {
+        n: ObservedPod(
+            n, "default", True, r, False, True, "Ready" if r else "EngineUnready", "" if r else "regular-0 not ready"
+        )
         for n, r in ready.items()
-    ]
-    return {"models": [{"name": "default", "units": units}]}
+    }
 
 
 def test_a_unit_that_stops_being_ready_is_a_warning_and_ready_again_a_normal_event():
     # Its first readiness is no event: every unit starts unready.
-    events, fallen = unit_readiness_events(_units(u0=False), _units(u0=True), frozenset())
+    events, fallen = unit_readiness_events(_units(u0=False), _units(u0=True), False, frozenset())
     assert (events, fallen) == ([], frozenset())
-    events, fallen = unit_readiness_events(_units(u0=True, u1=True), _units(u0=False, u1=True), fallen)
+    events, fallen = unit_readiness_events(_units(u0=True, u1=True), _units(u0=False, u1=True), False, fallen)
     assert events == [(True, "UnitUnready", "unit u0: EngineUnready: regular-0 not ready")]
     assert fallen == {"u0"}
     # Still down (restarting, then starting): nothing more to say.
-    events, fallen = unit_readiness_events(_units(u0=False, u1=True), _units(u0=False, u1=True), fallen)
+    events, fallen = unit_readiness_events(_units(u0=False, u1=True), _units(u0=False, u1=True), False, fallen)
     assert (events, fallen) == ([], {"u0"})
-    events, fallen = unit_readiness_events(_units(u0=False, u1=True), _units(u0=True, u1=True), fallen)
+    events, fallen = unit_readiness_events(_units(u0=False, u1=True), _units(u0=True, u1=True), False, fallen)
     assert (events, fallen) == ([(False, "UnitReady", "unit u0 is ready again")], frozenset())
 
 
 def test_a_fallen_unit_scaled_away_is_forgotten():
-    _, fallen = unit_readiness_events(_units(u0=True, u1=True), _units(u0=True, u1=False), frozenset())
-    events, fallen = unit_readiness_events(_units(u0=True, u1=False), _units(u0=True), fallen)
+    _, fallen = unit_readiness_events(_units(u0=True, u1=True), _units(u0=True, u1=False), False, frozenset())
+    events, fallen = unit_readiness_events(_units(u0=True, u1=False), _units(u0=True), False, fallen)
     assert (events, fallen) == ([], frozenset())
 
 
 def test_a_unit_a_rollout_takes_down_is_the_rollouts_story_not_an_event():
-    rolling = {**_units(u0=False), "conditions": [{"type": "Progressing", "status": "True", "reason": "RollingOut"}]}
-    events, fallen = unit_readiness_events(_units(u0=True), rolling, frozenset())
+    events, fallen = unit_readiness_events(_units(u0=True), _units(u0=False), True, frozenset())
     assert (events, fallen) == ([], frozenset())

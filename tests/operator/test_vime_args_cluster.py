@@ -1,5 +1,5 @@
 """The client reads Vime's rollout arguments and every engine of a model from the live status
-the operator wrote."""
+the operator wrote and the EndpointSlices it names."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from epd_client import (
     discover,
     vime_rollout_args,
 )
+from epd_dev.operator_process import wait_for
 
 from .test_reconcile import EXAMPLES, apply, wait_condition
 
@@ -46,23 +47,29 @@ def port_of(pod: dict, container: str) -> int:
 
 
 @pytest.fixture
-def deployment(cluster, namespace, epd_operator) -> tuple[dict, dict[str, dict]]:
+def deployment(cluster, namespace, epd_operator) -> tuple[Endpoints, dict[str, dict]]:
     """multi-model-overrides.yaml, Ready: an actor (2 encoders, 2 regular engines, a router)
-    with two units and a text-only reward model (one engine, no router) with two."""
+    with two units and a text-only reward model (one engine, no router) with two; as discover
+    finds it once the EndpointSlices show every unit ready."""
     manifest = yaml.safe_load((EXAMPLES / "multi-model-overrides.yaml").read_text())
     # The test cluster has no model-cache claim; the pods need only be scheduled.
     del manifest["spec"]["volumes"], manifest["spec"]["volumeMounts"]
     apply(cluster, namespace, manifest)
-    obj = wait_condition(cluster, namespace, NAME, "Ready", "True", timeout=120)
-    return obj["status"], unit_pods(cluster, namespace)
+    wait_condition(cluster, namespace, NAME, "Ready", "True", timeout=120)
+
+    def found() -> Endpoints | None:
+        endpoints = discover(NAME, namespace, kubeconfig=str(cluster.kubeconfig))
+        return endpoints if all(u.ready for m in endpoints.models for u in m.units) else None
+
+    return wait_for(found, 30, "every unit ready in the EndpointSlices"), unit_pods(cluster, namespace)
 
 
-def test_vime_args_from_the_live_status(cluster, namespace, deployment):
-    status, pods = deployment
+def test_vime_args_from_the_live_status(deployment):
+    endpoints, pods = deployment
     actor, reward = pods[f"{NAME}-actor-1"], pods[f"{NAME}-reward-0"]
     chosen = {"actor": f"{NAME}-actor-1", "reward": f"{NAME}-reward-0"}
 
-    args = vime_rollout_args(status, units=chosen)
+    args = vime_rollout_args(endpoints, units=chosen)
 
     actor_ip, reward_ip = actor["status"]["podIP"], reward["status"]["podIP"]
     # Each unit's front door is its EPD proxy, which passes Vime's render/generate on unprimed.
@@ -77,28 +84,19 @@ def test_vime_args_from_the_live_status(cluster, namespace, deployment):
         vllm_router_port=router[1],
     )
     assert len(args.vllm_model_encoder_endpoints["actor"][1]) == 2
-    assert vime_rollout_args(discover(NAME, namespace, kubeconfig=str(cluster.kubeconfig)), units=chosen) == args
     with pytest.raises(EndpointsError, match=rf"'actor' has 2 units \({NAME}-actor-0, {NAME}-actor-1\)"):
-        vime_rollout_args(status)
+        vime_rollout_args(endpoints)
 
 
 def test_every_engine_of_a_model_from_the_live_status(deployment):
-    status, pods = deployment
-    endpoints = Endpoints.from_status(status)
-    # Statuses written before the operator listed engines give consumers as "consumer".
-    listed = all("engines" in u for m in status["models"] for u in m["units"])
-
+    endpoints, pods = deployment
     for model in ("actor", "reward"):
-        expected = []
-        for unit in endpoints.model(model).units:
-            consumers = 0
-            for name, url in engine_containers(pods[unit.pod]):
-                role = name.rsplit("-", 1)[0]
-                if role != "encoder" and not listed:
-                    name, role, consumers = f"consumer-{consumers}", "consumer", consumers + 1
-                expected.append(Engine(unit.name, name, role, url))
+        expected = [
+            Engine(unit.name, name, name.rsplit("-", 1)[0], url)
+            for unit in endpoints.model(model).units
+            for name, url in engine_containers(pods[unit.name])
+        ]
         assert endpoints.engines(model) == tuple(expected)
-
     assert len(endpoints.engines("actor")) == 8  # 2 units x (2 encoders + 2 regular engines)
     assert len(EPDClient(endpoints).engines("actor", "encoder")) == 4
     assert EPDClient(endpoints).engines("reward", "encoder") == ()

@@ -44,12 +44,10 @@ import platform
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -58,7 +56,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import httpx
 import kopf
 import yaml
 
@@ -69,6 +66,7 @@ from epd_operator.settings import Settings
 from ..localcluster import LocalCluster
 from ..operator_process import OperatorProcess
 from ..paths import REPO
+from .big import Big, big_keys, measure_big, report_big
 from .kit import (
     EPD_PATH,
     GPUS_PER_NODE,
@@ -82,13 +80,23 @@ from .kit import (
     session,
     tls_context,
 )
+from .observe import (
+    Recorder,
+    Stream,
+    apiserver_requests,
+    cpu_seconds,
+    memory_mb,
+    request_delta,
+    settle,
+    watching,
+)
+from .restart import Restart, measure_restart, report_restart
 
 BENCH_LABEL = "bench.epd.vime.dev/deployment"  # ties a benchmark Deployment's pod to it
 CHILDREN = 3  # watched children of the example: its unit StatefulSet, front and headless Services
 KCM_DEFAULT = "default (--kube-api-qps 20, --kube-api-burst 30)"
 KCM_RAISED_ARGS = ("--kube-api-qps=200", "--kube-api-burst=300")
 KCM_RAISED = "raised (--kube-api-qps 200, --kube-api-burst 300)"
-PROGRESS_SECONDS = 30
 
 TARGETS = {  # key: (upper limit, what the target says)
     "reconcile_p50_ratio": (1.0, "reconcile p50 <= 1.0x kcm p50 (kcm at its default client QPS)"),
@@ -100,140 +108,16 @@ TARGETS = {  # key: (upper limit, what the target says)
     "operator_peak_rss_mb_5000": (200.0, "operator peak RSS <= 200 MB at 5,000 EPDDeployments"),
     "idle_cpu_percent": (1.0, "operator idle CPU <= 1 %"),
     "reconciles_per_epd": (2.0, "successful reconciles per EPDDeployment until converged <= 2"),
+    "scale_1000_over_floor": (1.1, "1,000 EPDDeployments converged within 1.1x the floor (the stand-in's writes)"),
+    "restart_1000_writes": (0.0, "no write after a restart at 1,000 converged EPDDeployments"),
+    "big_1000_ready_ratio_floor": (1.1, "1,000 units Ready within 1.1x a bare StatefulSet's pods"),
+    "big_status_patches_per_unit": (0.2, "status patches per unit during the scale-up <= 0.2"),
+    "big_5000_status_bytes": (2.0**20, "the status of 5,000 units under 1 MiB"),
+    "client_discover_5000_ms": (50.0, "epd_client.discover and a unit for a key, 5,000 units, <= 50 ms"),
 }
 
 
-# ---------------------------------------------------------------------------- watching
-
-
-class Watch(threading.Thread):
-    """One watch stream; ``on_event(type, object, arrival)`` runs on this thread, with the
-    arrival time (time.monotonic) taken before the event is even decoded."""
-
-    def __init__(self, cluster: LocalCluster, path: str, on_event: Callable[[str, dict, float], None], **params: str):
-        super().__init__(daemon=True, name=f"watch {path}")
-        self.cluster, self.path, self.on_event, self.params = cluster, path, on_event, params
-        self.established = threading.Event()
-        self.error: BaseException | None = None
-        self._socket: socket.socket | None = None
-        self._stopping = False
-
-    def run(self) -> None:
-        version = ""  # resume from the last event seen when the server ends the stream
-        try:
-            with httpx.Client(
-                base_url=self.cluster.server, verify=tls_context(self.cluster), timeout=httpx.Timeout(30, read=None)
-            ) as http:
-                while not self._stopping:
-                    params = {"watch": "1", **self.params, **({"resourceVersion": version} if version else {})}
-                    with http.stream("GET", self.path, params=params) as response:
-                        if response.status_code == 429:  # a new CRD's storage is still initializing
-                            time.sleep(1)
-                            continue
-                        response.raise_for_status()
-                        self._socket = response.extensions["network_stream"].get_extra_info("socket")
-                        self.established.set()  # headers arrived: the server is watching
-                        for line in response.iter_lines():
-                            arrival = time.monotonic()
-                            event = json.loads(line)
-                            if event["type"] == "ERROR":
-                                raise RuntimeError(f"watch error: {event['object'].get('message')}")
-                            version = event["object"]["metadata"]["resourceVersion"]
-                            self.on_event(event["type"], event["object"], arrival)
-        except BaseException as error:  # noqa: BLE001 - reported to the waiting thread
-            if not self._stopping:
-                self.error = error
-        finally:
-            self.established.set()
-
-    def stop(self) -> None:
-        """End the stream from another thread. Only a shutdown: closing the socket here would
-        free its descriptor while this thread still reads it, and a new connection given the
-        same number would have its TLS records stolen."""
-        self._stopping = True
-        if self._socket is not None:
-            with contextlib.suppress(OSError):
-                self._socket.shutdown(socket.SHUT_RDWR)
-        self.join(10)
-
-
-Stream = tuple[str, Callable[[str, dict, float], None], dict[str, str]]  # path, on_event, query
-
-
-@contextlib.contextmanager
-def watching(cluster: LocalCluster, *streams: Stream) -> Iterator[list[Watch]]:
-    watches = [Watch(cluster, path, on_event, **params) for path, on_event, params in streams]
-    for watch in watches:
-        watch.start()
-    for watch in watches:
-        watch.established.wait(30)
-        if watch.error:
-            raise RuntimeError(f"watch {watch.path} failed: {watch.error}")
-    try:
-        yield watches
-    finally:
-        for watch in watches:
-            watch.stop()
-
-
-class Recorder:
-    """First-seen times per (what, name), shared by watch threads and the waiting thread."""
-
-    def __init__(self) -> None:
-        self.times: dict[str, dict[str, float]] = collections.defaultdict(dict)
-        self.children: dict[str, set[str]] = collections.defaultdict(set)
-        self._changed = threading.Condition()
-
-    def mark(self, what: str, name: str, at: float) -> None:
-        with self._changed:
-            self.times[what].setdefault(name, at)
-            self._changed.notify_all()
-
-    def child(self, owner: str, name: str, at: float) -> None:
-        with self._changed:
-            if name not in self.children[owner]:
-                self.children[owner].add(name)
-                self.times["child"][owner] = max(at, self.times["child"].get(owner, at))
-            self._changed.notify_all()
-
-    def wait(
-        self,
-        done: Callable[[], bool],
-        timeout: float,
-        what: str,
-        watches: list[Watch],
-        progress: Callable[[], str] | None = None,
-    ) -> None:
-        deadline = time.monotonic() + timeout
-        next_report = time.monotonic() + PROGRESS_SECONDS
-        with self._changed:
-            while not done():
-                if progress and time.monotonic() >= next_report:
-                    log(f"  ... {progress()}")
-                    next_report += PROGRESS_SECONDS
-                broken = [w for w in watches if w.error]
-                if broken:
-                    raise RuntimeError(f"watch {broken[0].path} failed: {broken[0].error}")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
-                self._changed.wait(min(left, 1.0))
-
-
 # ------------------------------------------------------------------------------ objects
-
-
-def settle(rec: Recorder, names: list[str], what: str, timeout: float, watches: list[Watch]) -> list[str]:
-    """Wait until every name is marked ``what``; the names that are not after ``timeout``."""
-    with contextlib.suppress(TimeoutError):
-        rec.wait(
-            lambda: len(rec.times[what]) == len(names),
-            timeout,
-            f"{len(names)} {what}",
-            watches,
-            progress=lambda: f"{len(rec.times[what])}/{len(names)} {what}",
-        )
-    return [x for x in names if x not in rec.times[what]]
 
 
 def deployment_manifest(name: str) -> dict[str, Any]:
@@ -286,19 +170,6 @@ def delete_namespaces(cluster: LocalCluster, api: Api, names: list[str], timeout
 
 
 # ------------------------------------------------------------------------------ process
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-
-
-def memory_mb(pid: int, key: str) -> float:
-    """VmHWM (peak RSS) or VmRSS of a process, in MB."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) / 1024
-    raise KeyError(key)
 
 
 def pid_of(operator: OperatorProcess) -> int:
@@ -517,31 +388,6 @@ class Scale:
         return self.reconciles.get("reconciles_success", 0) / self.n
 
 
-def apiserver_requests(api: Api) -> dict[tuple[str, str], tuple[float, float]]:
-    """The API server's own request metrics: (count, seconds) per (verb, resource[/subresource]),
-    watches left out (they last as long as the client keeps them)."""
-    totals: dict[tuple[str, str], list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
-    text = api.http.get("/metrics").raise_for_status().text
-    for line in text.splitlines():
-        metric, _, rest = line.partition("{")
-        if metric not in ("apiserver_request_duration_seconds_count", "apiserver_request_duration_seconds_sum"):
-            continue
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', rest))
-        if labels.get("verb") in ("WATCH", "CONNECT"):
-            continue
-        resource = labels.get("resource", "") + (f"/{labels['subresource']}" if labels.get("subresource") else "")
-        totals[(labels.get("verb", ""), resource)][metric.endswith("_sum")] += float(line.rsplit(" ", 1)[1])
-    return {key: (count, seconds) for key, (count, seconds) in totals.items()}
-
-
-def request_delta(
-    before: dict[tuple[str, str], tuple[float, float]], after: dict[tuple[str, str], tuple[float, float]]
-) -> dict[tuple[str, str], tuple[float, float]]:
-    zero = (0.0, 0.0)
-    delta = {k: (c - before.get(k, zero)[0], s - before.get(k, zero)[1]) for k, (c, s) in after.items()}
-    return {k: v for k, v in delta.items() if v[0] > 0}
-
-
 def measure_scale(
     cluster: LocalCluster,
     api: Api,
@@ -752,6 +598,8 @@ class Results:
     latencies: list[tuple[Latencies, Latencies]] = field(default_factory=list)  # (EPD, kcm) pairs
     scales: list[Scale] = field(default_factory=list)  # every scale run, repeats included
     floors: dict[int, float] = field(default_factory=dict)  # n -> converged seconds with the stand-in writer
+    restarts: list[Restart] = field(default_factory=list)  # after the last scale run of each size
+    bigs: list[Big] = field(default_factory=list)  # one EPDDeployment of many units, per size
     machine: str = ""
     spec: dict[str, Any] = field(default_factory=dict)  # what every EPDDeployment changed of the example
 
@@ -812,7 +660,12 @@ class Results:
         for attribute in ("rss_mb", "peak_rss_mb"):
             if (slope := self.rss_slope_kb(attribute)) is not None:
                 keys[f"{attribute}_slope_kb_per_epd"] = slope
-        return keys
+        for r in self.restarts:
+            keys[f"restart_{r.n}_seconds"] = r.seconds
+            keys[f"restart_{r.n}_writes"] = r.writes
+            keys[f"restart_{r.n}_child_writes"] = r.child_writes
+            keys[f"restart_{r.n}_status_writes"] = r.status_writes
+        return {**keys, **big_keys(self.bigs)}
 
 
 def machine() -> str:
@@ -931,6 +784,10 @@ def report(results: Results, out: Callable[[str], None] = print) -> None:
             f"floor: {n} EPDDeployments converged in {seconds:.1f} s with the operator stopped and a stand-in "
             "making its writes (no watch, kopf or index): what the API server needs"
         )
+    for r in results.restarts:
+        report_restart(r, out)
+    for b in results.bigs:
+        report_big(b, out)
     keys = results.keys()
     out("")
     for key, value in keys.items():
@@ -1000,6 +857,10 @@ def benchmark(
     scale_kcm_raised: bool = False,
     scale_timeout: float = 600,
     floor: bool = False,
+    restart: bool = False,
+    big: list[int] | None = None,
+    big_scale_to: int | None = None,
+    big_kcm_raised: bool = False,
     cleanup: bool = True,
     spec: dict[str, Any] | None = None,
 ) -> Results:
@@ -1007,7 +868,11 @@ def benchmark(
     ``restart_kcm(extra_args)`` the latency runs are repeated with kcm's client limit raised
     (and, with ``scale_kcm_raised``, the scale runs too). Each scale run, ``repeat`` times per
     size, gets a fresh operator process (its own peak RSS and CPU) and a namespace of its own.
-    With ``floor``, each size is also written once by the stand-in of ``write_like_the_operator``.
+    With ``floor``, each size is also written once by the stand-in of ``write_like_the_operator``;
+    with ``restart``, the last run of each size ends with a kill -9 of the operator and a new one
+    (restart.py). Then each size of ``big``: one EPDDeployment of that many units against its floor
+    (big.py), the first one also scaled to ``big_scale_to`` and back, with kcm at 200 QPS if
+    ``big_kcm_raised``.
     ``cleanup=False`` leaves the last run's objects (the caller drops the cluster: deleting
     5,000 EPDDeployments and their children takes the garbage collector 15 minutes and more).
     ``spec`` changes every EPDDeployment's spec (the example's) in every run."""
@@ -1052,6 +917,9 @@ def benchmark(
             )
             results.scales.append(s)
             check_alive(operator)
+            if restart and run == repeat:
+                log(f"restart: kill -9 of the operator with {n} EPDDeployments converged")
+                results.restarts.append(measure_restart(api, operator, n))
         if floor:
             log(f"floor: {n} EPDDeployments written by a stand-in, the operator stopped")
             operator.stop()
@@ -1060,7 +928,20 @@ def benchmark(
             results.floors[n] = measure_floor(cluster, api, used[0], n, timeout=scale_timeout, spec=spec)
             log(f"  converged {results.floors[n]:.1f} s")
             operator.start()
-    if scales and cleanup:
+    if big:
+        delete_namespaces(cluster, api, used, timeout=max(600, max(scales, default=0) * 0.5))
+        used = []
+        if restart_kcm and raised != big_kcm_raised:
+            restart_kcm(KCM_RAISED_ARGS if big_kcm_raised else ())
+            raised = big_kcm_raised
+            time.sleep(10)
+        for i, units in enumerate(big):
+            kcm = KCM_RAISED if raised else KCM_DEFAULT
+            results.bigs.append(
+                measure_big(cluster, api, operator, units, kcm, scale_to=big_scale_to if i == 0 else None)
+            )
+            check_alive(operator)
+    if used and cleanup:
         delete_namespaces(cluster, api, used, timeout=max(600, scales[-1] * 0.5))
         check_alive(operator)  # deleting many at once is a load of its own
     results.machine += f"; load average at the end {os.getloadavg()[0]:.1f}"
@@ -1093,7 +974,27 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--scale-timeout", type=float, default=600, help="seconds each scale run may take to Ready")
     parser.add_argument(
-        "--floor", action="store_true", help="per scale size, also the floor: the operator's writes made by a stand-in"
+        "--no-floor",
+        action="store_true",
+        help="skip the floor of each scale size (the operator's writes made by a stand-in, the operator stopped)",
+    )
+    parser.add_argument(
+        "--no-restart", action="store_true", help="skip the kill -9 and restart of the operator after each scale size"
+    )
+    parser.add_argument(
+        "--big",
+        type=int,
+        nargs="*",
+        default=[1000, 5000],
+        help="units of the one-EPDDeployment runs, each against its floor (none: skip)",
+    )
+    parser.add_argument(
+        "--big-scale-to", type=int, default=100, help="the first big run is scaled to this many units and back"
+    )
+    parser.add_argument(
+        "--big-kcm-default",
+        action="store_true",
+        help="big runs with kcm at its default 20 QPS (default: 200 QPS; 5,000 units take it 10+ min at 20)",
     )
     parser.add_argument(
         "--scale-kcm-raised",
@@ -1135,7 +1036,11 @@ def main(argv: list[str] | None = None) -> int:
             profile_dir=args.profile,
             scale_kcm_raised=args.scale_kcm_raised,
             scale_timeout=args.scale_timeout,
-            floor=args.floor,
+            floor=not args.no_floor,
+            restart=not args.no_restart,
+            big=args.big,
+            big_scale_to=args.big_scale_to,
+            big_kcm_raised=not args.big_kcm_default,
             cleanup=False,
             spec={"service": {"headless": True}} if args.headless_front_service else None,
             restart_kcm=None if args.no_kcm_raised else lambda extra: cluster.restart("kube-controller-manager", extra),

@@ -12,6 +12,9 @@ import copy
 from pathlib import Path
 from typing import Any
 
+from epd_client import Endpoints, EPDClientError, discover
+
+from ..operator_process import wait_for
 from . import tiny_model
 
 # Every engine gets these; encoders run eager already (a role default), consumers need it too
@@ -106,3 +109,19 @@ def prefill_decode_groups(kv_store: Path) -> list[dict[str, Any]]:
         {"workerType": "prefill", "numGpus": 1, "overrides": kv},
         {"workerType": "decode", "numGpus": 1, "overrides": kv},
     ]
+
+
+def discover_ready(kubeconfig: Path, name: str, namespace: str, model: str = MODEL, timeout: float = 120) -> Endpoints:
+    """The EPDDeployment's endpoints once `discover` shows every unit of `model` ready: the
+    EndpointSlices that say where and how each unit is may trail the status that says Ready."""
+
+    def ready() -> Endpoints | None:
+        try:
+            endpoints = discover(name, namespace, kubeconfig=str(kubeconfig))
+        except EPDClientError:
+            return None
+        units = endpoints.model(model).units
+        return endpoints if units and all(u.ready for u in units) else None
+
+    found: Endpoints = wait_for(ready, timeout, f"epd/{name}'s units ready in its EndpointSlices")
+    return found

@@ -3,7 +3,7 @@
 The janitor has no API access (docs/ec-storage.md), so the operator scrapes its /metrics
 (`JanitorScraper`), parses them (`parse_metrics`, pure) and turns a growing counter into a Warning
 Event message (pure): budget evictions into `ECEvicted` (`eviction_report`), consumers' fallback
-encodes into `ECFallbackEncodes` (`fallback_report`). The counts also go into the unit's status
+encodes into `ECFallbackEncodes` (`fallback_report`). Their sums go into each model's status
 (`ecEvictions`, `fallbackEncodes`).
 """
 
@@ -69,11 +69,11 @@ def parse_metrics(text: str) -> JanitorMetrics | None:
 def _growth(previous: int | None, count: int) -> tuple[int, str]:
     """How much a janitor's counter grew since `previous`, the count last reported, and since when.
 
-    `previous` is the operator's memory, or after an operator restart the count in the unit's
-    status, so a restart does not repeat old Events. None means never reported: a unit first
-    seen reports its whole count, since its counter starts at 0 with the janitor and the
-    operator has not told anyone yet. A count below `previous` is a new janitor (a recreated pod
-    of the same name, or a restarted container): its whole count is new.
+    `previous` is the operator's memory, or after an operator restart the first count it scrapes
+    (JanitorScraper.scrape), so a restart does not repeat old Events. None means never reported:
+    a unit first seen reports its whole count, since its counter starts at 0 with the janitor and
+    the operator has not told anyone yet. A count below `previous` is a new janitor (a recreated
+    pod of the same name, or a restarted container): its whole count is new.
     """
     if previous is None or count < previous:
         return count, "since its janitor started"
@@ -193,11 +193,20 @@ class JanitorScraper:
                 scrapes.append(group.create_task(scrape(ip)))
         results = [done.result() for done in scrapes]
         changed = set()
+        # A deployment whose status has counts but that this process has not scraped yet: an
+        # earlier process reported them, so this first round is the baseline, not news.
+        reported = {key: _reported(indexes, key) for key, _ in targets if key not in self._counts}
         for (key, unit), current in zip(targets, results, strict=True):
             if current is None:
                 continue
             counts = self._counts.setdefault(key, {})
-            previous = counts[unit] if unit in counts else _reported(indexes, key, unit)
+            if unit in counts:
+                previous = counts[unit]
+            else:
+                evictions, fallbacks = reported.get(key, (False, False))
+                previous = Counts(
+                    current.budget_evictions if evictions else None, current.fallback_encodes if fallbacks else None
+                )
             for reason, message in (
                 ("ECEvicted", eviction_report(unit, previous.budget_evictions, current)),
                 ("ECFallbackEncodes", fallback_report(unit, previous.fallback_encodes, current)),
@@ -228,11 +237,12 @@ def _janitor_ip(pod: dict[str, Any]) -> str | None:
     return status.get("podIP") if status.get("phase") == "Running" and has_janitor else None
 
 
-def _reported(indexes: Indexes, key: Key, unit: str) -> Counts:
-    """The counts the status shows for `unit`: what this or an earlier operator process reported."""
+def _reported(indexes: Indexes, key: Key) -> tuple[bool, bool]:
+    """Whether the deployment's status shows (budget evictions, fallback encodes): an operator
+    process reported them."""
     deployment = indexes.deployment(key)
-    for model in (deployment.status() if deployment else {}).get("models") or []:
-        for status in model.get("units") or []:
-            if status.get("name") == unit:
-                return Counts(status.get("ecEvictions"), status.get("fallbackEncodes"))
-    return Counts(None, None)
+    models = (deployment.status() if deployment else {}).get("models") or []
+    return (
+        any(m.get("ecEvictions") is not None for m in models),
+        any(m.get("fallbackEncodes") is not None for m in models),
+    )

@@ -1,0 +1,462 @@
+"""One EPDDeployment of thousands of units, the shape of an RL cluster (`make bench`).
+
+The EPDDeployment is docs/examples/encoder-prefill-decode.yaml (E+P+D: 3 GPUs a unit) with
+``replicas`` units. Its floor is the same pods made by a bare StatefulSet of the operator's own
+pod template (what its Reconciler renders for that EPDDeployment, without owner), applied alone
+with the operator stopped, in the same run and the same steps: created, then scaled (1,000 ->
+100 -> 1,000). Both are timed from the write (POST, or the PATCH of replicas) to the arrival of
+the watch event that says the step is done:
+
+- the floor: its StatefulSet has observed the change and has exactly that many pods, all Ready;
+- the EPDDeployment: its status says Ready for the generation with every unit ready, and its
+  StatefulSet is as the floor's.
+
+Per step it also counts the operator's status patches (the API server's own metric), and at the
+end of each the status' size; per size the operator's CPU and peak RSS, `kubectl get epd -o wide`
+and `epd_client.discover` plus the choice of a unit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import statistics
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+import yaml
+
+import epd_client
+from epd_operator.reconciler import Reconciler
+from epd_operator.settings import Settings
+
+from ..localcluster import LocalCluster
+from ..operator_process import OperatorProcess
+from ..paths import REPO
+from .kit import EPD_PATH, Api, converged, create_namespace, log
+from .observe import Stream, apiserver_requests, cpu_seconds, memory_mb, request_delta, watching
+
+EXAMPLE = REPO / "docs" / "examples" / "encoder-prefill-decode.yaml"
+NAME = "big"
+MODEL = "default"
+GPUS_PER_UNIT = 3
+STATUS_PATCH = ("PATCH", "epddeployments/status")
+# A unit's pod requests 3 CPUs for its engines and a little for its router, proxy and janitor;
+# kwok nodes advertise 32 CPUs and 110 pods unless told more (node_capacity).
+CPUS_PER_UNIT = 4
+PODS_PER_NODE = 250
+
+
+@dataclass
+class Step:
+    """One change of the unit count (0 -> N is the creation), on the EPDDeployment and on its floor."""
+
+    start: int
+    units: int
+    seconds: float
+    floor_seconds: float
+    status_patches: float  # the operator's PATCHes of epddeployments/status during the step
+    status_bytes: int  # the status as JSON once the step is done
+    object_bytes: int  # the whole object so
+    cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds per process during the step
+    floor_cpu: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float:
+        return self.seconds / self.floor_seconds
+
+    @property
+    def patches_per_unit(self) -> float:
+        return self.status_patches / max(1, abs(self.units - self.start))
+
+
+@dataclass
+class Big:
+    units: int
+    kcm: str
+    steps: list[Step]
+    operator_cpu_seconds: float  # from the operator's start to the last step's end
+    operator_peak_rss_mb: float
+    get_wide_ms: float  # `kubectl get epd <name> -o wide`, median of 5
+    get_namespace_ms: float  # `kubectl get namespace <ns>`: kubectl's own cost, for comparison
+    discover_ms: list[float]  # epd_client.discover + a unit chosen for a key, each call
+    status: dict[str, Any] = field(default_factory=dict)  # the last one, for the report
+    api_requests: dict[tuple[str, str], tuple[float, float]] = field(default_factory=dict)  # the creation step
+
+    @property
+    def created(self) -> Step:
+        return self.steps[0]
+
+
+def manifest(units: int) -> dict[str, Any]:
+    document = yaml.safe_load(EXAMPLE.read_text())
+    document["metadata"]["name"] = NAME
+    document["spec"]["replicas"] = units
+    return document
+
+
+def floor_statefulset(namespace: str, units: int) -> dict[str, Any]:
+    """The StatefulSet the operator's Reconciler renders for the EPDDeployment, owned by nothing."""
+    reconciler = Reconciler(Settings(janitor_image="epd-operator:bench"))
+    owner = manifest(units)
+    owner["metadata"].update(namespace=namespace, uid=str(uuid.uuid4()), generation=1)
+    body = kopf.Body(owner)  # type: ignore[arg-type]  # kopf types its RawBody as a TypedDict
+    children = reconciler.plans.desired(body, reconciler.plans.plan(body))
+    stateful_set = next(c for c in children if c["kind"] == "StatefulSet")
+    del stateful_set["metadata"]["ownerReferences"]
+    return stateful_set
+
+
+@contextlib.contextmanager
+def node_capacity(api: Api, nodes: list[str], units: int) -> Iterator[None]:
+    """Enough GPUs, CPUs and pods on the kwok nodes for `units` units while the block runs, then
+    what they had (kwok keeps whatever a node's status says)."""
+    per_node = math.ceil(units * 1.2 / len(nodes))
+    wanted = {
+        "nvidia.com/gpu": str(max(32, per_node * GPUS_PER_UNIT)),
+        "cpu": str(max(32, per_node * CPUS_PER_UNIT)),
+        "pods": str(max(110, min(PODS_PER_NODE, per_node * 2))),
+    }
+    before = {name: api.call("GET", f"/api/v1/nodes/{name}")["status"] for name in nodes}
+
+    def patch(name: str, capacity: dict[str, str], allocatable: dict[str, str]) -> None:
+        api.call(
+            "PATCH",
+            f"/api/v1/nodes/{name}/status",
+            json={"status": {"capacity": capacity, "allocatable": allocatable}},
+            headers={"Content-Type": "application/merge-patch+json"},
+        )
+
+    for name in nodes:
+        patch(name, wanted, wanted)
+    try:
+        yield
+    finally:
+        for name, status in before.items():
+            patch(name, {k: status["capacity"][k] for k in wanted}, {k: status["allocatable"][k] for k in wanted})
+
+
+def at_target(stateful_set: dict[str, Any], units: int) -> bool:
+    status = stateful_set.get("status") or {}
+    return (
+        status.get("observedGeneration") == stateful_set["metadata"]["generation"]
+        and stateful_set["spec"]["replicas"] == units
+        and status.get("replicas", 0) == units
+        and status.get("readyReplicas", 0) == units
+    )
+
+
+class Tracker:
+    """The latest EPDDeployment and StatefulSet seen, and when the step in progress was done."""
+
+    def __init__(self) -> None:
+        self.epd: dict[str, Any] = {}
+        self.stateful_set: dict[str, Any] = {}
+        self.target: int | None = None
+        self.done_at: float | None = None
+        self.with_epd = True
+
+    def begin(self, units: int, with_epd: bool) -> None:
+        self.target, self.done_at, self.with_epd = units, None, with_epd
+
+    def on_epd(self, _type: str, obj: dict[str, Any], at: float) -> None:
+        self.epd = obj
+        self._check(at)
+
+    def on_set(self, _type: str, obj: dict[str, Any], at: float) -> None:
+        self.stateful_set = obj
+        self._check(at)
+
+    def _check(self, at: float) -> None:
+        if self.target is None or self.done_at is not None or not self.stateful_set:
+            return
+        if not at_target(self.stateful_set, self.target):
+            return
+        if self.with_epd:
+            status = self.epd.get("status") or {}
+            if not (
+                self.epd
+                and self.epd["spec"]["replicas"] == self.target
+                and converged(self.epd)
+                and status.get("ready") == f"{self.target}/{self.target}"
+            ):
+                return
+        self.done_at = at
+
+
+def _wait(tracker: Tracker, watches: list[Any], timeout: float, what: str) -> float:
+    deadline = time.monotonic() + timeout
+    next_report = time.monotonic() + 30
+    while tracker.done_at is None:
+        broken = [w for w in watches if w.error]
+        if broken:
+            raise RuntimeError(f"watch {broken[0].path} failed: {broken[0].error}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        if time.monotonic() >= next_report:
+            ready = (tracker.stateful_set.get("status") or {}).get("readyReplicas", 0)
+            log(f"  ... {what}: {ready} pods Ready")
+            next_report += 30
+        time.sleep(0.05)
+    return tracker.done_at
+
+
+def _run_steps(
+    cluster: LocalCluster,
+    api: Api,
+    namespace: str,
+    steps: list[int],
+    *,
+    create: Callable[[], None],
+    scale: Callable[[int], None],
+    with_epd: bool,
+    processes: dict[str, int],
+    timeout: float,
+    on_done: Callable[[int, Tracker, float], None] = lambda *_: None,
+) -> list[tuple[float, dict[str, float], dict[tuple[str, str], tuple[float, float]]]]:
+    """Each step's seconds, CPU per process and API server requests; `create` makes the first."""
+    tracker = Tracker()
+    streams: list[Stream] = [(f"/apis/apps/v1/namespaces/{namespace}/statefulsets", tracker.on_set, {})]
+    if with_epd:
+        streams.append((f"{EPD_PATH}/namespaces/{namespace}/epddeployments", tracker.on_epd, {}))
+    measured = []
+    with watching(cluster, *streams) as watches:
+        for i, units in enumerate(steps):
+            tracker.begin(units, with_epd)
+            requests_before = apiserver_requests(api)
+            cpu_before = {name: cpu_seconds(pid) for name, pid in processes.items()}
+            began = time.monotonic()
+            create() if i == 0 else scale(units)
+            done = _wait(tracker, watches, timeout, f"{units} units")
+            cpu = {name: cpu_seconds(pid) - cpu_before[name] for name, pid in processes.items()}
+            measured.append((done - began, cpu, request_delta(requests_before, apiserver_requests(api))))
+            on_done(units, tracker, done - began)
+    return measured
+
+
+def _delete_namespace(cluster: LocalCluster, api: Api, namespace: str, timeout: float) -> None:
+    cluster.kubectl("delete", "namespace", namespace, "--wait=false")
+    deadline = time.monotonic() + timeout
+    while any(n["metadata"]["name"] == namespace for n in api.items("/api/v1/namespaces")):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"namespace {namespace} still there after {timeout:.0f}s")
+        time.sleep(1)
+
+
+def _kubectl_ms(cluster: LocalCluster, *args: str, runs: int = 5) -> float:
+    times = []
+    for _ in range(runs):
+        began = time.monotonic()
+        cluster.kubectl(*args)
+        times.append((time.monotonic() - began) * 1000)
+    return statistics.median(times)
+
+
+def _discover_ms(cluster: LocalCluster, namespace: str, runs: int = 10) -> list[float]:
+    """`discover` and the unit `EPDClient.generate` would take for a key, as a client calls them."""
+    times = []
+    for i in range(runs):
+        began = time.monotonic()
+        endpoints = epd_client.discover(NAME, namespace, kubeconfig=str(cluster.kubeconfig))
+        endpoints.model(MODEL).unit_for(f"sample-{i}")
+        times.append((time.monotonic() - began) * 1000)
+    return times
+
+
+def measure_big(
+    cluster: LocalCluster,
+    api: Api,
+    operator: OperatorProcess,
+    units: int,
+    kcm: str,
+    *,
+    scale_to: int | None = None,
+    timeout: float = 1800,
+) -> Big:
+    """The floor, then the EPDDeployment, through the same steps: created with `units`, then
+    (with `scale_to`) scaled to it and back. The operator is stopped for the floor and started
+    fresh for the EPDDeployment. Both namespaces are deleted at the end."""
+    with node_capacity(api, cluster.node_names, units):
+        return _measure_big(cluster, api, operator, units, kcm, scale_to=scale_to, timeout=timeout)
+
+
+def _measure_big(
+    cluster: LocalCluster,
+    api: Api,
+    operator: OperatorProcess,
+    units: int,
+    kcm: str,
+    *,
+    scale_to: int | None,
+    timeout: float,
+) -> Big:
+    steps = [units, *([scale_to, units] if scale_to is not None else [])]
+    processes = dict(cluster.pids)
+
+    operator.stop()
+    namespace = create_namespace(cluster, api, f"bench-big-floor-{units}-{uuid.uuid4().hex[:5]}")
+    stateful_set = floor_statefulset(namespace, units)
+    sets = f"/apis/apps/v1/namespaces/{namespace}/statefulsets"
+    name = stateful_set["metadata"]["name"]
+    log(f"big: floor, a bare StatefulSet of {units} units ({' -> '.join(map(str, steps))})")
+    floor = _run_steps(
+        cluster,
+        api,
+        namespace,
+        steps,
+        create=lambda: api.call("POST", sets, json=stateful_set),
+        scale=lambda n: api.call(
+            "PATCH",
+            f"{sets}/{name}",
+            json={"spec": {"replicas": n}},
+            headers={"Content-Type": "application/merge-patch+json"},
+        ),
+        with_epd=False,
+        processes=processes,
+        timeout=timeout,
+    )
+    log("  floor: " + ", ".join(f"{n} units {s:.1f} s" for n, (s, _, _) in zip(steps, floor, strict=True)))
+    _delete_namespace(cluster, api, namespace, timeout)
+
+    operator.start()
+    pid = operator.proc.pid if operator.proc else 0
+    cpu_at_start = cpu_seconds(pid)
+    namespace = create_namespace(cluster, api, f"bench-big-{units}-{uuid.uuid4().hex[:5]}")
+    epds = f"{EPD_PATH}/namespaces/{namespace}/epddeployments"
+    sizes: list[tuple[int, int]] = []
+
+    def measure_size(_units: int, tracker: Tracker, _seconds: float) -> None:
+        status = tracker.epd.get("status") or {}
+        sizes.append(
+            (len(json.dumps(status, separators=(",", ":"))), len(json.dumps(tracker.epd, separators=(",", ":"))))
+        )
+
+    log(f"big: one EPDDeployment of {units} units ({' -> '.join(map(str, steps))})")
+    measured = _run_steps(
+        cluster,
+        api,
+        namespace,
+        steps,
+        create=lambda: api.call("POST", epds, json=manifest(units)),
+        scale=lambda n: api.call(
+            "PATCH",
+            f"{epds}/{NAME}",
+            json={"spec": {"replicas": n}},
+            headers={"Content-Type": "application/merge-patch+json"},
+        ),
+        with_epd=True,
+        processes={**processes, "epd-operator": pid},
+        timeout=timeout,
+        on_done=measure_size,
+    )
+    operator_cpu = cpu_seconds(pid) - cpu_at_start
+    peak = memory_mb(pid, "VmHWM")
+    get_wide = _kubectl_ms(cluster, "get", "epd", NAME, "-n", namespace, "-o", "wide")
+    get_namespace = _kubectl_ms(cluster, "get", "namespace", namespace)
+    try:
+        discover = _discover_ms(cluster, namespace)
+    except epd_client.EPDClientError as error:
+        log(f"  discover failed: {error}")
+        discover = []
+    last = api.call("GET", f"{epds}/{NAME}").get("status") or {}
+    big = Big(
+        units,
+        kcm,
+        steps=[
+            Step(
+                start=steps[i - 1] if i else 0,
+                units=n,
+                seconds=seconds,
+                floor_seconds=floor[i][0],
+                status_patches=requests.get(STATUS_PATCH, (0.0, 0.0))[0],
+                status_bytes=sizes[i][0],
+                object_bytes=sizes[i][1],
+                cpu=cpu,
+                floor_cpu=floor[i][1],
+            )
+            for i, (n, (seconds, cpu, requests)) in enumerate(zip(steps, measured, strict=True))
+        ],
+        operator_cpu_seconds=operator_cpu,
+        operator_peak_rss_mb=peak,
+        get_wide_ms=get_wide,
+        get_namespace_ms=get_namespace,
+        discover_ms=discover,
+        status=last,
+        api_requests=measured[0][2],
+    )
+    for step in big.steps:
+        log(
+            f"  {step.start} -> {step.units} units: {step.seconds:.1f} s (floor {step.floor_seconds:.1f} s, "
+            f"{step.ratio:.2f}x), {step.status_patches:.0f} status patches, status {step.status_bytes} bytes"
+        )
+    _delete_namespace(cluster, api, namespace, timeout)
+    return big
+
+
+def report_big(big: Big, out: Callable[[str], None]) -> None:
+    out("")
+    out(
+        f"big: one EPDDeployment of {big.units} units (E+P+D, {GPUS_PER_UNIT} GPUs a unit), "
+        f"kube-controller-manager client {big.kcm}; floor: a bare StatefulSet of the operator's pod template"
+    )
+    out("| step | EPDDeployment s | floor s | ratio | status patches | per unit | status bytes | object bytes |")
+    out("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for s in big.steps:
+        out(
+            f"| {s.start} -> {s.units} | {s.seconds:.1f} | {s.floor_seconds:.1f} | {s.ratio:.2f}x "
+            f"| {s.status_patches:.0f} | {s.patches_per_unit:.3f} | {s.status_bytes} | {s.object_bytes} |"
+        )
+    for s in big.steps:
+        spent = sorted(s.cpu.items(), key=lambda kv: -kv[1])
+        floor = sorted(s.floor_cpu.items(), key=lambda kv: -kv[1])
+        out(f"  CPU seconds, {s.start} -> {s.units}: " + ", ".join(f"{n} {c:.1f}" for n, c in spent))
+        out("    floor: " + ", ".join(f"{n} {c:.1f}" for n, c in floor))
+    out(
+        f"  operator: {big.operator_cpu_seconds:.1f} CPU-seconds from its start to the last step, "
+        f"peak RSS {big.operator_peak_rss_mb:.1f} MB"
+    )
+    out(f"  kubectl get epd -o wide: {big.get_wide_ms:.0f} ms (kubectl get namespace: {big.get_namespace_ms:.0f} ms)")
+    if big.discover_ms:
+        out(
+            f"  epd_client.discover + a unit for a key: median {statistics.median(big.discover_ms):.1f} ms "
+            f"(first {big.discover_ms[0]:.1f}, max {max(big.discover_ms):.1f}, {len(big.discover_ms)} calls)"
+        )
+    models = big.status.get("models") or []
+    out(f"  the status at the end: {json.dumps(big.status)[:600]}" if models else "  (no status)")
+
+
+def _median(runs: list[Big], value: Callable[[Big], float]) -> float:
+    return statistics.median(value(b) for b in runs)
+
+
+def big_keys(runs: list[Big]) -> dict[str, float]:
+    """The keys of the big runs: medians over repeated runs of a size (peak RSS: the largest)."""
+    keys: dict[str, float] = {}
+    for units in dict.fromkeys(b.units for b in runs):
+        same = [b for b in runs if b.units == units]
+        tag = f"big_{units}"
+        keys[f"{tag}_ready_seconds"] = _median(same, lambda b: b.created.seconds)
+        keys[f"{tag}_floor_seconds"] = _median(same, lambda b: b.created.floor_seconds)
+        keys[f"{tag}_ready_ratio_floor"] = _median(same, lambda b: b.created.ratio)
+        keys[f"{tag}_status_patches_per_unit"] = _median(same, lambda b: b.created.patches_per_unit)
+        keys[f"{tag}_status_bytes"] = _median(same, lambda b: max(s.status_bytes for s in b.steps))
+        keys[f"{tag}_operator_cpu_seconds"] = _median(same, lambda b: b.operator_cpu_seconds)
+        keys[f"{tag}_operator_peak_rss_mb"] = max(b.operator_peak_rss_mb for b in same)
+        keys[f"{tag}_get_wide_ms"] = _median(same, lambda b: b.get_wide_ms)
+        for i, step in enumerate(same[0].steps[1:], 1):
+            scaled = f"{tag}_scale_{step.start}_to_{step.units}"
+            keys[f"{scaled}_seconds"] = statistics.median(b.steps[i].seconds for b in same)
+            keys[f"{scaled}_ratio_floor"] = statistics.median(b.steps[i].ratio for b in same)
+            keys[f"{scaled}_status_patches_per_unit"] = statistics.median(b.steps[i].patches_per_unit for b in same)
+        if all(b.discover_ms for b in same):
+            keys[f"client_discover_{units}_ms"] = _median(same, lambda b: statistics.median(b.discover_ms))
+    if runs:
+        headline = [b for b in runs if b.units == (1000 if any(b.units == 1000 for b in runs) else runs[0].units)]
+        keys["big_status_patches_per_unit"] = _median(headline, lambda b: b.created.patches_per_unit)
+        keys["big_status_bytes_per_unit"] = _median(headline, lambda b: max(s.status_bytes for s in b.steps) / b.units)
+    return keys
