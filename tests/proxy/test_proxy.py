@@ -335,6 +335,8 @@ async def test_metrics_and_health(server, start_proxy, http):
     await post(http, proxy.url + CHAT, b"nope")
     async with http.get(proxy.url + "/v1/models") as response:
         assert response.status == 200
+    async with http.get(proxy.url + "/health") as response:  # the readiness probe, through to the upstream
+        assert response.status == 200
     async with http.get(proxy.admin_url + "/health") as response:
         assert (response.status, await response.text()) == (200, "ok")
     text = await proxy.metrics_text()
@@ -342,6 +344,7 @@ async def test_metrics_and_health(server, start_proxy, http):
         'epd_proxy_requests_total{code="200",route="chat_completions"} 1.0',
         'epd_proxy_requests_total{code="400",route="chat_completions"} 1.0',
         'epd_proxy_requests_total{code="200",route="other"} 1.0',
+        'epd_proxy_requests_total{code="200",route="health"} 1.0',
         'epd_proxy_media_primed_total{kind="image"} 1.0',
         'epd_proxy_media_primed_total{kind="audio"} 1.0',
         "epd_proxy_prime_duration_seconds_count 1.0",

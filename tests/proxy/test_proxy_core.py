@@ -22,6 +22,8 @@ from epd_operator.proxy.core import BadRequest, DNSTarget
         ("POST", "/v1/completions", "other"),
         ("POST", "/v1/responses/resp_1/cancel", "other"),
         ("POST", "/v1/chat/completions/", "other"),
+        ("GET", "/health", "health"),
+        ("POST", "/health", "other"),
     ],
 )
 def test_only_chat_completions_and_responses_posts_are_primed(method, path, expected):

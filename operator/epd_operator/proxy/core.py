@@ -20,6 +20,11 @@ from epd_client import MEDIA_KINDS, MediaItem, PrimeError, media_items
 # (/v1/chat/completions/render, /inference/v1/generate) of clients that prime themselves.
 PRIMED_ROUTES = {"/v1/chat/completions": "chat_completions", "/v1/responses": "responses"}
 OTHER = "other"
+# GET /health passes through too, under a label of its own: the kubelet's readiness probe asks
+# it every few seconds through the front port, and its 502s while the router starts would
+# otherwise read as clients' failed requests.
+HEALTH = "health"
+PASSED_THROUGH = frozenset({OTHER, HEALTH})
 
 # RFC 9110 §7.6.1: meant for one connection only, never forwarded; so are the fields the
 # Connection header names.
@@ -36,8 +41,11 @@ PRIME_HEADERS = ("authorization", "x-request-id", "traceparent", "tracestate")
 
 
 def route(method: str, path: str) -> str:
-    """The request's route label: a primed one, or ``other`` (passed through untouched)."""
-    return PRIMED_ROUTES.get(path, OTHER) if method == "POST" else OTHER
+    """The request's route label: a primed one, or ``health`` or ``other`` (passed through
+    untouched)."""
+    if method == "POST":
+        return PRIMED_ROUTES.get(path, OTHER)
+    return HEALTH if path == "/health" else OTHER
 
 
 class BadRequest(Exception):

@@ -29,7 +29,7 @@ from epd_client import MEDIA_KINDS, PrimeError, Primer, RetryPolicy
 from ..loop import event_loop
 from .core import (
     HELD_BODY,
-    OTHER,
+    PASSED_THROUGH,
     STREAMED_BODY,
     BadRequest,
     DNSTarget,
@@ -115,7 +115,7 @@ class Proxy:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         name = route(request.method, request.path)
-        if name == OTHER:
+        if name in PASSED_THROUGH:
             response = await self._forward(request, request.content if request.body_exists else None, STREAMED_BODY)
         else:
             response = await self._primed(request, name)
