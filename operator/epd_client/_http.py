@@ -162,7 +162,14 @@ class Transport:
     async def _attempt(
         self, base_url: str, path: str, body: Any, deadline: float, headers: Mapping[str, str] | None
     ) -> httpx.Response:
-        async with self._slots:
+        try:
+            # Waiting for a slot is bounded by the deadline too: the requests holding the slots
+            # may have started later, with later deadlines, while this one backed off.
+            async with asyncio.timeout_at(deadline):
+                await self._slots.acquire()
+        except TimeoutError:
+            raise _DeadlineExceeded(f"deadline of {self.policy.deadline} s passed") from None
+        try:
             remaining = deadline - asyncio.get_running_loop().time()
             if remaining <= 0:
                 raise _DeadlineExceeded(f"deadline of {self.policy.deadline} s passed")
@@ -184,6 +191,8 @@ class Transport:
                         await response.aclose()
             finally:
                 pool.load -= 1
+        finally:
+            self._slots.release()
         if response.status_code >= 500 or response.status_code in RETRYABLE_STATUS:
             raise RetryableStatus(response)
         if response.is_error:

@@ -5,7 +5,8 @@ The encoders are STAND-INs (epd_dev/standins/vllm_server.py), not vLLM: a real v
 CPU takes about a second per image, and this needs hundreds of requests to hit every fault
 while others are in flight. What is checked is the client's own contract:
 
-- every prime returns or raises PrimeError, within its deadline (plus scheduling slack);
+- every prime returns or raises PrimeError, within its deadline (plus scheduling slack, and
+  however late the event loop was at its worst);
 - afterwards no asyncio task is left, and once the client is closed neither the proxies nor
   the encoders hold a connection open.
 """
@@ -76,8 +77,29 @@ async def until(condition, timeout: float) -> bool:
     return True
 
 
+class LoopLag:
+    """The longest the event loop was late for a 10 ms tick: the stand-ins and proxies run in
+    threads of this process, and under a loaded CI machine they hold the GIL for hundreds of
+    milliseconds at times; no prime can end before its loop runs again."""
+
+    def __init__(self) -> None:
+        self.worst = 0.0
+        self._task = asyncio.create_task(self._tick())
+
+    async def _tick(self) -> None:
+        while True:
+            due = time.monotonic() + 0.01
+            await asyncio.sleep(0.01)
+            self.worst = max(self.worst, time.monotonic() - due)
+
+    def stop(self) -> float:
+        self._task.cancel()
+        return self.worst
+
+
 async def test_primes_end_in_time_and_leave_nothing_open() -> None:
     rng = random.Random(20261129)
+    lag = LoopLag()
     with ExitStack() as stack:
         encoders = [stack.enter_context(StandinServer(delay=0.01)) for _ in range(2)]
         proxies = [stack.enter_context(CountingProxy(e.url)) for e in encoders]
@@ -87,7 +109,7 @@ async def test_primes_end_in_time_and_leave_nothing_open() -> None:
             Endpoints.from_urls([p.url for p in proxies], served_model_name="m"), retry=POLICY, max_concurrency=32
         )
         outcomes: list[str] = []
-        late: list[float] = []
+        late: list[float] = []  # how long each prime took
 
         async def prime(sample: int) -> None:
             started = time.monotonic()
@@ -96,18 +118,22 @@ async def test_primes_end_in_time_and_leave_nothing_open() -> None:
                 outcomes.append("ok")
             except PrimeError:
                 outcomes.append("failed")
-            took = time.monotonic() - started
-            if took > POLICY.deadline + SLACK:
-                late.append(took)
+            late.append(time.monotonic() - started)
 
         async with asyncio.TaskGroup() as group:  # any other exception fails the test
             for sample in range(PRIMES):
                 group.create_task(prime(sample))
                 await asyncio.sleep(rng.uniform(0, 0.01))  # arrivals spread over about a second
         await client.aclose()
+        worst_lag = lag.stop()
+        await asyncio.sleep(0)  # let the ticker's cancellation land
 
         assert len(outcomes) == PRIMES
-        assert not late, f"primes past their {POLICY.deadline} s deadline: {sorted(late)[-5:]}"
+        limit = POLICY.deadline + SLACK + worst_lag
+        assert max(late) <= limit, (
+            f"primes past their {POLICY.deadline} s deadline (+{SLACK} s slack, +{worst_lag:.2f} s the loop "
+            f"was late): {sorted(late)[-5:]}"
+        )
         faults = {f for p in proxies for f in p.faults()}
         assert {"status", "delay", "reset"} <= faults
         assert outcomes.count("ok") > PRIMES // 4, outcomes.count("ok")  # retries get many through

@@ -194,6 +194,25 @@ async def test_the_deadline_bounds_the_whole_request(server, proxy) -> None:
     assert 3 < len(front.log) < 100
 
 
+async def test_the_deadline_bounds_the_wait_for_a_free_slot(server, proxy) -> None:
+    """One slot. The first prime's first attempt times out at 0.8 s; a second prime, waiting for
+    the slot since 0.7 s, takes it for its own 0.8 s attempt. The first must give up at its 1 s
+    deadline while it waits, not when it gets the slot back at 1.6 s."""
+    front = proxy(server().url)
+    front.add(delay(3.0), times=2)
+    policy = RetryPolicy(max_attempts=3, backoff=0, max_backoff=0, attempt_timeout=0.8, deadline=1.0)
+    async with client_for([front.url], policy, max_concurrency=1) as client:
+        started = time.monotonic()
+        first = asyncio.create_task(prime_encoder(client, image_messages(1)))
+        await asyncio.sleep(0.7)
+        second = asyncio.create_task(prime_encoder(client, image_messages(1)))
+        with pytest.raises(PrimeError, match="deadline"):
+            await first
+        elapsed = time.monotonic() - started
+        await asyncio.gather(second, return_exceptions=True)
+    assert elapsed < 1.3  # waiting for the slot: about 1.6 s
+
+
 async def test_long_data_urls_are_shortened_in_errors(proxy, server) -> None:
     front = proxy(server().url)
     front.add(http_status(400), times=None)
