@@ -5,8 +5,10 @@ else passes straight through; failures never reach the consumer."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
+from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
@@ -362,21 +364,28 @@ async def test_an_upstream_too_slow_for_the_request_timeout_is_a_504(server, sta
     assert (status, answer["error"]["type"]) == (504, "GatewayTimeoutError")
 
 
-async def test_an_answer_broken_off_upstream_is_broken_off_for_the_client(start_proxy, http, server):
-    """Headers and one event, then the upstream's connection drops: the client must not get a
-    well-ended answer that is missing its end."""
+@contextlib.asynccontextmanager
+async def upstream_breaking_off(start: bytes) -> AsyncIterator[str]:
+    """An upstream (its URL) that reads a request, sends ``start`` of an answer and drops the
+    connection."""
 
-    async def half_an_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
-        writer.write(b"e\r\ndata: first\n\n\r\n")
+        writer.write(start)
         await writer.drain()
         writer.transport.abort()
 
-    listener = await asyncio.start_server(half_an_answer, "127.0.0.1", 0)
+    listener = await asyncio.start_server(answer, "127.0.0.1", 0)
     async with listener:
-        port = listener.sockets[0].getsockname()[1]
-        proxy = await start_proxy(f"http://127.0.0.1:{port}", [server().url])
+        yield f"http://127.0.0.1:{listener.sockets[0].getsockname()[1]}"
+
+
+async def test_an_answer_broken_off_upstream_is_broken_off_for_the_client(start_proxy, http, server):
+    """Headers and one event, then the upstream's connection drops: the client must not get a
+    well-ended answer that is missing its end."""
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    async with upstream_breaking_off(head + b"e\r\ndata: first\n\n\r\n") as upstream:
+        proxy = await start_proxy(upstream, [server().url])
         async with http.post(proxy.url + "/v1/completions", json={"prompt": "x", "stream": True}) as response:
             assert response.status == 200
             with pytest.raises(aiohttp.ClientPayloadError):
@@ -386,17 +395,9 @@ async def test_an_answer_broken_off_upstream_is_broken_off_for_the_client(start_
 async def test_a_whole_answer_broken_off_upstream_is_a_502(start_proxy, http, server):
     """An answer of known length is read whole before anything goes out, so when the upstream
     drops it halfway the client can still get a proper error instead of a cut body."""
-
-    async def half_a_body(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{"id": ')
-        await writer.drain()
-        writer.transport.abort()
-
-    listener = await asyncio.start_server(half_a_body, "127.0.0.1", 0)
-    async with listener:
-        port = listener.sockets[0].getsockname()[1]
-        proxy = await start_proxy(f"http://127.0.0.1:{port}", [server().url])
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n"
+    async with upstream_breaking_off(head + b'{"id": ') as upstream:
+        proxy = await start_proxy(upstream, [server().url])
         status, answer, _ = await post(http, proxy.url + "/v1/completions", {"prompt": "x"})
     assert (status, answer["error"]["type"]) == (502, "BadGatewayError")
     assert "broke off" in answer["error"]["message"]
