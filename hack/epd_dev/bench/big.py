@@ -125,12 +125,7 @@ def node_capacity(api: Api, nodes: list[str], units: int) -> Iterator[None]:
     before = {name: api.call("GET", f"/api/v1/nodes/{name}")["status"] for name in nodes}
 
     def patch(name: str, capacity: dict[str, str], allocatable: dict[str, str]) -> None:
-        api.call(
-            "PATCH",
-            f"/api/v1/nodes/{name}/status",
-            json={"status": {"capacity": capacity, "allocatable": allocatable}},
-            headers={"Content-Type": "application/merge-patch+json"},
-        )
+        api.merge_patch(f"/api/v1/nodes/{name}/status", {"status": {"capacity": capacity, "allocatable": allocatable}})
 
     for name in nodes:
         patch(name, wanted, wanted)
@@ -310,12 +305,7 @@ def _measure_big(
         namespace,
         steps,
         create=lambda: api.call("POST", sets, json=stateful_set),
-        scale=lambda n: api.call(
-            "PATCH",
-            f"{sets}/{name}",
-            json={"spec": {"replicas": n}},
-            headers={"Content-Type": "application/merge-patch+json"},
-        ),
+        scale=lambda n: api.merge_patch(f"{sets}/{name}", {"spec": {"replicas": n}}),
         with_epd=False,
         processes=processes,
         timeout=timeout,
@@ -343,12 +333,7 @@ def _measure_big(
         namespace,
         steps,
         create=lambda: api.call("POST", epds, json=manifest(units)),
-        scale=lambda n: api.call(
-            "PATCH",
-            f"{epds}/{NAME}",
-            json={"spec": {"replicas": n}},
-            headers={"Content-Type": "application/merge-patch+json"},
-        ),
+        scale=lambda n: api.merge_patch(f"{epds}/{NAME}", {"spec": {"replicas": n}}),
         with_epd=True,
         processes={**processes, "epd-operator": pid},
         timeout=timeout,

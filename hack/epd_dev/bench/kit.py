@@ -87,12 +87,7 @@ def set_node_gpus(cluster: LocalCluster, gpus: int) -> None:
     patch = {"status": {key: {"nvidia.com/gpu": str(gpus)} for key in ("capacity", "allocatable")}}
     try:
         for name in cluster.node_names:
-            api.call(
-                "PATCH",
-                f"/api/v1/nodes/{name}/status",
-                json=patch,
-                headers={"Content-Type": "application/merge-patch+json"},
-            )
+            api.merge_patch(f"/api/v1/nodes/{name}/status", patch)
     finally:
         api.close()
 
@@ -115,6 +110,9 @@ class Api:
         response = self.http.request(method, path, **kwargs)
         response.raise_for_status()
         return response.json()
+
+    def merge_patch(self, path: str, body: dict[str, Any]) -> Any:
+        return self.call("PATCH", path, json=body, headers={"Content-Type": "application/merge-patch+json"})
 
     def items(self, path: str, **params: str) -> list[dict[str, Any]]:
         return self.call("GET", path, params=params)["items"]
