@@ -388,9 +388,11 @@ def compute_status(
         observed = [observations.observe(shape, n, pods.get(n), pool, unit_failure) for n in names]
         units += observed
         existing_per_model.append(sum(u.exists for u in observed))
-        # Until the StatefulSet controller has seen the current template, its counts are the old one's.
+        # Until the StatefulSet controller has seen the current template, its counts are the old one's;
+        # its count may also lag behind the pods it made, which carry their revision themselves.
         unit_set = _current(stateful_sets.get(child_name(deployment, plan.name)))
-        updated = unit_set.updated_replicas if unit_set else 0
+        at_revision = sum(u.revision == unit_set.update_revision for u in observed) if unit_set else 0
+        updated = max(unit_set.updated_replicas, at_revision) if unit_set else 0
         updated_total += min(updated, spec.replicas)
         sets = [(unit_set, observed)] + ([(_current(stateful_sets.get(pool.name)), pool.members)] if pool else [])
         for current, members in sets:

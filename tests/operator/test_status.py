@@ -300,6 +300,14 @@ def test_a_new_revision_that_never_becomes_ready_stalls_the_rollout_as_degraded(
     assert status["phase"] == "Degraded" and c["Progressing"]["reason"] == "RollingOut"
 
 
+def test_updated_units_count_the_pods_when_the_stateful_sets_status_lags_behind_them():
+    # The first pod of the new revision is seen before the StatefulSet controller counts it.
+    broken = pod("d-default-2", revision="rev-2", consumer_ready=False, consumer_started=True)
+    status = status_of([pod("d-default-0"), pod("d-default-1"), broken], replicas=3, sets=rolling(3, updated=0))
+    assert conditions(status)["Degraded"]["message"].startswith("rollout stopped at 1/3 units updated")
+    assert status["updated"] == "1/3" and status["models"][0]["updatedUnits"] == 1
+
+
 def test_an_old_unit_unready_during_a_rollout_is_not_the_rollouts_fault():
     old = pod("d-default-0", consumer_ready=False, consumer_started=True)
     status = status_of([old, pod("d-default-1", revision="rev-2")], replicas=2, sets=rolling(2, updated=1))
