@@ -391,7 +391,8 @@ def compute_status(
         # Until the StatefulSet controller has seen the current template, its counts are the old one's;
         # its count may also lag behind the pods it made, which carry their revision themselves.
         unit_set = _current(stateful_sets.get(child_name(deployment, plan.name)))
-        at_revision = sum(u.revision == unit_set.update_revision for u in observed) if unit_set else 0
+        revision = unit_set.update_revision if unit_set else None
+        at_revision = sum(revision is not None and u.revision == revision for u in observed)
         updated = max(unit_set.updated_replicas, at_revision) if unit_set else 0
         updated_total += min(updated, spec.replicas)
         sets = [(unit_set, observed)] + ([(_current(stateful_sets.get(pool.name)), pool.members)] if pool else [])

@@ -93,7 +93,10 @@ def api() -> RecordingKube:
 
 @pytest.fixture
 async def reconciler(api):
-    reconciler = Reconciler(Settings(janitor_image="epd-operator:test", janitor_scrape_interval=0), kube=api)
+    # No spacing of count-only status writes (test_status_writer.py tests it): a reconcile that
+    # follows within units x 5 ms would otherwise have its status change deferred.
+    settings = Settings(janitor_image="epd-operator:test", janitor_scrape_interval=0, status_seconds_per_unit=0)
+    reconciler = Reconciler(settings, kube=api)
     yield reconciler
     await reconciler.aclose()  # the work queue a reconcile may have started (a timer, below)
 
@@ -361,9 +364,9 @@ async def test_the_events_tell_a_rollouts_story(api):
     done = await write(body(), [unit_set(1, "r1", "r1")], [pod("r1", True)])
     assert events == []  # the first rollout of a new object is its creation, not news
     changed = kopf.Body({**body(generation=2, max_model_len=4096), "status": done})
-    stalled = await write(changed, [unit_set(0, "r1", "r2")], [pod("r2", False)])
+    stalled = await write(changed, [unit_set(1, "r1", "r2")], [pod("r2", False)])
     assert [reason for reason, _ in events] == ["RolloutStarted", "RolloutStalled"]
-    assert events[0][1] == "rolling out generation 2: 0/1 units updated"
+    assert events[0][1] == "rolling out generation 2: 1/1 units updated"
     assert "unit qwen-vl-regular-default-0: EngineUnready" in events[1][1]
     events.clear()
     fixed = kopf.Body({**body(generation=3), "status": stalled})
