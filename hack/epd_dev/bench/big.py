@@ -50,6 +50,8 @@ STATUS_PATCH = ("PATCH", "epddeployments/status")
 # kwok nodes advertise 32 CPUs and 110 pods unless told more (node_capacity).
 CPUS_PER_UNIT = 4
 PODS_PER_NODE = 250
+# kwok at rest: under a tenth of a core over the 2 s between steps.
+KWOK_IDLE_CPU_SECONDS = 0.2
 
 
 @dataclass
@@ -231,7 +233,29 @@ def _run_steps(
             cpu = {name: cpu_seconds(pid) - cpu_before[name] for name, pid in processes.items()}
             measured.append((done - began, cpu, request_delta(requests_before, apiserver_requests(api))))
             on_done(units, tracker, done - began)
+            if i + 1 < len(steps):
+                _settle(api, namespace, units, processes.get("kwok"), timeout)
     return measured
+
+
+def _settle(api: Api, namespace: str, units: int, kwok: int | None, timeout: float) -> None:
+    """Untimed, between steps: wait until the pods a scale-down condemned are gone and kwok (the
+    stand-in for kubelets) is idle. kwok deletes pods by name, without the pod's UID: a late
+    delete of an old pod kills the new pod the StatefulSet made under the same name, and kwok's
+    reaction to that deletion kills the next one, a chain that lasts while kwok lags behind."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the pods of {namespace} above {units}, or kwok busy, after {timeout:.0f}s")
+        if len(api.items(f"/api/v1/namespaces/{namespace}/pods")) > units:
+            time.sleep(1)
+            continue
+        if kwok is None:
+            return
+        before = cpu_seconds(kwok)
+        time.sleep(2)
+        if cpu_seconds(kwok) - before < KWOK_IDLE_CPU_SECONDS:
+            return
 
 
 def _delete_namespace(cluster: LocalCluster, api: Api, namespace: str, timeout: float) -> None:
