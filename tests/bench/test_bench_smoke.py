@@ -31,6 +31,7 @@ KEYS = {
     "restart_5_writes",
     "big_3_ready_seconds",
     "big_3_ready_ratio_floor",
+    "big_3_ready_ratio_children_floor",
     "big_3_status_bytes",
     "big_3_scale_3_to_1_ratio_floor",
     "big_status_patches_per_unit",

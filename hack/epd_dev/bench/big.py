@@ -4,7 +4,9 @@ The EPDDeployment is docs/examples/encoder-prefill-decode.yaml (E+P+D: 3 GPUs a 
 ``replicas`` units. Its floor is the same pods made by a bare StatefulSet of the operator's own
 pod template (what its Reconciler renders for that EPDDeployment, without owner), applied alone
 with the operator stopped, in the same run and the same steps: created, then scaled (1,000 ->
-100 -> 1,000). Both are timed from the write (POST, or the PATCH of replicas) to the arrival of
+100 -> 1,000). A second floor applies all the operator's children so (its Services' EndpointSlices
+and its budget cost kube-controller-manager and the API server work of their own), which tells
+the operator's own share from that of the objects it makes. All are timed from the write (POST, or the PATCH of replicas) to the arrival of
 the watch event that says the step is done:
 
 - the floor: its StatefulSet has observed the change and has exactly that many pods, all Ready;
@@ -62,15 +64,21 @@ class Step:
     units: int
     seconds: float
     floor_seconds: float
+    children_floor_seconds: float  # the floor with the operator's other children beside it
     status_patches: float  # the operator's PATCHes of epddeployments/status during the step
     status_bytes: int  # the status as JSON once the step is done
     object_bytes: int  # the whole object so
     cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds per process during the step
     floor_cpu: dict[str, float] = field(default_factory=dict)
+    children_floor_cpu: dict[str, float] = field(default_factory=dict)
 
     @property
     def ratio(self) -> float:
         return self.seconds / self.floor_seconds
+
+    @property
+    def children_ratio(self) -> float:
+        return self.seconds / self.children_floor_seconds
 
     @property
     def patches_per_unit(self) -> float:
@@ -102,16 +110,23 @@ def manifest(units: int) -> dict[str, Any]:
     return document
 
 
-def floor_statefulset(namespace: str, units: int) -> dict[str, Any]:
-    """The StatefulSet the operator's Reconciler renders for the EPDDeployment, owned by nothing."""
+def floor_children(namespace: str, units: int) -> list[dict[str, Any]]:
+    """The children the operator's Reconciler renders for the EPDDeployment, owned by nothing:
+    the StatefulSet first, then its Services, PodDisruptionBudget and NetworkPolicy."""
     reconciler = Reconciler(Settings(janitor_image="epd-operator:bench"))
     owner = manifest(units)
     owner["metadata"].update(namespace=namespace, uid=str(uuid.uuid4()), generation=1)
     body = kopf.Body(owner)  # type: ignore[arg-type]  # kopf types its RawBody as a TypedDict
     children = reconciler.plans.desired(body, reconciler.plans.plan(body))
-    stateful_set = next(c for c in children if c["kind"] == "StatefulSet")
-    del stateful_set["metadata"]["ownerReferences"]
-    return stateful_set
+    for child in children:
+        del child["metadata"]["ownerReferences"]
+    return sorted(children, key=lambda c: c["kind"] != "StatefulSet")
+
+
+def _collection(child: dict[str, Any]) -> str:
+    group = "/api/v1" if child["apiVersion"] == "v1" else f"/apis/{child['apiVersion']}"
+    plural = {"NetworkPolicy": "networkpolicies"}.get(child["kind"], child["kind"].lower() + "s")
+    return f"{group}/namespaces/{child['metadata']['namespace']}/{plural}"
 
 
 @contextlib.contextmanager
@@ -318,24 +333,36 @@ def _measure_big(
     processes = dict(cluster.pids)
 
     operator.stop()
-    namespace = create_namespace(cluster, api, f"bench-big-floor-{units}-{uuid.uuid4().hex[:5]}")
-    stateful_set = floor_statefulset(namespace, units)
-    sets = f"/apis/apps/v1/namespaces/{namespace}/statefulsets"
-    name = stateful_set["metadata"]["name"]
-    log(f"big: floor, a bare StatefulSet of {units} units ({' -> '.join(map(str, steps))})")
-    floor = _run_steps(
-        cluster,
-        api,
-        namespace,
-        steps,
-        create=lambda: api.call("POST", sets, json=stateful_set),
-        scale=lambda n: api.merge_patch(f"{sets}/{name}", {"spec": {"replicas": n}}),
-        with_epd=False,
-        processes=processes,
-        timeout=timeout,
-    )
-    log("  floor: " + ", ".join(f"{n} units {s:.1f} s" for n, (s, _, _) in zip(steps, floor, strict=True)))
-    _delete_namespace(cluster, api, namespace, timeout)
+
+    def run_floor(tag: str, what: str, all_children: bool) -> list[tuple[float, dict[str, float], Any]]:
+        namespace = create_namespace(cluster, api, f"bench-big-{tag}-{units}-{uuid.uuid4().hex[:5]}")
+        children = floor_children(namespace, units)
+        stateful_set = children[0]
+        sets = _collection(stateful_set)
+        name = stateful_set["metadata"]["name"]
+
+        def create() -> None:
+            for child in children if all_children else children[:1]:
+                api.call("POST", _collection(child), json=child)
+
+        log(f"big: {what} of {units} units ({' -> '.join(map(str, steps))})")
+        floor = _run_steps(
+            cluster,
+            api,
+            namespace,
+            steps,
+            create=create,
+            scale=lambda n: api.merge_patch(f"{sets}/{name}", {"spec": {"replicas": n}}),
+            with_epd=False,
+            processes=processes,
+            timeout=timeout,
+        )
+        log(f"  {tag}: " + ", ".join(f"{n} units {s:.1f} s" for n, (s, _, _) in zip(steps, floor, strict=True)))
+        _delete_namespace(cluster, api, namespace, timeout)
+        return floor
+
+    floor = run_floor("floor", "floor, a bare StatefulSet", all_children=False)
+    children_floor = run_floor("children-floor", "the operator's children applied alone", all_children=True)
 
     operator.start()
     pid = operator.proc.pid if operator.proc else 0
@@ -382,11 +409,13 @@ def _measure_big(
                 units=n,
                 seconds=seconds,
                 floor_seconds=floor[i][0],
+                children_floor_seconds=children_floor[i][0],
                 status_patches=requests.get(STATUS_PATCH, (0.0, 0.0))[0],
                 status_bytes=sizes[i][0],
                 object_bytes=sizes[i][1],
                 cpu=cpu,
                 floor_cpu=floor[i][1],
+                children_floor_cpu=children_floor[i][1],
             )
             for i, (n, (seconds, cpu, requests)) in enumerate(zip(steps, measured, strict=True))
         ],
@@ -401,7 +430,8 @@ def _measure_big(
     for step in big.steps:
         log(
             f"  {step.start} -> {step.units} units: {step.seconds:.1f} s (floor {step.floor_seconds:.1f} s, "
-            f"{step.ratio:.2f}x), {step.status_patches:.0f} status patches, status {step.status_bytes} bytes"
+            f"{step.ratio:.2f}x; with the children {step.children_floor_seconds:.1f} s, {step.children_ratio:.2f}x), "
+            f"{step.status_patches:.0f} status patches, status {step.status_bytes} bytes"
         )
     _delete_namespace(cluster, api, namespace, timeout)
     return big
@@ -411,20 +441,28 @@ def report_big(big: Big, out: Callable[[str], None]) -> None:
     out("")
     out(
         f"big: one EPDDeployment of {big.units} units (E+P+D, {GPUS_PER_UNIT} GPUs a unit), "
-        f"kube-controller-manager client {big.kcm}; floor: a bare StatefulSet of the operator's pod template"
+        f"kube-controller-manager client {big.kcm}; floor: a bare StatefulSet of the operator's pod template; "
+        "children floor: the operator's StatefulSet, Services, PodDisruptionBudget and NetworkPolicy applied alone"
     )
-    out("| step | EPDDeployment s | floor s | ratio | status patches | per unit | status bytes | object bytes |")
-    out("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    out(
+        "| step | EPDDeployment s | floor s | ratio | children floor s | ratio "
+        "| status patches | per unit | status bytes | object bytes |"
+    )
+    out("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for s in big.steps:
         out(
             f"| {s.start} -> {s.units} | {s.seconds:.1f} | {s.floor_seconds:.1f} | {s.ratio:.2f}x "
+            f"| {s.children_floor_seconds:.1f} | {s.children_ratio:.2f}x "
             f"| {s.status_patches:.0f} | {s.patches_per_unit:.3f} | {s.status_bytes} | {s.object_bytes} |"
         )
+
+    def spent(cpu: dict[str, float]) -> str:
+        return ", ".join(f"{n} {c:.1f}" for n, c in sorted(cpu.items(), key=lambda kv: -kv[1]))
+
     for s in big.steps:
-        spent = sorted(s.cpu.items(), key=lambda kv: -kv[1])
-        floor = sorted(s.floor_cpu.items(), key=lambda kv: -kv[1])
-        out(f"  CPU seconds, {s.start} -> {s.units}: " + ", ".join(f"{n} {c:.1f}" for n, c in spent))
-        out("    floor: " + ", ".join(f"{n} {c:.1f}" for n, c in floor))
+        out(f"  CPU seconds, {s.start} -> {s.units}: {spent(s.cpu)}")
+        out(f"    floor: {spent(s.floor_cpu)}")
+        out(f"    children floor: {spent(s.children_floor_cpu)}")
     out(
         f"  operator: {big.operator_cpu_seconds:.1f} CPU-seconds from its start to the last step, "
         f"peak RSS {big.operator_peak_rss_mb:.1f} MB"
@@ -452,6 +490,8 @@ def big_keys(runs: list[Big]) -> dict[str, float]:
         keys[f"{tag}_ready_seconds"] = _median(same, lambda b: b.created.seconds)
         keys[f"{tag}_floor_seconds"] = _median(same, lambda b: b.created.floor_seconds)
         keys[f"{tag}_ready_ratio_floor"] = _median(same, lambda b: b.created.ratio)
+        keys[f"{tag}_children_floor_seconds"] = _median(same, lambda b: b.created.children_floor_seconds)
+        keys[f"{tag}_ready_ratio_children_floor"] = _median(same, lambda b: b.created.children_ratio)
         keys[f"{tag}_status_patches_per_unit"] = _median(same, lambda b: b.created.patches_per_unit)
         keys[f"{tag}_status_bytes"] = _median(same, lambda b: max(s.status_bytes for s in b.steps))
         keys[f"{tag}_operator_cpu_seconds"] = _median(same, lambda b: b.operator_cpu_seconds)
@@ -461,6 +501,7 @@ def big_keys(runs: list[Big]) -> dict[str, float]:
             scaled = f"{tag}_scale_{step.start}_to_{step.units}"
             keys[f"{scaled}_seconds"] = statistics.median(b.steps[i].seconds for b in same)
             keys[f"{scaled}_ratio_floor"] = statistics.median(b.steps[i].ratio for b in same)
+            keys[f"{scaled}_ratio_children_floor"] = statistics.median(b.steps[i].children_ratio for b in same)
             keys[f"{scaled}_status_patches_per_unit"] = statistics.median(b.steps[i].patches_per_unit for b in same)
         if all(b.discover_ms for b in same):
             keys[f"client_discover_{units}_ms"] = _median(same, lambda b: statistics.median(b.discover_ms))
