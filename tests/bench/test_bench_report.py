@@ -90,9 +90,9 @@ def test_stage_means_are_per_reconcile_that_ran_the_stage():
 
 def big(ready: float, floor: float, patches: float, *, discover: list[float]) -> Big:
     steps = [
-        Step(0, 1000, ready, floor, patches, status_bytes=4000, object_bytes=9000),
-        Step(1000, 100, 20.0, 25.0, 2, status_bytes=3000, object_bytes=8000),
-        Step(100, 1000, 50.0, 40.0, 30, status_bytes=4100, object_bytes=9100),
+        Step(0, 1000, ready, floor, 55.0, patches, status_bytes=4000, object_bytes=9000),
+        Step(1000, 100, 20.0, 25.0, 16.0, 2, status_bytes=3000, object_bytes=8000),
+        Step(100, 1000, 50.0, 40.0, 40.0, 30, status_bytes=4100, object_bytes=9100),
     ]
     return Big(1000, KCM_DEFAULT, steps, 30.0, 110.0, 90.0, 80.0, discover)
 
@@ -109,6 +109,8 @@ def test_the_big_and_restart_keys():
     keys = results.keys()
     assert keys["big_1000_ready_seconds"] == 66.0 and keys["big_1000_floor_seconds"] == 60.0
     assert keys["big_1000_ready_ratio_floor"] == pytest.approx(1.1)  # median of 1.1, 1.167, 1.0
+    assert keys["big_1000_ready_ratio_children_floor"] == pytest.approx(66.0 / 55.0)  # the floor with its Services
+    assert keys["big_1000_scale_1000_to_100_ratio_children_floor"] == pytest.approx(1.25)
     assert keys["big_status_patches_per_unit"] == pytest.approx(0.04) == keys["big_1000_status_patches_per_unit"]
     assert keys["big_status_bytes_per_unit"] == pytest.approx(4.1)  # the largest status of a run, per unit
     # Scaled down and up again: each step against the floor's same step, patches per unit moved.
@@ -123,5 +125,5 @@ def test_the_big_and_restart_keys():
 def test_the_big_report_has_a_row_per_step(capsys):
     report(Results(bigs=[big(66.0, 60.0, 40, discover=[12.0])]))
     lines = capsys.readouterr().out.splitlines()
-    assert "| 1000 -> 100 | 20.0 | 25.0 | 0.80x | 2 | 0.002 | 3000 | 8000 |" in lines
+    assert "| 1000 -> 100 | 20.0 | 25.0 | 0.80x | 16.0 | 1.25x | 2 | 0.002 | 3000 | 8000 |" in lines
     assert "PASS  status patches per unit during the scale-up <= 0.2: 0.04" in lines
