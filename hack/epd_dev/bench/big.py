@@ -4,10 +4,11 @@ The EPDDeployment is docs/examples/encoder-prefill-decode.yaml (E+P+D: 3 GPUs a 
 ``replicas`` units. Its floor is the same pods made by a bare StatefulSet of the operator's own
 pod template (what its Reconciler renders for that EPDDeployment, without owner), applied alone
 with the operator stopped, in the same run and the same steps: created, then scaled (1,000 ->
-100 -> 1,000). A second floor applies all the operator's children so (its Services' EndpointSlices
-and its budget cost kube-controller-manager and the API server work of their own), which tells
-the operator's own share from that of the objects it makes. All are timed from the write (POST, or the PATCH of replicas) to the arrival of
-the watch event that says the step is done:
+100 -> 1,000). A second floor applies all the operator's children so (its Services'
+EndpointSlices and its budget cost kube-controller-manager and the API server work of their
+own), which tells the operator's own share from that of the objects it makes. All are timed from
+the write (POST, or the PATCH of replicas) to the arrival of the watch event that says the step
+is done:
 
 - the floor: its StatefulSet has observed the change and has exactly that many pods, all Ready;
 - the EPDDeployment: its status says Ready for the generation with every unit ready, and its
@@ -34,6 +35,7 @@ import kopf
 import yaml
 
 import epd_client
+from epd_operator.kube import CHILD_KINDS
 from epd_operator.reconciler import Reconciler
 from epd_operator.settings import Settings
 
@@ -124,9 +126,7 @@ def floor_children(namespace: str, units: int) -> list[dict[str, Any]]:
 
 
 def _collection(child: dict[str, Any]) -> str:
-    group = "/api/v1" if child["apiVersion"] == "v1" else f"/apis/{child['apiVersion']}"
-    plural = {"NetworkPolicy": "networkpolicies"}.get(child["kind"], child["kind"].lower() + "s")
-    return f"{group}/namespaces/{child['metadata']['namespace']}/{plural}"
+    return CHILD_KINDS[child["kind"]].format(ns=child["metadata"]["namespace"])
 
 
 @contextlib.contextmanager
