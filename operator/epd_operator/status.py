@@ -391,9 +391,9 @@ def compute_status(
         # Until the StatefulSet controller has seen the current template, its counts are the old one's;
         # its count may also lag behind the pods it made, which carry their revision themselves.
         unit_set = _current(stateful_sets.get(child_name(deployment, plan.name)))
-        revision = unit_set.update_revision if unit_set else None
-        at_revision = sum(revision is not None and u.revision == revision for u in observed)
-        updated = max(unit_set.updated_replicas, at_revision) if unit_set else 0
+        updated = 0
+        if unit_set:
+            updated = max(unit_set.updated_replicas, sum(_updated(unit_set, u) for u in observed))
         updated_total += min(updated, spec.replicas)
         sets = [(unit_set, observed)] + ([(_current(stateful_sets.get(pool.name)), pool.members)] if pool else [])
         for current, members in sets:
@@ -401,9 +401,7 @@ def compute_status(
                 rolled_out = False
             if current and current.update_revision != current.current_revision:
                 new_revision = True
-                stalled += [
-                    u for u in members if u.revision == current.update_revision and not u.ready and not u.starting
-                ]
+                stalled += [u for u in members if _updated(current, u) and not u.ready and not u.starting]
         reasons, listed = unready_summary(observed)
         earlier = before_models.get(plan.name)
         routed = bool(plan.consumers or plan.router or plan.proxy)
@@ -565,6 +563,11 @@ def _model_sum(units: Iterable[str], counts: Mapping[str, int] | None, before: i
     operator has not scraped them yet) what the status said before."""
     known = [counts[u] for u in units if u in counts] if counts else []
     return sum(known) if known else before
+
+
+def _updated(stateful_set: StatefulSetSummary, unit: ObservedPod) -> bool:
+    """Whether the unit's pod is of the StatefulSet's update revision (a unit without a pod is not)."""
+    return unit.revision is not None and unit.revision == stateful_set.update_revision
 
 
 def _current(stateful_set: StatefulSetSummary | None) -> StatefulSetSummary | None:
