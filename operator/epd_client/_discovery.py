@@ -4,9 +4,11 @@ the kubernetes package."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from ._endpoints import SERVICE_NAME_LABEL, Endpoints
@@ -40,16 +42,18 @@ def discover(name: str, namespace: str, kubeconfig: str | None = None) -> Endpoi
     try:
         what = f"EPDDeployment {namespace}/{name}"
         # Raw JSON: the client's models would take longer to build than everything else here.
-        obj = _read(
-            client,
-            what,
-            lambda: client.CustomObjectsApi(api).get_namespaced_custom_object(
-                GROUP, VERSION, namespace, PLURAL, name, _preload_content=False
-            ),
+        obj = json.loads(
+            _read(
+                client,
+                what,
+                lambda: client.CustomObjectsApi(api).get_namespaced_custom_object(
+                    GROUP, VERSION, namespace, PLURAL, name, _preload_content=False
+                ),
+            )
         )
         status = obj.get("status") or {}
         services = _services(status)
-        slices = []
+        slices = None
         if services:
             selector = f"{SERVICE_NAME_LABEL} in ({','.join(sorted(services))})"
             slices = _read(
@@ -58,22 +62,38 @@ def discover(name: str, namespace: str, kubeconfig: str | None = None) -> Endpoi
                 lambda: client.DiscoveryV1Api(api).list_namespaced_endpoint_slice(
                     namespace, label_selector=selector, _preload_content=False
                 ),
-            )["items"]
+            )
     finally:
         api.close()
 
-    endpoints = Endpoints.from_status(status, slices)
+    with _gc_paused():
+        endpoints = Endpoints.from_status(status, json.loads(slices)["items"] if slices else [])
     if not endpoints.models:
         raise DiscoveryError(f"{what} lists no models in its status yet")
     return endpoints
 
 
-def _read(client: Any, what: str, call: Any) -> Any:
+def _read(client: Any, what: str, call: Any) -> bytes:
     try:
         response = call()
     except client.ApiException as exc:
         raise DiscoveryError(f"cannot read {what}: {exc.status} {exc.reason}") from exc
-    return json.loads(response.data)
+    data: bytes = response.data
+    return data
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """The EndpointSlices of thousands of units decode to hundreds of thousands of dicts and
+    lists (none in a cycle, and freed once parsed), whose allocation would set off collections
+    that each walk the caller's whole heap, and a rollout process's heap is large."""
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if paused:
+            gc.enable()
 
 
 def _services(status: Mapping[str, Any]) -> set[str]:

@@ -4,7 +4,7 @@ URLs, a Vime args object, or an EPDDeployment status and the EndpointSlices it n
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, overload
 
@@ -158,7 +158,7 @@ class ModelEndpoints:
         names = self.units.ready_names()
         if not names:
             raise NoReadyUnitError(f"model {self.name!r} has no ready unit (of {len(self.units)})")
-        chosen = self.units.named(max(names, key=lambda name: _weight(key, name)))
+        chosen = self.units.named(max(names, key=_weigher(key)))
         assert chosen is not None  # one of its own names
         return chosen
 
@@ -379,8 +379,18 @@ def _model_from_status(model: Mapping[str, Any], found: Mapping[str, Mapping[str
 def rendezvous(units: Sequence[Unit], key: str) -> Unit:
     """Highest-random-weight choice: stable for a key, and when a unit leaves only its own
     keys move (a modulo hash would reshuffle almost all of them)."""
-    return max(units, key=lambda u: _weight(key, u.name))
+    weight = _weigher(key)
+    return max(units, key=lambda u: weight(u.name))
 
 
-def _weight(key: str, unit: str) -> bytes:
-    return hashlib.blake2b(f"{key}\0{unit}".encode(), digest_size=8).digest()
+def _weigher(key: str) -> Callable[[str], bytes]:
+    """A unit's weight for ``key``: blake2b of ``key NUL unit``. The key's prefix is hashed once
+    and copied for each unit, which halves the cost over thousands of units."""
+    prefix = hashlib.blake2b(f"{key}\0".encode(), digest_size=8)
+
+    def weight(unit: str) -> bytes:
+        hashed = prefix.copy()
+        hashed.update(unit.encode())
+        return hashed.digest()
+
+    return weight

@@ -3,6 +3,7 @@ importing the library drags in."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -95,6 +96,21 @@ def test_a_unit_is_chosen_for_a_key_among_thousands_building_only_that_one() -> 
     # The same choice as among the same units built by hand.
     assert chosen.ready and chosen == ModelEndpoints("actor", actor.ready_units()).unit_for("sample-17")
     assert len(actor.units) == 5000 and len(actor.ready_units()) == 4500
+
+
+def test_a_key_keeps_its_unit_across_client_releases() -> None:
+    """Rollout workers on different client versions must agree on a sample's unit: the weights
+    are blake2b (8 bytes) of ``key NUL unit name``, pinned here."""
+    units = tuple(Unit(name=f"actor-{i}") for i in range(8))
+    actor = ModelEndpoints("actor", units)
+    assert [actor.unit_for(f"sample-{k}").name for k in range(6)] == [
+        "actor-1",
+        "actor-6",
+        "actor-3",
+        "actor-2",
+        "actor-3",
+        "actor-3",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -198,6 +214,24 @@ def test_discover_errors(monkeypatch, obj, error_status, message) -> None:
     with pytest.raises(DiscoveryError, match=message):
         discover("demo", "team-a", kubeconfig="/tmp/kubeconfig")
     assert fake.calls[-1] == ("close",)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+@pytest.mark.parametrize("slices", [SLICES[:2], [{"metadata": {}}]], ids=["parsed", "malformed"])
+def test_discover_leaves_the_garbage_collector_as_it_found_it(monkeypatch, enabled, slices) -> None:
+    """discover pauses the cyclic GC while it decodes the EndpointSlices; the caller's setting
+    comes back, also when they cannot be parsed."""
+    FakeKubernetes({"status": STATUS}, slices=slices).install(monkeypatch)
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        try:
+            discover("demo", "team-a", kubeconfig="/tmp/kubeconfig")
+        except EndpointsError:
+            assert slices != SLICES[:2]
+        assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()
 
 
 def test_discover_without_kubernetes_says_what_to_install(monkeypatch) -> None:

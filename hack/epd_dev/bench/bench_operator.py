@@ -36,21 +36,17 @@ import argparse
 import asyncio
 import collections
 import concurrent.futures
-import contextlib
 import json
 import math
 import os
 import platform
-import re
-import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,6 +82,7 @@ from .observe import (
     apiserver_requests,
     cpu_seconds,
     memory_mb,
+    py_spy,
     request_delta,
     settle,
     watching,
@@ -516,80 +513,6 @@ def measure_floor(
     return max(rec.times["converged"].values()) - began
 
 
-# ----------------------------------------------------------------------------- profiling
-
-
-@dataclass
-class Profile:
-    path: Path
-    lines: list[str] = field(default_factory=list)
-
-
-@contextlib.contextmanager
-def py_spy(pid: int, folder: Path | None, name: str) -> Iterator[Profile | None]:
-    """Sample ``pid`` with py-spy while the block runs (non-blocking: the operator is not
-    paused per sample); afterwards the hottest functions, by own and by total samples."""
-    if folder is None:
-        yield None
-        return
-    binary = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-    folder.mkdir(parents=True, exist_ok=True)
-    profile = Profile(folder / f"operator-{name}.txt")
-    spy = subprocess.Popen(
-        [
-            binary,
-            "record",
-            "--pid",
-            str(pid),
-            "--rate",
-            "100",
-            "--nonblocking",
-            "--format",
-            "raw",
-            "--output",
-            str(profile.path),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        yield profile
-    finally:
-        spy.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
-        _, err = spy.communicate(timeout=60)
-        if profile.path.exists():
-            profile.lines = hottest(profile.path)
-        else:
-            profile.lines = [f"py-spy wrote nothing: {err.strip()[-300:]}"]
-
-
-def hottest(collapsed: Path, top: int = 15) -> list[str]:
-    """Summarise py-spy's collapsed stacks ("frame;frame;... count") by function."""
-    own: collections.Counter[str] = collections.Counter()
-    total: collections.Counter[str] = collections.Counter()
-    samples = 0
-    for line in collapsed.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not count.isdigit() or not stack.endswith(")") or stack[:1].isspace():
-            continue  # py-spy now and then reads a frame name from garbage (a string holding newlines)
-        # "function (path/file.py:line)" -> "function (file.py)": lines would split a function
-        frames = [re.sub(r" \((?:.*/)?([^/:]*)(?::\d+)?\)$", r" (\1)", f) for f in stack.split(";") if f]
-        weight = int(count)
-        samples += weight
-        if frames:
-            own[frames[-1]] += weight
-        for frame in set(frames):
-            total[frame] += weight
-    lines = [f"py-spy: {samples} samples at 100 Hz ({collapsed})", "own %  total %  function"]
-    for frame, own_samples in own.most_common(top):
-        lines.append(f"{100 * own_samples / samples:5.1f}  {100 * total[frame] / samples:7.1f}  {frame}")
-    lines.append("by total (inclusive):")
-    for frame, total_samples in total.most_common(top + 10):
-        lines.append(f"       {100 * total_samples / samples:7.1f}  {frame}")
-    return lines
-
-
 # ------------------------------------------------------------------------------- report
 
 
@@ -938,7 +861,15 @@ def benchmark(
         for i, units in enumerate(big):
             kcm = KCM_RAISED if raised else KCM_DEFAULT
             results.bigs.append(
-                measure_big(cluster, api, operator, units, kcm, scale_to=big_scale_to if i == 0 else None)
+                measure_big(
+                    cluster,
+                    api,
+                    operator,
+                    units,
+                    kcm,
+                    scale_to=big_scale_to if i == 0 else None,
+                    profile_dir=profile_dir,
+                )
             )
             check_alive(operator)
     if used and cleanup:
@@ -1003,7 +934,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--idle-seconds", type=float, default=30)
     parser.add_argument("--no-kcm-raised", action="store_true", help="skip the runs with kcm at 200 QPS")
-    parser.add_argument("--profile", type=Path, default=None, help="py-spy the scale run into this folder")
+    parser.add_argument(
+        "--profile", type=Path, default=None, help="py-spy the scale runs and the big runs into this folder"
+    )
     parser.add_argument(
         "--headless-front-service",
         action="store_true",

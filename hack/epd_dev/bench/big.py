@@ -29,6 +29,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import kopf
@@ -43,7 +44,7 @@ from ..localcluster import LocalCluster
 from ..operator_process import OperatorProcess
 from ..paths import REPO
 from .kit import EPD_PATH, Api, converged, create_namespace, log
-from .observe import Stream, apiserver_requests, cpu_seconds, memory_mb, request_delta, watching
+from .observe import Stream, apiserver_requests, cpu_seconds, memory_mb, py_spy, request_delta, watching
 
 EXAMPLE = REPO / "docs" / "examples" / "encoder-prefill-decode.yaml"
 NAME = "big"
@@ -54,8 +55,9 @@ STATUS_PATCH = ("PATCH", "epddeployments/status")
 # kwok nodes advertise 32 CPUs and 110 pods unless told more (node_capacity).
 CPUS_PER_UNIT = 4
 PODS_PER_NODE = 250
-# kwok at rest: under a tenth of a core over the 2 s between steps.
-KWOK_IDLE_CPU_SECONDS = 0.2
+# A process at rest (kwok between steps; kwok, kube-controller-manager and the operator before
+# the reads): under a tenth of a core over 2 s.
+IDLE_CPU_SECONDS = 0.2
 
 
 @dataclass
@@ -99,6 +101,7 @@ class Big:
     discover_ms: list[float]  # epd_client.discover + a unit chosen for a key, each call
     status: dict[str, Any] = field(default_factory=dict)  # the last one, for the report
     api_requests: dict[tuple[str, str], tuple[float, float]] = field(default_factory=dict)  # the creation step
+    profile: list[str] = field(default_factory=list)  # py-spy's hottest functions of the operator (--profile)
 
     @property
     def created(self) -> Step:
@@ -265,12 +268,22 @@ def _settle(api: Api, namespace: str, units: int, kwok: int | None, timeout: flo
         if len(api.items(f"/api/v1/namespaces/{namespace}/pods")) > units:
             time.sleep(1)
             continue
-        if kwok is None:
+        if kwok is None or _idle([kwok]):
             return
-        before = cpu_seconds(kwok)
-        time.sleep(2)
-        if cpu_seconds(kwok) - before < KWOK_IDLE_CPU_SECONDS:
-            return
+
+
+def _idle(pids: list[int]) -> bool:
+    """Whether each of ``pids`` used under IDLE_CPU_SECONDS of CPU in the next 2 s."""
+    before = [cpu_seconds(pid) for pid in pids]
+    time.sleep(2)
+    return all(cpu_seconds(pid) - was < IDLE_CPU_SECONDS for pid, was in zip(pids, before, strict=True))
+
+
+def _wait_idle(pids: list[int], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not _idle(pids):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"processes {pids} still busy after {timeout:.0f}s")
 
 
 def _delete_namespace(cluster: LocalCluster, api: Api, namespace: str, timeout: float) -> None:
@@ -311,12 +324,16 @@ def measure_big(
     *,
     scale_to: int | None = None,
     timeout: float = 1800,
+    profile_dir: Path | None = None,
 ) -> Big:
     """The floor, then the EPDDeployment, through the same steps: created with `units`, then
     (with `scale_to`) scaled to it and back. The operator is stopped for the floor and started
-    fresh for the EPDDeployment. Both namespaces are deleted at the end."""
+    fresh for the EPDDeployment, sampled by py-spy through its steps with `profile_dir`. Both
+    namespaces are deleted at the end."""
     with node_capacity(api, cluster.node_names, units):
-        return _measure_big(cluster, api, operator, units, kcm, scale_to=scale_to, timeout=timeout)
+        return _measure_big(
+            cluster, api, operator, units, kcm, scale_to=scale_to, timeout=timeout, profile_dir=profile_dir
+        )
 
 
 def _measure_big(
@@ -328,6 +345,7 @@ def _measure_big(
     *,
     scale_to: int | None,
     timeout: float,
+    profile_dir: Path | None,
 ) -> Big:
     steps = [units, *([scale_to, units] if scale_to is not None else [])]
     processes = dict(cluster.pids)
@@ -378,20 +396,24 @@ def _measure_big(
         )
 
     log(f"big: one EPDDeployment of {units} units ({' -> '.join(map(str, steps))})")
-    measured = _run_steps(
-        cluster,
-        api,
-        namespace,
-        steps,
-        create=lambda: api.call("POST", epds, json=manifest(units)),
-        scale=lambda n: api.merge_patch(f"{epds}/{NAME}", {"spec": {"replicas": n}}),
-        with_epd=True,
-        processes={**processes, "epd-operator": pid},
-        timeout=timeout,
-        on_done=measure_size,
-    )
+    with py_spy(pid, profile_dir, f"big-{units}") as profile:
+        measured = _run_steps(
+            cluster,
+            api,
+            namespace,
+            steps,
+            create=lambda: api.call("POST", epds, json=manifest(units)),
+            scale=lambda n: api.merge_patch(f"{epds}/{NAME}", {"spec": {"replicas": n}}),
+            with_epd=True,
+            processes={**processes, "epd-operator": pid},
+            timeout=timeout,
+            on_done=measure_size,
+        )
     operator_cpu = cpu_seconds(pid) - cpu_at_start
     peak = memory_mb(pid, "VmHWM")
+    # The reads a client makes of a converged deployment, not of one whose EndpointSlices
+    # kube-controller-manager is still writing.
+    _wait_idle([p for name, p in processes.items() if name in ("kwok", "kube-controller-manager")] + [pid], timeout)
     get_wide = _kubectl_ms(cluster, "get", "epd", NAME, "-n", namespace, "-o", "wide")
     get_namespace = _kubectl_ms(cluster, "get", "namespace", namespace)
     try:
@@ -426,6 +448,7 @@ def _measure_big(
         discover_ms=discover,
         status=last,
         api_requests=measured[0][2],
+        profile=profile.lines if profile else [],
     )
     for step in big.steps:
         log(
@@ -473,6 +496,8 @@ def report_big(big: Big, out: Callable[[str], None]) -> None:
             f"  epd_client.discover + a unit for a key: median {statistics.median(big.discover_ms):.1f} ms "
             f"(first {big.discover_ms[0]:.1f}, max {max(big.discover_ms):.1f}, {len(big.discover_ms)} calls)"
         )
+    for line in big.profile:
+        out(f"  {line}")
     models = big.status.get("models") or []
     out(f"  the status at the end: {json.dumps(big.status)[:600]}" if models else "  (no status)")
 

@@ -8,10 +8,15 @@ import contextlib
 import json
 import os
 import re
+import shutil
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -187,3 +192,77 @@ def request_delta(
     zero = (0.0, 0.0)
     delta = {k: (c - before.get(k, zero)[0], s - before.get(k, zero)[1]) for k, (c, s) in after.items()}
     return {k: v for k, v in delta.items() if v[0] > 0}
+
+
+# ----------------------------------------------------------------------------- profiling
+
+
+@dataclass
+class Profile:
+    path: Path
+    lines: list[str] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def py_spy(pid: int, folder: Path | None, name: str) -> Iterator[Profile | None]:
+    """Sample ``pid`` with py-spy while the block runs (non-blocking: the operator is not
+    paused per sample); afterwards the hottest functions, by own and by total samples."""
+    if folder is None:
+        yield None
+        return
+    binary = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    folder.mkdir(parents=True, exist_ok=True)
+    profile = Profile(folder / f"operator-{name}.txt")
+    spy = subprocess.Popen(
+        [
+            binary,
+            "record",
+            "--pid",
+            str(pid),
+            "--rate",
+            "100",
+            "--nonblocking",
+            "--format",
+            "raw",
+            "--output",
+            str(profile.path),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        yield profile
+    finally:
+        spy.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+        _, err = spy.communicate(timeout=60)
+        if profile.path.exists():
+            profile.lines = hottest(profile.path)
+        else:
+            profile.lines = [f"py-spy wrote nothing: {err.strip()[-300:]}"]
+
+
+def hottest(collapsed: Path, top: int = 15) -> list[str]:
+    """Summarise py-spy's collapsed stacks ("frame;frame;... count") by function."""
+    own: collections.Counter[str] = collections.Counter()
+    total: collections.Counter[str] = collections.Counter()
+    samples = 0
+    for line in collapsed.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit() or not stack.endswith(")") or stack[:1].isspace():
+            continue  # py-spy now and then reads a frame name from garbage (a string holding newlines)
+        # "function (path/file.py:line)" -> "function (file.py)": lines would split a function
+        frames = [re.sub(r" \((?:.*/)?([^/:]*)(?::\d+)?\)$", r" (\1)", f) for f in stack.split(";") if f]
+        weight = int(count)
+        samples += weight
+        if frames:
+            own[frames[-1]] += weight
+        for frame in set(frames):
+            total[frame] += weight
+    lines = [f"py-spy: {samples} samples at 100 Hz ({collapsed})", "own %  total %  function"]
+    for frame, own_samples in own.most_common(top):
+        lines.append(f"{100 * own_samples / samples:5.1f}  {100 * total[frame] / samples:7.1f}  {frame}")
+    lines.append("by total (inclusive):")
+    for frame, total_samples in total.most_common(top + 10):
+        lines.append(f"       {100 * total_samples / samples:7.1f}  {frame}")
+    return lines
