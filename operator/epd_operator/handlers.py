@@ -30,6 +30,14 @@ from .resources import ANNOTATION_SPEC_HASH, FIELD_MANAGER, LABEL_MANAGED_BY
 
 EPD = (api.GROUP, api.VERSION, api.PLURAL)
 OURS = {LABEL_MANAGED_BY: FIELD_MANAGER}
+# What the operator watches besides its EPDDeployments: its children and their pods, all its
+# own by label.
+STATEFUL_SETS = ("apps", "v1", "statefulsets")
+SERVICES = ("v1", "services")
+BUDGETS = ("policy", "v1", "poddisruptionbudgets")
+NETWORK_POLICIES = ("networking.k8s.io", "v1", "networkpolicies")
+PODS = ("v1", "pods")
+OWN_KINDS = (STATEFUL_SETS, SERVICES, BUDGETS, NETWORK_POLICIES, PODS)
 
 
 # ---------------------------------------------------------------------------- event filters
@@ -80,6 +88,11 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.posting.level = logging.WARNING  # Events are for users: only warnings, not chatter.
     settings.watching.server_timeout = 300
     settings.persistence.diffbase_storage = _NoDiffBase()
+    # kopf filters handlers' labels client-side, after decoding each object. On a cluster shared
+    # with other teams that is every pod of the cluster: the API server filters instead (as a
+    # controller-runtime cache selects ByObject).
+    for kind in OWN_KINDS:
+        settings.watching.label_selectors[kind] = ",".join(f"{k}={v}" for k, v in OURS.items())
     # A worker holds its object's last event until it exits: at 1,000 EPDDeployments (5,000
     # watched objects) kopf's default 5 s keeps most of them in memory at once.
     settings.queueing.idle_timeout = 0.5
@@ -111,35 +124,35 @@ async def deployments(namespace: str | None, name: str, body: kopf.Body, **_: An
     return {(namespace or "", name): DeploymentSummary.of(body)}
 
 
-@kopf.index("statefulsets", labels=OURS)
+@kopf.index(*STATEFUL_SETS, labels=OURS)
 async def stateful_sets(
     namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any
 ) -> dict[Key, StatefulSetSummary]:
     return {owner_key(namespace, labels): StatefulSetSummary.of(body)}
 
 
-@kopf.index("services", labels=OURS)
+@kopf.index(*SERVICES, labels=OURS)
 async def services(
     namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any
 ) -> dict[Key, ServiceSummary]:
     return {owner_key(namespace, labels): ServiceSummary.of(body)}
 
 
-@kopf.index("policy", "v1", "poddisruptionbudgets", labels=OURS)
+@kopf.index(*BUDGETS, labels=OURS)
 async def budgets(
     namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any
 ) -> dict[Key, BudgetSummary]:
     return {owner_key(namespace, labels): BudgetSummary.of(body)}
 
 
-@kopf.index("networking.k8s.io", "v1", "networkpolicies", labels=OURS)
+@kopf.index(*NETWORK_POLICIES, labels=OURS)
 async def network_policies(
     namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any
 ) -> dict[Key, NetworkPolicySummary]:
     return {owner_key(namespace, labels): NetworkPolicySummary.of(body)}
 
 
-@kopf.index("pods", labels=OURS)
+@kopf.index(*PODS, labels=OURS)
 async def pods(namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any) -> dict[Key, PodSummary]:
     return {owner_key(namespace, labels): PodSummary.of(body)}
 
@@ -156,14 +169,14 @@ async def epd_changed(memo: kopf.Memo, type: str, namespace: str | None, name: s
     memo.reconciler.enqueue(key, urgent=body.status.get("observedGeneration") != body.metadata.get("generation"))
 
 
-@kopf.on.event("pods", labels=OURS)
+@kopf.on.event(*PODS, labels=OURS)
 async def pod_changed(memo: kopf.Memo, namespace: str | None, labels: Mapping[str, str], **_: Any) -> None:
     memo.reconciler.enqueue_after(owner_key(namespace, labels), memo.reconciler.settings.status_debounce_seconds)
 
 
 # Children: a deleted one, or one not at the desired state of its owner's current generation,
 # queues a reconcile (which re-applies it); one that only confirms what was applied does not.
-@kopf.on.event("statefulsets", labels=OURS)
+@kopf.on.event(*STATEFUL_SETS, labels=OURS)
 async def set_changed(
     memo: kopf.Memo, type: str, namespace: str | None, labels: Mapping[str, str], meta: kopf.Meta, **_: Any
 ) -> None:
@@ -176,9 +189,9 @@ async def set_changed(
         memo.reconciler.enqueue(key)
 
 
-@kopf.on.event("services", labels=OURS)
-@kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=OURS)
-@kopf.on.event("networking.k8s.io", "v1", "networkpolicies", labels=OURS)
+@kopf.on.event(*SERVICES, labels=OURS)
+@kopf.on.event(*BUDGETS, labels=OURS)
+@kopf.on.event(*NETWORK_POLICIES, labels=OURS)
 async def child_changed(
     memo: kopf.Memo,
     type: str,

@@ -37,8 +37,14 @@ KEYS = {
     "big_status_patches_per_unit",
     "big_status_bytes_per_unit",
     "client_discover_3_ms",
+    "neighbour_3_pods_operator_cpu_seconds",
 }
-ZERO_OR_MORE = {"idle_cpu_percent", "rss_mb_slope_kb_per_epd", "restart_5_writes"}
+ZERO_OR_MORE = {
+    "idle_cpu_percent",
+    "rss_mb_slope_kb_per_epd",
+    "restart_5_writes",
+    "neighbour_3_pods_operator_cpu_seconds",
+}
 
 
 @pytest.fixture

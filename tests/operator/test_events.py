@@ -12,7 +12,7 @@ import pytest
 from epd_operator import handlers
 from epd_operator.indexes import DeploymentSummary
 from epd_operator.reconciler import Reconciler
-from epd_operator.resources import ANNOTATION_SPEC_HASH, FIELD_MANAGER, LABEL_DEPLOYMENT
+from epd_operator.resources import ANNOTATION_SPEC_HASH, FIELD_MANAGER, LABEL_DEPLOYMENT, LABEL_MANAGED_BY
 from epd_operator.settings import Settings
 
 from .test_converge import KEY, RecordingKube, body, watched
@@ -144,3 +144,25 @@ async def test_the_liveness_probe_fails_while_reconcile_workers_are_gone():
             handlers.workers_alive(memo=memo)
     finally:
         await reconciler.aclose()
+
+
+async def test_the_api_server_sends_only_the_operators_own_children_and_pods() -> None:
+    """kopf's handler label filters run after an object is decoded; the watch of each child kind
+    and of pods asks the API server for the operator's own objects, the EPDDeployments for all."""
+    settings = kopf.OperatorSettings()
+    await handlers.configure(settings=settings)
+    own = f"{LABEL_MANAGED_BY}={FIELD_MANAGER}"
+
+    def selectors(group: str, version: str, plural: str) -> list[str]:
+        return list(settings.watching.label_selectors.collect(kopf.Resource(group, version, plural)))
+
+    for group, version, plural in [
+        ("apps", "v1", "statefulsets"),
+        ("", "v1", "services"),
+        ("policy", "v1", "poddisruptionbudgets"),
+        ("networking.k8s.io", "v1", "networkpolicies"),
+        ("", "v1", "pods"),
+    ]:
+        assert selectors(group, version, plural) == [own], plural
+    assert selectors("epd.vime.dev", "v1alpha1", "epddeployments") == []
+    assert selectors("serving.knative.dev", "v1", "services") == []  # another group's "services"

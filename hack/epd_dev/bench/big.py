@@ -16,7 +16,10 @@ is done:
 
 Per step it also counts the operator's status patches (the API server's own metric), and at the
 end of each the status' size; per size the operator's CPU and peak RSS, `kubectl get epd -o wide`
-and `epd_client.discover` plus the choice of a unit.
+and `epd_client.discover` plus the choice of a unit, once the cluster is idle. Before each
+EPDDeployment, with the operator running, another team's StatefulSet of the same pods (up to
+NEIGHBOUR_PODS, labelled as not the operator's) starts: the operator's CPU meanwhile is what a
+shared cluster's other workloads cost it.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ STATUS_PATCH = ("PATCH", "epddeployments/status")
 # kwok nodes advertise 32 CPUs and 110 pods unless told more (node_capacity).
 CPUS_PER_UNIT = 4
 PODS_PER_NODE = 250
+# Another team's pods started beside the operator, before each big run (at most this many).
+NEIGHBOUR_PODS = 1000
 # A process at rest (kwok between steps; kwok, kube-controller-manager and the operator before
 # the reads): under a tenth of a core over 2 s.
 IDLE_CPU_SECONDS = 0.2
@@ -102,6 +107,9 @@ class Big:
     status: dict[str, Any] = field(default_factory=dict)  # the last one, for the report
     api_requests: dict[tuple[str, str], tuple[float, float]] = field(default_factory=dict)  # the creation step
     profile: list[str] = field(default_factory=list)  # py-spy's hottest functions of the operator (--profile)
+    neighbour_pods: int = 0  # another team's pods started beside the operator before the EPDDeployment
+    neighbour_seconds: float = 0.0
+    neighbour_operator_cpu_seconds: float = 0.0
 
     @property
     def created(self) -> Step:
@@ -154,6 +162,39 @@ def node_capacity(api: Api, nodes: list[str], units: int) -> Iterator[None]:
     finally:
         for name, status in before.items():
             patch(name, {k: status["capacity"][k] for k in wanted}, {k: status["allocatable"][k] for k in wanted})
+
+
+def neighbour_set(namespace: str, pods: int) -> dict[str, Any]:
+    """Another team's StatefulSet on the same cluster: the floor's pods, labelled as its own."""
+    stateful_set = floor_children(namespace, pods)[0]
+    labels = {"app.kubernetes.io/name": "neighbour"}
+    stateful_set["metadata"]["labels"] = labels
+    stateful_set["spec"]["selector"] = {"matchLabels": labels}
+    stateful_set["spec"]["template"]["metadata"]["labels"] = labels
+    return stateful_set
+
+
+def _measure_neighbours(cluster: LocalCluster, api: Api, pid: int, pods: int, timeout: float) -> tuple[float, float]:
+    """Seconds until another team's `pods` are Ready, and the operator's CPU-seconds meanwhile:
+    what the operator pays for objects that are not its own (nothing, when its watches ask the
+    API server for its own only)."""
+    namespace = create_namespace(cluster, api, f"bench-neighbour-{pods}-{uuid.uuid4().hex[:5]}")
+    stateful_set = neighbour_set(namespace, pods)
+    path = f"{_collection(stateful_set)}/{stateful_set['metadata']['name']}"
+    log(f"big: another team's StatefulSet of {pods} pods, the operator running")
+    cpu_before = cpu_seconds(pid)
+    began = time.monotonic()
+    api.call("POST", _collection(stateful_set), json=stateful_set)
+    deadline = began + timeout
+    while not at_target(api.call("GET", path), pods):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the {pods} pods of {namespace} not Ready after {timeout:.0f}s")
+        time.sleep(0.5)
+    seconds = time.monotonic() - began
+    cpu = cpu_seconds(pid) - cpu_before
+    log(f"  {pods} pods Ready in {seconds:.1f} s; the operator used {cpu:.2f} CPU-seconds")
+    _delete_namespace(cluster, api, namespace, timeout)
+    return seconds, cpu
 
 
 def at_target(stateful_set: dict[str, Any], units: int) -> bool:
@@ -384,6 +425,8 @@ def _measure_big(
 
     operator.start()
     pid = operator.proc.pid if operator.proc else 0
+    neighbours = min(units, NEIGHBOUR_PODS)
+    neighbour_seconds, neighbour_cpu = _measure_neighbours(cluster, api, pid, neighbours, timeout)
     cpu_at_start = cpu_seconds(pid)
     namespace = create_namespace(cluster, api, f"bench-big-{units}-{uuid.uuid4().hex[:5]}")
     epds = f"{EPD_PATH}/namespaces/{namespace}/epddeployments"
@@ -449,6 +492,9 @@ def _measure_big(
         status=last,
         api_requests=measured[0][2],
         profile=profile.lines if profile else [],
+        neighbour_pods=neighbours,
+        neighbour_seconds=neighbour_seconds,
+        neighbour_operator_cpu_seconds=neighbour_cpu,
     )
     for step in big.steps:
         log(
@@ -496,6 +542,11 @@ def report_big(big: Big, out: Callable[[str], None]) -> None:
             f"  epd_client.discover + a unit for a key: median {statistics.median(big.discover_ms):.1f} ms "
             f"(first {big.discover_ms[0]:.1f}, max {max(big.discover_ms):.1f}, {len(big.discover_ms)} calls)"
         )
+    if big.neighbour_pods:
+        out(
+            f"  another team's {big.neighbour_pods} pods, Ready in {big.neighbour_seconds:.1f} s: "
+            f"the operator used {big.neighbour_operator_cpu_seconds:.2f} CPU-seconds meanwhile"
+        )
     for line in big.profile:
         out(f"  {line}")
     models = big.status.get("models") or []
@@ -530,6 +581,11 @@ def big_keys(runs: list[Big]) -> dict[str, float]:
             keys[f"{scaled}_status_patches_per_unit"] = statistics.median(b.steps[i].patches_per_unit for b in same)
         if all(b.discover_ms for b in same):
             keys[f"client_discover_{units}_ms"] = _median(same, lambda b: statistics.median(b.discover_ms))
+    for pods in dict.fromkeys(b.neighbour_pods for b in runs if b.neighbour_pods):
+        beside = [b for b in runs if b.neighbour_pods == pods]
+        keys[f"neighbour_{pods}_pods_operator_cpu_seconds"] = _median(
+            beside, lambda b: b.neighbour_operator_cpu_seconds
+        )
     if runs:
         headline = [b for b in runs if b.units == (1000 if any(b.units == 1000 for b in runs) else runs[0].units)]
         keys["big_status_patches_per_unit"] = _median(headline, lambda b: b.created.patches_per_unit)
