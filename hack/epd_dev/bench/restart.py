@@ -15,11 +15,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from epd_operator.kube import CHILD_KINDS
+
 from ..operator_process import OperatorProcess
 from .kit import Api, log
 from .observe import apiserver_requests, request_delta
 
-CHILD_RESOURCES = ("statefulsets", "services", "poddisruptionbudgets", "networkpolicies")
+# The resources of the API server's request metric: the last segment of each collection path.
+CHILD_RESOURCES = tuple(path.rsplit("/", 1)[1] for path in CHILD_KINDS.values())
 STATUS_RESOURCE = "epddeployments/status"
 WRITE_VERBS = ("POST", "PUT", "PATCH", "APPLY", "DELETE")
 READY_SERIES = "epd_ready_units{"  # set by each status computation: one series per EPDDeployment reconciled
