@@ -4,11 +4,9 @@ the kubernetes package."""
 
 from __future__ import annotations
 
-import gc
 import json
 import os
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from typing import Any
 
 from ._endpoints import SERVICE_NAME_LABEL, Endpoints
@@ -42,18 +40,16 @@ def discover(name: str, namespace: str, kubeconfig: str | None = None) -> Endpoi
     try:
         what = f"EPDDeployment {namespace}/{name}"
         # Raw JSON: the client's models would take longer to build than everything else here.
-        obj = json.loads(
-            _read(
-                client,
-                what,
-                lambda: client.CustomObjectsApi(api).get_namespaced_custom_object(
-                    GROUP, VERSION, namespace, PLURAL, name, _preload_content=False
-                ),
-            )
+        obj = _read(
+            client,
+            what,
+            lambda: client.CustomObjectsApi(api).get_namespaced_custom_object(
+                GROUP, VERSION, namespace, PLURAL, name, _preload_content=False
+            ),
         )
         status = obj.get("status") or {}
         services = _services(status)
-        slices = None
+        slices = []
         if services:
             selector = f"{SERVICE_NAME_LABEL} in ({','.join(sorted(services))})"
             slices = _read(
@@ -62,38 +58,22 @@ def discover(name: str, namespace: str, kubeconfig: str | None = None) -> Endpoi
                 lambda: client.DiscoveryV1Api(api).list_namespaced_endpoint_slice(
                     namespace, label_selector=selector, _preload_content=False
                 ),
-            )
+            )["items"]
     finally:
         api.close()
 
-    with _gc_paused():
-        endpoints = Endpoints.from_status(status, json.loads(slices)["items"] if slices else [])
+    endpoints = Endpoints.from_status(status, slices)
     if not endpoints.models:
         raise DiscoveryError(f"{what} lists no models in its status yet")
     return endpoints
 
 
-def _read(client: Any, what: str, call: Any) -> bytes:
+def _read(client: Any, what: str, call: Any) -> Any:
     try:
         response = call()
     except client.ApiException as exc:
         raise DiscoveryError(f"cannot read {what}: {exc.status} {exc.reason}") from exc
-    data: bytes = response.data
-    return data
-
-
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    """The EndpointSlices of thousands of units decode to hundreds of thousands of dicts and
-    lists (none in a cycle, and freed once parsed), whose allocation would set off collections
-    that each walk the caller's whole heap, and a rollout process's heap is large."""
-    paused = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if paused:
-            gc.enable()
+    return json.loads(response.data)
 
 
 def _services(status: Mapping[str, Any]) -> set[str]:

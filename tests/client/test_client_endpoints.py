@@ -3,7 +3,6 @@ importing the library drags in."""
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import subprocess
@@ -214,24 +213,6 @@ def test_discover_errors(monkeypatch, obj, error_status, message) -> None:
     with pytest.raises(DiscoveryError, match=message):
         discover("demo", "team-a", kubeconfig="/tmp/kubeconfig")
     assert fake.calls[-1] == ("close",)
-
-
-@pytest.mark.parametrize("enabled", [True, False])
-@pytest.mark.parametrize("slices", [SLICES[:2], [{"metadata": {}}]], ids=["parsed", "malformed"])
-def test_discover_leaves_the_garbage_collector_as_it_found_it(monkeypatch, enabled, slices) -> None:
-    """discover pauses the cyclic GC while it decodes the EndpointSlices; the caller's setting
-    comes back, also when they cannot be parsed."""
-    FakeKubernetes({"status": STATUS}, slices=slices).install(monkeypatch)
-    was = gc.isenabled()
-    (gc.enable if enabled else gc.disable)()
-    try:
-        try:
-            discover("demo", "team-a", kubeconfig="/tmp/kubeconfig")
-        except EndpointsError:
-            assert slices != SLICES[:2]
-        assert gc.isenabled() is enabled
-    finally:
-        (gc.enable if was else gc.disable)()
 
 
 def test_discover_without_kubernetes_says_what_to_install(monkeypatch) -> None:
