@@ -91,8 +91,9 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # kopf filters handlers' labels client-side, after decoding each object. On a cluster shared
     # with other teams that is every pod of the cluster: the API server filters instead (as a
     # controller-runtime cache selects ByObject).
+    own = ",".join(f"{k}={v}" for k, v in OURS.items())
     for kind in OWN_KINDS:
-        settings.watching.label_selectors[kind] = ",".join(f"{k}={v}" for k, v in OURS.items())
+        settings.watching.label_selectors[kind] = own
     # A worker holds its object's last event until it exits: at 1,000 EPDDeployments (5,000
     # watched objects) kopf's default 5 s keeps most of them in memory at once.
     settings.queueing.idle_timeout = 0.5

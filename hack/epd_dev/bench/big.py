@@ -180,21 +180,21 @@ def _measure_neighbours(cluster: LocalCluster, api: Api, pid: int, pods: int, ti
     API server for its own only)."""
     namespace = create_namespace(cluster, api, f"bench-neighbour-{pods}-{uuid.uuid4().hex[:5]}")
     stateful_set = neighbour_set(namespace, pods)
-    path = f"{_collection(stateful_set)}/{stateful_set['metadata']['name']}"
     log(f"big: another team's StatefulSet of {pods} pods, the operator running")
-    cpu_before = cpu_seconds(pid)
-    began = time.monotonic()
-    api.call("POST", _collection(stateful_set), json=stateful_set)
-    deadline = began + timeout
-    while not at_target(api.call("GET", path), pods):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the {pods} pods of {namespace} not Ready after {timeout:.0f}s")
-        time.sleep(0.5)
-    seconds = time.monotonic() - began
-    cpu = cpu_seconds(pid) - cpu_before
-    log(f"  {pods} pods Ready in {seconds:.1f} s; the operator used {cpu:.2f} CPU-seconds")
+    ((seconds, cpu, _),) = _run_steps(
+        cluster,
+        api,
+        namespace,
+        [pods],
+        create=lambda: api.call("POST", _collection(stateful_set), json=stateful_set),
+        scale=lambda _: None,  # one step: never scaled
+        with_epd=False,
+        processes={"epd-operator": pid},
+        timeout=timeout,
+    )
+    log(f"  {pods} pods Ready in {seconds:.1f} s; the operator used {cpu['epd-operator']:.2f} CPU-seconds")
     _delete_namespace(cluster, api, namespace, timeout)
-    return seconds, cpu
+    return seconds, cpu["epd-operator"]
 
 
 def at_target(stateful_set: dict[str, Any], units: int) -> bool:
