@@ -29,11 +29,12 @@ PASSED_THROUGH = frozenset({OTHER, HEALTH})
 # RFC 9110 §7.6.1: meant for one connection only, never forwarded; so are the fields the
 # Connection header names.
 HOP_BY_HOP = frozenset({"connection", "proxy-connection", "keep-alive", "te", "transfer-encoding", "upgrade"})
-# Also dropped from a request: Host is the upstream's (aiohttp sets it), Expect was the client's
-# exchange with the proxy. A body the proxy holds gets its Content-Length from aiohttp (a Pools
-# body is re-serialised); a streamed one keeps the client's, so it is not sent chunked.
-STREAMED_BODY = frozenset({"host", "expect"})
-HELD_BODY = STREAMED_BODY | {"content-length"}
+# Also dropped from a request: Host is the upstream's, Expect was the client's exchange with the
+# proxy, and the body's framing is the proxy's own (a Pools body is re-serialised; a streamed
+# one keeps the client's length, or goes chunked): http1.py sets Host and Content-Length.
+REQUEST_DROPPED = frozenset({"host", "expect", "content-length"})
+# Dropped from an answer: its framing is the proxy's to the client, set by http1.py.
+ANSWER_DROPPED = frozenset({"content-length"})
 
 # Client headers that also go with each prime: credentials (engines run with --api-key check
 # every request) and trace context. x-request-id becomes the primes' id prefix (epd_client).

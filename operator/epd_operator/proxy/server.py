@@ -1,10 +1,11 @@
-"""The EPD proxy's shell: an aiohttp server in front of the unit's router (or its only consumer)
-that primes the media of chat completions and Responses requests on the encoders, then forwards
-every request unchanged and streams the answer back as it comes.
+"""The EPD proxy's shell: in front of the unit's router (or its only consumer), it primes the
+media of chat completions and Responses requests on the encoders, then forwards every request
+unchanged and streams the answer back as it comes.
 
-The decisions are core.py's; this module only moves bytes: the client's request in, the primes
-out (epd_client's Primer: its retry policy and round-robin), the request to the upstream, the
-answer back chunk by chunk (SSE events are written as they arrive, never buffered).
+The decisions are core.py's and the HTTP/1.1 plumbing is http1.py's; this module puts them
+together: the client's request in, the primes out (epd_client's Primer: its retry policy and
+round-robin), the request to the upstream, the answer back (SSE events are written as they
+arrive, never buffered). aiohttp serves the admin port (/health, /metrics).
 """
 
 from __future__ import annotations
@@ -18,19 +19,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Self
 
-import aiohttp
 from aiohttp import web
-from multidict import CIMultiDict
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from yarl import URL
 
 from epd_client import MEDIA_KINDS, PrimeError, Primer, RetryPolicy
 
 from ..loop import event_loop
 from .core import (
-    HELD_BODY,
+    ANSWER_DROPPED,
     PASSED_THROUGH,
-    STREAMED_BODY,
+    REQUEST_DROPPED,
     BadRequest,
     DNSTarget,
     Plan,
@@ -44,17 +42,18 @@ from .core import (
     with_transfer_params,
 )
 from .encoders import Encoders
+from .http1 import Answer, Body, BrokeOff, ClientConnection, Exchange, TooLarge, Unreachable, Upstream
 from .metrics import ProxyMetrics
 
 logger = logging.getLogger("epd_operator.proxy")
 
 MiB = 1024 * 1024
 # Answers up to this size (a whole chat completion, a model list) are read whole and written
-# once: a third of the proxy's time went to writing headers, body and end apart.
+# once, so an upstream that drops one halfway gives the client a 502, not a cut body.
 HELD_ANSWER_BYTES = 1 * MiB
-# The client's headers that aiohttp would otherwise add to the forwarded request when absent:
-# the upstream sees exactly what the client sent.
-_NO_AUTO_HEADERS = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
+# Connections waiting to be accepted: a burst of new clients is not refused or delayed.
+LISTEN_BACKLOG = 1024
+JSON = [("content-type", "application/json")]
 
 
 @dataclass(frozen=True)
@@ -70,40 +69,24 @@ class ProxyConfig:
 
 
 class Proxy:
-    """One proxy: its upstream session, encoders, primer and metrics. ``async with`` it (the
-    upstream session needs the running loop), then serve ``app()``."""
+    """One proxy: its upstream connections, encoders, primer and metrics. ``async with`` it, then
+    ``serve`` it."""
 
     def __init__(self, config: ProxyConfig, encoders: Encoders, primer: Primer, metrics: ProxyMetrics) -> None:
         self.config = config
         self.encoders = encoders
         self.primer = primer
         self.metrics = metrics
-        self._upstream = config.upstream.rstrip("/")
-        self._session: aiohttp.ClientSession | None = None
+        self._upstream = Upstream(config.upstream)
         # Round-robin across requests: each request's first part goes to the encoder after the
         # previous request's last, so single-image requests do not all land on encoders[0].
         self._rotation = 0
 
     async def __aenter__(self) -> Self:
-        self._session = aiohttp.ClientSession(
-            # No pool limit: each client request holds one upstream connection, so the clients'
-            # own concurrency bounds them, as it bounds the router's.
-            connector=aiohttp.TCPConnector(limit=0),
-            timeout=aiohttp.ClientTimeout(total=self.config.request_timeout_seconds),
-            auto_decompress=False,  # bodies pass as they are, with their Content-Encoding
-            cookie_jar=aiohttp.DummyCookieJar(),  # never mix one client's cookies into another's requests
-            skip_auto_headers=_NO_AUTO_HEADERS,
-        )
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        if self._session is not None:
-            await self._session.close()
-
-    def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_request_bytes)
-        app.router.add_route("*", "/{path:.*}", self.handle)
-        return app
+        self._upstream.close()
 
     def admin_app(self) -> web.Application:
         """/health and /metrics of the proxy itself, on their own port: the main port passes those
@@ -113,112 +96,106 @@ class Proxy:
         app.router.add_get("/metrics", self._metrics_page)
         return app
 
-    async def handle(self, request: web.Request) -> web.StreamResponse:
-        name = route(request.method, request.path)
-        if name in PASSED_THROUGH:
-            response = await self._forward(request, request.content if request.body_exists else None, STREAMED_BODY)
-        else:
-            response = await self._primed(request, name)
-        self.metrics.observe_request(name, response.status)
-        return response
+    def connection(self, connections: set[ClientConnection]) -> ClientConnection:
+        """A client connection of the main port (the listener's protocol factory)."""
+        return ClientConnection(self.handle, _error_json, connections)
 
-    async def _primed(self, request: web.Request, name: str) -> web.StreamResponse:
+    async def handle(self, exchange: Exchange) -> None:
+        head = exchange.head
+        name = route(head.method, head.path)
+        if name in PASSED_THROUGH:
+            body = exchange.body
+            await self._forward(exchange, None if not head.framed else body.take() if body.complete else body)
+        else:
+            await self._primed(exchange, name)
+        if exchange.status is not None:
+            self.metrics.observe_request(name, exchange.status)
+
+    async def _primed(self, exchange: Exchange, name: str) -> None:
         try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
+            raw = await exchange.body.read(self.config.max_request_bytes)
+        except TooLarge:
             limit = self.config.max_request_bytes
-            return _error(413, f"the request body is larger than the proxy's limit of {limit} bytes")
+            return _error(exchange, 413, f"the request body is larger than the proxy's limit of {limit} bytes")
         try:
             found = plan(name, raw)
         except BadRequest as error:
-            return _error(400, str(error), error.param)
+            return _error(exchange, 400, str(error), error.param)
         if found.parts:
-            failure, params = await self._prime(request, found)
-            if failure is not None:
-                return failure
+            params = await self._prime(exchange, found)
+            if params is None:
+                return
             if self.config.pooled:
                 raw = json.dumps(with_transfer_params(found.body, params)).encode()
-        return await self._forward(request, raw, HELD_BODY)
+        await self._forward(exchange, raw)
 
-    async def _prime(self, request: web.Request, found: Plan) -> tuple[web.Response | None, dict[str, Any]]:
+    async def _prime(self, exchange: Exchange, found: Plan) -> dict[str, Any] | None:
+        """Prime the request's parts: the encoders' transfer params, or None when the request was
+        answered with the failure instead."""
         encoders = self.encoders.urls
         if not encoders:
             self.metrics.observe_prime_failure("no_encoder")
-            return _json(*no_encoder(found.parts)), {}
+            _json(exchange, *no_encoder(found.parts))
+            return None
         first, self._rotation = self._rotation, self._rotation + len(found.parts)
         started = time.monotonic()
+        head = exchange.head
         try:
             params = await self.primer.prime(
                 [part.item for part in found.parts],
                 encoders,
                 model=found.model,
                 pooled=self.config.pooled,
-                headers=prime_headers(request.headers.items()),
+                headers=prime_headers(head.headers),
                 first=first,
             )
         except PrimeError as error:
             status, body = prime_failure(error, found.parts)
             self.metrics.observe_prime_failure("client_error" if status < 500 else "encoder_error")
-            logger.warning("%s %s answered %d, not forwarded: %s", request.method, request.path, status, error)
-            return _json(status, body), {}
+            logger.warning("%s %s answered %d, not forwarded: %s", head.method, head.path, status, error)
+            _json(exchange, status, body)
+            return None
         self.metrics.observe_primed([MEDIA_KINDS[p.item.kind] for p in found.parts], time.monotonic() - started)
-        return None, params
+        return params
 
-    async def _forward(self, request: web.Request, data: Any, drop: frozenset[str]) -> web.StreamResponse:
-        assert self._session is not None, "use the Proxy as an async context manager"
+    async def _forward(self, exchange: Exchange, body: bytes | Body | None) -> None:
+        head = exchange.head
+        upstream = self._upstream.url
         try:
-            upstream = await self._session.request(
-                request.method,
-                URL(self._upstream + request.raw_path, encoded=True),
-                headers=forwarded(request.headers.items(), drop),
-                data=data,
-                allow_redirects=False,
-            )
+            async with asyncio.timeout(self.config.request_timeout_seconds):
+                answer = await self._upstream.request(head, forwarded(head.headers, REQUEST_DROPPED), body)
+                try:
+                    await self._answer(exchange, answer)
+                finally:
+                    answer.release()
         except TimeoutError:
             seconds = self.config.request_timeout_seconds
-            return _error(504, f"the upstream {self._upstream} did not answer within {seconds:g} s")
-        except aiohttp.ClientError as error:
-            return _error(502, f"the upstream {self._upstream} is unreachable: {error}")
-        async with upstream:
-            if _held(upstream):
-                try:
-                    body = await upstream.read()
-                except (aiohttp.ClientError, TimeoutError) as error:
-                    return _error(502, f"the upstream's answer broke off: {error!r}")
-                return web.Response(
-                    status=upstream.status,
-                    reason=upstream.reason,
-                    headers=CIMultiDict(forwarded(upstream.headers.items())),
-                    body=body,
-                )
-            response = web.StreamResponse(
-                status=upstream.status,
-                reason=upstream.reason,
-                headers=CIMultiDict(forwarded(upstream.headers.items())),
-            )
-            await response.prepare(request)
-            try:
-                async for chunk in upstream.content.iter_any():
-                    await response.write(chunk)
-            except (aiohttp.ClientError, TimeoutError) as error:
-                # The status went out already: all the client can still learn is that the body
-                # is cut short, so the connection is dropped rather than the body ended.
-                logger.warning("%s %s: the upstream's answer broke off: %r", request.method, request.path, error)
-                if request.transport is not None:
-                    request.transport.abort()
-                return response
-            await response.write_eof()
-        return response
+            if not exchange.started:
+                return _error(exchange, 504, f"the upstream {upstream} did not answer within {seconds:g} s")
+            logger.warning("%s %s: the answer took longer than %g s, cut short", head.method, head.path, seconds)
+            exchange.abort()
+        except Unreachable as error:
+            _error(exchange, 502, f"the upstream {upstream} is unreachable: {error}")
+        except BrokeOff as error:
+            if not exchange.started:
+                return _error(exchange, 502, f"the upstream's answer broke off: {error}")
+            # The status went out already: all the client can still learn is that the body is
+            # cut short, so the connection is dropped rather than the body ended.
+            logger.warning("%s %s: the upstream's answer broke off: %s", head.method, head.path, error)
+            exchange.abort()
+
+    async def _answer(self, exchange: Exchange, answer: Answer) -> None:
+        assert answer.status is not None
+        headers = forwarded(answer.headers, ANSWER_DROPPED)
+        if answer.length is not None and answer.length <= HELD_ANSWER_BYTES and not answer.event_stream:
+            body = await answer.read()
+            return exchange.respond(answer.status, headers, body, answer.reason)
+        exchange.start(answer.status, answer.reason, headers, answer.length)
+        await answer.relay(exchange)
+        exchange.end()
 
     async def _metrics_page(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-
-def _held(upstream: aiohttp.ClientResponse) -> bool:
-    """Whether to read the upstream's answer whole and send it in one write: a small one of known
-    length that is not an event stream (SSE is written event by event as it comes)."""
-    length = upstream.content_length
-    return length is not None and length <= HELD_ANSWER_BYTES and upstream.content_type != "text/event-stream"
 
 
 async def _healthy(request: web.Request) -> web.Response:
@@ -227,12 +204,16 @@ async def _healthy(request: web.Request) -> web.Response:
     return web.Response(text="ok")
 
 
-def _json(status: int, body: dict[str, Any]) -> web.Response:
-    return web.json_response(body, status=status)
+def _error_json(status: int, message: str, param: str | None = None) -> bytes:
+    return json.dumps(error_body(status, message, param)).encode()
 
 
-def _error(status: int, message: str, param: str | None = None) -> web.Response:
-    return _json(status, error_body(status, message, param))
+def _json(exchange: Exchange, status: int, body: dict[str, Any]) -> None:
+    exchange.respond(status, JSON, json.dumps(body).encode())
+
+
+def _error(exchange: Exchange, status: int, message: str, param: str | None = None) -> None:
+    exchange.respond(status, JSON, _error_json(status, message, param))
 
 
 # --------------------------------------------------------------------------- the process
@@ -251,19 +232,19 @@ async def serve(
     """Serve until ``stop`` is set, then finish the requests in flight (up to
     ``shutdown_timeout`` seconds) before closing. ``ready`` gets the ports listened on (the
     bound ones for port 0) once both listen."""
-    # handler_cancellation: a client that goes away cancels its handler, which closes the
-    # upstream connection, so vLLM aborts the request instead of generating for nobody.
-    main = web.AppRunner(proxy.app(), access_log=None, handler_cancellation=True, shutdown_timeout=shutdown_timeout)
+    loop = asyncio.get_running_loop()
+    connections: set[ClientConnection] = set()
     admin = web.AppRunner(proxy.admin_app(), access_log=None)
     refresh = None
     if proxy.encoders.dns:
         await proxy.encoders.refresh()  # the first requests must not find the list empty
         refresh = asyncio.create_task(proxy.encoders.run())
+    listener = None
     try:
-        for runner, listen in ((main, port), (admin, metrics_port)):
-            await runner.setup()
-            await web.TCPSite(runner, host, listen).start()
-        ports = (main.addresses[0][1], admin.addresses[0][1])
+        listener = await loop.create_server(lambda: proxy.connection(connections), host, port, backlog=LISTEN_BACKLOG)
+        await admin.setup()
+        await web.TCPSite(admin, host, metrics_port).start()
+        ports = (listener.sockets[0].getsockname()[1], admin.addresses[0][1])
         logger.info(
             "serving on %s:%d (metrics on %d) in front of %s, priming on %s",
             host,
@@ -277,8 +258,24 @@ async def serve(
     finally:
         if refresh is not None:
             refresh.cancel()
-        await main.cleanup()
+        if listener is not None:
+            listener.close()
+            await _drain(connections, shutdown_timeout)
         await admin.cleanup()
+
+
+async def _drain(connections: set[ClientConnection], timeout: float) -> None:
+    """Close idle connections as they become idle, until none is left or ``timeout`` passed;
+    then drop the rest."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while connections and loop.time() < deadline:
+        for connection in list(connections):
+            if not connection.busy:
+                connection.close()
+        await asyncio.sleep(0.05)
+    for connection in list(connections):
+        connection.abort()
 
 
 def run_proxy(
