@@ -124,8 +124,15 @@ def test_the_gate_holds_a_ready_consumer_out_until_the_pool_has_a_ready_encoder(
     assert all(s["ready"] for s in containers(unit)), [(s["name"], s["ready"]) for s in containers(unit)]
     assert condition(unit, ENCODERS_READY_GATE)["status"] == "False"
     assert condition(unit, "Ready")["status"] == "False"
-    model = get(cluster, "epd", NAME, "-n", node_namespace)["status"]["models"][0]
-    assert model["readyUnits"] == 0 and [u["reason"] for u in model["unready"]] == ["NoReadyEncoder"]
+
+    def reasons() -> list[str] | None:
+        # The status follows the pod's last change once the operator has seen it: a moment later.
+        model = get(cluster, "epd", NAME, "-n", node_namespace)["status"]["models"][0]
+        assert model["readyUnits"] == 0, model
+        found = [u["reason"] for u in model["unready"]]
+        return found if found == ["NoReadyEncoder"] else None
+
+    wait_for(reasons, 60, "the status to name the missing encoder as what keeps the unit unready")
 
     cluster.kubectl(
         "apply",

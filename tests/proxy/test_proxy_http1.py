@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from epd_operator.proxy import http1
 from epd_operator.proxy.http1 import MAX_HEAD_BYTES
 
 CHAT = "/v1/chat/completions"
@@ -217,3 +218,25 @@ async def test_a_request_on_a_kept_connection_the_upstream_closed_is_sent_again(
                 writer.write(request("POST", CHAT, chat_body()))
                 assert (await read_answer(reader))[0] == 200
     assert counts == [2, 2, 1]  # each reuse was refused, and the request went again on a new one
+
+
+async def test_a_deep_pipeline_is_read_in_turns_and_answered_whole(server, start_proxy):
+    upstream = server()
+    proxy = await start_proxy(upstream.url, [server().url])
+    count = http1.PIPELINE_DEPTH * 6
+    async with connected(proxy.url) as (reader, writer):
+        writer.write(b"".join(request("GET", f"/v1/models?n={i}") for i in range(count)))
+        answers = [await asyncio.wait_for(read_answer(reader), 10) for _ in range(count)]
+    assert {status for status, _, _ in answers} == {200}
+    assert [r.path for r in upstream.records] == [f"/v1/models?n={i}" for i in range(count)]
+
+
+async def test_an_idle_client_connection_is_closed(server, start_proxy, monkeypatch):
+    monkeypatch.setattr(http1, "CLIENT_IDLE_SECONDS", 0.2)
+    proxy = await start_proxy(server().url, [server().url])
+    async with connected(proxy.url) as (reader, writer):
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # never sent a request
+    async with connected(proxy.url) as (reader, writer):
+        writer.write(request("GET", "/v1/models"))
+        assert (await read_answer(reader))[0] == 200
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # idle after its answer

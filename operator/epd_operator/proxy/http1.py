@@ -30,6 +30,11 @@ MAX_HEADERS = 256
 # A body is read from the client's socket ahead of its use up to this much, then the socket is
 # paused: pipelined requests and a slow upstream never pile up in memory.
 READ_AHEAD_BYTES = 256 * 1024
+# Requests parsed ahead of their turn on one connection (pipelined) before its socket is paused.
+PIPELINE_DEPTH = 16
+# A client connection with no request in progress for this long is closed (aiohttp's and nginx's
+# keep-alive timeout): idle clients do not hold sockets and memory for ever.
+CLIENT_IDLE_SECONDS = 75.0
 # Pooled upstream connections idle longer than this are closed (Go's net/http keeps them 90 s).
 # Servers close idle ones sooner (vLLM's uvicorn after 5 s); a request whose reused connection
 # closes before any byte of the answer is sent again on a new one, as net/http does.
@@ -100,6 +105,11 @@ class Body:
     def finish(self) -> None:
         self.complete = True
         self._connection.wake()
+
+    @property
+    def backlogged(self) -> bool:
+        """More has arrived than the read-ahead allows: the socket stays paused."""
+        return self._buffered > READ_AHEAD_BYTES
 
     def take(self) -> bytes:
         """What has arrived, at once: the whole body once ``complete``."""
@@ -249,6 +259,7 @@ class ClientConnection(asyncio.Protocol):
         self._read_all = False  # nothing more is parsed: a refused request, an upgrade
         self._waiter: asyncio.Future[None] | None = None
         self._reading_paused = False
+        self._idle_timer: asyncio.TimerHandle | None = None
         self.closed = False
         self.backpressure: Callable[[bool], None] | None = None
         """Called with True when the client reads slower than the proxy writes, False when it
@@ -263,10 +274,13 @@ class ClientConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's are not its subclasses
         self._connections.add(self)
+        self._idle()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._connections.discard(self)
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
         self.wake()
         if self._task is not None:
             self._task.cancel()  # the upstream request is aborted with it: vLLM stops generating
@@ -306,6 +320,9 @@ class ClientConnection(asyncio.Protocol):
     # ------------------------------------------------------------------ parser callbacks
 
     def on_message_begin(self) -> None:
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
         self._url = b""
         self._raw_headers = []
         self._head_bytes = 0
@@ -350,6 +367,8 @@ class ClientConnection(asyncio.Protocol):
         body = Body(self, head, expects_continue and (chunked or bool(length)))
         self._parsing = body
         self._queue.append(Exchange(self, head, body))
+        if len(self._queue) > PIPELINE_DEPTH:
+            self.pause_reading()
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._serve())
 
@@ -385,6 +404,8 @@ class ClientConnection(asyncio.Protocol):
                     return
                 try:
                     await self._handle(item)
+                except ClientGone:
+                    return
                 except Exception:
                     logger.exception("%s %s: the proxy failed", item.head.method, item.head.target)
                     if item.started:
@@ -396,8 +417,16 @@ class ClientConnection(asyncio.Protocol):
                 if not (item.ended and item.reusable):
                     self.close()
                     return
+                if len(self._queue) <= PIPELINE_DEPTH and not (self._parsing and self._parsing.backlogged):
+                    self.resume_reading()
         finally:
             self._task = None
+            if not self._queue:
+                self._idle()
+
+    def _idle(self) -> None:
+        if not self.closed:
+            self._idle_timer = asyncio.get_running_loop().call_later(CLIENT_IDLE_SECONDS, self.close)
 
     def _refusal(self, status: int, message: str) -> None:
         """The answer to a request the proxy could not take, after which the connection closes."""
