@@ -231,7 +231,7 @@ async def test_a_deep_pipeline_is_read_in_turns_and_answered_whole(server, start
     assert [r.path for r in upstream.records] == [f"/v1/models?n={i}" for i in range(count)]
 
 
-async def test_an_idle_client_connection_is_closed(server, start_proxy, monkeypatch):
+async def test_an_idle_or_stalled_client_connection_is_closed(server, start_proxy, monkeypatch):
     monkeypatch.setattr(http1, "CLIENT_IDLE_SECONDS", 0.2)
     proxy = await start_proxy(server().url, [server().url])
     async with connected(proxy.url) as (reader, writer):
@@ -240,3 +240,6 @@ async def test_an_idle_client_connection_is_closed(server, start_proxy, monkeypa
         writer.write(request("GET", "/v1/models"))
         assert (await read_answer(reader))[0] == 200
         assert await asyncio.wait_for(reader.read(), 5) == b""  # idle after its answer
+    async with connected(proxy.url) as (reader, writer):
+        writer.write(b"GET /v1/models HTTP/1.1\r\nhost: p\r\n")  # a head that never ends
+        assert await asyncio.wait_for(reader.read(), 5) == b""

@@ -33,7 +33,8 @@ READ_AHEAD_BYTES = 256 * 1024
 # Requests parsed ahead of their turn on one connection (pipelined) before its socket is paused.
 PIPELINE_DEPTH = 16
 # A client connection with no request in progress for this long is closed (aiohttp's and nginx's
-# keep-alive timeout): idle clients do not hold sockets and memory for ever.
+# keep-alive timeout), and so is one whose request head has not ended by then: idle or stalled
+# clients do not hold sockets and memory for ever. One sweep does it, not a timer per request.
 CLIENT_IDLE_SECONDS = 75.0
 # Pooled upstream connections idle longer than this are closed (Go's net/http keeps them 90 s).
 # Servers close idle ones sooner (vLLM's uvicorn after 5 s); a request whose reused connection
@@ -259,7 +260,8 @@ class ClientConnection(asyncio.Protocol):
         self._read_all = False  # nothing more is parsed: a refused request, an upgrade
         self._waiter: asyncio.Future[None] | None = None
         self._reading_paused = False
-        self._idle_timer: asyncio.TimerHandle | None = None
+        self.idle_since: float | None = time.monotonic()
+        """Since when no request has been in progress (None: one is)."""
         self.closed = False
         self.backpressure: Callable[[bool], None] | None = None
         """Called with True when the client reads slower than the proxy writes, False when it
@@ -274,13 +276,10 @@ class ClientConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's are not its subclasses
         self._connections.add(self)
-        self._idle()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._connections.discard(self)
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
         self.wake()
         if self._task is not None:
             self._task.cancel()  # the upstream request is aborted with it: vLLM stops generating
@@ -320,9 +319,6 @@ class ClientConnection(asyncio.Protocol):
     # ------------------------------------------------------------------ parser callbacks
 
     def on_message_begin(self) -> None:
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-            self._idle_timer = None
         self._url = b""
         self._raw_headers = []
         self._head_bytes = 0
@@ -338,6 +334,7 @@ class ClientConnection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        self.idle_since = None
         headers = [(name.decode("latin-1"), value.decode("latin-1")) for name, value in self._raw_headers]
         length, chunked, expects_continue = None, False, False
         for name, value in headers:
@@ -422,11 +419,7 @@ class ClientConnection(asyncio.Protocol):
         finally:
             self._task = None
             if not self._queue:
-                self._idle()
-
-    def _idle(self) -> None:
-        if not self.closed:
-            self._idle_timer = asyncio.get_running_loop().call_later(CLIENT_IDLE_SECONDS, self.close)
+                self.idle_since = time.monotonic()
 
     def _refusal(self, status: int, message: str) -> None:
         """The answer to a request the proxy could not take, after which the connection closes."""
@@ -485,6 +478,16 @@ class ClientConnection(asyncio.Protocol):
         await self._waiter
         if self.closed:
             raise ClientGone
+
+
+async def close_idle(connections: set[ClientConnection]) -> None:
+    """Close, for as long as it runs, client connections idle for CLIENT_IDLE_SECONDS."""
+    while True:
+        await asyncio.sleep(CLIENT_IDLE_SECONDS / 4)
+        now = time.monotonic()
+        for connection in list(connections):
+            if connection.idle_since is not None and now - connection.idle_since >= CLIENT_IDLE_SECONDS:
+                connection.close()
 
 
 # --------------------------------------------------------------------------- the upstream

@@ -42,7 +42,7 @@ from .core import (
     with_transfer_params,
 )
 from .encoders import Encoders
-from .http1 import Answer, Body, BrokeOff, ClientConnection, Exchange, TooLarge, Unreachable, Upstream
+from .http1 import Answer, Body, BrokeOff, ClientConnection, Exchange, TooLarge, Unreachable, Upstream, close_idle
 from .metrics import ProxyMetrics
 
 logger = logging.getLogger("epd_operator.proxy")
@@ -240,6 +240,7 @@ async def serve(
         await proxy.encoders.refresh()  # the first requests must not find the list empty
         refresh = asyncio.create_task(proxy.encoders.run())
     listener = None
+    sweep = asyncio.create_task(close_idle(connections))
     try:
         listener = await loop.create_server(lambda: proxy.connection(connections), host, port, backlog=LISTEN_BACKLOG)
         await admin.setup()
@@ -256,6 +257,7 @@ async def serve(
             ready.set_result(ports)
         await stop.wait()
     finally:
+        sweep.cancel()
         if refresh is not None:
             refresh.cancel()
         if listener is not None:
