@@ -62,7 +62,7 @@ def container(pod: dict, name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def gated(cluster, helm_operator, node_namespace, tiny_model_claim):
-    """The pods once the consumer is ready in its container and the pool's encoder has failed."""
+    """The pods once every container of the unit is ready and the pool's encoder has failed."""
     cluster.kubectl(
         "apply",
         "-n",
@@ -78,10 +78,11 @@ def gated(cluster, helm_operator, node_namespace, tiny_model_claim):
         except ValueError:
             return None
         crashed = container(pool, "encoder-0").get("restartCount", 0) >= 1 if containers(pool) else False
-        consumer_ready = bool(containers(unit)) and container(unit, "regular-0").get("ready")
-        return (pool, unit) if crashed and consumer_ready else None
+        # The proxy is ready a probe later than the consumer: its readiness asks it /health.
+        unit_ready = bool(containers(unit)) and all(s.get("ready") for s in containers(unit))
+        return (pool, unit) if crashed and unit_ready else None
 
-    yield wait_for(settled, 900, "the consumer ready in its container and the pool's encoder failed once")
+    yield wait_for(settled, 900, "every container of the unit ready and the pool's encoder failed once")
     cluster.kubectl("delete", "epd", NAME, "-n", node_namespace, "--wait=false", check=False)
 
 

@@ -243,3 +243,22 @@ async def test_an_idle_or_stalled_client_connection_is_closed(server, start_prox
     async with connected(proxy.url) as (reader, writer):
         writer.write(b"GET /v1/models HTTP/1.1\r\nhost: p\r\n")  # a head that never ends
         assert await asyncio.wait_for(reader.read(), 5) == b""
+
+
+async def test_an_answer_still_streaming_at_the_request_timeout_is_cut_short(start_proxy, server):
+    async def stalls(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        writer.write(b"e\r\ndata: first\n\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(30)  # and never ends
+
+    listener = await asyncio.start_server(stalls, "127.0.0.1", 0)
+    async with listener:
+        upstream = f"http://127.0.0.1:{listener.sockets[0].getsockname()[1]}"
+        proxy = await start_proxy(upstream, [server().url], request_timeout_seconds=0.3)
+        async with connected(proxy.url) as (reader, writer):
+            writer.write(request("POST", "/v1/completions", b'{"prompt": "x", "stream": true}'))
+            received = await asyncio.wait_for(reader.read(), 5)  # the proxy drops the connection
+    assert received.startswith(b"HTTP/1.1 200") and b"data: first" in received
+    assert not received.endswith(b"0\r\n\r\n")  # no last chunk: the client sees the answer cut
