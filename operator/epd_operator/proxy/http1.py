@@ -45,6 +45,8 @@ UPSTREAM_IDLE_SECONDS = 60.0
 STREAMED_IDLE_SECONDS = 2.0
 
 Handler = Callable[["Exchange"], Awaitable[None]]
+# The proxy's own answers (errors in vLLM's shape) are JSON.
+JSON_HEADERS = [("content-type", "application/json")]
 
 
 class TooLarge(Exception):
@@ -425,7 +427,7 @@ class ClientConnection(asyncio.Protocol):
         """The answer to a request the proxy could not take, after which the connection closes."""
         body = self._reject(status, message)
         framing = f"content-length: {len(body)}\r\nconnection: close\r\n"
-        self.write(_head(status, None, [("content-type", "application/json")], framing) + body)
+        self.write(_head(status, None, JSON_HEADERS, framing) + body)
         self.close()
 
     def _refuse(self, status: int, message: str) -> None:
@@ -454,14 +456,13 @@ class ClientConnection(asyncio.Protocol):
             self._transport.pause_reading()
 
     def resume_reading(self) -> None:
-        if self._reading_paused and self._transport is not None and not self.closed:
+        if self._reading_paused and not self._read_all and self._transport is not None and not self.closed:
             self._reading_paused = False
             self._transport.resume_reading()
 
     def _stop_reading(self) -> None:
-        self._read_all = True
         self.pause_reading()
-        self._reading_paused = False  # for good: nothing resumes it
+        self._read_all = True  # for good: resume_reading no longer does
         for item in self._queue:
             if isinstance(item, Exchange):
                 item.reusable = False
@@ -504,7 +505,9 @@ class Answer:
         "_error",
         "_sink",
         "_waiter",
+        "chunked",
         "complete",
+        "event_stream",
         "headers",
         "length",
         "reason",
@@ -519,6 +522,8 @@ class Answer:
         self.reason = ""
         self.headers: list[tuple[str, str]] = []
         self.length: int | None = None
+        self.chunked = False
+        self.event_stream = False
         self.received = False
         self.complete = False
         self._bodyless = bodyless
@@ -528,10 +533,6 @@ class Answer:
         self._waiter: asyncio.Future[None] | None = None
         self.sending: asyncio.Task[None] | None = None
         """The request's body still being sent, when it is streamed."""
-
-    @property
-    def event_stream(self) -> bool:
-        return any(n.lower() == "content-type" and v.startswith("text/event-stream") for n, v in self.headers)
 
     async def head(self) -> None:
         while self.status is None:
@@ -580,8 +581,13 @@ class Answer:
     def _begin(self, status: int, reason: str, headers: list[tuple[str, str]]) -> None:
         self.status, self.reason, self.headers = status, reason, headers
         for name, value in headers:
-            if name.lower() == "content-length":
+            key = name.lower()
+            if key == "content-length":
                 self.length = int(value)
+            elif key == "transfer-encoding":
+                self.chunked = "chunked" in value.lower()
+            elif key == "content-type":
+                self.event_stream = value.startswith("text/event-stream")
         if self._bodyless:
             self.complete = True
         self._wake()
@@ -657,16 +663,10 @@ class UpstreamConnection(asyncio.Protocol):
         answer = self._answer
         if answer is None or answer.complete:
             return
-        if answer.status is not None and answer.length is None and not self._parser_chunked():
+        if answer.status is not None and answer.length is None and not answer.chunked:
             answer._finish()  # a body that ends with the connection
         else:
             answer._fail(BrokeOff(f"the connection closed mid-answer ({exc or 'by the upstream'})"))
-
-    def _parser_chunked(self) -> bool:
-        answer = self._answer
-        return answer is not None and any(
-            n.lower() == "transfer-encoding" and "chunked" in v.lower() for n, v in answer.headers
-        )
 
     def data_received(self, data: bytes) -> None:
         if self._answer is None:  # nothing was asked: a server talking out of turn

@@ -42,7 +42,18 @@ from .core import (
     with_transfer_params,
 )
 from .encoders import Encoders
-from .http1 import Answer, Body, BrokeOff, ClientConnection, Exchange, TooLarge, Unreachable, Upstream, close_idle
+from .http1 import (
+    JSON_HEADERS,
+    Answer,
+    Body,
+    BrokeOff,
+    ClientConnection,
+    Exchange,
+    TooLarge,
+    Unreachable,
+    Upstream,
+    close_idle,
+)
 from .metrics import ProxyMetrics
 
 logger = logging.getLogger("epd_operator.proxy")
@@ -53,7 +64,6 @@ MiB = 1024 * 1024
 HELD_ANSWER_BYTES = 1 * MiB
 # Connections waiting to be accepted: a burst of new clients is not refused or delayed.
 LISTEN_BACKLOG = 1024
-JSON = [("content-type", "application/json")]
 
 
 @dataclass(frozen=True)
@@ -209,11 +219,11 @@ def _error_json(status: int, message: str, param: str | None = None) -> bytes:
 
 
 def _json(exchange: Exchange, status: int, body: dict[str, Any]) -> None:
-    exchange.respond(status, JSON, json.dumps(body).encode())
+    exchange.respond(status, JSON_HEADERS, json.dumps(body).encode())
 
 
 def _error(exchange: Exchange, status: int, message: str, param: str | None = None) -> None:
-    exchange.respond(status, JSON, _error_json(status, message, param))
+    exchange.respond(status, JSON_HEADERS, _error_json(status, message, param))
 
 
 # --------------------------------------------------------------------------- the process
