@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +33,16 @@ class RunningProxy:
     async def metrics_text(self) -> str:
         async with aiohttp.ClientSession() as http, http.get(self.admin_url + "/metrics") as response:
             return await response.text()
+
+
+@contextlib.asynccontextmanager
+async def raw_upstream(
+    answer: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+) -> AsyncIterator[str]:
+    """An upstream written as raw bytes by ``answer`` (a shape no stand-in engine takes): its URL."""
+    listener = await asyncio.start_server(answer, "127.0.0.1", 0)
+    async with listener:
+        yield f"http://127.0.0.1:{listener.sockets[0].getsockname()[1]}"
 
 
 @pytest.fixture

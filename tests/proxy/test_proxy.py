@@ -17,7 +17,7 @@ from yarl import URL
 from epd_dev.standins.fault_proxy import http_status, reset
 from epd_dev.standins.vllm_server import STREAM_TOKENS
 
-from .conftest import FAST
+from .conftest import FAST, raw_upstream
 
 CHAT = "/v1/chat/completions"
 
@@ -375,9 +375,8 @@ async def upstream_breaking_off(start: bytes) -> AsyncIterator[str]:
         await writer.drain()
         writer.transport.abort()
 
-    listener = await asyncio.start_server(answer, "127.0.0.1", 0)
-    async with listener:
-        yield f"http://127.0.0.1:{listener.sockets[0].getsockname()[1]}"
+    async with raw_upstream(answer) as url:
+        yield url
 
 
 async def test_an_answer_broken_off_upstream_is_broken_off_for_the_client(start_proxy, http, server):

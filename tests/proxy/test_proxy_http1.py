@@ -14,6 +14,8 @@ import pytest
 from epd_operator.proxy import http1
 from epd_operator.proxy.http1 import MAX_HEAD_BYTES
 
+from .conftest import raw_upstream
+
 CHAT = "/v1/chat/completions"
 
 
@@ -108,9 +110,8 @@ async def upstream_reading_chunks() -> AsyncIterator[tuple[str, list[tuple[bytes
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
         await writer.drain()
 
-    listener = await asyncio.start_server(answer, "127.0.0.1", 0)
-    async with listener:
-        yield f"http://127.0.0.1:{listener.sockets[0].getsockname()[1]}", seen
+    async with raw_upstream(answer) as url:
+        yield url, seen
 
 
 async def test_a_chunked_body_is_streamed_upstream_whole(server, start_proxy):
@@ -205,9 +206,8 @@ async def upstream_closing_kept_connections() -> AsyncIterator[tuple[str, list[i
                 await reader.readexactly(length)
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
 
-    listener = await asyncio.start_server(answer, "127.0.0.1", 0)
-    async with listener:
-        yield f"http://127.0.0.1:{listener.sockets[0].getsockname()[1]}", counts
+    async with raw_upstream(answer) as url:
+        yield url, counts
 
 
 async def test_a_request_on_a_kept_connection_the_upstream_closed_is_sent_again(start_proxy, server):
@@ -253,9 +253,7 @@ async def test_an_answer_still_streaming_at_the_request_timeout_is_cut_short(sta
         await writer.drain()
         await asyncio.sleep(30)  # and never ends
 
-    listener = await asyncio.start_server(stalls, "127.0.0.1", 0)
-    async with listener:
-        upstream = f"http://127.0.0.1:{listener.sockets[0].getsockname()[1]}"
+    async with raw_upstream(stalls) as upstream:
         proxy = await start_proxy(upstream, [server().url], request_timeout_seconds=0.3)
         async with connected(proxy.url) as (reader, writer):
             writer.write(request("POST", "/v1/completions", b'{"prompt": "x", "stream": true}'))
