@@ -45,6 +45,28 @@ async def raw_upstream(
         yield f"http://127.0.0.1:{listener.sockets[0].getsockname()[1]}"
 
 
+@pytest.fixture(params=["new", "kept"], ids=["new upstream connection", "kept-alive upstream connection"])
+def warm(request: pytest.FixtureRequest) -> Callable[[aiohttp.ClientSession, str], Awaitable[None]]:
+    """``await warm(http, proxy_url)`` before a test's request. Twice a test: as the first
+    request (the proxy connects upstream from a task), and after a GET /v1/models left an upstream
+    connection idle (the proxy forwards at once and follows the answer from callbacks)."""
+
+    async def warm_up(http: aiohttp.ClientSession, proxy_url: str) -> None:
+        if request.param == "kept":
+            async with http.get(proxy_url + "/v1/models") as response:
+                assert response.status == 200
+                await response.read()
+
+    return warm_up
+
+
+async def answer_models(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
+    """For a raw upstream: answer GET requests (warm's) with ``{}`` until another comes; its head."""
+    while (head := await reader.readuntil(b"\r\n\r\n")).startswith(b"GET "):
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
+    return head
+
+
 @pytest.fixture
 def faulty(stack: ExitStack) -> Callable[[str], FaultProxy]:
     return lambda upstream: stack.enter_context(FaultProxy(upstream))

@@ -17,7 +17,7 @@ from yarl import URL
 from epd_dev.standins.fault_proxy import http_status, reset
 from epd_dev.standins.vllm_server import STREAM_TOKENS
 
-from .conftest import FAST, raw_upstream
+from .conftest import FAST, answer_models, raw_upstream
 
 CHAT = "/v1/chat/completions"
 
@@ -84,12 +84,13 @@ async def test_round_robin_goes_on_across_requests(server, start_proxy, http):
     assert [primed_parts(e) for e in encoders] == [[image(0), image(2)], [image(1), image(3)]]
 
 
-async def test_a_stream_is_passed_on_event_by_event(server, start_proxy, http):
+async def test_a_stream_is_passed_on_event_by_event(server, start_proxy, http, warm):
     """The stand-in sends event i+1 only once the test has read event i through the proxy: a
     proxy buffering the answer would never hand over the first event, and the test would hang."""
     gate = threading.Semaphore(0)
     encoder, upstream = server(), server(chunk_gate=gate)
     proxy = await start_proxy(upstream.url, [encoder.url])
+    await warm(http, proxy.url)
     events = []
     async with http.post(proxy.url + CHAT, json=chat(image(0), stream=True)) as response:
         assert response.status == 200 and response.headers["content-type"] == "text/event-stream"
@@ -318,16 +319,18 @@ async def test_an_unreachable_upstream_is_a_502(server, start_proxy, http):
     assert "unreachable" in answer["error"]["message"]
 
 
-async def test_a_client_that_leaves_aborts_the_upstream_request(server, start_proxy, http):
-    upstream = server(delay=30)
+async def test_a_client_that_leaves_aborts_the_upstream_request(server, start_proxy, http, warm):
+    upstream = server()
     proxy = await start_proxy(upstream.url, [server().url])
+    await warm(http, proxy.url)
+    upstream.delay = 30
     with pytest.raises(asyncio.TimeoutError):
         await asyncio.wait_for(post(http, proxy.url + CHAT, chat()), 0.5)
     for _ in range(100):  # the stand-in notices the closed connection at once; give it 10 s
-        if upstream.records and upstream.records[0].aborted:
+        if upstream.records and upstream.records[-1].aborted:
             break
         await asyncio.sleep(0.1)
-    assert upstream.records[0].aborted
+    assert upstream.records[-1].aborted
 
 
 async def test_metrics_and_health(server, start_proxy, http):
@@ -357,9 +360,11 @@ async def test_metrics_and_health(server, start_proxy, http):
     assert "process_resident_memory_bytes" in text
 
 
-async def test_an_upstream_too_slow_for_the_request_timeout_is_a_504(server, start_proxy, http):
-    upstream = server(delay=5)
+async def test_an_upstream_too_slow_for_the_request_timeout_is_a_504(server, start_proxy, http, warm):
+    upstream = server()
     proxy = await start_proxy(upstream.url, [server().url], request_timeout_seconds=0.3)
+    await warm(http, proxy.url)
+    upstream.delay = 5
     status, answer, _ = await post(http, proxy.url + CHAT, chat())
     assert (status, answer["error"]["type"]) == (504, "GatewayTimeoutError")
 
@@ -370,7 +375,7 @@ async def upstream_breaking_off(start: bytes) -> AsyncIterator[str]:
     connection."""
 
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
+        await answer_models(reader, writer)
         writer.write(start)
         await writer.drain()
         writer.transport.abort()
@@ -379,24 +384,26 @@ async def upstream_breaking_off(start: bytes) -> AsyncIterator[str]:
         yield url
 
 
-async def test_an_answer_broken_off_upstream_is_broken_off_for_the_client(start_proxy, http, server):
+async def test_an_answer_broken_off_upstream_is_broken_off_for_the_client(start_proxy, http, server, warm):
     """Headers and one event, then the upstream's connection drops: the client must not get a
     well-ended answer that is missing its end."""
     head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
-    async with upstream_breaking_off(head + b"e\r\ndata: first\n\n\r\n") as upstream:
+    async with upstream_breaking_off(head + b"d\r\ndata: first\n\n\r\n") as upstream:
         proxy = await start_proxy(upstream, [server().url])
+        await warm(http, proxy.url)
         async with http.post(proxy.url + "/v1/completions", json={"prompt": "x", "stream": True}) as response:
             assert response.status == 200
             with pytest.raises(aiohttp.ClientPayloadError):
                 await response.read()
 
 
-async def test_a_whole_answer_broken_off_upstream_is_a_502(start_proxy, http, server):
+async def test_a_whole_answer_broken_off_upstream_is_a_502(start_proxy, http, server, warm):
     """An answer of known length is read whole before anything goes out, so when the upstream
     drops it halfway the client can still get a proper error instead of a cut body."""
     head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n"
     async with upstream_breaking_off(head + b'{"id": ') as upstream:
         proxy = await start_proxy(upstream, [server().url])
+        await warm(http, proxy.url)
         status, answer, _ = await post(http, proxy.url + "/v1/completions", {"prompt": "x"})
     assert (status, answer["error"]["type"]) == (502, "BadGatewayError")
     assert "broke off" in answer["error"]["message"]

@@ -14,7 +14,7 @@ import pytest
 from epd_operator.proxy import http1
 from epd_operator.proxy.http1 import MAX_HEAD_BYTES
 
-from .conftest import raw_upstream
+from .conftest import answer_models, raw_upstream
 
 CHAT = "/v1/chat/completions"
 
@@ -245,16 +245,17 @@ async def test_an_idle_or_stalled_client_connection_is_closed(server, start_prox
         assert await asyncio.wait_for(reader.read(), 5) == b""
 
 
-async def test_an_answer_still_streaming_at_the_request_timeout_is_cut_short(start_proxy, server):
+async def test_an_answer_still_streaming_at_the_request_timeout_is_cut_short(start_proxy, server, http, warm):
     async def stalls(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
+        await answer_models(reader, writer)
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
-        writer.write(b"e\r\ndata: first\n\n\r\n")
+        writer.write(b"d\r\ndata: first\n\n\r\n")
         await writer.drain()
         await asyncio.sleep(30)  # and never ends
 
     async with raw_upstream(stalls) as upstream:
         proxy = await start_proxy(upstream, [server().url], request_timeout_seconds=0.3)
+        await warm(http, proxy.url)
         async with connected(proxy.url) as (reader, writer):
             writer.write(request("POST", "/v1/completions", b'{"prompt": "x", "stream": true}'))
             received = await asyncio.wait_for(reader.read(), 5)  # the proxy drops the connection

@@ -32,9 +32,9 @@ HOP_BY_HOP = frozenset({"connection", "proxy-connection", "keep-alive", "te", "t
 # Also dropped from a request: Host is the upstream's, Expect was the client's exchange with the
 # proxy, and the body's framing is the proxy's own (a Pools body is re-serialised; a streamed
 # one keeps the client's length, or goes chunked): http1.py sets Host and Content-Length.
-REQUEST_DROPPED = frozenset({"host", "expect", "content-length"})
+REQUEST_DROPPED = HOP_BY_HOP | {"host", "expect", "content-length"}
 # Dropped from an answer: its framing is the proxy's to the client, set by http1.py.
-ANSWER_DROPPED = frozenset({"content-length"})
+ANSWER_DROPPED = HOP_BY_HOP | {"content-length"}
 
 # Client headers that also go with each prime: credentials (engines run with --api-key check
 # every request) and trace context. x-request-id becomes the primes' id prefix (epd_client).
@@ -116,15 +116,14 @@ def with_transfer_params(body: Mapping[str, Any], params: Mapping[str, Any]) -> 
     return {**body, "ec_transfer_params": {**params, **(body.get("ec_transfer_params") or {})}}
 
 
-def forwarded(headers: Iterable[tuple[str, str]], drop: frozenset[str] = frozenset()) -> list[tuple[str, str]]:
-    """End-to-end headers only, repeated ones kept in order: no hop-by-hop header (nor one the
-    Connection header names), nor any of ``drop`` (lower-case names)."""
-    pairs = list(headers)
-    named = {
-        token.strip().lower() for name, value in pairs if name.lower() == "connection" for token in value.split(",")
-    }
-    dropped = HOP_BY_HOP | drop | named
-    return [(name, value) for name, value in pairs if name.lower() not in dropped]
+def forwarded(headers: Sequence[tuple[str, str]], drop: frozenset[str] = HOP_BY_HOP) -> list[tuple[str, str]]:
+    """End-to-end headers only, repeated ones kept in order: none of ``drop`` (lower-case names;
+    REQUEST_DROPPED or ANSWER_DROPPED, each with every hop-by-hop header), nor one the Connection
+    header names."""
+    named = [value for name, value in headers if name.lower() == "connection"]
+    if named:
+        drop = drop | {token.strip().lower() for value in named for token in value.split(",")}
+    return [(name, value) for name, value in headers if name.lower() not in drop]
 
 
 def prime_headers(headers: Iterable[tuple[str, str]]) -> dict[str, str]:

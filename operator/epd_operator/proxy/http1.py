@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import cast
+from typing import Any, cast
 from urllib.parse import unquote, urlsplit
 
 import httptools
@@ -44,7 +45,9 @@ UPSTREAM_IDLE_SECONDS = 60.0
 # under every server's idle limit, or a new one.
 STREAMED_IDLE_SECONDS = 2.0
 
-Handler = Callable[["Exchange"], Awaitable[None]]
+Handler = Callable[["Exchange"], Coroutine[Any, Any, None] | None]
+"""Serves one exchange: returns what to await (the connection runs it as its task), or None when
+it serves the exchange from callbacks, which call ``Exchange.finish`` once it is over."""
 # The proxy's own answers (errors in vLLM's shape) are JSON.
 JSON_HEADERS = [("content-type", "application/json")]
 
@@ -176,7 +179,7 @@ class Exchange:
     """One request on a client connection, and the proxy's answer to it: whole (``respond``) or
     streamed (``start``, ``write``, ``end``)."""
 
-    __slots__ = ("_bodyless", "_chunked", "body", "connection", "ended", "head", "reusable", "status")
+    __slots__ = ("_bodyless", "_chunked", "body", "cancel", "connection", "ended", "head", "reusable", "status")
 
     def __init__(self, connection: ClientConnection, head: RequestHead, body: Body) -> None:
         self.connection = connection
@@ -187,6 +190,12 @@ class Exchange:
         self._bodyless = head.method == "HEAD"
         self.ended = False
         self.reusable = head.keep_alive
+        self.cancel: Callable[[], object] | None = None
+        """Called if the client leaves while callbacks serve the exchange (a task is cancelled)."""
+
+    def finish(self) -> None:
+        """The exchange served from callbacks is over: the connection goes on to the next."""
+        self.connection.finished(self)
 
     @property
     def started(self) -> bool:
@@ -241,6 +250,18 @@ class _Rejection:
     message: str
 
 
+# A request-target that is its own path: no query, fragment or percent-encoding to take apart.
+_PLAIN_PATH = re.compile(r"/[A-Za-z0-9/._~-]*")
+
+
+def _path(target: bytes) -> str:
+    """The percent-decoded path of a request-target."""
+    try:
+        return unquote(httptools.parse_url(target).path.decode("latin-1"))
+    except httptools.HttpParserInvalidURLError:
+        return target.decode("latin-1")  # "*" of OPTIONS
+
+
 class ClientConnection(asyncio.Protocol):
     """One client connection: requests parsed as they arrive and answered one after the other by
     ``handle`` (pipelined ones queue). The client leaving cancels the request in progress."""
@@ -252,7 +273,8 @@ class ClientConnection(asyncio.Protocol):
         self._parser = httptools.HttpRequestParser(self)
         self._transport: asyncio.Transport | None = None
         self._queue: deque[Exchange | _Rejection] = deque()
-        self._task: asyncio.Task[None] | None = None
+        self._current: Exchange | None = None
+        self._starting = False
         self._parsing: Body | None = None
         self._url = b""
         self._raw_headers: list[tuple[bytes, bytes]] = []
@@ -271,7 +293,7 @@ class ClientConnection(asyncio.Protocol):
 
     @property
     def busy(self) -> bool:
-        return self._task is not None
+        return self._current is not None
 
     # ------------------------------------------------------------------ transport events
 
@@ -283,8 +305,9 @@ class ClientConnection(asyncio.Protocol):
         self.closed = True
         self._connections.discard(self)
         self.wake()
-        if self._task is not None:
-            self._task.cancel()  # the upstream request is aborted with it: vLLM stops generating
+        current = self._current
+        if current is not None and current.cancel is not None:
+            current.cancel()  # the upstream request is aborted with it: vLLM stops generating
 
     def data_received(self, data: bytes) -> None:
         if self._read_all:
@@ -309,6 +332,8 @@ class ClientConnection(asyncio.Protocol):
             if isinstance(error, httptools.HttpParserCallbackError):
                 logger.error("the proxy failed on a request", exc_info=error.__context__)
             self._refuse(HTTPStatus.BAD_REQUEST, f"malformed HTTP request: {error}")
+            return
+        self._start_next()
 
     def pause_writing(self) -> None:
         if self.backpressure is not None:
@@ -337,9 +362,11 @@ class ClientConnection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         self.idle_since = None
-        headers = [(name.decode("latin-1"), value.decode("latin-1")) for name, value in self._raw_headers]
+        headers = []
         length, chunked, expects_continue = None, False, False
-        for name, value in headers:
+        for raw_name, raw_value in self._raw_headers:
+            name, value = raw_name.decode("latin-1"), raw_value.decode("latin-1")
+            headers.append((name, value))
             key = name.lower()
             if key == "content-length":
                 length = int(value)  # llhttp accepts digits only
@@ -348,10 +375,7 @@ class ClientConnection(asyncio.Protocol):
             elif key == "expect":
                 expects_continue = value.lower() == "100-continue"
         target = self._url.decode("latin-1")
-        try:
-            path = unquote(httptools.parse_url(self._url).path.decode("latin-1"))
-        except httptools.HttpParserInvalidURLError:
-            path = target  # "*" of OPTIONS
+        path = target if _PLAIN_PATH.fullmatch(target) else _path(self._url)
         parser = self._parser
         head = RequestHead(
             method=parser.get_method().decode("latin-1"),
@@ -368,8 +392,6 @@ class ClientConnection(asyncio.Protocol):
         self._queue.append(Exchange(self, head, body))
         if len(self._queue) > PIPELINE_DEPTH:
             self.pause_reading()
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._serve())
 
     def on_body(self, data: bytes) -> None:
         assert self._parsing is not None
@@ -394,34 +416,73 @@ class ClientConnection(asyncio.Protocol):
 
     # ------------------------------------------------------------------ serving
 
-    async def _serve(self) -> None:
+    def _start_next(self) -> None:
+        """Serve the request whose turn it is, once what data_received brought is parsed: a body
+        that arrived whole with its head is handed over whole, so the handler can answer from
+        callbacks, without a task."""
+        if self._starting:
+            return  # an exchange finished within its handler: the loop below goes on
+        self._starting = True
         try:
-            while self._queue:
+            while self._current is None and self._queue and not self.closed:
                 item = self._queue[0]
                 if isinstance(item, _Rejection):
                     self._refusal(item.status, item.message)
                     return
+                self._current = item
                 try:
-                    await self._handle(item)
-                except ClientGone:
+                    pending = self._handle(item)
+                except Exception:  # noqa: BLE001 - logged by failed()
+                    self.failed(item)
                     return
-                except Exception:
-                    logger.exception("%s %s: the proxy failed", item.head.method, item.head.target)
-                    if item.started:
-                        item.abort()
-                    else:
-                        self._refusal(HTTPStatus.INTERNAL_SERVER_ERROR, "the proxy failed; see its log")
-                    return
-                self._queue.popleft()
-                if not (item.ended and item.reusable):
-                    self.close()
-                    return
-                if len(self._queue) <= PIPELINE_DEPTH and not (self._parsing and self._parsing.backlogged):
-                    self.resume_reading()
+                if pending is not None:
+                    asyncio.get_running_loop().create_task(self._run(item, pending))
         finally:
-            self._task = None
-            if not self._queue:
-                self.idle_since = time.monotonic()
+            self._starting = False
+
+    async def _run(self, exchange: Exchange, pending: Coroutine[Any, Any, None]) -> None:
+        if self.closed:  # the client left before the task ran: what it held was released then
+            pending.close()
+            return
+        task = asyncio.current_task()
+        assert task is not None
+        exchange.cancel = task.cancel
+        try:
+            await pending
+        except ClientGone:
+            return
+        except Exception:  # noqa: BLE001 - logged by failed()
+            self.failed(exchange)
+            return
+        exchange.cancel = None
+        self.finished(exchange)
+
+    def run(self, exchange: Exchange, pending: Coroutine[Any, Any, None]) -> None:
+        """Go on serving ``exchange`` (served from callbacks until now) with a task."""
+        asyncio.get_running_loop().create_task(self._run(exchange, pending))
+
+    def finished(self, exchange: Exchange) -> None:
+        if self._current is not exchange:
+            return
+        self._current = None
+        self._queue.popleft()
+        if not (exchange.ended and exchange.reusable):
+            self.close()
+            return
+        if not self._queue:
+            self.idle_since = time.monotonic()
+        if len(self._queue) <= PIPELINE_DEPTH and not (self._parsing and self._parsing.backlogged):
+            self.resume_reading()
+        self._start_next()
+
+    def failed(self, exchange: Exchange) -> None:
+        """The proxy failed serving ``exchange`` (called while handling the exception)."""
+        logger.exception("%s %s: the proxy failed", exchange.head.method, exchange.head.target)
+        exchange.cancel = None
+        if exchange.started:
+            exchange.abort()
+        else:
+            self._refusal(HTTPStatus.INTERNAL_SERVER_ERROR, "the proxy failed; see its log")
 
     def _refusal(self, status: int, message: str) -> None:
         """The answer to a request the proxy could not take, after which the connection closes."""
@@ -433,8 +494,7 @@ class ClientConnection(asyncio.Protocol):
     def _refuse(self, status: int, message: str) -> None:
         self._queue.append(_Rejection(status, message))
         self._stop_reading()
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._serve())
+        self._start_next()
 
     # ------------------------------------------------------------------ I/O for Body and Exchange
 
@@ -510,6 +570,7 @@ class Answer:
         "event_stream",
         "headers",
         "length",
+        "notify",
         "reason",
         "received",
         "sending",
@@ -533,6 +594,13 @@ class Answer:
         self._waiter: asyncio.Future[None] | None = None
         self.sending: asyncio.Task[None] | None = None
         """The request's body still being sent, when it is streamed."""
+        self.notify: Callable[[], None] | None = None
+        """Called when the head arrives, when the body is complete and when the answer fails:
+        how callbacks follow an answer that no task awaits."""
+
+    @property
+    def error(self) -> UpstreamError | None:
+        return self._error
 
     async def head(self) -> None:
         while self.status is None:
@@ -541,6 +609,10 @@ class Answer:
     async def read(self) -> bytes:
         while not self.complete:
             await self._wait()
+        return self.whole()
+
+    def whole(self) -> bytes:
+        """The body, once ``complete``."""
         return b"".join(self._chunks)
 
     async def relay(self, exchange: Exchange) -> None:
@@ -575,6 +647,8 @@ class Answer:
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
+        if self.notify is not None:
+            self.notify()
 
     # from the connection's parser
 
@@ -721,11 +795,12 @@ class UpstreamConnection(asyncio.Protocol):
         if answer is None or answer.status is None:  # the end of an interim answer
             return
         self._answer = None
-        answer._finish()
-        if self._parser.should_keep_alive() and not self.closed:
+        reusable = self._parser.should_keep_alive() and not self.closed
+        if reusable:  # before the answer is handed on, so that the next request can take it
             self._pool.put_back(self)
         else:
             self.abort()
+        answer._finish()
 
 
 class Upstream:
@@ -743,24 +818,22 @@ class Upstream:
         self._prefix = parts.path.rstrip("/")
         self._idle: list[UpstreamConnection] = []
 
+    def send(self, head: RequestHead, headers: list[tuple[str, str]], body: bytes | None) -> tuple[Answer, bool] | None:
+        """Send a request whose body is whole on an idle connection, if one is, without waiting:
+        the answer, and whether the connection was reused (None: no connection is idle)."""
+        connection, reused = self._take(UPSTREAM_IDLE_SECONDS)
+        if connection is None:
+            return None
+        start = self._start(head, headers, body)
+        return connection.send(start if body is None else start + body, head.method), reused
+
     async def request(self, head: RequestHead, headers: list[tuple[str, str]], body: bytes | Body | None) -> Answer:
         """Send a request; return once the answer's head arrived. ``body``: bytes (sent with their
         Content-Length), a Body still arriving (streamed, chunked unless its length is known),
         or None (the client framed none). A request on a reused connection that closed before
         answering is sent once more on a new one, if its body is bytes."""
-        lines = [f"{head.method} {self._prefix}{head.target} HTTP/1.1\r\nhost: {self._authority}\r\n"]
-        lines += [f"{name}: {value}\r\n" for name, value in headers]
-        chunked = False
-        if isinstance(body, bytes):
-            lines.append(f"content-length: {len(body)}\r\n")
-        elif body is not None:
-            if body.length is not None:
-                lines.append(f"content-length: {body.length}\r\n")
-            else:
-                chunked = True
-                lines.append("transfer-encoding: chunked\r\n")
-        lines.append("\r\n")
-        start = "".join(lines).encode("latin-1")
+        start = self._start(head, headers, body)
+        chunked = isinstance(body, Body) and body.length is None
         while True:
             connection, reused = self._take(STREAMED_IDLE_SECONDS if isinstance(body, Body) else UPSTREAM_IDLE_SECONDS)
             if connection is None:
@@ -779,6 +852,20 @@ class Upstream:
                 answer.release()
                 raise
             return answer
+
+    def _start(self, head: RequestHead, headers: list[tuple[str, str]], body: bytes | Body | None) -> bytes:
+        """The request line and headers, with the body's framing."""
+        lines = [f"{head.method} {self._prefix}{head.target} HTTP/1.1\r\nhost: {self._authority}\r\n"]
+        lines += [f"{name}: {value}\r\n" for name, value in headers]
+        if isinstance(body, bytes):
+            lines.append(f"content-length: {len(body)}\r\n")
+        elif body is not None:
+            if body.length is not None:
+                lines.append(f"content-length: {body.length}\r\n")
+            else:
+                lines.append("transfer-encoding: chunked\r\n")
+        lines.append("\r\n")
+        return "".join(lines).encode("latin-1")
 
     def _take(self, max_idle: float) -> tuple[UpstreamConnection | None, bool]:
         """The most recently used idle connection, if it has been idle under ``max_idle``."""
