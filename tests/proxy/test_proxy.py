@@ -16,6 +16,8 @@ from yarl import URL
 
 from epd_dev.standins.fault_proxy import http_status, reset
 from epd_dev.standins.vllm_server import STREAM_TOKENS
+from epd_operator.proxy import core
+from epd_operator.proxy import server as server_module
 
 from .conftest import FAST, answer_models, raw_upstream
 
@@ -407,3 +409,23 @@ async def test_a_whole_answer_broken_off_upstream_is_a_502(start_proxy, http, se
         status, answer, _ = await post(http, proxy.url + "/v1/completions", {"prompt": "x"})
     assert (status, answer["error"]["type"]) == (502, "BadGatewayError")
     assert "broke off" in answer["error"]["message"]
+
+
+async def test_a_proxy_failure_passing_an_answer_on_is_a_500_and_logged(
+    server, start_proxy, http, warm, monkeypatch, caplog
+):
+    upstream = server()
+    proxy = await start_proxy(upstream.url, [server().url])
+    await warm(http, proxy.url)
+    real = server_module.forwarded
+
+    def failing(headers, drop=core.HOP_BY_HOP):
+        if drop is core.ANSWER_DROPPED:
+            raise RuntimeError("a bug")
+        return real(headers, drop)
+
+    monkeypatch.setattr(server_module, "forwarded", failing)
+    status, answer, _ = await post(http, proxy.url + CHAT, chat())
+    assert (status, answer["error"]["type"]) == (500, "InternalServerError")
+    assert "the proxy failed" in caplog.text and "a bug" in caplog.text
+    assert len(upstream.requests(CHAT)) == 1
