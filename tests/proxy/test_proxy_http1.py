@@ -114,6 +114,21 @@ async def upstream_reading_chunks() -> AsyncIterator[tuple[str, list[tuple[bytes
         yield url, seen
 
 
+async def test_a_chunked_primed_body_over_the_limit_is_refused_even_when_it_arrives_whole(server, start_proxy):
+    """No Content-Length to refuse it by: its size, counted once it is whole, is."""
+    upstream = server()
+    proxy = await start_proxy(upstream.url, [server().url], max_request_bytes=1024)
+    body = chat_body("x" * 4096)
+    async with connected(proxy.url) as (reader, writer):
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: p\r\ntransfer-encoding: chunked\r\n\r\n"
+            + b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body)
+        )  # one write: the proxy reads the body whole with its head
+        status, _, answer = await read_answer(reader)
+    assert (status, json.loads(answer)["error"]["type"]) == (413, "RequestEntityTooLargeError")
+    assert upstream.records == []
+
+
 async def test_a_chunked_body_is_streamed_upstream_whole(server, start_proxy):
     payload = json.dumps({"prompt": "y" * (3 * 1024 * 1024)}).encode()  # over the read-ahead and the limit
     pieces = [payload[i : i + 65536] for i in range(0, len(payload), 65536)]

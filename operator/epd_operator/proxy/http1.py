@@ -141,12 +141,21 @@ class Body:
             self._connection.resume_reading()
         return chunk
 
+    def whole(self, limit: int) -> bytes:
+        """The body, once ``complete``; TooLarge past ``limit`` bytes."""
+        if self.length is not None and self.length > limit:
+            raise TooLarge
+        data = self.take()
+        if len(data) > limit:  # a chunked one
+            raise TooLarge
+        return data
+
     async def read(self, limit: int) -> bytes:
         """The whole body; TooLarge past ``limit`` bytes (before reading any, for a declared one)."""
         if self.length is not None and self.length > limit:
             raise TooLarge
         if self.complete:
-            return self.take()
+            return self.whole(limit)
         parts, size = [], 0
         while (chunk := await self.next_chunk()) is not None:
             size += len(chunk)

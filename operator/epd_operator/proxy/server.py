@@ -122,11 +122,12 @@ class Proxy:
             return self._forward_now(exchange, name, body.take() if head.framed else None)
         if not body.complete:
             return self._counted(exchange, name, self._read_primed(exchange, name))
-        if body.length is not None and body.length > self.config.max_request_bytes:
+        try:
+            raw = body.whole(self.config.max_request_bytes)
+        except TooLarge:
             self._too_large(exchange)
             self._done(exchange, name)
             return None
-        raw = body.take()
         found = self._plan(exchange, name, raw)
         if found is None:
             self._done(exchange, name)
@@ -238,10 +239,12 @@ class Proxy:
             async with asyncio.timeout_at(deadline):
                 try:
                     assert answer.status is not None
-                    headers = forwarded(answer.headers, ANSWER_DROPPED)
                     if held(answer):
-                        return exchange.respond(answer.status, headers, await answer.read(), answer.reason)
-                    exchange.start(answer.status, answer.reason, headers, answer.length)
+                        await answer.read()
+                        return respond_whole(exchange, answer)
+                    exchange.start(
+                        answer.status, answer.reason, forwarded(answer.headers, ANSWER_DROPPED), answer.length
+                    )
                     await answer.relay(exchange)
                     exchange.end()
                 finally:
@@ -277,6 +280,12 @@ def held(answer: Answer) -> bool:
     return answer.length is not None and answer.length <= HELD_ANSWER_BYTES and not answer.event_stream
 
 
+def respond_whole(exchange: Exchange, answer: Answer) -> None:
+    """Pass on a held answer, once complete, in one write."""
+    assert answer.status is not None
+    exchange.respond(answer.status, forwarded(answer.headers, ANSWER_DROPPED), answer.whole(), answer.reason)
+
+
 class _Followed:
     """A whole request sent upstream with no task awaiting it: the answer's callbacks pass it on
     once it is whole, or hand it to a task (Proxy.relay) when it must stream or be sent again.
@@ -293,7 +302,7 @@ class _Followed:
         self._deadline = loop.time() + proxy.config.request_timeout_seconds
         self._timer = loop.call_at(self._deadline, self._timed_out)
         answer.notify = self._step
-        exchange.cancel = self._cancel
+        exchange.cancel = self._detach  # the client left: the upstream request is aborted
 
     def _step(self) -> None:
         answer, exchange, proxy = self._answer, self._exchange, self._proxy
@@ -301,15 +310,15 @@ class _Followed:
             if answer.error is not None:
                 self._detach()
                 if self._reused and not answer.received:  # a kept-alive connection the upstream had closed
-                    exchange.connection.run(exchange, proxy._counted(exchange, self._name, self._again()))
+                    again = proxy._forward(exchange, self._body, self._deadline)
+                    exchange.connection.run(exchange, proxy._counted(exchange, self._name, again))
                     return
                 proxy.upstream_failed(exchange, answer.error)
             elif answer.status is None or (held(answer) and not answer.complete):
                 return
             elif held(answer):
                 self._detach()
-                headers = forwarded(answer.headers, ANSWER_DROPPED)
-                exchange.respond(answer.status, headers, answer.whole(), answer.reason)
+                respond_whole(exchange, answer)
             else:  # streamed: a task relays it, pausing the upstream while the client is slow
                 self._timer.cancel()  # the task's own from now on
                 answer.notify = None  # the client leaving still releases it, until the task runs
@@ -323,16 +332,10 @@ class _Followed:
             return
         proxy._done(exchange, self._name)
 
-    async def _again(self) -> None:
-        await self._proxy._forward(self._exchange, self._body, self._deadline)
-
     def _timed_out(self) -> None:
         self._detach()
         self._proxy.upstream_failed(self._exchange, TimeoutError())
         self._proxy._done(self._exchange, self._name)
-
-    def _cancel(self) -> None:
-        self._detach()
 
     def _detach(self) -> None:
         self._timer.cancel()
