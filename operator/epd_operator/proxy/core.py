@@ -117,13 +117,13 @@ def with_transfer_params(body: Mapping[str, Any], params: Mapping[str, Any]) -> 
 
 
 def forwarded(headers: Sequence[tuple[str, str]], drop: frozenset[str] = HOP_BY_HOP) -> list[tuple[str, str]]:
-    """End-to-end headers only, repeated ones kept in order: none of ``drop`` (lower-case names;
-    REQUEST_DROPPED or ANSWER_DROPPED, each with every hop-by-hop header), nor one the Connection
-    header names."""
-    named = [value for name, value in headers if name.lower() == "connection"]
+    """End-to-end headers only, repeated ones kept in order: none of ``drop`` (REQUEST_DROPPED or
+    ANSWER_DROPPED, each with every hop-by-hop header), nor one the Connection header names.
+    Names are lower-case, as the proxy's parsers give them (and as HTTP/2 sends them)."""
+    named = [value for name, value in headers if name == "connection"]
     if named:
         drop = drop | {token.strip().lower() for value in named for token in value.split(",")}
-    return [(name, value) for name, value in headers if name.lower() not in drop]
+    return [(name, value) for name, value in headers if name not in drop]
 
 
 def prime_headers(headers: Iterable[tuple[str, str]]) -> dict[str, str]:

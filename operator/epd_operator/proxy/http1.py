@@ -80,6 +80,7 @@ class RequestHead:
     path: str
     """Its path, percent-decoded: what routes."""
     headers: list[tuple[str, str]]
+    """In the order sent, names lower-cased (HTTP/2's form: every later lookup is a compare)."""
     version: str
     keep_alive: bool
     framed: bool
@@ -362,11 +363,16 @@ class ClientConnection(asyncio.Protocol):
 
     def on_url(self, url: bytes) -> None:
         self._url += url
-        self._count(len(url))
+        self._head_bytes += len(url)
+        if self._head_bytes > MAX_HEAD_BYTES:
+            self._too_large_head()
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._raw_headers.append((name, value))
-        self._count(len(name) + len(value) + 4)
+        raw_headers = self._raw_headers
+        raw_headers.append((name, value))
+        self._head_bytes += len(name) + len(value) + 4
+        if self._head_bytes > MAX_HEAD_BYTES or len(raw_headers) > MAX_HEADERS:
+            self._too_large_head()
 
     def on_headers_complete(self) -> None:
         self._in_head = False
@@ -374,14 +380,13 @@ class ClientConnection(asyncio.Protocol):
         headers = []
         length, chunked, expects_continue = None, False, False
         for raw_name, raw_value in self._raw_headers:
-            name, value = raw_name.decode("latin-1"), raw_value.decode("latin-1")
+            name, value = raw_name.lower().decode("latin-1"), raw_value.decode("latin-1")
             headers.append((name, value))
-            key = name.lower()
-            if key == "content-length":
+            if name == "content-length":
                 length = int(value)  # llhttp accepts digits only
-            elif key == "transfer-encoding":
+            elif name == "transfer-encoding":
                 chunked = True  # llhttp refuses a body framed otherwise
-            elif key == "expect":
+            elif name == "expect":
                 expects_continue = value.lower() == "100-continue"
         target = self._url.decode("latin-1")
         path = target if _PLAIN_PATH.fullmatch(target) else _path(self._url)
@@ -410,11 +415,9 @@ class ClientConnection(asyncio.Protocol):
         assert self._parsing is not None
         self._parsing.finish()
 
-    def _count(self, size: int) -> None:
-        self._head_bytes += size
-        if self._head_bytes > MAX_HEAD_BYTES or len(self._raw_headers) > MAX_HEADERS:
-            self._head_too_large = True
-            raise ValueError("request head too large")  # stops the parser: answered 431
+    def _too_large_head(self) -> None:
+        self._head_too_large = True
+        raise ValueError("request head too large")  # stops the parser: answered 431
 
     @staticmethod
     def _too_large_message() -> str:
@@ -590,7 +593,7 @@ class Answer:
         self._connection = connection
         self.status: int | None = None
         self.reason = ""
-        self.headers: list[tuple[str, str]] = []
+        self.headers: list[tuple[str, str]] = []  # names lower-cased, as RequestHead's
         self.length: int | None = None
         self.chunked = False
         self.event_stream = False
@@ -664,12 +667,11 @@ class Answer:
     def _begin(self, status: int, reason: str, headers: list[tuple[str, str]]) -> None:
         self.status, self.reason, self.headers = status, reason, headers
         for name, value in headers:
-            key = name.lower()
-            if key == "content-length":
+            if name == "content-length":
                 self.length = int(value)
-            elif key == "transfer-encoding":
+            elif name == "transfer-encoding":
                 self.chunked = "chunked" in value.lower()
-            elif key == "content-type":
+            elif name == "content-type":
                 self.event_stream = value.startswith("text/event-stream")
         if self._bodyless:
             self.complete = True
@@ -786,7 +788,7 @@ class UpstreamConnection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         if self._answer is None:
             raise ValueError("an answer to no request")  # stops the parser: the connection is dropped
-        headers = [(name.decode("latin-1"), value.decode("latin-1")) for name, value in self._raw_headers]
+        headers = [(name.lower().decode("latin-1"), value.decode("latin-1")) for name, value in self._raw_headers]
         status = self._parser.get_status_code()
         if status < 200:  # an interim answer (103 Early Hints): the real one follows
             return
