@@ -429,3 +429,21 @@ async def test_a_proxy_failure_passing_an_answer_on_is_a_500_and_logged(
     assert (status, answer["error"]["type"]) == (500, "InternalServerError")
     assert "the proxy failed" in caplog.text and "a bug" in caplog.text
     assert len(upstream.requests(CHAT)) == 1
+
+
+async def test_a_proxy_failure_before_forwarding_is_a_500_logged_and_nothing_is_forwarded(
+    server, start_proxy, http, monkeypatch, caplog
+):
+    upstream = server()
+    proxy = await start_proxy(upstream.url, [server().url])
+
+    def failing(route_name, raw):
+        raise RuntimeError("a bug in plan")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(server_module, "plan", failing)
+        status, answer, _ = await post(http, proxy.url + CHAT, chat())
+    assert (status, answer["error"]["type"]) == (500, "InternalServerError")
+    assert "the proxy failed" in caplog.text and "a bug in plan" in caplog.text
+    assert upstream.requests(CHAT) == []
+    assert (await post(http, proxy.url + CHAT, chat()))[0] == 200  # and the proxy serves on

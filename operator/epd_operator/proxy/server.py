@@ -118,22 +118,22 @@ class Proxy:
         name = route(head.method, head.path)
         if name in PASSED_THROUGH:
             if head.framed and not body.complete:  # streamed upstream as it arrives
-                return self._counted(exchange, name, self._forward(exchange, body))
+                return self.counted(exchange, name, self.forward(exchange, body))
             return self._forward_now(exchange, name, body.take() if head.framed else None)
         if not body.complete:
-            return self._counted(exchange, name, self._read_primed(exchange, name))
+            return self.counted(exchange, name, self._read_primed(exchange, name))
         try:
             raw = body.whole(self.config.max_request_bytes)
         except TooLarge:
             self._too_large(exchange)
-            self._done(exchange, name)
+            self.done(exchange, name)
             return None
         found = self._plan(exchange, name, raw)
         if found is None:
-            self._done(exchange, name)
+            self.done(exchange, name)
             return None
         if found.parts:
-            return self._counted(exchange, name, self._primed(exchange, found, raw))
+            return self.counted(exchange, name, self._primed(exchange, found, raw))
         return self._forward_now(exchange, name, raw)
 
     async def _read_primed(self, exchange: Exchange, name: str) -> None:
@@ -148,7 +148,7 @@ class Proxy:
         if found.parts:
             await self._primed(exchange, found, raw)
         else:
-            await self._forward(exchange, raw)
+            await self.forward(exchange, raw)
 
     def _plan(self, exchange: Exchange, name: str, raw: bytes) -> Plan | None:
         """What to prime (None: the request was answered 400)."""
@@ -168,13 +168,14 @@ class Proxy:
             return
         if self.config.pooled:
             raw = json.dumps(with_transfer_params(found.body, params)).encode()
-        await self._forward(exchange, raw)
+        await self.forward(exchange, raw)
 
-    async def _counted(self, exchange: Exchange, name: str, serving: Coroutine[Any, Any, None]) -> None:
+    async def counted(self, exchange: Exchange, name: str, serving: Coroutine[Any, Any, None]) -> None:
+        """Serve a request from a task (``serving``), then count it under route ``name``."""
         await serving
         self._observe(exchange, name)
 
-    def _done(self, exchange: Exchange, name: str) -> None:
+    def done(self, exchange: Exchange, name: str) -> None:
         """A request served from callbacks is over: counted, and its connection goes on."""
         self._observe(exchange, name)
         exchange.finish()
@@ -218,11 +219,13 @@ class Proxy:
         head = exchange.head
         sent = self._upstream.send(head, forwarded(head.headers, REQUEST_DROPPED), body)
         if sent is None:
-            return self._counted(exchange, name, self._forward(exchange, body))
+            return self.counted(exchange, name, self.forward(exchange, body))
         _Followed(self, exchange, name, *sent, body)
         return None
 
-    async def _forward(self, exchange: Exchange, body: bytes | Body | None, deadline: float | None = None) -> None:
+    async def forward(self, exchange: Exchange, body: bytes | Body | None, deadline: float | None = None) -> None:
+        """Send the request upstream, connecting if need be, and pass its answer on, all before
+        ``deadline`` (by default the request timeout from now)."""
         head = exchange.head
         if deadline is None:
             deadline = asyncio.get_running_loop().time() + self.config.request_timeout_seconds
@@ -310,8 +313,8 @@ class _Followed:
             if answer.error is not None:
                 self._detach()
                 if self._reused and not answer.received:  # a kept-alive connection the upstream had closed
-                    again = proxy._forward(exchange, self._body, self._deadline)
-                    exchange.connection.run(exchange, proxy._counted(exchange, self._name, again))
+                    again = proxy.forward(exchange, self._body, self._deadline)
+                    exchange.connection.run(exchange, proxy.counted(exchange, self._name, again))
                     return
                 proxy.upstream_failed(exchange, answer.error)
             elif answer.status is None or (held(answer) and not answer.complete):
@@ -323,19 +326,19 @@ class _Followed:
                 self._timer.cancel()  # the task's own from now on
                 answer.notify = None  # the client leaving still releases it, until the task runs
                 exchange.connection.run(
-                    exchange, proxy._counted(exchange, self._name, proxy.relay(exchange, answer, self._deadline))
+                    exchange, proxy.counted(exchange, self._name, proxy.relay(exchange, answer, self._deadline))
                 )
                 return
         except Exception:  # noqa: BLE001 - logged by failed(); not the upstream's parser's to handle
             self._detach()
             exchange.connection.failed(exchange)
             return
-        proxy._done(exchange, self._name)
+        proxy.done(exchange, self._name)
 
     def _timed_out(self) -> None:
         self._detach()
         self._proxy.upstream_failed(self._exchange, TimeoutError())
-        self._proxy._done(self._exchange, self._name)
+        self._proxy.done(self._exchange, self._name)
 
     def _detach(self) -> None:
         self._timer.cancel()
