@@ -1,5 +1,5 @@
-"""`make bench-proxy` at toy size: the tool runs the real proxy and reports every key. Not
-timed: the numbers at this size mean nothing."""
+"""`make bench-proxy` at toy size: the tool runs the real proxy and the byte relay and reports
+every key. Not timed: the numbers at this size mean nothing."""
 
 from __future__ import annotations
 
@@ -12,9 +12,13 @@ def test_the_proxy_benchmark_reports_every_key(capsys):
     expected = {
         f"{stat}_{n}"
         for n in (1, 4)
-        for stat in ("added_p50_ms", "added_p99_ms", "throughput_ratio", "first_byte_ratio")
+        for stat in (
+            *("added_p50_ms", "added_p99_ms", "throughput_ratio", "first_byte_ratio"),
+            *("relay_added_p50_ms", "relay_added_p99_ms", "relay_throughput_ratio", "throughput_ratio_over_relay"),
+        )
     }
-    expected |= {"saturated_throughput_ratio", "proxy_cpu_us_per_request", "proxy_rss_mb", "proxy_peak_rss_mb"}
+    expected |= {"saturated_throughput_ratio", "saturated_relay_throughput_ratio", "proxy_cpu_us_per_request"}
+    expected |= {"proxy_rss_mb", "proxy_peak_rss_mb"}
     assert expected <= keys.keys()
     assert all(keys[k] > 0 for k in expected if "added" not in k)
     lines = out.splitlines()

@@ -6,6 +6,10 @@ vLLM) in a process of its own; the proxy is the real `epd-operator proxy` proces
 a unit runs it (epd_dev.proxy_process). This process is the load: ``clients`` closed-loop
 clients, each sending its next request when the last is answered, aiohttp on uvloop.
 
+A third path, for whole answers, goes through a byte relay (STAND-IN, epd_dev/standins/
+byte_relay.py): a process that copies bytes and parses nothing, the floor of one extra hop on
+the machine. What the proxy adds beyond it is the proxy's own code.
+
 At each level the stand-in takes ``clients / rate`` seconds per request (the request's
 ``x-standin-delay``), so every level runs at about ``--rate`` requests a second: the levels
 differ in concurrency (open connections, requests in flight), not in the CPU the machine has
@@ -46,7 +50,8 @@ from epd_dev.proxy_process import ProxyProcess
 from epd_operator.loop import event_loop
 
 TARGETS = {"added_p50_ms": 1.0, "added_p99_ms": 5.0, "throughput_ratio": 0.95}
-PATHS = ("upstream", "proxy")
+PATHS = ("upstream", "relay", "proxy")
+STREAMED_PATHS = ("upstream", "proxy")  # the relay is the floor for whole answers only
 
 
 @dataclass
@@ -125,8 +130,12 @@ class Level:
         return statistics.median(percentile(getattr(r, values), q) for r in runs)
 
 
-async def measure(upstream: str, proxy: ProxyProcess, cli: argparse.Namespace) -> tuple[list[Level], Level]:
-    urls = {"upstream": upstream, "proxy": proxy.url}
+def paths(streamed: bool) -> tuple[str, ...]:
+    return STREAMED_PATHS if streamed else PATHS
+
+
+async def measure(upstream: str, relay: str, proxy: ProxyProcess, cli: argparse.Namespace) -> tuple[list[Level], Level]:
+    urls = {"upstream": upstream, "relay": relay, "proxy": proxy.url}
     assert proxy.proc is not None
     pid = proxy.proc.pid
     connector = aiohttp.TCPConnector(limit=0)
@@ -134,25 +143,25 @@ async def measure(upstream: str, proxy: ProxyProcess, cli: argparse.Namespace) -
         plans = [(n, n / cli.rate, streamed) for n in cli.levels for streamed in (False, True)]
         plans.append((64, 0.0, False))  # saturation
         runs: dict[tuple[int, float, str, bool], list[Run]] = {}
-        for clients, delay, streamed in plans:  # warm connections and code paths on both sides
-            for path in PATHS:
+        for clients, delay, streamed in plans:  # warm connections and code paths on every path
+            for path in paths(streamed):
                 await load(
                     http, urls[path] + "/v1/chat/completions", clients=clients, seconds=min(1.0, cli.seconds),
                     delay=delay, stream=streamed, proxy_pid=pid,
                 )  # fmt: skip
         for _ in range(cli.repeats):
             for clients, delay, streamed in plans:
-                for path in PATHS:
+                for path in paths(streamed):
                     run = await load(
                         http, urls[path] + "/v1/chat/completions", clients=clients, seconds=cli.seconds,
                         delay=delay, stream=streamed, proxy_pid=pid,
                     )  # fmt: skip
                     runs.setdefault((clients, delay, path, streamed), []).append(run)
     levels = [
-        Level(n, d, {(p, s): runs[(n, d, p, s)] for p in PATHS for s in (False, True)})
+        Level(n, d, {(p, s): runs[(n, d, p, s)] for s in (False, True) for p in paths(s)})
         for n, d in dict.fromkeys((n, d) for n, d, _ in plans[:-1])
     ]
-    saturated = Level(64, 0.0, {(p, False): runs[(64, 0.0, p, False)] for p in PATHS})
+    saturated = Level(64, 0.0, {(p, False): runs[(64, 0.0, p, False)] for p in paths(False)})
     return levels, saturated
 
 
@@ -175,7 +184,7 @@ def report(
     for level in levels:
         up = {s: level.median("upstream", False, s) for s in ("p50", "p99", "throughput")}
         px = {s: level.median("proxy", False, s) for s in ("p50", "p99", "throughput")}
-        ttfb = {p: level.median(p, True, "ttfb_p50") for p in PATHS}
+        ttfb = {p: level.median(p, True, "ttfb_p50") for p in STREAMED_PATHS}
         n = level.clients
         keys[f"added_p50_ms_{n}"] = (px["p50"] - up["p50"]) * 1e3
         keys[f"added_p99_ms_{n}"] = (px["p99"] - up["p99"]) * 1e3
@@ -188,18 +197,37 @@ def report(
             f"{keys[f'throughput_ratio_{n}']:>5.2f} | {ttfb['upstream'] * 1e3:>7.2f} {ttfb['proxy'] * 1e3:>7.2f} "
             f"{keys[f'first_byte_ratio_{n}']:>5.2f}"
         )
+    print(
+        f"\nthe floor of one extra hop: a byte relay (stand-in) in the proxy's place, whole answers\n"
+        f"{'clients':>7} | {'added p50 ms':>12} {'added p99 ms':>12} | {'ratio':>5} | {'proxy / relay':>13}"
+    )
+    for level in levels:
+        n = level.clients
+        up = {s: level.median("upstream", False, s) for s in ("p50", "p99", "throughput")}
+        relay = {s: level.median("relay", False, s) for s in ("p50", "p99", "throughput")}
+        keys[f"relay_added_p50_ms_{n}"] = (relay["p50"] - up["p50"]) * 1e3
+        keys[f"relay_added_p99_ms_{n}"] = (relay["p99"] - up["p99"]) * 1e3
+        keys[f"relay_throughput_ratio_{n}"] = relay["throughput"] / up["throughput"]
+        keys[f"throughput_ratio_over_relay_{n}"] = level.median("proxy", False, "throughput") / relay["throughput"]
+        print(
+            f"{n:>7} | {keys[f'relay_added_p50_ms_{n}']:>12.2f} {keys[f'relay_added_p99_ms_{n}']:>12.2f} | "
+            f"{keys[f'relay_throughput_ratio_{n}']:>5.2f} | {keys[f'throughput_ratio_over_relay_{n}']:>13.2f}"
+        )
     up_rate = saturated.median("upstream", False, "throughput")
     px_rate = saturated.median("proxy", False, "throughput")
     proxied = saturated.runs[("proxy", False)]
     cpu = statistics.median(r.proxy_cpu / len(r.latencies) for r in proxied)
+    relay_rate = saturated.median("relay", False, "throughput")
     keys["saturated_throughput_ratio"] = px_rate / up_rate
+    keys["saturated_relay_throughput_ratio"] = relay_rate / up_rate
     keys["saturated_upstream_rps"] = up_rate
     keys["saturated_proxy_rps"] = px_rate
     keys["proxy_cpu_us_per_request"] = cpu * 1e6
     keys["proxy_rss_mb"], keys["proxy_peak_rss_mb"] = proxy_rss
     print(
         f"\nsaturated (64 clients, no service time, every process on the same 2 cores): upstream alone "
-        f"{up_rate:.0f} req/s, through the proxy {px_rate:.0f} req/s (ratio {px_rate / up_rate:.2f}); "
+        f"{up_rate:.0f} req/s, through the proxy {px_rate:.0f} req/s (ratio {px_rate / up_rate:.2f}), through the "
+        f"byte relay {relay_rate:.0f} req/s (ratio {relay_rate / up_rate:.2f}); "
         f"the proxy spends {cpu * 1e6:.0f} us of CPU per request"
     )
     print(f"proxy RSS {proxy_rss[0]:.1f} MiB at the end, {proxy_rss[1]:.1f} MiB at its peak\n")
@@ -230,14 +258,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     cli = parser.parse_args(argv)
     load_before = os.getloadavg()[0]  # other work on the machine moves every figure
 
-    upstream = subprocess.Popen(
-        [sys.executable, "-m", "epd_dev.standins.fast_upstream", "--port", "0"], stdout=subprocess.PIPE, text=True
-    )
+    standins: list[subprocess.Popen[str]] = []
     try:
-        assert upstream.stdout is not None
-        url = upstream.stdout.readline().strip()
-        if not url.startswith("http://"):
-            raise SystemExit(f"the stand-in upstream did not start (exit code {upstream.poll()})")
+        url = start_standin(standins, "fast_upstream")
+        relay = start_standin(standins, "byte_relay", "--upstream", url)
         # The encoder is never asked (text only); the stand-in's URL satisfies the flag.
         with tempfile.TemporaryDirectory() as logs, ProxyProcess(url, [url], Path(logs)) as proxy:
             assert proxy.proc is not None
@@ -251,15 +275,28 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                     stderr=subprocess.DEVNULL,
                 )
             with event_loop() as runner:  # uvloop, as the proxy's: neither side is handicapped
-                levels, saturated = runner.run(measure(url, proxy, cli))
+                levels, saturated = runner.run(measure(url, relay, proxy, cli))
             if spy is not None:
                 spy.send_signal(signal.SIGINT)
                 spy.wait(60)
             rss = rss_mb(proxy.proc.pid)
         return report(levels, saturated, rss, load_before, cli)
     finally:
-        upstream.terminate()
-        upstream.wait()
+        for standin in standins:
+            standin.terminate()
+            standin.wait()
+
+
+def start_standin(started: list[subprocess.Popen[str]], module: str, *args: str) -> str:
+    """Start ``epd_dev.standins.<module>`` on a free port (added to ``started``): its URL."""
+    command = [sys.executable, "-m", f"epd_dev.standins.{module}", "--port", "0", *args]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    started.append(process)
+    assert process.stdout is not None
+    url = process.stdout.readline().strip()
+    if not url.startswith("http://"):
+        raise SystemExit(f"the stand-in {module} did not start (exit code {process.poll()})")
+    return url
 
 
 if __name__ == "__main__":
