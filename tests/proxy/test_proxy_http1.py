@@ -276,3 +276,25 @@ async def test_an_answer_still_streaming_at_the_request_timeout_is_cut_short(sta
             received = await asyncio.wait_for(reader.read(), 5)  # the proxy drops the connection
     assert received.startswith(b"HTTP/1.1 200") and b"data: first" in received
     assert not received.endswith(b"0\r\n\r\n")  # no last chunk: the client sees the answer cut
+
+
+async def test_header_names_go_on_lower_cased_both_ways_values_and_order_kept(server, start_proxy):
+    heads: list[bytes] = []
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        heads.append(await reader.readuntil(b"\r\n\r\n"))
+        writer.write(b"HTTP/1.1 200 OK\r\nX-Upstream: Mixed Case\r\nSet-Cookie: a=1\r\nSet-Cookie: b=2\r\n")
+        writer.write(b"Content-Length: 2\r\n\r\n{}")
+        await writer.drain()
+
+    async with raw_upstream(answer) as upstream:
+        proxy = await start_proxy(upstream, [server().url])
+        async with connected(proxy.url) as (reader, writer):
+            writer.write(b"GET /v1/models HTTP/1.1\r\nHost: p\r\nX-Trace: One\r\nAccept: a\r\nACCEPT: b\r\n\r\n")
+            answer_head = await reader.readuntil(b"\r\n\r\n")
+            assert await reader.readexactly(2) == b"{}"
+    (head,) = heads
+    assert b"\r\nx-trace: One\r\naccept: a\r\naccept: b\r\n" in head
+    assert b"X-Trace" not in head and b"ACCEPT" not in head
+    assert answer_head.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert b"\r\nx-upstream: Mixed Case\r\nset-cookie: a=1\r\nset-cookie: b=2\r\n" in answer_head
