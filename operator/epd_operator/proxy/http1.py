@@ -153,10 +153,10 @@ class Body:
 
     async def read(self, limit: int) -> bytes:
         """The whole body; TooLarge past ``limit`` bytes (before reading any, for a declared one)."""
-        if self.length is not None and self.length > limit:
-            raise TooLarge
         if self.complete:
             return self.whole(limit)
+        if self.length is not None and self.length > limit:
+            raise TooLarge
         parts, size = [], 0
         while (chunk := await self.next_chunk()) is not None:
             size += len(chunk)
