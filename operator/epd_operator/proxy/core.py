@@ -127,12 +127,12 @@ def forwarded(headers: Sequence[tuple[str, str]], drop: frozenset[str] = HOP_BY_
 
 
 def prime_headers(headers: Iterable[tuple[str, str]]) -> dict[str, str]:
-    """The client's headers that go with its primes (PRIME_HEADERS), first value of each."""
+    """The client's headers that go with its primes (PRIME_HEADERS), first value of each. Names
+    are lower-case, as the proxy's parsers give them."""
     found: dict[str, str] = {}
     for name, value in headers:
-        key = name.lower()
-        if key in PRIME_HEADERS and key not in found:
-            found[key] = value
+        if name in PRIME_HEADERS and name not in found:
+            found[name] = value
     return found
 
 
