@@ -14,6 +14,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
+from epd_operator.api import EPDDeploymentSpec
 from epd_operator.engine_args import known_engine_args
 from epd_operator.validation import (
     OWNED_ARGS,
@@ -38,6 +39,9 @@ INVALID_LAYOUTS = (
 )
 SUPPORTED_TAGS = ("v0.32.0", "v0.33.0", "0.32.1", "v0.33.1-cu129", "0.33.0+cpu")
 PD = {"prefill", "decode"}
+
+# The API's own bound (it rose from 1,000 to 10,000 with the status moving units to EndpointSlices).
+MAX_REPLICAS = next(m.le for m in EPDDeploymentSpec.model_fields["replicas"].metadata if hasattr(m, "le"))
 
 MUST_FAIL = frozenset(
     {
@@ -228,7 +232,7 @@ def _out_of_range(draw: st.DrawFn, spec: dict[str, Any]) -> None:
     elif choice == "numGpusPerEngine":
         group["numGpusPerEngine"] = draw(st.sampled_from([0, 65]))
     elif choice == "replicas":
-        spec["replicas"] = draw(st.sampled_from([-1, 1001]))
+        spec["replicas"] = draw(st.sampled_from([-1, MAX_REPLICAS + 1]))
     elif choice == "router":
         spec.setdefault("ports", {})["router"] = draw(st.sampled_from([0, 65536]))
     elif choice == "engineBase":
