@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from epd_dev.bench.bench_operator import KCM_DEFAULT, Results, Scale, report, stage_means_ms
-from epd_dev.bench.big import Big, Step
+from epd_dev.bench.big import RUNS, Big, Step, run_order
 from epd_dev.bench.restart import Restart
 
 
@@ -118,8 +118,27 @@ def test_the_big_and_restart_keys():
     assert keys["big_1000_scale_100_to_1000_status_patches_per_unit"] == pytest.approx(30 / 900)
     assert keys["client_discover_1000_ms"] == 11.0  # the median of each run's median
     assert keys["big_1000_operator_peak_rss_mb"] == 110.0
+    assert keys["big_1000_runs"] == 3  # and the spread of the repeats' ratios
+    assert (keys["big_1000_ready_ratio_floor_min"], keys["big_1000_ready_ratio_floor_max"]) == pytest.approx(
+        (1.0, 70.0 / 60.0)
+    )
     # Status writes count, Events do not (anyone posts them).
     assert (keys["restart_1000_seconds"], keys["restart_1000_writes"]) == (42.0, 3)
+
+
+def test_a_repeat_without_the_scale_steps_counts_in_the_creation_only():
+    scaled, created_only = big(66.0, 60.0, 40, discover=[12.0]), big(80.0, 50.0, 40, discover=[12.0])
+    created_only.steps = created_only.steps[:1]
+    keys = Results(bigs=[created_only, scaled]).keys()
+    assert keys["big_1000_ready_seconds"] == 73.0  # both runs
+    assert keys["big_1000_scale_1000_to_100_seconds"] == 20.0  # the one that scaled
+
+
+def test_each_repeat_of_a_size_makes_its_three_runs_in_another_order():
+    orders = [run_order(rotation) for rotation in range(4)]
+    assert orders[0] == RUNS == ("floor", "children floor", "EPDDeployment")
+    assert len(set(orders[:3])) == 3 and orders[3] == orders[0]
+    assert {order.index("EPDDeployment") for order in orders[:3]} == {0, 1, 2}  # each run once first, once last
 
 
 def test_the_big_report_has_a_row_per_step(capsys):

@@ -798,8 +798,8 @@ def benchmark(
     With ``floor``, each size is also written once by the stand-in of ``write_like_the_operator``;
     with ``restart``, the last run of each size ends with a kill -9 of the operator and a new one
     (restart.py). Then each size of ``big``: one EPDDeployment of that many units against its floor
-    (big.py), the first one also scaled to ``big_scale_to`` and back, with kcm at 200 QPS if
-    ``big_kcm_raised``.
+    (big.py), those of the first size also scaled to ``big_scale_to`` and back, with kcm at 200
+    QPS if ``big_kcm_raised``; a size given again is a repeat whose runs go in another order.
     ``cleanup=False`` leaves the last run's objects (the caller drops the cluster: deleting
     5,000 EPDDeployments and their children takes the garbage collector 15 minutes and more).
     ``spec`` changes every EPDDeployment's spec (the example's) in every run."""
@@ -871,7 +871,8 @@ def benchmark(
                     operator,
                     units,
                     kcm,
-                    scale_to=big_scale_to if i == 0 else None,
+                    scale_to=big_scale_to if units == big[0] else None,
+                    rotation=big[:i].count(units),  # a repeat of a size runs its floors and itself in turn
                     profile_dir=profile_dir,
                 )
             )
@@ -921,10 +922,14 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         nargs="*",
         default=[1000, 5000],
-        help="units of the one-EPDDeployment runs, each against its floor (none: skip)",
+        help="units of the one-EPDDeployment runs, each against its floors (none: skip); a size given "
+        "again is a repeat, its runs in another order (1000 1000 1000: the median and spread of three)",
     )
     parser.add_argument(
-        "--big-scale-to", type=int, default=100, help="the first big run is scaled to this many units and back"
+        "--big-scale-to",
+        type=int,
+        default=100,
+        help="the big runs of the first size are scaled to this many units and back",
     )
     parser.add_argument(
         "--big-kcm-default",

@@ -16,7 +16,9 @@ is done:
 
 Per step it also counts the operator's status patches (the API server's own metric), and at the
 end of each the status' size; per size the operator's CPU and peak RSS, `kubectl get epd -o wide`
-and `epd_client.discover` plus the choice of a unit, once the cluster is idle. Before each
+and `epd_client.discover` plus the choice of a unit, once the cluster is idle. A repeat of a size
+(``--big 1000 1000 1000``) makes its three runs in another order (run_order), so that what one
+leaves behind in the cluster does not always weigh on the same one. Before each
 EPDDeployment, with the operator running, another team's StatefulSet of the same pods (up to
 NEIGHBOUR_PODS, labelled as not the operator's) starts: the operator's CPU meanwhile is what a
 shared cluster's other workloads cost it.
@@ -63,6 +65,10 @@ NEIGHBOUR_PODS = 1000
 # A process at rest (kwok between steps; kwok, kube-controller-manager and the operator before
 # the reads): under a tenth of a core over 2 s.
 IDLE_CPU_SECONDS = 0.2
+# The three runs of a size, in the order of its first run; each repeat of the size starts one
+# later (rotation), so the state a run leaves the cluster in (etcd's growth, kwok's backlog)
+# weighs on each alike over three repeats.
+RUNS = ("floor", "children floor", "EPDDeployment")
 
 
 @dataclass
@@ -110,6 +116,7 @@ class Big:
     neighbour_pods: int = 0  # another team's pods started beside the operator before the EPDDeployment
     neighbour_seconds: float = 0.0
     neighbour_operator_cpu_seconds: float = 0.0
+    order: tuple[str, ...] = RUNS  # the order its three runs were made in (run_order)
 
     @property
     def created(self) -> Step:
@@ -356,6 +363,12 @@ def _discover_ms(cluster: LocalCluster, namespace: str, runs: int = 10) -> list[
     return times
 
 
+def run_order(rotation: int) -> tuple[str, ...]:
+    """The order of the three runs of a size's ``rotation``-th repeat (0: RUNS)."""
+    shift = rotation % len(RUNS)
+    return RUNS[shift:] + RUNS[:shift]
+
+
 def measure_big(
     cluster: LocalCluster,
     api: Api,
@@ -364,17 +377,42 @@ def measure_big(
     kcm: str,
     *,
     scale_to: int | None = None,
+    rotation: int = 0,
     timeout: float = 1800,
     profile_dir: Path | None = None,
 ) -> Big:
-    """The floor, then the EPDDeployment, through the same steps: created with `units`, then
-    (with `scale_to`) scaled to it and back. The operator is stopped for the floor and started
-    fresh for the EPDDeployment, sampled by py-spy through its steps with `profile_dir`. Both
-    namespaces are deleted at the end."""
+    """The floors and the EPDDeployment, through the same steps: created with `units`, then
+    (with `scale_to`) scaled to it and back, in ``run_order(rotation)``. The operator is stopped
+    for the floors and started fresh for the EPDDeployment, sampled by py-spy through its steps
+    with `profile_dir`; it runs again at the end. Each run's namespace is deleted once it is done."""
     with node_capacity(api, cluster.node_names, units):
         return _measure_big(
-            cluster, api, operator, units, kcm, scale_to=scale_to, timeout=timeout, profile_dir=profile_dir
+            cluster,
+            api,
+            operator,
+            units,
+            kcm,
+            scale_to=scale_to,
+            order=run_order(rotation),
+            timeout=timeout,
+            profile_dir=profile_dir,
         )
+
+
+@dataclass
+class _EPDRun:
+    measured: list[tuple[float, dict[str, float], dict[tuple[str, str], tuple[float, float]]]]
+    sizes: list[tuple[int, int]]  # (status, whole object) bytes at the end of each step
+    operator_cpu: float
+    peak: float
+    get_wide: float
+    get_namespace: float
+    discover: list[float]
+    status: dict[str, Any]
+    profile: list[str]
+    neighbours: int
+    neighbour_seconds: float
+    neighbour_cpu: float
 
 
 def _measure_big(
@@ -385,15 +423,15 @@ def _measure_big(
     kcm: str,
     *,
     scale_to: int | None,
+    order: tuple[str, ...],
     timeout: float,
     profile_dir: Path | None,
 ) -> Big:
     steps = [units, *([scale_to, units] if scale_to is not None else [])]
     processes = dict(cluster.pids)
 
-    operator.stop()
-
     def run_floor(tag: str, what: str, all_children: bool) -> list[tuple[float, dict[str, float], Any]]:
+        operator.stop()
         namespace = create_namespace(cluster, api, f"bench-big-{tag}-{units}-{uuid.uuid4().hex[:5]}")
         children = floor_children(namespace, units)
         stateful_set = children[0]
@@ -420,51 +458,80 @@ def _measure_big(
         _delete_namespace(cluster, api, namespace, timeout)
         return floor
 
-    floor = run_floor("floor", "floor, a bare StatefulSet", all_children=False)
-    children_floor = run_floor("children-floor", "the operator's children applied alone", all_children=True)
+    def run_epd() -> _EPDRun:
+        operator.stop()
+        operator.start()
+        pid = operator.proc.pid if operator.proc else 0
+        neighbours = min(units, NEIGHBOUR_PODS)
+        neighbour_seconds, neighbour_cpu = _measure_neighbours(cluster, api, pid, neighbours, timeout)
+        cpu_at_start = cpu_seconds(pid)
+        namespace = create_namespace(cluster, api, f"bench-big-{units}-{uuid.uuid4().hex[:5]}")
+        epds = f"{EPD_PATH}/namespaces/{namespace}/epddeployments"
+        sizes: list[tuple[int, int]] = []
 
-    operator.start()
-    pid = operator.proc.pid if operator.proc else 0
-    neighbours = min(units, NEIGHBOUR_PODS)
-    neighbour_seconds, neighbour_cpu = _measure_neighbours(cluster, api, pid, neighbours, timeout)
-    cpu_at_start = cpu_seconds(pid)
-    namespace = create_namespace(cluster, api, f"bench-big-{units}-{uuid.uuid4().hex[:5]}")
-    epds = f"{EPD_PATH}/namespaces/{namespace}/epddeployments"
-    sizes: list[tuple[int, int]] = []
+        def measure_size(_units: int, tracker: Tracker, _seconds: float) -> None:
+            status = tracker.epd.get("status") or {}
+            sizes.append(
+                (len(json.dumps(status, separators=(",", ":"))), len(json.dumps(tracker.epd, separators=(",", ":"))))
+            )
 
-    def measure_size(_units: int, tracker: Tracker, _seconds: float) -> None:
-        status = tracker.epd.get("status") or {}
-        sizes.append(
-            (len(json.dumps(status, separators=(",", ":"))), len(json.dumps(tracker.epd, separators=(",", ":"))))
+        log(f"big: one EPDDeployment of {units} units ({' -> '.join(map(str, steps))})")
+        with py_spy(pid, profile_dir, f"big-{units}") as profile:
+            measured = _run_steps(
+                cluster,
+                api,
+                namespace,
+                steps,
+                create=lambda: api.call("POST", epds, json=manifest(units)),
+                scale=lambda n: api.merge_patch(f"{epds}/{NAME}", {"spec": {"replicas": n}}),
+                with_epd=True,
+                processes={**processes, "epd-operator": pid},
+                timeout=timeout,
+                on_done=measure_size,
+            )
+        operator_cpu = cpu_seconds(pid) - cpu_at_start
+        peak = memory_mb(pid, "VmHWM")
+        # The reads a client makes of a converged deployment, not of one whose EndpointSlices
+        # kube-controller-manager is still writing.
+        _wait_idle([p for name, p in processes.items() if name in ("kwok", "kube-controller-manager")] + [pid], timeout)
+        get_wide = _kubectl_ms(cluster, "get", "epd", NAME, "-n", namespace, "-o", "wide")
+        get_namespace = _kubectl_ms(cluster, "get", "namespace", namespace)
+        try:
+            discover = _discover_ms(cluster, namespace)
+        except epd_client.EPDClientError as error:
+            log(f"  discover failed: {error}")
+            discover = []
+        status = api.call("GET", f"{epds}/{NAME}").get("status") or {}
+        _delete_namespace(cluster, api, namespace, timeout)  # with the operator running: it owns the children
+        return _EPDRun(
+            measured,
+            sizes,
+            operator_cpu,
+            peak,
+            get_wide,
+            get_namespace,
+            discover,
+            status,
+            profile.lines if profile else [],
+            neighbours,
+            neighbour_seconds,
+            neighbour_cpu,
         )
 
-    log(f"big: one EPDDeployment of {units} units ({' -> '.join(map(str, steps))})")
-    with py_spy(pid, profile_dir, f"big-{units}") as profile:
-        measured = _run_steps(
-            cluster,
-            api,
-            namespace,
-            steps,
-            create=lambda: api.call("POST", epds, json=manifest(units)),
-            scale=lambda n: api.merge_patch(f"{epds}/{NAME}", {"spec": {"replicas": n}}),
-            with_epd=True,
-            processes={**processes, "epd-operator": pid},
-            timeout=timeout,
-            on_done=measure_size,
-        )
-    operator_cpu = cpu_seconds(pid) - cpu_at_start
-    peak = memory_mb(pid, "VmHWM")
-    # The reads a client makes of a converged deployment, not of one whose EndpointSlices
-    # kube-controller-manager is still writing.
-    _wait_idle([p for name, p in processes.items() if name in ("kwok", "kube-controller-manager")] + [pid], timeout)
-    get_wide = _kubectl_ms(cluster, "get", "epd", NAME, "-n", namespace, "-o", "wide")
-    get_namespace = _kubectl_ms(cluster, "get", "namespace", namespace)
-    try:
-        discover = _discover_ms(cluster, namespace)
-    except epd_client.EPDClientError as error:
-        log(f"  discover failed: {error}")
-        discover = []
-    last = api.call("GET", f"{epds}/{NAME}").get("status") or {}
+    log(f"big: {units} units, runs in this order: {', '.join(order)}")
+    floor: list[tuple[float, dict[str, float], Any]] = []
+    children_floor: list[tuple[float, dict[str, float], Any]] = []
+    epd: _EPDRun | None = None
+    for run in order:
+        if run == "floor":
+            floor = run_floor("floor", "floor, a bare StatefulSet", all_children=False)
+        elif run == "children floor":
+            children_floor = run_floor("children-floor", "the operator's children applied alone", all_children=True)
+        else:
+            epd = run_epd()
+    assert epd is not None
+    if operator.proc is None:
+        operator.start()
     big = Big(
         units,
         kcm,
@@ -476,25 +543,26 @@ def _measure_big(
                 floor_seconds=floor[i][0],
                 children_floor_seconds=children_floor[i][0],
                 status_patches=requests.get(STATUS_PATCH, (0.0, 0.0))[0],
-                status_bytes=sizes[i][0],
-                object_bytes=sizes[i][1],
+                status_bytes=epd.sizes[i][0],
+                object_bytes=epd.sizes[i][1],
                 cpu=cpu,
                 floor_cpu=floor[i][1],
                 children_floor_cpu=children_floor[i][1],
             )
-            for i, (n, (seconds, cpu, requests)) in enumerate(zip(steps, measured, strict=True))
+            for i, (n, (seconds, cpu, requests)) in enumerate(zip(steps, epd.measured, strict=True))
         ],
-        operator_cpu_seconds=operator_cpu,
-        operator_peak_rss_mb=peak,
-        get_wide_ms=get_wide,
-        get_namespace_ms=get_namespace,
-        discover_ms=discover,
-        status=last,
-        api_requests=measured[0][2],
-        profile=profile.lines if profile else [],
-        neighbour_pods=neighbours,
-        neighbour_seconds=neighbour_seconds,
-        neighbour_operator_cpu_seconds=neighbour_cpu,
+        operator_cpu_seconds=epd.operator_cpu,
+        operator_peak_rss_mb=epd.peak,
+        get_wide_ms=epd.get_wide,
+        get_namespace_ms=epd.get_namespace,
+        discover_ms=epd.discover,
+        status=epd.status,
+        api_requests=epd.measured[0][2],
+        profile=epd.profile,
+        neighbour_pods=epd.neighbours,
+        neighbour_seconds=epd.neighbour_seconds,
+        neighbour_operator_cpu_seconds=epd.neighbour_cpu,
+        order=order,
     )
     for step in big.steps:
         log(
@@ -502,7 +570,6 @@ def _measure_big(
             f"{step.ratio:.2f}x; with the children {step.children_floor_seconds:.1f} s, {step.children_ratio:.2f}x), "
             f"{step.status_patches:.0f} status patches, status {step.status_bytes} bytes"
         )
-    _delete_namespace(cluster, api, namespace, timeout)
     return big
 
 
@@ -511,7 +578,8 @@ def report_big(big: Big, out: Callable[[str], None]) -> None:
     out(
         f"big: one EPDDeployment of {big.units} units (E+P+D, {GPUS_PER_UNIT} GPUs a unit), "
         f"kube-controller-manager client {big.kcm}; floor: a bare StatefulSet of the operator's pod template; "
-        "children floor: the operator's StatefulSet, Services, PodDisruptionBudget and NetworkPolicy applied alone"
+        "children floor: the operator's StatefulSet, Services, PodDisruptionBudget and NetworkPolicy applied alone; "
+        f"runs in this order: {', '.join(big.order)}"
     )
     out(
         "| step | EPDDeployment s | floor s | ratio | children floor s | ratio "
@@ -573,12 +641,21 @@ def big_keys(runs: list[Big]) -> dict[str, float]:
         keys[f"{tag}_operator_cpu_seconds"] = _median(same, lambda b: b.operator_cpu_seconds)
         keys[f"{tag}_operator_peak_rss_mb"] = max(b.operator_peak_rss_mb for b in same)
         keys[f"{tag}_get_wide_ms"] = _median(same, lambda b: b.get_wide_ms)
-        for i, step in enumerate(same[0].steps[1:], 1):
+        keys[f"{tag}_runs"] = len(same)
+        if len(same) > 1:  # the spread of the headline ratios over the repeats
+            for name, values in (
+                ("ready_ratio_floor", [b.created.ratio for b in same]),
+                ("ready_ratio_children_floor", [b.created.children_ratio for b in same]),
+            ):
+                keys[f"{tag}_{name}_min"], keys[f"{tag}_{name}_max"] = min(values), max(values)
+        scaled_runs = max(same, key=lambda b: len(b.steps))
+        for i, step in enumerate(scaled_runs.steps[1:], 1):
             scaled = f"{tag}_scale_{step.start}_to_{step.units}"
-            keys[f"{scaled}_seconds"] = statistics.median(b.steps[i].seconds for b in same)
-            keys[f"{scaled}_ratio_floor"] = statistics.median(b.steps[i].ratio for b in same)
-            keys[f"{scaled}_ratio_children_floor"] = statistics.median(b.steps[i].children_ratio for b in same)
-            keys[f"{scaled}_status_patches_per_unit"] = statistics.median(b.steps[i].patches_per_unit for b in same)
+            with_step = [b.steps[i] for b in same if len(b.steps) > i]
+            keys[f"{scaled}_seconds"] = statistics.median(s.seconds for s in with_step)
+            keys[f"{scaled}_ratio_floor"] = statistics.median(s.ratio for s in with_step)
+            keys[f"{scaled}_ratio_children_floor"] = statistics.median(s.children_ratio for s in with_step)
+            keys[f"{scaled}_status_patches_per_unit"] = statistics.median(s.patches_per_unit for s in with_step)
         if all(b.discover_ms for b in same):
             keys[f"client_discover_{units}_ms"] = _median(same, lambda b: statistics.median(b.discover_ms))
     for pods in dict.fromkeys(b.neighbour_pods for b in runs if b.neighbour_pods):
