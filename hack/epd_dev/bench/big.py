@@ -71,6 +71,11 @@ IDLE_CPU_SECONDS = 0.2
 RUNS = ("floor", "children floor", "EPDDeployment")
 
 
+# One step as _run_steps measured it: seconds, CPU seconds per process, API server requests
+# (verb, resource) -> (count, seconds).
+Measured = tuple[float, dict[str, float], dict[tuple[str, str], tuple[float, float]]]
+
+
 @dataclass
 class Step:
     """One change of the unit count (0 -> N is the creation), on the EPDDeployment and on its floor."""
@@ -281,7 +286,7 @@ def _run_steps(
     processes: dict[str, int],
     timeout: float,
     on_done: Callable[[int, Tracker, float], None] = lambda *_: None,
-) -> list[tuple[float, dict[str, float], dict[tuple[str, str], tuple[float, float]]]]:
+) -> list[Measured]:
     """Each step's seconds, CPU per process and API server requests; `create` makes the first."""
     tracker = Tracker()
     streams: list[Stream] = [(f"/apis/apps/v1/namespaces/{namespace}/statefulsets", tracker.on_set, {})]
@@ -399,22 +404,6 @@ def measure_big(
         )
 
 
-@dataclass
-class _EPDRun:
-    measured: list[tuple[float, dict[str, float], dict[tuple[str, str], tuple[float, float]]]]
-    sizes: list[tuple[int, int]]  # (status, whole object) bytes at the end of each step
-    operator_cpu: float
-    peak: float
-    get_wide: float
-    get_namespace: float
-    discover: list[float]
-    status: dict[str, Any]
-    profile: list[str]
-    neighbours: int
-    neighbour_seconds: float
-    neighbour_cpu: float
-
-
 def _measure_big(
     cluster: LocalCluster,
     api: Api,
@@ -430,7 +419,7 @@ def _measure_big(
     steps = [units, *([scale_to, units] if scale_to is not None else [])]
     processes = dict(cluster.pids)
 
-    def run_floor(tag: str, what: str, all_children: bool) -> list[tuple[float, dict[str, float], Any]]:
+    def run_floor(tag: str, what: str, all_children: bool) -> list[Measured]:
         operator.stop()
         namespace = create_namespace(cluster, api, f"bench-big-{tag}-{units}-{uuid.uuid4().hex[:5]}")
         children = floor_children(namespace, units)
@@ -458,7 +447,7 @@ def _measure_big(
         _delete_namespace(cluster, api, namespace, timeout)
         return floor
 
-    def run_epd() -> _EPDRun:
+    def run_epd() -> tuple[Big, list[Measured], list[tuple[int, int]]]:
         operator.stop()
         operator.start()
         pid = operator.proc.pid if operator.proc else 0
@@ -503,25 +492,30 @@ def _measure_big(
             discover = []
         status = api.call("GET", f"{epds}/{NAME}").get("status") or {}
         _delete_namespace(cluster, api, namespace, timeout)  # with the operator running: it owns the children
-        return _EPDRun(
-            measured,
-            sizes,
-            operator_cpu,
-            peak,
-            get_wide,
-            get_namespace,
-            discover,
-            status,
-            profile.lines if profile else [],
-            neighbours,
-            neighbour_seconds,
-            neighbour_cpu,
+        # Everything but the steps, which also need the floors' (made before or after this run).
+        big = Big(
+            units,
+            kcm,
+            steps=[],
+            operator_cpu_seconds=operator_cpu,
+            operator_peak_rss_mb=peak,
+            get_wide_ms=get_wide,
+            get_namespace_ms=get_namespace,
+            discover_ms=discover,
+            status=status,
+            api_requests=measured[0][2],
+            profile=profile.lines if profile else [],
+            neighbour_pods=neighbours,
+            neighbour_seconds=neighbour_seconds,
+            neighbour_operator_cpu_seconds=neighbour_cpu,
+            order=order,
         )
+        return big, measured, sizes
 
     log(f"big: {units} units, runs in this order: {', '.join(order)}")
-    floor: list[tuple[float, dict[str, float], Any]] = []
-    children_floor: list[tuple[float, dict[str, float], Any]] = []
-    epd: _EPDRun | None = None
+    floor: list[Measured] = []
+    children_floor: list[Measured] = []
+    epd: tuple[Big, list[Measured], list[tuple[int, int]]] | None = None
     for run in order:
         if run == "floor":
             floor = run_floor("floor", "floor, a bare StatefulSet", all_children=False)
@@ -532,38 +526,23 @@ def _measure_big(
     assert epd is not None
     if operator.proc is None:
         operator.start()
-    big = Big(
-        units,
-        kcm,
-        steps=[
-            Step(
-                start=steps[i - 1] if i else 0,
-                units=n,
-                seconds=seconds,
-                floor_seconds=floor[i][0],
-                children_floor_seconds=children_floor[i][0],
-                status_patches=requests.get(STATUS_PATCH, (0.0, 0.0))[0],
-                status_bytes=epd.sizes[i][0],
-                object_bytes=epd.sizes[i][1],
-                cpu=cpu,
-                floor_cpu=floor[i][1],
-                children_floor_cpu=children_floor[i][1],
-            )
-            for i, (n, (seconds, cpu, requests)) in enumerate(zip(steps, epd.measured, strict=True))
-        ],
-        operator_cpu_seconds=epd.operator_cpu,
-        operator_peak_rss_mb=epd.peak,
-        get_wide_ms=epd.get_wide,
-        get_namespace_ms=epd.get_namespace,
-        discover_ms=epd.discover,
-        status=epd.status,
-        api_requests=epd.measured[0][2],
-        profile=epd.profile,
-        neighbour_pods=epd.neighbours,
-        neighbour_seconds=epd.neighbour_seconds,
-        neighbour_operator_cpu_seconds=epd.neighbour_cpu,
-        order=order,
-    )
+    big, measured, sizes = epd
+    big.steps = [
+        Step(
+            start=steps[i - 1] if i else 0,
+            units=n,
+            seconds=seconds,
+            floor_seconds=floor[i][0],
+            children_floor_seconds=children_floor[i][0],
+            status_patches=requests.get(STATUS_PATCH, (0.0, 0.0))[0],
+            status_bytes=sizes[i][0],
+            object_bytes=sizes[i][1],
+            cpu=cpu,
+            floor_cpu=floor[i][1],
+            children_floor_cpu=children_floor[i][1],
+        )
+        for i, (n, (seconds, cpu, requests)) in enumerate(zip(steps, measured, strict=True))
+    ]
     for step in big.steps:
         log(
             f"  {step.start} -> {step.units} units: {step.seconds:.1f} s (floor {step.floor_seconds:.1f} s, "
