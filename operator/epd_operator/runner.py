@@ -7,7 +7,7 @@ import random
 
 import kopf
 
-from . import indexing_gate
+from . import indexing_gate, watch_decoding
 from .loop import event_loop
 from .settings import Settings
 
@@ -59,6 +59,7 @@ def run(
     from .reconciler import Reconciler
 
     indexing_gate.install()
+    watch_decoding.install()
     reconciler = Reconciler(settings)
     if metrics_port:
         reconciler.metrics.serve(metrics_port)
