@@ -15,8 +15,8 @@ from typing import cast
 from urllib.parse import urlsplit
 
 
-class _ToUpstream(asyncio.Protocol):
-    def __init__(self, client: _FromClient) -> None:
+class ToUpstream(asyncio.Protocol):
+    def __init__(self, client: FromClient) -> None:
         self._client = client
 
     def data_received(self, data: bytes) -> None:
@@ -26,20 +26,29 @@ class _ToUpstream(asyncio.Protocol):
         self._client.close()
 
 
-class _FromClient(asyncio.Protocol):
+class FromClient(asyncio.Protocol):
     def __init__(self, host: str, port: int) -> None:
         self._host, self._port = host, port
         self._transport: asyncio.Transport | None = None
         self._upstream: asyncio.Transport | None = None
         self._early: list[bytes] = []  # what the client sent before the upstream connected
+        self._connecting: asyncio.Task[None] | None = None  # held: a task only weakly referenced may vanish
+        self._client_gone = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-        asyncio.get_running_loop().create_task(self._connect())
+        self._connecting = asyncio.get_running_loop().create_task(self._connect())
 
     async def _connect(self) -> None:
         loop = asyncio.get_running_loop()
-        upstream, _ = await loop.create_connection(lambda: _ToUpstream(self), self._host, self._port)
+        try:
+            upstream, _ = await loop.create_connection(lambda: ToUpstream(self), self._host, self._port)
+        except OSError:
+            self.close()  # no upstream: the client sees its connection closed, as behind any relay
+            return
+        if self._client_gone:
+            upstream.close()  # the client left while this connected: nobody to relay for
+            return
         self._upstream = upstream
         for data in self._early:
             self._upstream.write(data)
@@ -52,6 +61,7 @@ class _FromClient(asyncio.Protocol):
             self._upstream.write(data)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._client_gone = True
         if self._upstream is not None:
             self._upstream.close()
 
@@ -68,7 +78,7 @@ async def _serve(upstream: str, port: int) -> None:
     parts = urlsplit(upstream)
     host, upstream_port = parts.hostname or "127.0.0.1", parts.port or 80
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: _FromClient(host, upstream_port), "127.0.0.1", port)
+    server = await loop.create_server(lambda: FromClient(host, upstream_port), "127.0.0.1", port)
     print(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", flush=True)
     await server.serve_forever()
 
