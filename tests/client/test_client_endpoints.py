@@ -3,6 +3,8 @@ importing the library drags in."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import os
 import subprocess
@@ -137,6 +139,8 @@ class FakeKubernetes:
     def __init__(self, obj: dict | None = None, error_status: int | None = None, slices: list | None = None) -> None:
         calls: list[tuple] = []
         self.calls = calls
+        collecting: list[bool] = []  # whether cyclic garbage collection ran at each answer
+        self.collecting = collecting
 
         class ApiException(Exception):
             def __init__(self, status: int) -> None:
@@ -147,6 +151,7 @@ class FakeKubernetes:
                 calls.append(("close",))
 
         def answer(document: object) -> types.SimpleNamespace:
+            collecting.append(gc.isenabled())
             return types.SimpleNamespace(data=json.dumps(document).encode())
 
         class CustomObjectsApi:
@@ -213,6 +218,27 @@ def test_discover_errors(monkeypatch, obj, error_status, message) -> None:
     with pytest.raises(DiscoveryError, match=message):
         discover("demo", "team-a", kubeconfig="/tmp/kubeconfig")
     assert fake.calls[-1] == ("close",)
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_discover_pauses_garbage_collection_while_it_reads_and_restores_it(monkeypatch, fails) -> None:
+    fake = FakeKubernetes(None if fails else {"status": STATUS}, 404 if fails else None, slices=SLICES[:2])
+    fake.install(monkeypatch)
+    assert gc.isenabled()
+    with contextlib.suppress(DiscoveryError):
+        discover("demo", "team-a", kubeconfig="/tmp/kubeconfig")
+    assert gc.isenabled()
+    assert fake.collecting == ([] if fails else [False, False])
+
+
+def test_discover_leaves_garbage_collection_off_when_the_caller_turned_it_off(monkeypatch) -> None:
+    FakeKubernetes({"status": STATUS}, slices=SLICES[:2]).install(monkeypatch)
+    gc.disable()
+    try:
+        discover("demo", "team-a", kubeconfig="/tmp/kubeconfig")
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_discover_without_kubernetes_says_what_to_install(monkeypatch) -> None:
