@@ -134,6 +134,18 @@ def test_a_repeat_without_the_scale_steps_counts_in_the_creation_only():
     assert keys["big_1000_scale_1000_to_100_seconds"] == 20.0  # the one that scaled
 
 
+def test_runs_on_a_cluster_set_up_otherwise_have_keys_of_their_own():
+    without_endpoints = big(90.0, 60.0, 400, discover=[99.0])
+    without_endpoints.steps = without_endpoints.steps[:1]
+    without_endpoints.variant = "_no_endpoints_controller"
+    keys = Results(bigs=[big(66.0, 60.0, 40, discover=[12.0]), without_endpoints]).keys()
+    assert keys["big_1000_no_endpoints_controller_ready_ratio_floor"] == pytest.approx(1.5)
+    assert keys["big_1000_no_endpoints_controller_ready_ratio_children_floor"] == pytest.approx(90.0 / 55.0)
+    # The headline keys and discover's stay the default cluster's.
+    assert keys["big_1000_ready_ratio_floor"] == pytest.approx(1.1) and keys["big_1000_runs"] == 1
+    assert keys["big_status_patches_per_unit"] == pytest.approx(0.04) and keys["client_discover_1000_ms"] == 12.0
+
+
 def test_each_repeat_of_a_size_makes_its_three_runs_in_another_order():
     orders = [run_order(rotation) for rotation in range(4)]
     assert orders[0] == RUNS == ("floor", "children floor", "EPDDeployment")

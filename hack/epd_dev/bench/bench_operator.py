@@ -94,6 +94,11 @@ CHILDREN = 3  # watched children of the example: its unit StatefulSet, front and
 KCM_DEFAULT = "default (--kube-api-qps 20, --kube-api-burst 30)"
 KCM_RAISED_ARGS = ("--kube-api-qps=200", "--kube-api-burst=300")
 KCM_RAISED = "raised (--kube-api-qps 200, --kube-api-burst 300)"
+# KEP-4974 lets a cluster turn off the deprecated v1 Endpoints controller (nothing in this
+# cluster reads Endpoints: kube-proxy and the operator read EndpointSlices); the big runs can be
+# repeated so to tell its share of the children's cost (--big-without-endpoints-controller).
+KCM_NO_ENDPOINTS_ARGS = ("--controllers=*,-endpoint",)
+NO_ENDPOINTS_VARIANT = "_no_endpoints_controller"
 
 TARGETS = {  # key: (upper limit, what the target says)
     "reconcile_p50_ratio": (1.0, "reconcile p50 <= 1.0x kcm p50 (kcm at its default client QPS)"),
@@ -788,6 +793,7 @@ def benchmark(
     big: list[int] | None = None,
     big_scale_to: int | None = None,
     big_kcm_raised: bool = False,
+    big_without_endpoints_controller: bool = False,
     cleanup: bool = True,
     spec: dict[str, Any] | None = None,
 ) -> Results:
@@ -800,6 +806,9 @@ def benchmark(
     (restart.py). Then each size of ``big``: one EPDDeployment of that many units against its floor
     (big.py), those of the first size also scaled to ``big_scale_to`` and back, with kcm at 200
     QPS if ``big_kcm_raised``; a size given again is a repeat whose runs go in another order.
+    With ``big_without_endpoints_controller`` (and ``restart_kcm``), every size of ``big`` is
+    measured again (creation only) with kcm's legacy Endpoints controller off, keys
+    ``big_N_no_endpoints_controller_*``; kcm is left so.
     ``cleanup=False`` leaves the last run's objects (the caller drops the cluster: deleting
     5,000 EPDDeployments and their children takes the garbage collector 15 minutes and more).
     ``spec`` changes every EPDDeployment's spec (the example's) in every run."""
@@ -877,6 +886,28 @@ def benchmark(
                 )
             )
             check_alive(operator)
+        if restart_kcm and big_without_endpoints_controller:
+            kcm_args = (*(KCM_RAISED_ARGS if raised else ()), *KCM_NO_ENDPOINTS_ARGS)
+            log(f"restarting kube-controller-manager with {' '.join(kcm_args)}")
+            restart_kcm(kcm_args)
+            time.sleep(10)
+            kcm = (
+                f"{KCM_RAISED if raised else KCM_DEFAULT}, legacy Endpoints controller off ({KCM_NO_ENDPOINTS_ARGS[0]})"
+            )
+            for i, units in enumerate(big):
+                results.bigs.append(
+                    measure_big(
+                        cluster,
+                        api,
+                        operator,
+                        units,
+                        kcm,
+                        rotation=big[:i].count(units),
+                        profile_dir=profile_dir,
+                        variant=NO_ENDPOINTS_VARIANT,
+                    )
+                )
+                check_alive(operator)
     if used and cleanup:
         delete_namespaces(cluster, api, used, timeout=max(600, scales[-1] * 0.5))
         check_alive(operator)  # deleting many at once is a load of its own
@@ -937,6 +968,11 @@ def main(argv: list[str] | None = None) -> int:
         help="big runs with kcm at its default 20 QPS (default: 200 QPS; 5,000 units take it 10+ min at 20)",
     )
     parser.add_argument(
+        "--big-without-endpoints-controller",
+        action="store_true",
+        help="then each --big size again with kcm's deprecated v1 Endpoints controller off (--controllers=*,-endpoint)",
+    )
+    parser.add_argument(
         "--scale-kcm-raised",
         action="store_true",
         help="scale runs with kcm at 200 QPS too (5,000 pods take 10+ min at 20 QPS)",
@@ -958,6 +994,10 @@ def main(argv: list[str] | None = None) -> int:
         help="run the operator from this source folder (holding epd_operator/): A/B a change",
     )
     args = parser.parse_args(argv)
+    if args.big_without_endpoints_controller and (args.no_kcm_raised or not args.big):
+        parser.error(
+            "--big-without-endpoints-controller restarts kcm for the --big sizes: give --big, not --no-kcm-raised"
+        )
     # `kill` (SIGTERM) unwinds like Ctrl-C, so the cluster and the operator are stopped too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
@@ -983,6 +1023,7 @@ def main(argv: list[str] | None = None) -> int:
             big=args.big,
             big_scale_to=args.big_scale_to,
             big_kcm_raised=not args.big_kcm_default,
+            big_without_endpoints_controller=args.big_without_endpoints_controller,
             cleanup=False,
             spec={"service": {"headless": True}} if args.headless_front_service else None,
             restart_kcm=None if args.no_kcm_raised else lambda extra: cluster.restart("kube-controller-manager", extra),

@@ -122,6 +122,7 @@ class Big:
     neighbour_seconds: float = 0.0
     neighbour_operator_cpu_seconds: float = 0.0
     order: tuple[str, ...] = RUNS  # the order its three runs were made in (run_order)
+    variant: str = ""  # its keys' suffix after the size: a cluster set up otherwise (see big_keys)
 
     @property
     def created(self) -> Step:
@@ -385,11 +386,13 @@ def measure_big(
     rotation: int = 0,
     timeout: float = 1800,
     profile_dir: Path | None = None,
+    variant: str = "",
 ) -> Big:
     """The floors and the EPDDeployment, through the same steps: created with `units`, then
     (with `scale_to`) scaled to it and back, in ``run_order(rotation)``. The operator is stopped
     for the floors and started fresh for the EPDDeployment, sampled by py-spy through its steps
-    with `profile_dir`; it runs again at the end. Each run's namespace is deleted once it is done."""
+    with `profile_dir`; it runs again at the end. Each run's namespace is deleted once it is done.
+    ``variant`` names a cluster set up otherwise in the keys (big_keys)."""
     with node_capacity(api, cluster.node_names, units):
         return _measure_big(
             cluster,
@@ -401,6 +404,7 @@ def measure_big(
             order=run_order(rotation),
             timeout=timeout,
             profile_dir=profile_dir,
+            variant=variant,
         )
 
 
@@ -415,6 +419,7 @@ def _measure_big(
     order: tuple[str, ...],
     timeout: float,
     profile_dir: Path | None,
+    variant: str,
 ) -> Big:
     steps = [units, *([scale_to, units] if scale_to is not None else [])]
     processes = dict(cluster.pids)
@@ -509,6 +514,7 @@ def _measure_big(
             neighbour_seconds=neighbour_seconds,
             neighbour_operator_cpu_seconds=neighbour_cpu,
             order=order,
+            variant=variant,
         )
         return big, measured, sizes
 
@@ -605,11 +611,13 @@ def _median(runs: list[Big], value: Callable[[Big], float]) -> float:
 
 
 def big_keys(runs: list[Big]) -> dict[str, float]:
-    """The keys of the big runs: medians over repeated runs of a size (peak RSS: the largest)."""
+    """The keys of the big runs: medians over repeated runs of a size (peak RSS: the largest).
+    Runs of a ``variant`` (a cluster set up otherwise) have keys of their own, ``big_N<variant>_*``;
+    the headline keys and discover's are the default cluster's."""
     keys: dict[str, float] = {}
-    for units in dict.fromkeys(b.units for b in runs):
-        same = [b for b in runs if b.units == units]
-        tag = f"big_{units}"
+    for units, variant in dict.fromkeys((b.units, b.variant) for b in runs):
+        same = [b for b in runs if b.units == units and b.variant == variant]
+        tag = f"big_{units}{variant}"
         keys[f"{tag}_ready_seconds"] = _median(same, lambda b: b.created.seconds)
         keys[f"{tag}_floor_seconds"] = _median(same, lambda b: b.created.floor_seconds)
         keys[f"{tag}_ready_ratio_floor"] = _median(same, lambda b: b.created.ratio)
@@ -635,15 +643,17 @@ def big_keys(runs: list[Big]) -> dict[str, float]:
             keys[f"{scaled}_ratio_floor"] = statistics.median(s.ratio for s in with_step)
             keys[f"{scaled}_ratio_children_floor"] = statistics.median(s.children_ratio for s in with_step)
             keys[f"{scaled}_status_patches_per_unit"] = statistics.median(s.patches_per_unit for s in with_step)
-        if all(b.discover_ms for b in same):
+        if not variant and all(b.discover_ms for b in same):
             keys[f"client_discover_{units}_ms"] = _median(same, lambda b: statistics.median(b.discover_ms))
-    for pods in dict.fromkeys(b.neighbour_pods for b in runs if b.neighbour_pods):
-        beside = [b for b in runs if b.neighbour_pods == pods]
+    for pods in dict.fromkeys(b.neighbour_pods for b in runs if b.neighbour_pods and not b.variant):
+        beside = [b for b in runs if b.neighbour_pods == pods and not b.variant]
         keys[f"neighbour_{pods}_pods_operator_cpu_seconds"] = _median(
             beside, lambda b: b.neighbour_operator_cpu_seconds
         )
-    if runs:
-        headline = [b for b in runs if b.units == (1000 if any(b.units == 1000 for b in runs) else runs[0].units)]
+    default = [b for b in runs if not b.variant]
+    if default:
+        size = 1000 if any(b.units == 1000 for b in default) else default[0].units
+        headline = [b for b in default if b.units == size]
         keys["big_status_patches_per_unit"] = _median(headline, lambda b: b.created.patches_per_unit)
         keys["big_status_bytes_per_unit"] = _median(headline, lambda b: max(s.status_bytes for s in b.steps) / b.units)
     return keys
