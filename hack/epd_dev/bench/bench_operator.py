@@ -871,30 +871,9 @@ def benchmark(
             restart_kcm(KCM_RAISED_ARGS if big_kcm_raised else ())
             raised = big_kcm_raised
             time.sleep(10)
-        for i, units in enumerate(big):
-            kcm = KCM_RAISED if raised else KCM_DEFAULT
-            results.bigs.append(
-                measure_big(
-                    cluster,
-                    api,
-                    operator,
-                    units,
-                    kcm,
-                    scale_to=big_scale_to if units == big[0] else None,
-                    rotation=big[:i].count(units),  # a repeat of a size runs its floors and itself in turn
-                    profile_dir=profile_dir,
-                )
-            )
-            check_alive(operator)
-        if restart_kcm and big_without_endpoints_controller:
-            kcm_args = (*(KCM_RAISED_ARGS if raised else ()), *KCM_NO_ENDPOINTS_ARGS)
-            log(f"restarting kube-controller-manager with {' '.join(kcm_args)}")
-            restart_kcm(kcm_args)
-            time.sleep(10)
-            kcm = (
-                f"{KCM_RAISED if raised else KCM_DEFAULT}, legacy Endpoints controller off ({KCM_NO_ENDPOINTS_ARGS[0]})"
-            )
-            for i, units in enumerate(big):
+
+        def measure_sizes(sizes: list[int], kcm: str, *, scale_to: int | None, variant: str = "") -> None:
+            for i, units in enumerate(sizes):
                 results.bigs.append(
                     measure_big(
                         cluster,
@@ -902,12 +881,23 @@ def benchmark(
                         operator,
                         units,
                         kcm,
-                        rotation=big[:i].count(units),
+                        scale_to=scale_to if units == sizes[0] else None,
+                        rotation=sizes[:i].count(units),  # a repeat of a size runs its floors and itself in turn
                         profile_dir=profile_dir,
-                        variant=NO_ENDPOINTS_VARIANT,
+                        variant=variant,
                     )
                 )
                 check_alive(operator)
+
+        kcm = KCM_RAISED if raised else KCM_DEFAULT
+        measure_sizes(big, kcm, scale_to=big_scale_to)
+        if restart_kcm and big_without_endpoints_controller:
+            kcm_args = (*(KCM_RAISED_ARGS if raised else ()), *KCM_NO_ENDPOINTS_ARGS)
+            log(f"restarting kube-controller-manager with {' '.join(kcm_args)}")
+            restart_kcm(kcm_args)
+            time.sleep(10)
+            without = f"{kcm}, legacy Endpoints controller off ({KCM_NO_ENDPOINTS_ARGS[0]})"
+            measure_sizes(big, without, scale_to=None, variant=NO_ENDPOINTS_VARIANT)
     if used and cleanup:
         delete_namespaces(cluster, api, used, timeout=max(600, scales[-1] * 0.5))
         check_alive(operator)  # deleting many at once is a load of its own
