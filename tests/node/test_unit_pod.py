@@ -20,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import time
 import urllib.request
 import uuid
@@ -63,8 +64,7 @@ def deployed(cluster, helm_operator, node_namespace, tiny_model_claim, reference
         [{"workerType": "encoder", "numGpus": 1}, {"workerType": "regular", "numGpus": 2}],
         ecStorage={"maxBytes": BUDGET},
         serverDevMode=True,
-        # Priming gives up after 15 s (retries included): the encoder fault test sees the
-        # proxy's 502 before the restarted encoder is back.
+        # Priming gives up after 15 s (retries included): the frozen encoder's test waits that long.
         proxy={"primeTimeoutSeconds": 15},
     )
     cluster.kubectl("apply", "-n", node_namespace, "-f", "-", input=yaml.safe_dump(unit))
@@ -748,22 +748,41 @@ def kill_engine(cluster, namespace: str, container: str) -> None:
     exec_in(cluster, namespace, pod, container, "pkill", "-KILL", "-f", "EngineCore")
 
 
-def test_an_encoder_that_fails_its_health_check_takes_the_unit_out_and_comes_back(cluster, deployed, node_namespace):
-    ip = unit_pod(cluster, node_namespace)["status"]["podIP"]
-    kill_engine(cluster, node_namespace, "encoder-0")
-    wait_for(lambda: not pod_ready(unit_pod(cluster, node_namespace)), 60, "the unit pod unready")
-    wait_for(lambda: ready_addresses(cluster, node_namespace) == [], 60, "the unit out of the front Service")
-    # Meanwhile a picture sent to the unit's own proxy (at its pod IP: the Service sends nothing
-    # now) is refused, naming the part, and never reaches a consumer to be encoded there.
-    consumers = deployed.unit.consumer_urls
-    served = [payloads.served_requests(url) for url in consumers]
-    with pytest.raises(openai.APIStatusError) as refused:
-        sdk(f"http://{ip}:8000").chat.completions.create(**chat_request(messages(image_part((9, 9, 9)))))
-    assert refused.value.status_code == 502
-    assert "could not be encoded by the encoders, so the request was not forwarded" in str(refused.value)
-    assert "messages[0].content[0]" in str(refused.value)
-    assert [payloads.served_requests(url) for url in consumers] == served
+def test_an_encoder_that_stops_answering_takes_the_unit_out_and_comes_back_after_its_restart(
+    cluster, deployed, node_namespace
+):
+    """The encoder is frozen (containerd pauses its cgroup), so it stays down for as long as the
+    test needs: a crashed engine is back within the proxy's priming window on a quiet machine."""
+    pod = unit_pod(cluster, node_namespace)
+    ip = pod["status"]["podIP"]
+    encoder = kubelet_view(pod)["encoder-0"][0].removeprefix("containerd://")
+    real = cluster.real_node()
+    real.ctr("task", "pause", encoder)
+    try:
+        wait_for(lambda: not pod_ready(unit_pod(cluster, node_namespace)), 90, "the unit pod unready")
+        wait_for(lambda: ready_addresses(cluster, node_namespace) == [], 60, "the unit out of the front Service")
+        # Meanwhile a picture sent to the unit's own proxy (at its pod IP: the Service sends nothing
+        # now) is refused, naming the part, and never reaches a consumer to be encoded there.
+        consumers = deployed.unit.consumer_urls
+        served = [payloads.served_requests(url) for url in consumers]
+        with pytest.raises(openai.APIStatusError) as refused:
+            sdk(f"http://{ip}:8000").chat.completions.create(**chat_request(messages(image_part((9, 9, 9)))))
+        assert refused.value.status_code == 502
+        assert "could not be encoded by the encoders, so the request was not forwarded" in str(refused.value)
+        assert "messages[0].content[0]" in str(refused.value)
+        assert [payloads.served_requests(url) for url in consumers] == served
+        # The engine core dies as the encoder thaws (the signal waits for it): its API server
+        # answers /health with 503 and exits, as after a crash.
+        (engine_core,) = [
+            pid
+            for pid in (int(line.split()[0]) for line in real.ctr("task", "ps", encoder).stdout.splitlines()[1:])
+            if b"EngineCore" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        ]
+        os.kill(engine_core, signal.SIGKILL)
+    finally:
+        real.ctr("task", "resume", encoder)
     # The kubelet restarts the sidecar; once it passed its startup probe again, the unit is back.
+    wait_for(lambda: kubelet_view(unit_pod(cluster, node_namespace))["encoder-0"][1] == 1, 120, "the encoder restarted")
     wait_for(lambda: pod_ready(unit_pod(cluster, node_namespace)), 600, "the unit pod Ready again")
     wait_for(lambda: ready_addresses(cluster, node_namespace) == [ip], 60, "the unit back in the front Service")
     restarts = {name: restarts for name, (_, restarts, _) in kubelet_view(unit_pod(cluster, node_namespace)).items()}
