@@ -1,9 +1,13 @@
-"""`make bench-proxy` at toy size: the tool runs the real proxy and the byte relay and reports
-every key. Not timed: the numbers at this size mean nothing."""
+"""`make bench-proxy` at toy size: the tool runs the real proxy in front of the real vllm-router,
+and the byte relay, and reports every key. Not timed: the numbers at this size mean nothing."""
 
 from __future__ import annotations
 
+import pytest
+
 from epd_dev.bench import bench_proxy
+
+pytestmark = pytest.mark.vllm  # vllm-router, from `make vllm-envs`
 
 
 def test_the_proxy_benchmark_reports_every_key(capsys):
@@ -15,9 +19,11 @@ def test_the_proxy_benchmark_reports_every_key(capsys):
         for stat in (
             *("added_p50_ms", "added_p99_ms", "throughput_ratio", "first_byte_ratio"),
             *("relay_added_p50_ms", "relay_added_p99_ms", "relay_throughput_ratio", "throughput_ratio_over_relay"),
+            *("router_added_p50_ms", "router_added_p99_ms"),
         )
     }
     expected |= {"saturated_throughput_ratio", "saturated_relay_throughput_ratio", "proxy_cpu_us_per_request"}
+    expected |= {"saturated_engine_rps", "saturated_router_rps", "saturated_proxy_rps"}
     expected |= {"proxy_rss_mb", "proxy_peak_rss_mb"}
     assert expected <= keys.keys()
     assert all(keys[k] > 0 for k in expected if "added" not in k)

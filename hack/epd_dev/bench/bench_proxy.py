@@ -1,14 +1,21 @@
 """The EPD proxy's cost: text-only chat completions through `epd-operator proxy` and to the
-upstream alone, side by side in one run.
+router alone, side by side in one run.
 
-Both paths end at the same fast STAND-IN upstream (epd_dev/standins/fast_upstream.py, not
-vLLM) in a process of its own; the proxy is the real `epd-operator proxy` process, started as
-a unit runs it (epd_dev.proxy_process). This process is the load: ``clients`` closed-loop
-clients, each sending its next request when the last is answered, aiohttp on uvloop.
+As in a unit pod, the proxy forwards to the real vllm-router (from `make vllm-envs`, with the
+flags the operator renders for it), and the router to its engine. The engine is a fast
+STAND-IN (epd_dev/standins/fast_upstream.py, not vLLM) in a process of its own; the proxy is
+the real `epd-operator proxy` process, started as a unit runs it (epd_dev.proxy_process). This
+process is the load: ``clients`` closed-loop clients, each sending its next request when the
+last is answered, aiohttp on uvloop. The paths:
 
-A third path, for whole answers, goes through a byte relay (STAND-IN, epd_dev/standins/
-byte_relay.py): a process that copies bytes and parses nothing, the floor of one extra hop on
-the machine. What the proxy adds beyond it is the proxy's own code.
+- ``router``: the client, the router, the engine: what the front Service gives without the
+  proxy, the baseline of every ``added_*`` and ``*_ratio`` key;
+- ``proxy``: the client, the proxy, the router, the engine: the unit's front door;
+- ``relay`` (whole answers only): a byte relay (STAND-IN, epd_dev/standins/byte_relay.py) in
+  the proxy's place, a process that copies bytes and parses nothing: the floor of one extra
+  hop on the machine. What the proxy adds beyond it is the proxy's own code;
+- ``engine`` (whole answers only): the stand-in engine alone, to show what the router itself
+  costs (``router_added_*``).
 
 At each level the stand-in takes ``clients / rate`` seconds per request (the request's
 ``x-standin-delay``), so every level runs at about ``--rate`` requests a second: the levels
@@ -31,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import platform
@@ -40,18 +48,23 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 
+from epd_dev.operator_process import free_port, wait_for
 from epd_dev.proxy_process import ProxyProcess
+from epd_dev.vllm import envs
 from epd_operator.loop import event_loop
+from epd_operator.render import render
+from epd_operator.validation import validate
 
 TARGETS = {"added_p50_ms": 1.0, "added_p99_ms": 5.0, "throughput_ratio": 0.95}
-PATHS = ("upstream", "relay", "proxy")
-STREAMED_PATHS = ("upstream", "proxy")  # the relay is the floor for whole answers only
+PATHS = ("engine", "router", "relay", "proxy")
+STREAMED_PATHS = ("router", "proxy")  # the relay and the engine alone are context for whole answers only
 
 
 @dataclass
@@ -106,11 +119,19 @@ async def load(
             run.latencies.append(done - started)
             run.first_bytes.append((first or done) - started)
 
-    cpu = cpu_seconds(proxy_pid)
-    started = loop.time()
-    deadline = started + seconds
-    await asyncio.gather(*(client(i) for i in range(clients)))
-    run.seconds = loop.time() - started
+    # The load's own cyclic collections stay out of the run, as timeit keeps them out: with 512
+    # clients in flight a full one paused this process for 13 to 24 ms, and landed on whichever
+    # path was measured then (measured with gc callbacks; the p99s at 512 spread 3 to 11 ms).
+    gc.collect()
+    gc.disable()
+    try:
+        cpu = cpu_seconds(proxy_pid)
+        started = loop.time()
+        deadline = started + seconds
+        await asyncio.gather(*(client(i) for i in range(clients)))
+        run.seconds = loop.time() - started
+    finally:
+        gc.enable()
     run.proxy_cpu = cpu_seconds(proxy_pid) - cpu
     return run
 
@@ -134,8 +155,7 @@ def paths(streamed: bool) -> tuple[str, ...]:
     return STREAMED_PATHS if streamed else PATHS
 
 
-async def measure(upstream: str, relay: str, proxy: ProxyProcess, cli: argparse.Namespace) -> tuple[list[Level], Level]:
-    urls = {"upstream": upstream, "relay": relay, "proxy": proxy.url}
+async def measure(urls: dict[str, str], proxy: ProxyProcess, cli: argparse.Namespace) -> tuple[list[Level], Level]:
     assert proxy.proc is not None
     pid = proxy.proc.pid
     connector = aiohttp.TCPConnector(limit=0)
@@ -172,62 +192,71 @@ def report(
         f"\ntext-only /v1/chat/completions, closed-loop clients at about {cli.rate:g} requests/s (service time = "
         f"clients / rate), {cli.seconds:g} s per run, median of {cli.repeats} runs; {os.cpu_count()} cores shared, "
         f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after; Python {platform.python_version()}, "
-        f"aiohttp {aiohttp.__version__}\n"
+        f"aiohttp {aiohttp.__version__}; the router is vllm-router {envs.ENVS['router'].pinned[0].split('==')[1]}\n"
+        f"through the proxy (client -> proxy -> router -> engine) against the router alone (client -> router -> engine)"
     )
     print(
         f"{'clients':>7} {'service ms':>10} | {'p50 ms':>15} {'p99 ms':>15} | {'added p50':>9} {'added p99':>9} | "
         f"{'req/s':>13} {'ratio':>5} | {'first byte ms':>15} {'ratio':>5}"
     )
-    print(f"{'':>7} {'':>10} | {'upstream proxy':>15} {'upstream proxy':>15} | {'ms':>9} {'ms':>9} | "
-          f"{'up   proxy':>13} {'':>5} | {'upstream proxy':>15} {'':>5}")  # fmt: skip
+    print(f"{'':>7} {'':>10} | {'router  proxy':>15} {'router  proxy':>15} | {'ms':>9} {'ms':>9} | "
+          f"{'router proxy':>13} {'':>5} | {'router  proxy':>15} {'':>5}")  # fmt: skip
     keys: dict[str, float] = {}
     for level in levels:
-        up = {s: level.median("upstream", False, s) for s in ("p50", "p99", "throughput")}
+        rt = {s: level.median("router", False, s) for s in ("p50", "p99", "throughput")}
         px = {s: level.median("proxy", False, s) for s in ("p50", "p99", "throughput")}
         ttfb = {p: level.median(p, True, "ttfb_p50") for p in STREAMED_PATHS}
         n = level.clients
-        keys[f"added_p50_ms_{n}"] = (px["p50"] - up["p50"]) * 1e3
-        keys[f"added_p99_ms_{n}"] = (px["p99"] - up["p99"]) * 1e3
-        keys[f"throughput_ratio_{n}"] = px["throughput"] / up["throughput"]
-        keys[f"first_byte_ratio_{n}"] = ttfb["proxy"] / ttfb["upstream"]
+        keys[f"added_p50_ms_{n}"] = (px["p50"] - rt["p50"]) * 1e3
+        keys[f"added_p99_ms_{n}"] = (px["p99"] - rt["p99"]) * 1e3
+        keys[f"throughput_ratio_{n}"] = px["throughput"] / rt["throughput"]
+        keys[f"first_byte_ratio_{n}"] = ttfb["proxy"] / ttfb["router"]
         print(
-            f"{n:>7} {level.delay * 1e3:>10.1f} | {up['p50'] * 1e3:>7.2f} {px['p50'] * 1e3:>7.2f} "
-            f"{up['p99'] * 1e3:>7.2f} {px['p99'] * 1e3:>7.2f} | {keys[f'added_p50_ms_{n}']:>9.2f} "
-            f"{keys[f'added_p99_ms_{n}']:>9.2f} | {up['throughput']:>6.0f} {px['throughput']:>6.0f} "
-            f"{keys[f'throughput_ratio_{n}']:>5.2f} | {ttfb['upstream'] * 1e3:>7.2f} {ttfb['proxy'] * 1e3:>7.2f} "
+            f"{n:>7} {level.delay * 1e3:>10.1f} | {rt['p50'] * 1e3:>7.2f} {px['p50'] * 1e3:>7.2f} "
+            f"{rt['p99'] * 1e3:>7.2f} {px['p99'] * 1e3:>7.2f} | {keys[f'added_p50_ms_{n}']:>9.2f} "
+            f"{keys[f'added_p99_ms_{n}']:>9.2f} | {rt['throughput']:>6.0f} {px['throughput']:>6.0f} "
+            f"{keys[f'throughput_ratio_{n}']:>5.2f} | {ttfb['router'] * 1e3:>7.2f} {ttfb['proxy'] * 1e3:>7.2f} "
             f"{keys[f'first_byte_ratio_{n}']:>5.2f}"
         )
     print(
-        f"\nthe floor of one extra hop: a byte relay (stand-in) in the proxy's place, whole answers\n"
-        f"{'clients':>7} | {'added p50 ms':>12} {'added p99 ms':>12} | {'ratio':>5} | {'proxy / relay':>13}"
+        f"\nthe floor of one extra hop: a byte relay (stand-in) in the proxy's place, whole answers; and what the\n"
+        f"router itself adds to the engine alone\n"
+        f"{'clients':>7} | {'relay: added p50 ms':>19} {'added p99 ms':>12} | {'ratio':>5} | {'proxy / relay':>13} | "
+        f"{'router: added p50 ms':>20} {'added p99 ms':>12}"
     )
     for level in levels:
         n = level.clients
-        up = {s: level.median("upstream", False, s) for s in ("p50", "p99", "throughput")}
-        relay = {s: level.median("relay", False, s) for s in ("p50", "p99", "throughput")}
-        keys[f"relay_added_p50_ms_{n}"] = (relay["p50"] - up["p50"]) * 1e3
-        keys[f"relay_added_p99_ms_{n}"] = (relay["p99"] - up["p99"]) * 1e3
-        keys[f"relay_throughput_ratio_{n}"] = relay["throughput"] / up["throughput"]
+        stats = {
+            path: {s: level.median(path, False, s) for s in ("p50", "p99", "throughput")}
+            for path in ("engine", "router", "relay")
+        }
+        rt, relay, engine = stats["router"], stats["relay"], stats["engine"]
+        keys[f"relay_added_p50_ms_{n}"] = (relay["p50"] - rt["p50"]) * 1e3
+        keys[f"relay_added_p99_ms_{n}"] = (relay["p99"] - rt["p99"]) * 1e3
+        keys[f"relay_throughput_ratio_{n}"] = relay["throughput"] / rt["throughput"]
         keys[f"throughput_ratio_over_relay_{n}"] = level.median("proxy", False, "throughput") / relay["throughput"]
+        keys[f"router_added_p50_ms_{n}"] = (rt["p50"] - engine["p50"]) * 1e3
+        keys[f"router_added_p99_ms_{n}"] = (rt["p99"] - engine["p99"]) * 1e3
         print(
-            f"{n:>7} | {keys[f'relay_added_p50_ms_{n}']:>12.2f} {keys[f'relay_added_p99_ms_{n}']:>12.2f} | "
-            f"{keys[f'relay_throughput_ratio_{n}']:>5.2f} | {keys[f'throughput_ratio_over_relay_{n}']:>13.2f}"
+            f"{n:>7} | {keys[f'relay_added_p50_ms_{n}']:>19.2f} {keys[f'relay_added_p99_ms_{n}']:>12.2f} | "
+            f"{keys[f'relay_throughput_ratio_{n}']:>5.2f} | {keys[f'throughput_ratio_over_relay_{n}']:>13.2f} | "
+            f"{keys[f'router_added_p50_ms_{n}']:>20.2f} {keys[f'router_added_p99_ms_{n}']:>12.2f}"
         )
-    up_rate = saturated.median("upstream", False, "throughput")
-    px_rate = saturated.median("proxy", False, "throughput")
+    rates = {path: saturated.median(path, False, "throughput") for path in PATHS}
     proxied = saturated.runs[("proxy", False)]
     cpu = statistics.median(r.proxy_cpu / len(r.latencies) for r in proxied)
-    relay_rate = saturated.median("relay", False, "throughput")
-    keys["saturated_throughput_ratio"] = px_rate / up_rate
-    keys["saturated_relay_throughput_ratio"] = relay_rate / up_rate
-    keys["saturated_upstream_rps"] = up_rate
-    keys["saturated_proxy_rps"] = px_rate
+    keys["saturated_throughput_ratio"] = rates["proxy"] / rates["router"]
+    keys["saturated_relay_throughput_ratio"] = rates["relay"] / rates["router"]
+    keys["saturated_engine_rps"] = rates["engine"]
+    keys["saturated_router_rps"] = rates["router"]
+    keys["saturated_proxy_rps"] = rates["proxy"]
     keys["proxy_cpu_us_per_request"] = cpu * 1e6
     keys["proxy_rss_mb"], keys["proxy_peak_rss_mb"] = proxy_rss
     print(
-        f"\nsaturated (64 clients, no service time, every process on the same 2 cores): upstream alone "
-        f"{up_rate:.0f} req/s, through the proxy {px_rate:.0f} req/s (ratio {px_rate / up_rate:.2f}), through the "
-        f"byte relay {relay_rate:.0f} req/s (ratio {relay_rate / up_rate:.2f}); "
+        f"\nsaturated (64 clients, no service time, every process on the same 2 cores): the engine alone "
+        f"{rates['engine']:.0f} req/s, the router alone {rates['router']:.0f} req/s, through the proxy "
+        f"{rates['proxy']:.0f} req/s (ratio {keys['saturated_throughput_ratio']:.2f}), through the byte relay "
+        f"{rates['relay']:.0f} req/s (ratio {keys['saturated_relay_throughput_ratio']:.2f}); "
         f"the proxy spends {cpu * 1e6:.0f} us of CPU per request"
     )
     print(f"proxy RSS {proxy_rss[0]:.1f} MiB at the end, {proxy_rss[1]:.1f} MiB at its peak\n")
@@ -241,6 +270,56 @@ def report(
     for key, value in keys.items():
         print(f"{key}={value:.3f}")
     return keys
+
+
+def router_command(port: int, engine: str) -> list[str]:
+    """vllm-router's argv as the operator renders it in a unit of two regular engines behind the
+    proxy, listening on ``port`` and sending to the one ``engine``, its metrics on a free port."""
+    checked = validate(
+        {
+            "image": "vllm/vllm-openai:v0.33.0",
+            "models": [
+                {
+                    "name": "bench",
+                    "model": "standin",
+                    "serverGroups": [
+                        {"workerType": "encoder", "numGpus": 1},
+                        {"workerType": "regular", "numGpus": 2},
+                    ],
+                }
+            ],
+        }
+    )
+    (plan,) = render(checked, namespace="bench", name="bench", uid="bench")
+    assert plan.router is not None and plan.proxy is not None, "two regular engines behind the proxy get a router"
+    args = list(plan.router.args)
+    args[args.index("--port") + 1] = str(port)
+    workers = args.index("--worker-urls") + 1
+    rendered_workers = next((i for i in range(workers, len(args)) if args[i].startswith("--")), len(args))
+    # Its metrics port too: the default (29000) is fixed, so a second router on the machine would collide.
+    metrics = ("--prometheus-port", str(free_port()))
+    return [str(envs.router_binary()), *args[1:workers], engine, *args[rendered_workers:], *metrics]
+
+
+def start_router(started: list[subprocess.Popen[str]], engine: str, log: Path) -> str:
+    """Start vllm-router (added to ``started``) in front of ``engine``; its URL once it answers."""
+    port = free_port()
+    with log.open("w") as out:
+        process = subprocess.Popen(router_command(port, engine), stdout=out, stderr=subprocess.STDOUT, text=True)
+    started.append(process)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        if process.poll() is not None:
+            raise SystemExit(f"vllm-router exited with code {process.returncode}; its log:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as answer:
+                return bool(answer.status == 200)
+        except OSError:
+            return False
+
+    wait_for(healthy, 60, "vllm-router healthy")
+    return url
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -258,33 +337,36 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     cli = parser.parse_args(argv)
     load_before = os.getloadavg()[0]  # other work on the machine moves every figure
 
-    standins: list[subprocess.Popen[str]] = []
-    try:
-        url = start_standin(standins, "fast_upstream")
-        relay = start_standin(standins, "byte_relay", "--upstream", url)
-        # The encoder is never asked (text only); the stand-in's URL satisfies the flag.
-        with tempfile.TemporaryDirectory() as logs, ProxyProcess(url, [url], Path(logs)) as proxy:
-            assert proxy.proc is not None
-            spy = None
-            if cli.profile:
-                kind = "flamegraph" if cli.profile.suffix == ".svg" else "raw"  # raw: collapsed stacks
-                spy = subprocess.Popen(
-                    [str(Path(sys.executable).with_name("py-spy")), "record", "-o", str(cli.profile), "-f", kind]
-                    + ["-p", str(proxy.proc.pid), "-r", "200", "--nonblocking"],
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                )
-            with event_loop() as runner:  # uvloop, as the proxy's: neither side is handicapped
-                levels, saturated = runner.run(measure(url, relay, proxy, cli))
-            if spy is not None:
-                spy.send_signal(signal.SIGINT)
-                spy.wait(60)
-            rss = rss_mb(proxy.proc.pid)
-        return report(levels, saturated, rss, load_before, cli)
-    finally:
-        for standin in standins:
-            standin.terminate()
-            standin.wait()
+    started: list[subprocess.Popen[str]] = []
+    with tempfile.TemporaryDirectory() as logs:
+        try:
+            engine = start_standin(started, "fast_upstream")
+            router = start_router(started, engine, Path(logs) / "router.log")
+            relay = start_standin(started, "byte_relay", "--upstream", router)
+            # The encoder is never asked (text only); the engine's URL satisfies the flag.
+            with ProxyProcess(router, [engine], Path(logs)) as proxy:
+                assert proxy.proc is not None
+                spy = None
+                if cli.profile:
+                    kind = "flamegraph" if cli.profile.suffix == ".svg" else "raw"  # raw: collapsed stacks
+                    spy = subprocess.Popen(
+                        [str(Path(sys.executable).with_name("py-spy")), "record", "-o", str(cli.profile), "-f", kind]
+                        + ["-p", str(proxy.proc.pid), "-r", "200", "--nonblocking"],
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL,
+                    )
+                urls = {"engine": engine, "router": router, "relay": relay, "proxy": proxy.url}
+                with event_loop() as runner:  # uvloop, as the proxy's: neither side is handicapped
+                    levels, saturated = runner.run(measure(urls, proxy, cli))
+                if spy is not None:
+                    spy.send_signal(signal.SIGINT)
+                    spy.wait(60)
+                rss = rss_mb(proxy.proc.pid)
+        finally:
+            for process in started:
+                process.terminate()
+                process.wait()
+    return report(levels, saturated, rss, load_before, cli)
 
 
 def start_standin(started: list[subprocess.Popen[str]], module: str, *args: str) -> str:
