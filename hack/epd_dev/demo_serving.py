@@ -37,6 +37,8 @@ KV_STORE = "/dev/shm/epd-demo-kv"
 # The Helm release's Deployment (release "epd" of the chart epd-operator).
 OPERATOR_DEPLOYMENT = "epd-epd-operator"
 MAX_TOKENS = 12
+PRIME_TIMEOUT_SECONDS = 30
+FAILURE_HEADING = "The same request with the encoder stopped"
 # Long enough (with the two images' 32 placeholder tokens) for the prompt to fill two 32-token
 # KV blocks, so the KV cache prefill hands to decode covers both images (serving.prefill_decode_groups).
 QUESTION = (
@@ -212,7 +214,11 @@ def manifests(claim: str) -> list[dict[str, Any]]:
     """The tiny model's two EPDDeployments for the real node: the unit (encoder + prefill + decode
     behind vllm-router; prefill hands its KV cache to decode through KV_STORE, a folder of the
     pod's /dev/shm) and the aggregated reference (one engine, no EC config)."""
-    unit = real_node.node_manifest(NAME, claim, serving.prefill_decode_groups(Path(KV_STORE)))
+    # A picture its encoder cannot prime is refused within PRIME_TIMEOUT_SECONDS (the default,
+    # 600 s, waits as long as epd_client's deadline): the demo's failure recipe shows it.
+    unit = real_node.node_manifest(
+        NAME, claim, serving.prefill_decode_groups(Path(KV_STORE)), proxy={"primeTimeoutSeconds": PRIME_TIMEOUT_SECONDS}
+    )
     reference = real_node.node_manifest(REFERENCE, claim, [{"workerType": "regular", "numGpus": 1}])
     return [unit, reference]
 
@@ -519,15 +525,19 @@ def print_explore(answer: Answer, cluster: Any, namespace: str) -> None:
     print(
         f"    curl -s -w '\\n' {answer.front_url}/v1/chat/completions -H 'Content-Type: application/json' -d '{data}'"
     )
-    sdk = (
-        "import openai, sys; "
-        f"c = openai.OpenAI(base_url={json.dumps(answer.front_url + '/v1')}, api_key='none'); "
-        f"r = c.chat.completions.create(model={json.dumps(tiny_model.SERVED_NAME)}, max_tokens=8, temperature=0, "
-        'messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": sys.argv[1]}}, '
-        '{"type": "text", "text": "what is this?"}]}]); print(repr(r.choices[0].message.content))'
-    )
+
+    def sdk(options: str = "") -> str:
+        return (
+            "import openai, sys; "
+            f"c = openai.OpenAI(base_url={json.dumps(answer.front_url + '/v1')}, api_key='none'{options}); "
+            f"r = c.chat.completions.create(model={json.dumps(tiny_model.SERVED_NAME)}, max_tokens=8, "
+            'temperature=0, messages=[{"role": "user", "content": [{"type": "image_url", "image_url": '
+            '{"url": sys.argv[1]}}, {"type": "text", "text": "what is this?"}]}]); '
+            "print(repr(r.choices[0].message.content))"
+        )
+
     print("\n  The same with the official openai SDK (pip install openai):\n")
-    print(f'    {sys.executable} -c {shlex.quote(sdk)} "$IMG"')
+    print(f'    {sys.executable} -c {shlex.quote(sdk())} "$IMG"')
     client = (
         "import epd_client as c, sys; "
         f"ep = c.Endpoints.from_urls([{json.dumps(encoder)}], {json.dumps(entry)}, "
@@ -538,4 +548,13 @@ def print_explore(answer: Answer, cluster: Any, namespace: str) -> None:
     )
     print("\n  With epd_client, as rollouts do (prime on the encoder, then render and generate):\n")
     print(f'    {sys.executable} -c {shlex.quote(client)} "$IMG"')
+    engine_core = f"kubectl -n {namespace} exec {pod} -c encoder-0 -- pkill -{{}} -f EngineCore"
+    print(
+        f"\n  {FAILURE_HEADING}: its engine stopped (SIGSTOP: it hangs, its /health still answers), the\n"
+        f"  picture is refused after the unit's proxy.primeTimeoutSeconds ({PRIME_TIMEOUT_SECONDS} s here), never\n"
+        "  encoded on a consumer (the SDK raises openai.InternalServerError: Error code: 502); then it serves again:\n"
+    )
+    print(f"    {engine_core.format('STOP')}")
+    print(f'    {sys.executable} -c {shlex.quote(sdk(", max_retries=0"))} "$IMG"')
+    print(f"    {engine_core.format('CONT')}")
     print()

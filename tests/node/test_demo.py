@@ -2,7 +2,8 @@
 model's encoder + prefill + decode unit behind vllm-router, made by the Helm-installed operator
 and run by epd-real-0's kubelet, answers the two-image request exactly as the aggregated engine
 (the session's reference pod); the kubelet started the containers in the order EPD needs; what
-the demo prints for exploring works as printed.
+the demo prints for exploring works as printed, its failure recipe included (the encoder stopped:
+the openai SDK gets the proxy's 502, no consumer is asked).
 """
 
 from __future__ import annotations
@@ -150,7 +151,9 @@ def test_what_the_demo_prints_for_exploring_works_as_printed(served, cluster, no
     out = io.StringIO()
     with redirect_stdout(out):
         print_explore(answer, cluster, node_namespace)
-    lines = [line.strip() for line in out.getvalue().splitlines()]
+    printed = [line.strip() for line in out.getvalue().splitlines()]
+    failure_at = next(i for i, line in enumerate(printed) if line.startswith(demo_serving.FAILURE_HEADING))
+    lines, failure = printed[:failure_at], printed[failure_at:]
     # One line per engine, the reference among them, each URL at a pod IP of the real node.
     block = lines[: next(i for i, line in enumerate(lines) if line.startswith("A second request"))]
     engines = {line.split()[0]: line.split()[1] for line in block if line.split()[1:2] and "http://10.88.0." in line}
@@ -160,19 +163,35 @@ def test_what_the_demo_prints_for_exploring_works_as_printed(served, cluster, no
     (export,) = [line.split("kubectl", 1)[1].strip().split(";")[0] for line in lines if "export KUBECONFIG=" in line]
     kubectl_lines = [line.split(None, 1)[1] for line in lines if line.split()[:1] in (["logs"], ["exec"], ["operator"])]
     assert kubectl_lines and all(line.startswith(f"kubectl -n {node_namespace} ") for line in kubectl_lines)
-    script = "\n".join(
-        [
-            export,
-            *(line for line in lines if line.startswith(("IMG=", "curl ", sys.executable))),
-            *kubectl_lines,
-        ]
-    )
-    ran = subprocess.run(
-        ["bash", "-euo", "pipefail", "-c", script], check=False, capture_output=True, text=True, timeout=180
-    )
+
+    def bash(*commands: str) -> subprocess.CompletedProcess[str]:
+        script = "\n".join([export, *commands])
+        return subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", script], check=False, capture_output=True, text=True, timeout=180
+        )
+
+    image, curl, sdk_line, client_line = [line for line in lines if line.startswith(("IMG=", "curl ", sys.executable))]
+    ran = bash(image, curl, sdk_line, client_line, *kubectl_lines)
     assert ran.returncode == 0, ran.stderr
     chat, sdk, client, *kubectl_out = ran.stdout.strip().splitlines()
     # curl and the openai SDK through the front Service give the same greedy answer.
     assert repr(json.loads(chat)["choices"][0]["message"]["content"]) == sdk
     assert len(json.loads(client)) == 8
     assert any("Application startup complete" in line for line in kubectl_out)  # prefill-0's log
+
+    # The failure recipe: with the encoder's engine stopped, the SDK gets the proxy's 502 naming the
+    # picture, no consumer is asked; once it runs again the same request is answered as before.
+    stop, refused_sdk, start = [line for line in failure if line.startswith(("kubectl ", sys.executable))]
+    consumers = {name: answer.engine_urls[name] for name in ("prefill-0", "decode-0")}
+    served = {name: payloads.served_requests(url) for name, url in consumers.items()}
+    try:
+        assert bash(stop).returncode == 0
+        refused = bash(image, refused_sdk)
+    finally:
+        assert bash(start).returncode == 0
+    assert refused.returncode != 0 and "openai.InternalServerError: Error code: 502" in refused.stderr
+    assert "could not be encoded by the encoders, so the request was not forwarded" in refused.stderr
+    assert "messages[0].content[0]" in refused.stderr
+    assert {name: payloads.served_requests(url) for name, url in consumers.items()} == served
+    again = bash(image, sdk_line)
+    assert again.returncode == 0 and again.stdout.strip() == sdk, again.stderr
