@@ -192,7 +192,7 @@ def report(
         f"\ntext-only /v1/chat/completions, closed-loop clients at about {cli.rate:g} requests/s (service time = "
         f"clients / rate), {cli.seconds:g} s per run, median of {cli.repeats} runs; {os.cpu_count()} cores shared, "
         f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after; Python {platform.python_version()}, "
-        f"aiohttp {aiohttp.__version__}; the router is vllm-router {envs.ENVS['router'].pinned[0].split('==')[1]}\n"
+        f"aiohttp {aiohttp.__version__}; the router is {envs.ENVS['router'].summary}\n"
         f"through the proxy (client -> proxy -> router -> engine) against the router alone (client -> router -> engine)"
     )
     print(
