@@ -258,6 +258,51 @@ async def test_an_idle_or_stalled_client_connection_is_closed(server, start_prox
     async with connected(proxy.url) as (reader, writer):
         writer.write(b"GET /v1/models HTTP/1.1\r\nhost: p\r\n")  # a head that never ends
         assert await asyncio.wait_for(reader.read(), 5) == b""
+    async with connected(proxy.url) as (reader, writer):
+        writer.write(request("POST", CHAT, chat_body())[:-5])  # a small body that never ends
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+
+
+@contextlib.asynccontextmanager
+async def handing_over() -> AsyncIterator[tuple[str, list[bool]]]:
+    """A server of http1's client connections whose handler answers with the body's length: its
+    URL, and for each request whether its body was whole when the handler got it."""
+    whole: list[bool] = []
+
+    def handle(exchange: http1.Exchange):
+        whole.append(exchange.body.complete)
+
+        async def answer() -> None:
+            body = await exchange.body.read(1 << 20)
+            exchange.respond(200, [("content-type", "text/plain")], str(len(body)).encode())
+
+        return answer()
+
+    connections: set[http1.ClientConnection] = set()
+    loop = asyncio.get_running_loop()
+    listener = await loop.create_server(
+        lambda: http1.ClientConnection(handle, lambda status, message: b"{}", connections), "127.0.0.1", 0
+    )
+    async with listener:
+        yield f"http://127.0.0.1:{listener.sockets[0].getsockname()[1]}", whole
+
+
+@pytest.mark.parametrize(
+    ("size", "whole"),
+    [(1000, True), (http1.AWAITED_BODY_BYTES, True), (http1.AWAITED_BODY_BYTES + 1, False)],
+    ids=["small", "at the limit", "over the limit"],
+)
+async def test_a_small_body_written_after_its_head_is_handed_over_whole(size, whole):
+    """As httpx (the openai SDK) writes requests: the head, then the body. A small body is awaited
+    so the proxy can serve it from callbacks; a larger one is handed over as it arrives."""
+    async with handing_over() as (url, seen), connected(url) as (reader, writer):
+        body = b"x" * size
+        writer.write(request("POST", CHAT, body)[:-size])
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(body)
+        status, _, answer = await asyncio.wait_for(read_answer(reader), 5)
+    assert (status, answer, seen) == (200, str(size).encode(), [whole])
 
 
 async def test_an_answer_still_streaming_at_the_request_timeout_is_cut_short(start_proxy, server, http, warm):

@@ -31,11 +31,16 @@ MAX_HEADERS = 256
 # A body is read from the client's socket ahead of its use up to this much, then the socket is
 # paused: pipelined requests and a slow upstream never pile up in memory.
 READ_AHEAD_BYTES = 256 * 1024
+# A body of a declared length up to this is awaited whole before its request is handed over:
+# clients that write a request's head and body apart (httpx, so the openai SDK) are then served
+# from callbacks, without a task, as those writing them together. The read-ahead holds it anyway.
+AWAITED_BODY_BYTES = 64 * 1024
 # Requests parsed ahead of their turn on one connection (pipelined) before its socket is paused.
 PIPELINE_DEPTH = 16
 # A client connection with no request in progress for this long is closed (aiohttp's and nginx's
-# keep-alive timeout), and so is one whose request head has not ended by then: idle or stalled
-# clients do not hold sockets and memory for ever. One sweep does it, not a timer per request.
+# keep-alive timeout), and so is one whose request head (or awaited body) has not all arrived by
+# then, counted from its first byte: idle or stalled clients do not hold sockets and memory for
+# ever. One sweep does it, not a timer per request.
 CLIENT_IDLE_SECONDS = 75.0
 # Pooled upstream connections idle longer than this are closed (Go's net/http keeps them 90 s).
 # Servers close idle ones sooner (vLLM's uvicorn after 5 s); a request whose reused connection
@@ -92,7 +97,7 @@ class RequestHead:
 class Body:
     """A request's body as it arrives from the client: read whole (``read``) or chunk by chunk."""
 
-    __slots__ = ("_buffered", "_chunks", "_connection", "_continue", "complete", "length")
+    __slots__ = ("_buffered", "_chunks", "_connection", "_continue", "awaited", "complete", "length")
 
     def __init__(self, connection: ClientConnection, head: RequestHead, expects_continue: bool) -> None:
         self._connection = connection
@@ -101,6 +106,10 @@ class Body:
         self.complete = not head.framed
         self._continue = expects_continue
         self.length = head.length
+        self.awaited = (
+            not self.complete and not expects_continue and head.length is not None and head.length <= AWAITED_BODY_BYTES
+        )
+        """Its request is handed over only once it is whole (AWAITED_BODY_BYTES)."""
 
     def feed(self, data: bytes) -> None:
         self._chunks.append(data)
@@ -295,7 +304,8 @@ class ClientConnection(asyncio.Protocol):
         self._waiter: asyncio.Future[None] | None = None
         self._reading_paused = False
         self.idle_since: float | None = time.monotonic()
-        """Since when no request has been in progress (None: one is)."""
+        """Since when no request has been in progress (None: one is), or since its head began
+        while its head or awaited body is still arriving."""
         self.closed = False
         self.backpressure: Callable[[bool], None] | None = None
         """Called with True when the client reads slower than the proxy writes, False when it
@@ -356,6 +366,8 @@ class ClientConnection(asyncio.Protocol):
     # ------------------------------------------------------------------ parser callbacks
 
     def on_message_begin(self) -> None:
+        if self.idle_since is not None:  # a stalled head or awaited body is idle from its start
+            self.idle_since = time.monotonic()
         self._url = b""
         self._raw_headers = []
         self._head_bytes = 0
@@ -376,7 +388,6 @@ class ClientConnection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
-        self.idle_since = None
         headers = []
         length, chunked, expects_continue = None, False, False
         for raw_name, raw_value in self._raw_headers:
@@ -402,6 +413,8 @@ class ClientConnection(asyncio.Protocol):
             length=length,
         )
         body = Body(self, head, expects_continue and (chunked or bool(length)))
+        if not body.awaited:  # one awaited is in progress once whole: a stalled one is idle
+            self.idle_since = None
         self._parsing = body
         self._queue.append(Exchange(self, head, body))
         if len(self._queue) > PIPELINE_DEPTH:
@@ -413,6 +426,7 @@ class ClientConnection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         assert self._parsing is not None
+        self.idle_since = None
         self._parsing.finish()
 
     def _too_large_head(self) -> None:
@@ -441,6 +455,10 @@ class ClientConnection(asyncio.Protocol):
                 if isinstance(item, _Rejection):
                     self._refusal(item.status, item.message)
                     return
+                if item.body.awaited and not item.body.complete:
+                    if self.idle_since is None:  # it was queued behind a request now over
+                        self.idle_since = time.monotonic()
+                    return  # on_message_complete brings it back here
                 self._current = item
                 try:
                     pending = self._handle(item)
