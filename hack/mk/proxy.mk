@@ -6,9 +6,9 @@ PROXY_BENCH_ARGS ?=
 
 .PHONY: bench-proxy test-proxy
 
-## bench-proxy: the proxy's added latency, throughput and RSS in front of vllm-router, against the router alone (about 6 min)
+## bench-proxy: the proxy's added latency, throughput and RSS in front of vllm-router, against the router alone, with stand-in engines and a real one (about 8 min)
 bench-proxy: venv
-	$(PY) -m epd_dev.vllm.envs install router
+	$(PY) -m epd_dev.vllm.envs install serve router
 	$(PY) -m epd_dev.bench.bench_proxy $(PROXY_BENCH_ARGS)
 
 ## test-proxy: the proxy's tests against stand-ins (no cluster, no vLLM)

@@ -25,6 +25,12 @@ start spread over one service time, so requests do not arrive in waves. One more
 64 clients with no service time at all saturates the machine: its throughput ratio and the
 proxy's CPU per request bound what one proxy process can forward.
 
+At one client the stand-in's service time (2.5 ms at 400/s) is shorter than any answer of a
+real engine, so the same chain is measured once more with the real vLLM 0.32 engine (the CPU
+build serving the tiny model of the node tests, epd_dev/vllm/tiny_model.py) in the stand-in's
+place: one client asking for the shortest answer vLLM gives (one token), router, relay and proxy
+in front of it as above (keys ``real_*``; ``--no-real-engine`` leaves it out).
+
 Per level: latency to the whole answer (p50, p99) and throughput, and for streamed answers
 the time to the first body byte (the stand-in sends its first event after the service time
 and the rest one service time later, so a buffering proxy would double it). Each statistic is
@@ -57,7 +63,7 @@ import aiohttp
 
 from epd_dev.operator_process import free_port, wait_for
 from epd_dev.proxy_process import ProxyProcess
-from epd_dev.vllm import envs
+from epd_dev.vllm import envs, tiny_model
 from epd_operator.loop import event_loop
 from epd_operator.render import render
 from epd_operator.validation import validate
@@ -65,6 +71,8 @@ from epd_operator.validation import validate
 TARGETS = {"added_p50_ms": 1.0, "added_p99_ms": 5.0, "throughput_ratio": 0.95}
 PATHS = ("engine", "router", "relay", "proxy")
 STREAMED_PATHS = ("router", "proxy")  # the relay and the engine alone are context for whole answers only
+STANDIN_MODEL = "standin"  # the stand-in answers any name
+REAL_MODEL = "tiny"  # the real engine's --served-model-name
 
 
 @dataclass
@@ -97,12 +105,22 @@ def rss_mb(pid: int) -> tuple[float, float]:
 
 
 async def load(
-    http: aiohttp.ClientSession, url: str, *, clients: int, seconds: float, delay: float, stream: bool, proxy_pid: int
+    http: aiohttp.ClientSession,
+    url: str,
+    *,
+    clients: int,
+    seconds: float,
+    delay: float,
+    stream: bool,
+    proxy_pid: int,
+    model: str = STANDIN_MODEL,
 ) -> Run:
     body = json.dumps(
-        {"model": "standin", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 1, "stream": stream}
+        {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 1, "stream": stream}
     ).encode()
-    headers = {"content-type": "application/json", "x-standin-delay": f"{delay:.6f}"}
+    headers = {"content-type": "application/json"}
+    if delay:
+        headers["x-standin-delay"] = f"{delay:.6f}"
     loop = asyncio.get_running_loop()
     run = Run(seconds)
 
@@ -169,7 +187,8 @@ async def measure(urls: dict[str, str], proxy: ProxyProcess, cli: argparse.Names
                     http, urls[path] + "/v1/chat/completions", clients=clients, seconds=min(1.0, cli.seconds),
                     delay=delay, stream=streamed, proxy_pid=pid,
                 )  # fmt: skip
-        for _ in range(cli.repeats):
+        for repeat in range(cli.repeats):
+            print(f"stand-in engine: round {repeat + 1} of {cli.repeats} over every level and path", flush=True)
             for clients, delay, streamed in plans:
                 for path in paths(streamed):
                     run = await load(
@@ -185,8 +204,62 @@ async def measure(urls: dict[str, str], proxy: ProxyProcess, cli: argparse.Names
     return levels, saturated
 
 
+async def measure_real(urls: dict[str, str], proxy: ProxyProcess, cli: argparse.Namespace) -> Level:
+    """One client, whole answers, against the real engine: every path in turn, ``--repeats`` times."""
+    assert proxy.proc is not None
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+        runs: dict[tuple[str, bool], list[Run]] = {}
+        for seconds in (min(1.0, cli.seconds), *[cli.seconds] * cli.repeats):  # the first warms every path
+            print(f"real engine: {len(PATHS)} paths, {seconds:g} s each", flush=True)
+            for path in PATHS:
+                run = await load(
+                    http, urls[path] + "/v1/chat/completions", clients=1, seconds=seconds, delay=0.0,
+                    stream=False, proxy_pid=proxy.proc.pid, model=REAL_MODEL,
+                )  # fmt: skip
+                if seconds == cli.seconds:
+                    runs.setdefault((path, False), []).append(run)
+    return Level(1, 0.0, runs)
+
+
+def report_real(level: Level) -> dict[str, float]:
+    stats = {path: {s: level.median(path, False, s) for s in ("p50", "p99", "throughput")} for path in PATHS}
+    engine, router, relay, proxy = (stats[path] for path in PATHS)
+    keys = {
+        "real_engine_p50_ms_1": engine["p50"] * 1e3,
+        "real_router_p50_ms_1": router["p50"] * 1e3,
+        "real_added_p50_ms_1": (proxy["p50"] - router["p50"]) * 1e3,
+        "real_added_p99_ms_1": (proxy["p99"] - router["p99"]) * 1e3,
+        "real_throughput_ratio_1": proxy["throughput"] / router["throughput"],
+        "real_relay_added_p50_ms_1": (relay["p50"] - router["p50"]) * 1e3,
+        "real_relay_throughput_ratio_1": relay["throughput"] / router["throughput"],
+    }
+    print(
+        f"one client against the real engine ({envs.ENVS['serve'].summary}, the tiny model, one-token answers), "
+        f"whole answers\n"
+        f"{'path':>6} | {'p50 ms':>7} {'p99 ms':>7} | {'req/s':>6} | {'added p50 ms':>12} {'added p99 ms':>12} | "
+        f"{'ratio':>5}"
+    )
+    for path in PATHS:
+        row = stats[path]
+        added = ("", "", "") if path == "engine" else (
+            f"{(row['p50'] - router['p50']) * 1e3:.2f}", f"{(row['p99'] - router['p99']) * 1e3:.2f}",
+            f"{row['throughput'] / router['throughput']:.3f}",
+        )  # fmt: skip
+        print(
+            f"{path:>6} | {row['p50'] * 1e3:>7.2f} {row['p99'] * 1e3:>7.2f} | {row['throughput']:>6.1f} | "
+            f"{added[0]:>12} {added[1]:>12} | {added[2]:>5}"
+        )
+    print()
+    return keys
+
+
 def report(
-    levels: list[Level], saturated: Level, proxy_rss: tuple[float, float], load_before: float, cli: argparse.Namespace
+    levels: list[Level],
+    saturated: Level,
+    proxy_rss: tuple[float, float],
+    load_before: float,
+    cli: argparse.Namespace,
+    real: Level | None,
 ) -> dict[str, float]:
     print(
         f"\ntext-only /v1/chat/completions, closed-loop clients at about {cli.rate:g} requests/s (service time = "
@@ -260,12 +333,14 @@ def report(
         f"the proxy spends {cpu * 1e6:.0f} us of CPU per request"
     )
     print(f"proxy RSS {proxy_rss[0]:.1f} MiB at the end, {proxy_rss[1]:.1f} MiB at its peak\n")
+    if real is not None:
+        keys |= report_real(real)
     verdicts = []
     for name, limit in TARGETS.items():
-        for level in levels:
-            value = keys[f"{name}_{level.clients}"]
+        for key in [f"{name}_{level.clients}" for level in levels] + [f"real_{name}_1"] * (real is not None):
+            value = keys[key]
             met = value >= limit if name == "throughput_ratio" else value <= limit
-            verdicts.append(f"{name}_{level.clients} {value:.2f} ({'met' if met else 'MISSED'}: target {limit:g})")
+            verdicts.append(f"{key} {value:.2f} ({'met' if met else 'MISSED'}: target {limit:g})")
     print("targets: " + "; ".join(verdicts) + "\n")
     for key, value in keys.items():
         print(f"{key}={value:.3f}")
@@ -309,16 +384,7 @@ def start_router(started: list[subprocess.Popen[str]], engine: str, log: Path) -
     started.append(process)
     url = f"http://127.0.0.1:{port}"
 
-    def healthy() -> bool:
-        if process.poll() is not None:
-            raise SystemExit(f"vllm-router exited with code {process.returncode}; its log:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as answer:
-                return bool(answer.status == 200)
-        except OSError:
-            return False
-
-    wait_for(healthy, 60, "vllm-router healthy")
+    wait_for(lambda: answers(process, url, log, "vllm-router"), 60, "vllm-router healthy")
     return url
 
 
@@ -328,6 +394,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--rate", type=float, default=400.0, help="requests a second each level runs at")
     parser.add_argument("--seconds", type=float, default=5.0, help="length of one run")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--no-real-engine",
+        dest="real_engine",
+        action="store_false",
+        help="leave out the one-client runs against the real vLLM engine (they start it: about a minute)",
+    )
     parser.add_argument(
         "--profile",
         type=Path,
@@ -363,10 +435,64 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                     spy.wait(60)
                 rss = rss_mb(proxy.proc.pid)
         finally:
-            for process in started:
-                process.terminate()
-                process.wait()
-    return report(levels, saturated, rss, load_before, cli)
+            stop(started)
+        real = measure_with_real_engine(cli, Path(logs)) if cli.real_engine else None
+    return report(levels, saturated, rss, load_before, cli, real)
+
+
+def stop(started: list[subprocess.Popen[str]]) -> None:
+    for process in started:
+        process.terminate()
+    for process in started:
+        process.wait()
+    started.clear()
+
+
+def measure_with_real_engine(cli: argparse.Namespace, logs: Path) -> Level:
+    """The one-client runs with the real engine in the stand-in's place (its own router, relay
+    and proxy), once the stand-ins' runs are over and their processes gone."""
+    started: list[subprocess.Popen[str]] = []
+    try:
+        engine = start_engine(started, logs / "engine.log")
+        router = start_router(started, engine, logs / "real-router.log")
+        relay = start_standin(started, "byte_relay", "--upstream", router)
+        with ProxyProcess(router, [engine], logs / "real") as proxy:
+            urls = {"engine": engine, "router": router, "relay": relay, "proxy": proxy.url}
+            with event_loop() as runner:
+                return runner.run(measure_real(urls, proxy, cli))
+    finally:
+        stop(started)
+
+
+def start_engine(started: list[subprocess.Popen[str]], log: Path, timeout: float = 300) -> str:
+    """Start the real vLLM engine (the serving venv's, on the CPU) with the tiny model, as
+    docs/testing.md "Serving vLLM on CPU" says (added to ``started``); its URL once it answers."""
+    python, model = envs.serving_python(), tiny_model.tiny_model_path()  # both fail loudly with how to install
+    port = free_port()
+    command = [
+        *(str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)),
+        *("--served-model-name", REAL_MODEL, "--host", "127.0.0.1", "--port", str(port)),
+        *("--max-model-len", "512", "--dtype", "bfloat16", "--enforce-eager"),
+    ]
+    environment = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+    print(f"starting the real vLLM engine ({envs.ENVS['serve'].summary}) with the tiny model", flush=True)
+    with log.open("w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, text=True, env=environment)
+    started.append(process)
+    url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: answers(process, url, log, "the vLLM engine"), timeout, "the vLLM engine healthy")
+    return url
+
+
+def answers(process: subprocess.Popen[str], url: str, log: Path, what: str) -> bool:
+    """Whether ``url``/health answers 200; SystemExit with the log's tail once ``process`` exited."""
+    if process.poll() is not None:
+        raise SystemExit(f"{what} exited with code {process.returncode}; its log:\n{log.read_text()[-3000:]}")
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as answer:
+            return bool(answer.status == 200)
+    except OSError:
+        return False
 
 
 def start_standin(started: list[subprocess.Popen[str]], module: str, *args: str) -> str:
