@@ -304,8 +304,8 @@ class ClientConnection(asyncio.Protocol):
         self._waiter: asyncio.Future[None] | None = None
         self._reading_paused = False
         self.idle_since: float | None = time.monotonic()
-        """Since when no request has been in progress (None: one is), or since its head began
-        while its head or awaited body is still arriving."""
+        """Since when no request has been handed over (None: one is being served), restarted
+        when the next request's first byte comes: a stalled head or awaited body is idle."""
         self.closed = False
         self.backpressure: Callable[[bool], None] | None = None
         """Called with True when the client reads slower than the proxy writes, False when it
@@ -413,8 +413,6 @@ class ClientConnection(asyncio.Protocol):
             length=length,
         )
         body = Body(self, head, expects_continue and (chunked or bool(length)))
-        if not body.awaited:  # one awaited is in progress once whole: a stalled one is idle
-            self.idle_since = None
         self._parsing = body
         self._queue.append(Exchange(self, head, body))
         if len(self._queue) > PIPELINE_DEPTH:
@@ -426,7 +424,6 @@ class ClientConnection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         assert self._parsing is not None
-        self.idle_since = None
         self._parsing.finish()
 
     def _too_large_head(self) -> None:
@@ -456,10 +453,9 @@ class ClientConnection(asyncio.Protocol):
                     self._refusal(item.status, item.message)
                     return
                 if item.body.awaited and not item.body.complete:
-                    if self.idle_since is None:  # it was queued behind a request now over
-                        self.idle_since = time.monotonic()
                     return  # on_message_complete brings it back here
                 self._current = item
+                self.idle_since = None
                 try:
                     pending = self._handle(item)
                 except Exception:  # noqa: BLE001 - logged by failed()
@@ -499,8 +495,7 @@ class ClientConnection(asyncio.Protocol):
         if not (exchange.ended and exchange.reusable):
             self.close()
             return
-        if not self._queue:
-            self.idle_since = time.monotonic()
+        self.idle_since = time.monotonic()
         if len(self._queue) <= PIPELINE_DEPTH and not (self._parsing and self._parsing.backlogged):
             self.resume_reading()
         self._start_next()
