@@ -168,6 +168,27 @@ class Level:
         values = "first_bytes" if stat.startswith("ttfb") else "latencies"
         return statistics.median(percentile(getattr(r, values), q) for r in runs)
 
+    def whole(self, path: str) -> dict[str, float]:
+        """p50, p99 and throughput of a path's whole (not streamed) answers."""
+        return {stat: self.median(path, False, stat) for stat in ("p50", "p99", "throughput")}
+
+
+def compared(level: Level) -> dict[str, float]:
+    """Whole answers at one level: what the proxy and the relay add to the router alone, and the
+    router to the engine alone (keys without their level's suffix)."""
+    engine, router, relay, proxy = (level.whole(path) for path in PATHS)
+    return {
+        "added_p50_ms": (proxy["p50"] - router["p50"]) * 1e3,
+        "added_p99_ms": (proxy["p99"] - router["p99"]) * 1e3,
+        "throughput_ratio": proxy["throughput"] / router["throughput"],
+        "relay_added_p50_ms": (relay["p50"] - router["p50"]) * 1e3,
+        "relay_added_p99_ms": (relay["p99"] - router["p99"]) * 1e3,
+        "relay_throughput_ratio": relay["throughput"] / router["throughput"],
+        "throughput_ratio_over_relay": proxy["throughput"] / relay["throughput"],
+        "router_added_p50_ms": (router["p50"] - engine["p50"]) * 1e3,
+        "router_added_p99_ms": (router["p99"] - engine["p99"]) * 1e3,
+    }
+
 
 def paths(streamed: bool) -> tuple[str, ...]:
     return STREAMED_PATHS if streamed else PATHS
@@ -208,42 +229,36 @@ async def measure_real(urls: dict[str, str], proxy: ProxyProcess, cli: argparse.
     """One client, whole answers, against the real engine: every path in turn, ``--repeats`` times."""
     assert proxy.proc is not None
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
-        runs: dict[tuple[str, bool], list[Run]] = {}
-        for seconds in (min(1.0, cli.seconds), *[cli.seconds] * cli.repeats):  # the first warms every path
+        runs: dict[tuple[str, bool], list[Run]] = {(path, False): [] for path in PATHS}
+        for repeat in range(cli.repeats + 1):  # round 0 warms every path and is not counted
+            seconds = cli.seconds if repeat else min(1.0, cli.seconds)
             print(f"real engine: {len(PATHS)} paths, {seconds:g} s each", flush=True)
             for path in PATHS:
                 run = await load(
                     http, urls[path] + "/v1/chat/completions", clients=1, seconds=seconds, delay=0.0,
                     stream=False, proxy_pid=proxy.proc.pid, model=REAL_MODEL,
                 )  # fmt: skip
-                if seconds == cli.seconds:
-                    runs.setdefault((path, False), []).append(run)
+                if repeat:
+                    runs[(path, False)].append(run)
     return Level(1, 0.0, runs)
 
 
 def report_real(level: Level) -> dict[str, float]:
-    stats = {path: {s: level.median(path, False, s) for s in ("p50", "p99", "throughput")} for path in PATHS}
-    engine, router, relay, proxy = (stats[path] for path in PATHS)
-    keys = {
-        "real_engine_p50_ms_1": engine["p50"] * 1e3,
-        "real_router_p50_ms_1": router["p50"] * 1e3,
-        "real_added_p50_ms_1": (proxy["p50"] - router["p50"]) * 1e3,
-        "real_added_p99_ms_1": (proxy["p99"] - router["p99"]) * 1e3,
-        "real_throughput_ratio_1": proxy["throughput"] / router["throughput"],
-        "real_relay_added_p50_ms_1": (relay["p50"] - router["p50"]) * 1e3,
-        "real_relay_throughput_ratio_1": relay["throughput"] / router["throughput"],
-    }
+    stats = {path: level.whole(path) for path in PATHS}
+    keys = {"real_engine_p50_ms_1": stats["engine"]["p50"] * 1e3, "real_router_p50_ms_1": stats["router"]["p50"] * 1e3}
+    keys |= {f"real_{key}_1": value for key, value in compared(level).items()}
     print(
         f"one client against the real engine ({envs.ENVS['serve'].summary}, the tiny model, one-token answers), "
         f"whole answers\n"
         f"{'path':>6} | {'p50 ms':>7} {'p99 ms':>7} | {'req/s':>6} | {'added p50 ms':>12} {'added p99 ms':>12} | "
         f"{'ratio':>5}"
     )
+    against_router = {"relay": "real_relay_", "proxy": "real_"}  # the key prefixes of what they add
     for path in PATHS:
-        row = stats[path]
-        added = ("", "", "") if path == "engine" else (
-            f"{(row['p50'] - router['p50']) * 1e3:.2f}", f"{(row['p99'] - router['p99']) * 1e3:.2f}",
-            f"{row['throughput'] / router['throughput']:.3f}",
+        row, prefix = stats[path], against_router.get(path)
+        added = ("", "", "") if prefix is None else (
+            f"{keys[f'{prefix}added_p50_ms_1']:.2f}", f"{keys[f'{prefix}added_p99_ms_1']:.2f}",
+            f"{keys[f'{prefix}throughput_ratio_1']:.3f}",
         )  # fmt: skip
         print(
             f"{path:>6} | {row['p50'] * 1e3:>7.2f} {row['p99'] * 1e3:>7.2f} | {row['throughput']:>6.1f} | "
@@ -276,13 +291,10 @@ def report(
           f"{'router proxy':>13} {'':>5} | {'router  proxy':>15} {'':>5}")  # fmt: skip
     keys: dict[str, float] = {}
     for level in levels:
-        rt = {s: level.median("router", False, s) for s in ("p50", "p99", "throughput")}
-        px = {s: level.median("proxy", False, s) for s in ("p50", "p99", "throughput")}
+        rt, px = level.whole("router"), level.whole("proxy")
         ttfb = {p: level.median(p, True, "ttfb_p50") for p in STREAMED_PATHS}
         n = level.clients
-        keys[f"added_p50_ms_{n}"] = (px["p50"] - rt["p50"]) * 1e3
-        keys[f"added_p99_ms_{n}"] = (px["p99"] - rt["p99"]) * 1e3
-        keys[f"throughput_ratio_{n}"] = px["throughput"] / rt["throughput"]
+        keys |= {f"{key}_{n}": value for key, value in compared(level).items()}
         keys[f"first_byte_ratio_{n}"] = ttfb["proxy"] / ttfb["router"]
         print(
             f"{n:>7} {level.delay * 1e3:>10.1f} | {rt['p50'] * 1e3:>7.2f} {px['p50'] * 1e3:>7.2f} "
@@ -299,17 +311,6 @@ def report(
     )
     for level in levels:
         n = level.clients
-        stats = {
-            path: {s: level.median(path, False, s) for s in ("p50", "p99", "throughput")}
-            for path in ("engine", "router", "relay")
-        }
-        rt, relay, engine = stats["router"], stats["relay"], stats["engine"]
-        keys[f"relay_added_p50_ms_{n}"] = (relay["p50"] - rt["p50"]) * 1e3
-        keys[f"relay_added_p99_ms_{n}"] = (relay["p99"] - rt["p99"]) * 1e3
-        keys[f"relay_throughput_ratio_{n}"] = relay["throughput"] / rt["throughput"]
-        keys[f"throughput_ratio_over_relay_{n}"] = level.median("proxy", False, "throughput") / relay["throughput"]
-        keys[f"router_added_p50_ms_{n}"] = (rt["p50"] - engine["p50"]) * 1e3
-        keys[f"router_added_p99_ms_{n}"] = (rt["p99"] - engine["p99"]) * 1e3
         print(
             f"{n:>7} | {keys[f'relay_added_p50_ms_{n}']:>19.2f} {keys[f'relay_added_p99_ms_{n}']:>12.2f} | "
             f"{keys[f'relay_throughput_ratio_{n}']:>5.2f} | {keys[f'throughput_ratio_over_relay_{n}']:>13.2f} | "
