@@ -168,6 +168,10 @@ class Level:
         values = "first_bytes" if stat.startswith("ttfb") else "latencies"
         return statistics.median(percentile(getattr(r, values), q) for r in runs)
 
+    def cpu_per_request(self, path: str) -> float:
+        """The proxy's CPU seconds per request while ``path`` was loaded, whole answers (median)."""
+        return statistics.median(r.proxy_cpu / len(r.latencies) for r in self.runs[(path, False)])
+
     def whole(self, path: str) -> dict[str, float]:
         """p50, p99 and throughput of a path's whole (not streamed) answers."""
         return {stat: self.median(path, False, stat) for stat in ("p50", "p99", "throughput")}
@@ -247,6 +251,7 @@ def report_real(level: Level) -> dict[str, float]:
     stats = {path: level.whole(path) for path in PATHS}
     keys = {"real_engine_p50_ms_1": stats["engine"]["p50"] * 1e3, "real_router_p50_ms_1": stats["router"]["p50"] * 1e3}
     keys |= {f"real_{key}_1": value for key, value in compared(level).items()}
+    keys["real_proxy_cpu_us_per_request_1"] = level.cpu_per_request("proxy") * 1e6
     print(
         f"one client against the real engine ({envs.ENVS['serve'].summary}, the tiny model, one-token answers), "
         f"whole answers\n"
@@ -264,7 +269,7 @@ def report_real(level: Level) -> dict[str, float]:
             f"{path:>6} | {row['p50'] * 1e3:>7.2f} {row['p99'] * 1e3:>7.2f} | {row['throughput']:>6.1f} | "
             f"{added[0]:>12} {added[1]:>12} | {added[2]:>5}"
         )
-    print()
+    print(f"the proxy's CPU per request: {keys['real_proxy_cpu_us_per_request_1']:.0f} us\n")
     return keys
 
 
@@ -296,6 +301,7 @@ def report(
         n = level.clients
         keys |= {f"{key}_{n}": value for key, value in compared(level).items()}
         keys[f"first_byte_ratio_{n}"] = ttfb["proxy"] / ttfb["router"]
+        keys[f"proxy_cpu_us_per_request_{n}"] = level.cpu_per_request("proxy") * 1e6
         print(
             f"{n:>7} {level.delay * 1e3:>10.1f} | {rt['p50'] * 1e3:>7.2f} {px['p50'] * 1e3:>7.2f} "
             f"{rt['p99'] * 1e3:>7.2f} {px['p99'] * 1e3:>7.2f} | {keys[f'added_p50_ms_{n}']:>9.2f} "
@@ -304,21 +310,22 @@ def report(
             f"{keys[f'first_byte_ratio_{n}']:>5.2f}"
         )
     print(
-        f"\nthe floor of one extra hop: a byte relay (stand-in) in the proxy's place, whole answers; and what the\n"
-        f"router itself adds to the engine alone\n"
+        f"\nthe floor of one extra hop: a byte relay (stand-in) in the proxy's place, whole answers; what the\n"
+        f"router itself adds to the engine alone; and the proxy's CPU per request (the same work at every level:\n"
+        f"it costs more after a longer idle gap, when the cores' caches no longer hold the proxy's code and data)\n"
         f"{'clients':>7} | {'relay: added p50 ms':>19} {'added p99 ms':>12} | {'ratio':>5} | {'proxy / relay':>13} | "
-        f"{'router: added p50 ms':>20} {'added p99 ms':>12}"
+        f"{'router: added p50 ms':>20} {'added p99 ms':>12} | {'proxy CPU us/req':>16}"
     )
     for level in levels:
         n = level.clients
         print(
             f"{n:>7} | {keys[f'relay_added_p50_ms_{n}']:>19.2f} {keys[f'relay_added_p99_ms_{n}']:>12.2f} | "
             f"{keys[f'relay_throughput_ratio_{n}']:>5.2f} | {keys[f'throughput_ratio_over_relay_{n}']:>13.2f} | "
-            f"{keys[f'router_added_p50_ms_{n}']:>20.2f} {keys[f'router_added_p99_ms_{n}']:>12.2f}"
+            f"{keys[f'router_added_p50_ms_{n}']:>20.2f} {keys[f'router_added_p99_ms_{n}']:>12.2f} | "
+            f"{keys[f'proxy_cpu_us_per_request_{n}']:>16.0f}"
         )
     rates = {path: saturated.median(path, False, "throughput") for path in PATHS}
-    proxied = saturated.runs[("proxy", False)]
-    cpu = statistics.median(r.proxy_cpu / len(r.latencies) for r in proxied)
+    cpu = saturated.cpu_per_request("proxy")
     keys["saturated_throughput_ratio"] = rates["proxy"] / rates["router"]
     keys["saturated_relay_throughput_ratio"] = rates["relay"] / rates["router"]
     keys["saturated_engine_rps"] = rates["engine"]
