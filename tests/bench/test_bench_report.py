@@ -3,10 +3,14 @@ of repeated runs and the RSS slope per object."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from epd_dev.bench.bench_operator import KCM_DEFAULT, Results, Scale, report, stage_means_ms
 from epd_dev.bench.big import RUNS, Big, Step, run_order
+from epd_dev.bench.observe import cpu_seconds
 from epd_dev.bench.restart import Restart
 
 
@@ -158,3 +162,29 @@ def test_the_big_report_has_a_row_per_step(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert "| 1000 -> 100 | 20.0 | 25.0 | 0.80x | 16.0 | 1.25x | 2 | 0.002 | 3000 | 8000 |" in lines
     assert "PASS  status patches per unit during the scale-up <= 0.2: 0.04" in lines
+
+
+def test_a_process_cpu_time_is_read_to_the_millisecond_with_its_ended_threads():
+    """What the benchmarks divide by a run's requests: a clock tick (10 ms) is more than a short
+    run uses."""
+    code = (
+        "import threading, time\n"
+        "def burn():\n"
+        "    end = time.process_time() + 0.03\n"
+        "    while time.process_time() < end:\n"
+        "        pass\n"
+        "worker = threading.Thread(target=burn)\n"
+        "worker.start()\n"
+        "worker.join()\n"
+        "print(time.process_time(), flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        own = float(child.stdout.readline())
+        assert own > 0.03
+        assert cpu_seconds(child.pid) == pytest.approx(own, abs=0.002)
+    finally:
+        child.kill()
+        child.wait()

@@ -61,6 +61,7 @@ from pathlib import Path
 
 import aiohttp
 
+from epd_dev.bench.observe import cpu_seconds
 from epd_dev.operator_process import free_port, wait_for
 from epd_dev.proxy_process import ProxyProcess
 from epd_dev.vllm import envs, tiny_model
@@ -90,12 +91,6 @@ class Run:
 def percentile(values: Sequence[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process, from /proc/<pid>/stat."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def rss_mb(pid: int) -> tuple[float, float]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
-import os
 import re
 import shutil
 import signal
@@ -157,8 +156,10 @@ def settle(rec: Recorder, names: list[str], what: str, timeout: float, watches: 
 
 
 def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    """CPU time of a process (every thread, live or ended), to the nanosecond: /proc/<pid>/stat
+    counts 10 ms clock ticks, more than a short run of a few requests uses. The clock is Linux's
+    process CPU clock of another process (clock_getcpuclockid's encoding: ~pid << 3 | SCHED)."""
+    return time.clock_gettime(((~pid) << 3) | 2)
 
 
 def memory_mb(pid: int, key: str) -> float:
