@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from epd_dev.bench import bench_proxy
 from epd_dev.bench.bench_operator import KCM_DEFAULT, Results, Scale, report, stage_means_ms
 from epd_dev.bench.big import RUNS, Big, Step, run_order
 from epd_dev.bench.observe import cpu_seconds
@@ -188,3 +189,24 @@ def test_a_process_cpu_time_is_read_to_the_millisecond_with_its_ended_threads():
     finally:
         child.kill()
         child.wait()
+
+
+def test_the_throughput_ratio_is_reported_with_its_spread_over_rounds_each_paired_in_its_round():
+    def runs(*throughputs: float) -> list[bench_proxy.Run]:
+        return [bench_proxy.Run(1.0, latencies=[0.001] * int(t)) for t in throughputs]
+
+    # The machine slowed down in round 2: the router's and the proxy's runs of a round are paired.
+    level = bench_proxy.Level(
+        1,
+        0.0025,
+        {
+            ("engine", False): runs(400, 200, 400),
+            ("router", False): runs(300, 150, 300),
+            ("relay", False): runs(294, 147, 291),
+            ("proxy", False): runs(285, 147, 276),
+        },
+    )
+    assert level.round_ratios("proxy", "router") == [0.95, 0.98, 0.92]
+    keys = bench_proxy.compared(level)
+    assert (keys["throughput_ratio_min"], keys["throughput_ratio_max"]) == (0.92, 0.98)
+    assert keys["throughput_ratio"] == 276 / 300  # medians: 276 over 300
