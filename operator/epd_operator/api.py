@@ -369,6 +369,16 @@ class Proxy(Schema):
     prime_timeout_seconds: int = Field(
         default=600, ge=1, le=86400, description="How long priming one request's media may take, retries included."
     )
+    prime_attempt_timeout_seconds: int | None = Field(
+        default=None,
+        ge=1,
+        le=86400,
+        description=(
+            "How long one prime request to one encoder may take before it is retried on the next encoder, so a hung "
+            "encoder costs one attempt, not all of primeTimeoutSeconds; at most primeTimeoutSeconds. Default: 300 s "
+            "(epd_client's), or primeTimeoutSeconds if shorter."
+        ),
+    )
     resources: ResourceRequirements | None = Field(default=None, description="The proxy container's resources.")
 
 

@@ -124,6 +124,7 @@ def _proxy(args: argparse.Namespace) -> None:
         metrics_port=args.metrics_port,
         request_timeout_seconds=args.request_timeout_seconds,
         prime_timeout_seconds=args.prime_timeout_seconds,
+        prime_attempt_timeout_seconds=args.prime_attempt_timeout_seconds,
         prime_max_attempts=args.prime_max_attempts,
         prime_concurrency=args.prime_concurrency,
         max_request_bytes=args.max_request_bytes,
@@ -232,6 +233,13 @@ def _add_proxy_parser(sub: Any) -> None:
         type=_positive,
         default=600.0,
         help="limit of priming one media part, retries included (epd_client's deadline)",
+    )
+    proxy.add_argument(
+        "--prime-attempt-timeout-seconds",
+        type=_positive,
+        default=None,
+        help="limit of one prime request to one encoder, then retried on the next encoder (default: epd_client's, "
+        "300; at most --prime-timeout-seconds counts)",
     )
     proxy.add_argument(
         "--prime-max-attempts", type=_positive_int, default=20, help="attempts per media part (epd_client's)"

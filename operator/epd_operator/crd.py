@@ -24,6 +24,7 @@ from .validation import (
     MAX_UNAVAILABLE_PERCENT,
     NAME_PATTERN,
     PLACEMENT_RULES,
+    PRIME_ATTEMPT_WITHIN_PRIME,
     SUPPORTED_VLLM_VERSIONS,
 )
 
@@ -156,6 +157,14 @@ def _add_cel_rules(spec: dict[str, Any]) -> None:
             "self.drainSeconds < self.gracePeriodSeconds",
             "message": DRAIN_WITHIN_GRACE,
             "fieldPath": ".drainSeconds",
+        }
+    ]
+    spec["properties"]["proxy"]["x-kubernetes-validations"] = [
+        {
+            "rule": "!has(self.primeAttemptTimeoutSeconds) || !has(self.primeTimeoutSeconds) || "
+            "self.primeAttemptTimeoutSeconds <= self.primeTimeoutSeconds",
+            "message": PRIME_ATTEMPT_WITHIN_PRIME,
+            "fieldPath": ".primeAttemptTimeoutSeconds",
         }
     ]
     models = spec["properties"]["models"]

@@ -356,6 +356,8 @@ def proxy_container(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPla
     else:
         encoders = [a for e in plan.unit_encoders for a in ("--encoder", f"http://127.0.0.1:{e.port}")]
     timeout = spec.proxy.request_timeout_seconds or spec.router.request_timeout_seconds
+    attempt = spec.proxy.prime_attempt_timeout_seconds
+    attempt_timeout = [] if attempt is None else ["--prime-attempt-timeout-seconds", str(attempt)]
     return {
         "name": plan.proxy.container_name,
         "image": image,
@@ -365,6 +367,7 @@ def proxy_container(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPla
             *encoders,
             *("--request-timeout-seconds", str(timeout)),
             *("--prime-timeout-seconds", str(spec.proxy.prime_timeout_seconds)),
+            *attempt_timeout,
             *("--metrics-port", str(PROXY_METRICS_PORT)),
         ],
         "ports": [

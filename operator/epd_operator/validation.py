@@ -365,6 +365,24 @@ def termination_errors(spec: EPDDeploymentSpec) -> list[str]:
     ]
 
 
+PRIME_ATTEMPT_WITHIN_PRIME = (
+    "one prime attempt cannot outlast priming with all its retries (primeTimeoutSeconds), and no retry would "
+    "reach another encoder: lower spec.proxy.primeAttemptTimeoutSeconds or raise primeTimeoutSeconds"
+)
+
+
+def proxy_errors(spec: EPDDeploymentSpec) -> list[str]:
+    attempt, whole = spec.proxy.prime_attempt_timeout_seconds, spec.proxy.prime_timeout_seconds
+    if attempt is None or attempt <= whole:
+        return []
+    return [
+        (
+            f"spec.proxy.primeAttemptTimeoutSeconds: {attempt} s is longer than primeTimeoutSeconds ({whole} s): "
+            f"{PRIME_ATTEMPT_WITHIN_PRIME}"
+        )
+    ]
+
+
 HEADLESS_NEEDS_CLUSTER_IP = (
     "a headless Service has no virtual IP, which a NodePort or LoadBalancer Service needs: "
     "set spec.service.type to ClusterIP, or headless to false"
@@ -483,6 +501,7 @@ def validate(raw: dict[str, Any], *, name: str | None = None, limits: Limits | N
     errors += max_unavailable_errors(spec)
     errors += service_errors(spec)
     errors += termination_errors(spec)
+    errors += proxy_errors(spec)
     for volume in spec.volumes:
         if "hostPath" in volume:
             errors.append(

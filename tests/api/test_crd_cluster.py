@@ -165,6 +165,18 @@ def test_the_api_server_refuses_a_drain_longer_than_the_grace_period(cluster, cr
     assert python_verdict(spec) != []
 
 
+def test_the_api_server_refuses_a_prime_attempt_longer_than_the_priming(cluster, crd, namespace):
+    documents = [
+        manifest("too-long", spec_with("encoder", "regular", proxy={"primeAttemptTimeoutSeconds": 601})),
+        manifest("fits", spec_with("encoder", "regular", proxy={"primeAttemptTimeoutSeconds": 600})),
+        manifest("null", spec_with("encoder", "regular", proxy={"primeAttemptTimeoutSeconds": None})),
+    ]
+    verdicts = server_dry_run(cluster, namespace, documents)
+    assert "one prime attempt cannot outlast priming with all its retries" in verdicts["too-long"]
+    assert verdicts["fits"] == verdicts["null"] == ""
+    assert python_verdict(documents[0]["spec"]) != []
+
+
 def test_the_api_server_takes_every_byte_bound_up_to_the_largest(cluster, crd, namespace):
     """Each integer bound of the CRD is one the API server can compare with: a bound it reads as
     something else than an int64 makes it refuse every object that sets the field at all."""

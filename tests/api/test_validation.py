@@ -410,6 +410,16 @@ def test_lists_and_maps_are_bounded():
     assert refusals(spec)[0].startswith("spec.models[0].serverGroups[1].resources.limits.memory")
 
 
+def test_one_prime_attempt_must_fit_in_the_priming_with_its_retries():
+    (message,) = refusals(spec_with("encoder", "regular", proxy={"primeAttemptTimeoutSeconds": 601}))
+    assert message.startswith(
+        "spec.proxy.primeAttemptTimeoutSeconds: 601 s is longer than primeTimeoutSeconds (600 s): one prime attempt"
+    )
+    assert "lower spec.proxy.primeAttemptTimeoutSeconds or raise primeTimeoutSeconds" in message
+    fits = {"primeAttemptTimeoutSeconds": 30, "primeTimeoutSeconds": 30}
+    assert refusals(spec_with("encoder", "regular", proxy=fits)) == []
+
+
 def test_the_drain_must_end_within_the_grace_period():
     (message,) = refusals(spec_with("encoder", "regular", termination={"gracePeriodSeconds": 30, "drainSeconds": 30}))
     assert message.startswith("spec.termination.drainSeconds: 30 s is not below gracePeriodSeconds (30 s)")

@@ -76,6 +76,9 @@ def test_the_proxy_timeouts_and_resources_come_from_spec_proxy():
     container = proxy_container(spec, name, plan, IMAGE)
     args = flags(container)
     assert (args.request_timeout_seconds, args.prime_timeout_seconds) == (90, 30)
+    assert args.prime_attempt_timeout_seconds is None  # unset: the proxy's own default
+    spec, name, plan = plan_of("encoder-regular.yaml", proxy={"primeAttemptTimeoutSeconds": 20})
+    assert flags(proxy_container(spec, name, plan, IMAGE)).prime_attempt_timeout_seconds == 20
     assert container["resources"]["requests"]["cpu"] == "1"
 
 

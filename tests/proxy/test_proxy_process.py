@@ -22,6 +22,7 @@ def test_flags_and_their_defaults():
         600.0,
     )
     assert (args.max_request_bytes, args.placement, args.encoder) == (64 * 2**20, "Unit", ["http://a:1"])
+    assert args.prime_attempt_timeout_seconds is None  # epd_client's attempt timeout, capped by the whole
     args = build_parser().parse_args(
         ["proxy", "--upstream", "u", "--encoders-dns", "pool.ns.svc:8100,8101", "--max-request-bytes", "1.5Mi"]
     )
@@ -68,3 +69,16 @@ def test_the_process_primes_serves_and_drains_on_sigterm(server, tmp_path):
     log = proxy.tail()
     assert "serving on 127.0.0.1" in log
     assert "HTTP Request" not in log  # httpx's line per prime stays out at INFO
+
+
+def test_a_hung_encoder_costs_one_prime_attempt_and_the_retry_reaches_the_next_encoder(server, tmp_path):
+    hung, healthy, upstream = server(delay=60.0), server(), server()
+    image = {"type": "image_url", "image_url": {"url": "https://i.test/x"}}
+    request = {"model": "m", "messages": [{"role": "user", "content": [image, image | {"image_url": {"url": "y"}}]}]}
+    attempts = ["--prime-attempt-timeout-seconds", "0.5", "--prime-timeout-seconds", "60"]
+    with ProxyProcess(upstream.url, [hung.url, healthy.url], tmp_path, args=attempts) as proxy:
+        post = urllib.request.Request(proxy.url + "/v1/chat/completions", data=json.dumps(request).encode())
+        with urllib.request.urlopen(post, timeout=30) as response:  # well under the 60 s the priming may take
+            assert response.status == 200
+    # One part went to each encoder; the hung one's attempt was cut and tried again on the other.
+    assert (len(hung.records), len(healthy.records), len(upstream.records)) == (1, 2, 1)

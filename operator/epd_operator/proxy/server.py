@@ -441,6 +441,7 @@ def run_proxy(
     metrics_port: int,
     request_timeout_seconds: float,
     prime_timeout_seconds: float,
+    prime_attempt_timeout_seconds: float | None,
     prime_max_attempts: int,
     prime_concurrency: int,
     max_request_bytes: int,
@@ -456,7 +457,7 @@ def run_proxy(
     retry = RetryPolicy(
         max_attempts=prime_max_attempts,
         deadline=prime_timeout_seconds,
-        attempt_timeout=min(RetryPolicy.attempt_timeout, prime_timeout_seconds),
+        attempt_timeout=min(prime_attempt_timeout_seconds or RetryPolicy.attempt_timeout, prime_timeout_seconds),
     )
     dns = DNSTarget.parse(encoders_dns) if encoders_dns else None
 
