@@ -6,7 +6,7 @@ import asyncio
 import functools
 import ssl
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +60,11 @@ class Connection:
         }
 
 
+AttemptHook = Callable[[str, bool], None]
+"""Told of each attempt's end: the server's base URL, and whether the server failed it (no
+answer in time, a connection error, a 5xx, an answer cut off). Any other answer, a 4xx, 408
+or 429 included, is the server answering."""
+
 # httpcore scans every connection of a pool on each request and response, so one pool
 # with 64 connections costs ~3x the CPU per request of pools of 8 (docs/performance.md).
 _POOL_SIZE = 8
@@ -79,11 +84,13 @@ class Transport:
         policy: RetryPolicy,
         max_concurrency: int,
         connection: Connection | None = None,
+        on_attempt: AttemptHook | None = None,
     ) -> None:
         if max_concurrency < 1:
             raise ValueError("max_concurrency must be at least 1")
         connection = connection or Connection()
         self.policy = policy
+        self._on_attempt = on_attempt
         self._headers = connection.all_headers()
         self._verify = _ssl_verify(connection.verify)
         # The semaphore bounds concurrency, not the pools: it is released during backoff
@@ -143,7 +150,13 @@ class Transport:
                 with attempt:
                     url = urls[(first + attempt.retry_state.attempt_number - 1) % len(urls)]
                     tried.append(url)
-                    return await self._attempt(url, path, body, deadline, headers)
+                    try:
+                        response = await self._attempt(url, path, body, deadline, headers)
+                    except Exception as exc:
+                        self._attempted(url, exc)
+                        raise
+                    self._attempted(url, None)
+                    return response
         except (RetryableStatus, _FatalStatus) as exc:
             raise _request_error(path, tried, exc.response) from exc
         except _CutOff as exc:
@@ -158,6 +171,15 @@ class Transport:
             reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             raise RequestError(path, tried, attempts=len(tried), reason=reason) from exc
         raise AssertionError("unreachable: tenacity either returns or reraises")
+
+    def _attempted(self, url: str, error: Exception | None) -> None:
+        if self._on_attempt is None or isinstance(error, _DeadlineExceeded):  # the server was never asked
+            return
+        if isinstance(error, RetryableStatus | _FatalStatus):
+            failed = error.response.status_code >= 500
+        else:
+            failed = error is not None  # no answer: timed out, no connection, cut off
+        self._on_attempt(url, failed)
 
     async def _attempt(
         self, base_url: str, path: str, body: Any, deadline: float, headers: Mapping[str, str] | None

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Self
 
 from ._errors import MediaFailure, PrimeError, RequestError
-from ._http import Connection, Transport, Verify, json_body
+from ._http import AttemptHook, Connection, Transport, Verify, json_body
 from ._media import MediaItem
 from ._retry import RetryPolicy
 
@@ -104,6 +104,9 @@ class Primer:
     It owns a connection pool: ``async with Primer() as primer:`` or ``await primer.aclose()``.
     At most ``max_concurrency`` prime requests are in flight at once. ``api_key``, ``headers``
     and ``verify`` are as EPDClient's; ``prime``'s own headers go with one call.
+    ``on_attempt(encoder, failed)`` is called as each prime request ends, retries included:
+    ``failed`` when the encoder gave no answer in time, no connection, a 5xx or a cut-off
+    answer (a 4xx, 408 or 429 is an answer), so a caller can leave failing encoders out.
     """
 
     def __init__(
@@ -114,8 +117,10 @@ class Primer:
         api_key: str | None = None,
         headers: Mapping[str, str] | None = None,
         verify: Verify = True,
+        on_attempt: AttemptHook | None = None,
     ) -> None:
-        self._transport = Transport(retry or RetryPolicy(), max_concurrency, Connection(api_key, headers, verify))
+        connection = Connection(api_key, headers, verify)
+        self._transport = Transport(retry or RetryPolicy(), max_concurrency, connection, on_attempt)
 
     @property
     def retry(self) -> RetryPolicy:

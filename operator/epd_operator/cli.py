@@ -112,6 +112,7 @@ def _janitor(args: argparse.Namespace) -> None:
 
 
 def _proxy(args: argparse.Namespace) -> None:
+    from .proxy.encoders import Ejection
     from .proxy.server import run_proxy
 
     run_proxy(
@@ -127,6 +128,7 @@ def _proxy(args: argparse.Namespace) -> None:
         prime_attempt_timeout_seconds=args.prime_attempt_timeout_seconds,
         prime_max_attempts=args.prime_max_attempts,
         prime_concurrency=args.prime_concurrency,
+        ejection=Ejection(args.eject_after_failures, args.ejection_base_seconds, args.ejection_max_seconds),
         max_request_bytes=args.max_request_bytes,
         pooled=args.placement == "Pools",
         shutdown_timeout_seconds=args.shutdown_timeout_seconds,
@@ -145,6 +147,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, not {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {text}")
     return value
 
 
@@ -243,6 +252,22 @@ def _add_proxy_parser(sub: Any) -> None:
     )
     proxy.add_argument(
         "--prime-max-attempts", type=_positive_int, default=20, help="attempts per media part (epd_client's)"
+    )
+    proxy.add_argument(
+        "--eject-after-failures",
+        type=_non_negative_int,
+        default=5,
+        help="leave an encoder out of priming after this many failed prime requests in a row (no answer in time, "
+        "no connection, a 5xx); 0: never (Envoy's consecutive gateway failures)",
+    )
+    proxy.add_argument(
+        "--ejection-base-seconds",
+        type=_positive,
+        default=30.0,
+        help="how long an encoder is left out, times the number of times in a row it was",
+    )
+    proxy.add_argument(
+        "--ejection-max-seconds", type=_positive, default=300.0, help="the longest an encoder is left out"
     )
     proxy.add_argument(
         "--prime-concurrency", type=_positive_int, default=64, help="prime requests in flight at once, at most"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from epd_client import MediaItem, PrimeError, Primer, media_items
-from epd_dev.standins.fault_proxy import http_status
+from epd_dev.standins.fault_proxy import cut_off, delay, http_status, reset
 
 from .helpers import FAST
 
@@ -89,3 +89,30 @@ async def test_pooled_answers_are_merged_and_must_announce(server) -> None:
         assert len(params) == 2 and all(p["peer_host"] == "127.0.0.1" for p in params.values())
         with pytest.raises(PrimeError, match="without ec_transfer_params"):
             await primer.prime(parts(1), [silent.url], model="m", pooled=True)
+
+
+async def test_on_attempt_says_which_encoder_failed_each_prime_request(server, proxy) -> None:
+    """A 5xx, a reset, an answer cut off and no answer in time are the encoder failing; a 4xx,
+    408 or 429 is the encoder answering (the request or the load is the matter)."""
+    healthy = server()
+    outcomes: list[tuple[str, bool]] = []
+    faults = {503: http_status(503), 400: http_status(400), 429: http_status(429)}
+    faults |= {"reset": reset(), "cut off": cut_off(), "slow": delay(5)}  # FAST: 2 s an attempt
+    fronts = {name: proxy(healthy.url) for name in faults}
+    for name, fault in faults.items():
+        fronts[name].add(fault)
+    names = {front.url: name for name, front in fronts.items()} | {healthy.url: "healthy"}
+    async with Primer(retry=FAST, on_attempt=lambda url, failed: outcomes.append((names[url], failed))) as primer:
+        for name in faults:
+            try:
+                await primer.prime(parts(1), [fronts[name].url, healthy.url], model="m")
+            except PrimeError:
+                assert name == 400  # a bad request stays bad: not retried elsewhere
+    assert outcomes == [
+        (503, True), ("healthy", False),
+        (400, False),
+        (429, False), ("healthy", False),
+        ("reset", True), ("healthy", False),
+        ("cut off", True), ("healthy", False),
+        ("slow", True), ("healthy", False),
+    ]  # fmt: skip

@@ -87,6 +87,7 @@ def test_every_dashboard_query_names_only_metrics_that_are_exported(rendered):
         "epd_proxy_media_primed_total",
         "epd_proxy_prime_failures_total",
         "epd_proxy_prime_duration_seconds_bucket",
+        "epd_proxy_encoders_ejected",
     } <= used.keys()
 
 

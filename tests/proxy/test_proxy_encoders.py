@@ -7,7 +7,7 @@ import json
 import socket
 
 from epd_operator.proxy.core import DNSTarget
-from epd_operator.proxy.encoders import Encoders, resolve_addresses
+from epd_operator.proxy.encoders import Ejection, Encoders, Outliers, resolve_addresses
 from epd_operator.proxy.metrics import ProxyMetrics
 
 
@@ -104,3 +104,79 @@ async def test_a_proxy_primes_on_what_dns_names(server, start_proxy, http):
         assert response.status == 200
     assert [len(e.records) for e in encoders] == [1, 1]
     assert resolver.asked[0] == "pool.test"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+A, B, C = "http://10.0.0.1:8100", "http://10.0.0.2:8100", "http://10.0.0.3:8100"
+
+
+def test_an_encoder_failing_in_a_row_is_left_out_for_longer_each_time_in_a_row():
+    metrics, clock = ProxyMetrics(), Clock()
+    outliers = Outliers(metrics, Ejection(consecutive_failures=3, base_seconds=30, max_seconds=75), clock)
+    for _ in range(2):
+        outliers.observe(A, failed=True)
+    outliers.observe(B, failed=True)
+    assert outliers.usable((A, B, C)) == (A, B, C)  # two in a row are not three
+    outliers.observe(A, failed=True)
+    assert outliers.usable((A, B, C)) == (B, C)
+    assert (gauge(metrics, "epd_proxy_encoders_ejected"), gauge(metrics, "epd_proxy_encoder_ejections_total")) == (1, 1)
+    clock.now += 30
+    assert outliers.usable((A, B, C)) == (A, B, C)  # back after the base time...
+    for _ in range(3):
+        outliers.observe(A, failed=True)
+    clock.now += 59
+    assert outliers.usable((A, B, C)) == (B, C)  # ...then twice as long, the second time in a row
+    clock.now += 1
+    for _ in range(3):
+        outliers.observe(A, failed=True)
+    clock.now += 74
+    assert outliers.usable((A, B, C)) == (B, C)  # the third time: 90 s, capped at 75
+    clock.now += 1
+    assert outliers.usable((A, B, C)) == (A, B, C)
+    assert gauge(metrics, "epd_proxy_encoders_ejected") == 0
+
+
+def test_one_answer_clears_an_encoders_record():
+    clock = Clock()
+    outliers = Outliers(ProxyMetrics(), Ejection(consecutive_failures=2, base_seconds=30), clock)
+    outliers.observe(A, failed=True)
+    outliers.observe(A, failed=False)
+    outliers.observe(A, failed=True)
+    assert outliers.usable((A, B)) == (A, B)  # not two in a row
+    outliers.observe(A, failed=True)
+    clock.now += 30
+    outliers.observe(A, failed=False)  # it answered once back: the next ejection is the first again
+    outliers.observe(A, failed=True)
+    outliers.observe(A, failed=True)
+    clock.now += 30
+    assert outliers.usable((A, B)) == (A, B)
+
+
+def test_never_every_encoder_is_left_out_and_zero_failures_never_ejects():
+    outliers = Outliers(ProxyMetrics(), Ejection(consecutive_failures=1), Clock())
+    outliers.observe(A, failed=True)
+    outliers.observe(B, failed=True)
+    assert outliers.usable((A, B)) == (A, B)  # priming on a doubtful encoder beats refusing the request
+    assert outliers.usable((A, B, C)) == (C,)
+    never = Outliers(ProxyMetrics(), Ejection(consecutive_failures=0), Clock())
+    for _ in range(100):
+        never.observe(A, failed=True)
+    assert never.usable((A, B)) == (A, B)
+
+
+async def test_a_pool_refresh_forgets_the_records_of_encoders_gone():
+    resolver = Resolver(["10.0.0.1", "10.0.0.2"], ["10.0.0.2"], ["10.0.0.1", "10.0.0.2"])
+    encoders = Encoders(ProxyMetrics(), dns=DNSTarget("pool", (8100,)), resolve=resolver, ejection=Ejection(1))
+    await encoders.refresh()
+    encoders.outliers.observe(A, failed=True)
+    assert encoders.usable() == (B,)
+    await encoders.refresh()  # A's pod went away...
+    await encoders.refresh()  # ...and a new pod took its address: it starts clean
+    assert encoders.usable() == (A, B)

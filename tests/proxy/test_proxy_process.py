@@ -23,6 +23,7 @@ def test_flags_and_their_defaults():
     )
     assert (args.max_request_bytes, args.placement, args.encoder) == (64 * 2**20, "Unit", ["http://a:1"])
     assert args.prime_attempt_timeout_seconds is None  # epd_client's attempt timeout, capped by the whole
+    assert (args.eject_after_failures, args.ejection_base_seconds, args.ejection_max_seconds) == (5, 30.0, 300.0)
     args = build_parser().parse_args(
         ["proxy", "--upstream", "u", "--encoders-dns", "pool.ns.svc:8100,8101", "--max-request-bytes", "1.5Mi"]
     )
@@ -37,6 +38,7 @@ def test_flags_and_their_defaults():
         ["--upstream", "u", "--encoders-dns", "pool"],
         ["--upstream", "u", "--encoder", "e", "--max-request-bytes", "100m"],
         ["--upstream", "u", "--encoder", "e", "--port", "0"],
+        ["--upstream", "u", "--encoder", "e", "--eject-after-failures", "-1"],
     ],
 )
 def test_bad_flags_are_refused(argv, capsys):
@@ -82,3 +84,20 @@ def test_a_hung_encoder_costs_one_prime_attempt_and_the_retry_reaches_the_next_e
             assert response.status == 200
     # One part went to each encoder; the hung one's attempt was cut and tried again on the other.
     assert (len(hung.records), len(healthy.records), len(upstream.records)) == (1, 2, 1)
+
+
+def test_an_encoder_failing_in_a_row_is_left_out_of_the_next_primes(server, tmp_path):
+    hung, healthy, upstream = server(delay=60.0), server(), server()
+    image = {"type": "image_url", "image_url": {"url": "https://i.test/x"}}
+    request = json.dumps({"model": "m", "messages": [{"role": "user", "content": [image]}]}).encode()
+    flags = ["--prime-attempt-timeout-seconds", "0.5", "--eject-after-failures", "1", "--ejection-base-seconds", "60"]
+    with ProxyProcess(upstream.url, [hung.url, healthy.url], tmp_path, args=flags) as proxy:
+        for _ in range(4):
+            with urllib.request.urlopen(proxy.url + "/v1/chat/completions", data=request, timeout=30) as response:
+                assert response.status == 200
+        metrics = proxy.metrics()
+    # Round-robin would have sent two of the four to the hung encoder: it got the first only.
+    assert (len(hung.records), len(healthy.records), len(upstream.records)) == (1, 4, 4)
+    assert "epd_proxy_encoder_ejections_total 1.0" in metrics
+    assert "epd_proxy_encoders_ejected 1.0" in metrics
+    assert f"encoder {hung.url} left out for 60 s" in proxy.tail()

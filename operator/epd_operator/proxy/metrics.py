@@ -3,6 +3,8 @@ the proxy's main port passes every path through, the upstream's /metrics include
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, PlatformCollector, ProcessCollector
 
 FAILURE_REASONS = ("client_error", "encoder_error", "no_encoder")
@@ -53,6 +55,16 @@ class ProxyMetrics:
             "Encoders the proxy primes on: its --encoder URLs, or the last DNS answer for --encoders-dns.",
             registry=self.registry,
         )
+        self._ejected = Gauge(
+            "epd_proxy_encoders_ejected",
+            "Encoders left out of priming now, for failing prime requests in a row (outlier detection).",
+            registry=self.registry,
+        )
+        self._ejections = Counter(
+            "epd_proxy_encoder_ejections_total",
+            "Times an encoder was left out of priming for failing prime requests in a row.",
+            registry=self.registry,
+        )
         self._dns_errors = Counter(
             "epd_proxy_encoder_dns_errors_total",
             "Failed resolutions of --encoders-dns other than 'no such name' (the last answer is kept).",
@@ -75,6 +87,13 @@ class ProxyMetrics:
 
     def set_encoders(self, count: int) -> None:
         self._encoders.set(count)
+
+    def count_ejected(self, count: Callable[[], float]) -> None:
+        """The ejected gauge reads ``count()`` at each scrape: an ejection ends by time alone."""
+        self._ejected.set_function(count)
+
+    def observe_ejection(self) -> None:
+        self._ejections.inc()
 
     def observe_dns_error(self) -> None:
         self._dns_errors.inc()

@@ -42,7 +42,7 @@ from .core import (
     route,
     with_transfer_params,
 )
-from .encoders import Encoders
+from .encoders import Ejection, Encoders
 from .http1 import (
     JSON_HEADERS,
     Answer,
@@ -188,7 +188,7 @@ class Proxy:
     async def _prime(self, exchange: Exchange, found: Plan) -> dict[str, Any] | None:
         """Prime the request's parts: the encoders' transfer params, or None when the request was
         answered with the failure instead."""
-        encoders = self.encoders.urls
+        encoders = self.encoders.usable()
         if not encoders:
             self.metrics.observe_prime_failure("no_encoder")
             _json(exchange, *no_encoder(found.parts))
@@ -444,6 +444,7 @@ def run_proxy(
     prime_attempt_timeout_seconds: float | None,
     prime_max_attempts: int,
     prime_concurrency: int,
+    ejection: Ejection,
     max_request_bytes: int,
     pooled: bool,
     shutdown_timeout_seconds: float,
@@ -467,8 +468,8 @@ def run_proxy(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        encoders = Encoders(metrics, encoder_urls, dns, refresh_seconds=dns_refresh_seconds)
-        primer = Primer(retry=retry, max_concurrency=prime_concurrency)
+        encoders = Encoders(metrics, encoder_urls, dns, refresh_seconds=dns_refresh_seconds, ejection=ejection)
+        primer = Primer(retry=retry, max_concurrency=prime_concurrency, on_attempt=encoders.outliers.observe)
         async with primer, Proxy(config, encoders, primer, metrics) as proxy:
             # What the process holds from here on (modules, the app) is never garbage: out of the
             # collector's reach, a full collection scans requests' objects only, not 50,000 more.
