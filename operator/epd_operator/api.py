@@ -351,6 +351,27 @@ class Router(Schema):
     resources: ResourceRequirements | None = Field(default=None, description="Router container resources.")
 
 
+class OutlierDetection(Schema):
+    """When the proxy leaves an encoder out of priming (Envoy's consecutive gateway failures): a
+    failure is no answer in time, no connection, a 5xx or an answer cut off; one answer clears it."""
+
+    consecutive_failures: int | None = Field(
+        default=None, ge=0, le=1000, description="Failed prime requests in a row; 0: never. Default: 5."
+    )
+    base_ejection_seconds: int | None = Field(
+        default=None,
+        ge=1,
+        le=86400,
+        description="How long an encoder is left out, times the number of times in a row it was. Default: 30.",
+    )
+    max_ejection_seconds: int | None = Field(
+        default=None,
+        ge=1,
+        le=86400,
+        description="The longest an encoder is left out (baseEjectionSeconds if that is longer). Default: 300.",
+    )
+
+
 class Proxy(Schema):
     """The EPD proxy in every unit (`epd-operator proxy`, the operator's image, docs/proxy.md): on
     the front port, it primes the media of any OpenAI client's request on the encoders before
@@ -378,6 +399,10 @@ class Proxy(Schema):
             "encoder costs one attempt, not all of primeTimeoutSeconds; at most primeTimeoutSeconds. Default: 300 s "
             "(epd_client's), or primeTimeoutSeconds if shorter."
         ),
+    )
+    outlier_detection: OutlierDetection = Field(
+        default_factory=OutlierDetection,
+        description="When an encoder that keeps failing its prime requests is left out (its probes may still pass).",
     )
     resources: ResourceRequirements | None = Field(default=None, description="The proxy container's resources.")
 

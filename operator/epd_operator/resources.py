@@ -356,8 +356,13 @@ def proxy_container(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPla
     else:
         encoders = [a for e in plan.unit_encoders for a in ("--encoder", f"http://127.0.0.1:{e.port}")]
     timeout = spec.proxy.request_timeout_seconds or spec.router.request_timeout_seconds
-    attempt = spec.proxy.prime_attempt_timeout_seconds
-    attempt_timeout = [] if attempt is None else ["--prime-attempt-timeout-seconds", str(attempt)]
+    outliers = spec.proxy.outlier_detection
+    tuned = {
+        "--prime-attempt-timeout-seconds": spec.proxy.prime_attempt_timeout_seconds,
+        "--eject-after-failures": outliers.consecutive_failures,
+        "--ejection-base-seconds": outliers.base_ejection_seconds,
+        "--ejection-max-seconds": outliers.max_ejection_seconds,
+    }  # unset: the proxy's own defaults
     return {
         "name": plan.proxy.container_name,
         "image": image,
@@ -367,7 +372,7 @@ def proxy_container(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPla
             *encoders,
             *("--request-timeout-seconds", str(timeout)),
             *("--prime-timeout-seconds", str(spec.proxy.prime_timeout_seconds)),
-            *attempt_timeout,
+            *(a for flag, value in tuned.items() if value is not None for a in (flag, str(value))),
             *("--metrics-port", str(PROXY_METRICS_PORT)),
         ],
         "ports": [

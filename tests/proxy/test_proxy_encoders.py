@@ -180,3 +180,15 @@ async def test_a_pool_refresh_forgets_the_records_of_encoders_gone():
     await encoders.refresh()  # A's pod went away...
     await encoders.refresh()  # ...and a new pod took its address: it starts clean
     assert encoders.usable() == (A, B)
+
+
+def test_a_base_ejection_longer_than_the_max_is_the_longest_as_envoy_has_it():
+    clock = Clock()
+    outliers = Outliers(ProxyMetrics(), Ejection(consecutive_failures=1, base_seconds=600, max_seconds=300), clock)
+    outliers.observe(A, failed=True)
+    clock.now += 599
+    assert outliers.usable((A, B)) == (B,)
+    clock.now += 1
+    outliers.observe(A, failed=True)  # the second time in a row: still 600 s, not 1,200
+    clock.now += 600
+    assert outliers.usable((A, B)) == (A, B)

@@ -33,7 +33,8 @@ async def resolve_addresses(host: str) -> list[str]:
 class Ejection:
     """When an encoder is left out: after ``consecutive_failures`` failed prime requests in a
     row (0: never), for ``base_seconds`` times the number of times in a row it was, at most
-    ``max_seconds``. Envoy's outlier detection (consecutive gateway failures) and its defaults."""
+    ``max_seconds`` (or ``base_seconds`` if longer). Envoy's outlier detection (consecutive
+    gateway failures) and its defaults."""
 
     consecutive_failures: int = 5
     base_seconds: float = 30.0
@@ -75,7 +76,8 @@ class Outliers:
         if self.ejection.consecutive_failures and record.failures >= self.ejection.consecutive_failures:
             record.failures = 0
             record.ejections += 1
-            seconds = min(self.ejection.base_seconds * record.ejections, self.ejection.max_seconds)
+            longest = max(self.ejection.max_seconds, self.ejection.base_seconds)  # Envoy's: the larger
+            seconds = min(self.ejection.base_seconds * record.ejections, longest)
             record.until = self._clock() + seconds
             self._metrics.observe_ejection()
             failures = self.ejection.consecutive_failures
