@@ -192,3 +192,13 @@ def test_a_base_ejection_longer_than_the_max_is_the_longest_as_envoy_has_it():
     outliers.observe(A, failed=True)  # the second time in a row: still 600 s, not 1,200
     clock.now += 600
     assert outliers.usable((A, B)) == (A, B)
+
+
+def test_failures_arriving_while_an_encoder_is_left_out_do_not_lengthen_it():
+    """Requests in flight when it was left out fail late, all at once: they were sent before."""
+    clock = Clock()
+    outliers = Outliers(ProxyMetrics(), Ejection(consecutive_failures=2, base_seconds=30), clock)
+    for _ in range(2 + 20):
+        outliers.observe(A, failed=True)
+    clock.now += 30
+    assert outliers.usable((A, B)) == (A, B)

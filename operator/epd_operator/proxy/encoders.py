@@ -72,13 +72,16 @@ class Outliers:
             return
         if record is None:
             record = self._records[url] = _Record()
+        now = self._clock()
+        if record.until > now:
+            return  # requests sent before it was left out, failing late: they do not lengthen it
         record.failures += 1
         if self.ejection.consecutive_failures and record.failures >= self.ejection.consecutive_failures:
             record.failures = 0
             record.ejections += 1
             longest = max(self.ejection.max_seconds, self.ejection.base_seconds)  # Envoy's: the larger
             seconds = min(self.ejection.base_seconds * record.ejections, longest)
-            record.until = self._clock() + seconds
+            record.until = now + seconds
             self._metrics.observe_ejection()
             failures = self.ejection.consecutive_failures
             logger.warning("encoder %s left out for %g s: its last %d prime requests failed", url, seconds, failures)
