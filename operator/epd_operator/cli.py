@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -138,7 +139,7 @@ def _proxy(args: argparse.Namespace) -> None:
 
 def _positive(text: str) -> float:
     value = float(text)
-    if value <= 0:
+    if not 0 < value < math.inf:  # nan too
         raise argparse.ArgumentTypeError(f"must be a positive number, not {text}")
     return value
 

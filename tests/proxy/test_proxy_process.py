@@ -39,6 +39,8 @@ def test_flags_and_their_defaults():
         ["--upstream", "u", "--encoder", "e", "--max-request-bytes", "100m"],
         ["--upstream", "u", "--encoder", "e", "--port", "0"],
         ["--upstream", "u", "--encoder", "e", "--eject-after-failures", "-1"],
+        ["--upstream", "u", "--encoder", "e", "--prime-timeout-seconds", "nan"],
+        ["--upstream", "u", "--encoder", "e", "--request-timeout-seconds", "inf"],
     ],
 )
 def test_bad_flags_are_refused(argv, capsys):
