@@ -129,7 +129,7 @@ def _proxy(args: argparse.Namespace) -> None:
         prime_attempt_timeout_seconds=args.prime_attempt_timeout_seconds,
         prime_max_attempts=args.prime_max_attempts,
         prime_concurrency=args.prime_concurrency,
-        ejection=Ejection(args.eject_after_failures, args.ejection_base_seconds, args.ejection_max_seconds),
+        ejection=Ejection.given(args.eject_after_failures, args.ejection_base_seconds, args.ejection_max_seconds),
         max_request_bytes=args.max_request_bytes,
         pooled=args.placement == "Pools",
         shutdown_timeout_seconds=args.shutdown_timeout_seconds,
@@ -257,18 +257,16 @@ def _add_proxy_parser(sub: Any) -> None:
     proxy.add_argument(
         "--eject-after-failures",
         type=_non_negative_int,
-        default=5,
         help="leave an encoder out of priming after this many failed prime requests in a row (no answer in time, "
-        "no connection, a 5xx); 0: never (Envoy's consecutive gateway failures)",
+        "no connection, a 5xx); 0: never (default: 5, Envoy's consecutive gateway failures)",
     )
     proxy.add_argument(
         "--ejection-base-seconds",
         type=_positive,
-        default=30.0,
-        help="how long an encoder is left out, times the number of times in a row it was",
+        help="how long an encoder is left out, times the number of times in a row it was (default: 30)",
     )
     proxy.add_argument(
-        "--ejection-max-seconds", type=_positive, default=300.0, help="the longest an encoder is left out"
+        "--ejection-max-seconds", type=_positive, help="the longest an encoder is left out (default: 300)"
     )
     proxy.add_argument(
         "--prime-concurrency", type=_positive_int, default=64, help="prime requests in flight at once, at most"

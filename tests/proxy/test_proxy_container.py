@@ -77,12 +77,12 @@ def test_the_proxy_timeouts_and_resources_come_from_spec_proxy():
     args = flags(container)
     assert (args.request_timeout_seconds, args.prime_timeout_seconds) == (90, 30)
     assert args.prime_attempt_timeout_seconds is None  # unset: the proxy's own default
-    assert (args.eject_after_failures, args.ejection_base_seconds, args.ejection_max_seconds) == (5, 30, 300)
+    assert (args.eject_after_failures, args.ejection_base_seconds, args.ejection_max_seconds) == (None, None, None)
     tuned = {"primeAttemptTimeoutSeconds": 20, "outlierDetection": {"consecutiveFailures": 0, "maxEjectionSeconds": 90}}
     spec, name, plan = plan_of("encoder-regular.yaml", proxy=tuned)
     args = flags(proxy_container(spec, name, plan, IMAGE))
     assert (args.prime_attempt_timeout_seconds, args.eject_after_failures, args.ejection_max_seconds) == (20, 0, 90)
-    assert args.ejection_base_seconds == 30  # unset: the proxy's default
+    assert args.ejection_base_seconds is None  # unset: the proxy's default
     assert container["resources"]["requests"]["cpu"] == "1"
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from epd_dev.proxy_process import ProxyProcess
 from epd_operator.cli import build_parser
+from epd_operator.proxy.encoders import Ejection
 
 
 def test_flags_and_their_defaults():
@@ -23,7 +24,8 @@ def test_flags_and_their_defaults():
     )
     assert (args.max_request_bytes, args.placement, args.encoder) == (64 * 2**20, "Unit", ["http://a:1"])
     assert args.prime_attempt_timeout_seconds is None  # epd_client's attempt timeout, capped by the whole
-    assert (args.eject_after_failures, args.ejection_base_seconds, args.ejection_max_seconds) == (5, 30.0, 300.0)
+    ejection = Ejection.given(args.eject_after_failures, args.ejection_base_seconds, args.ejection_max_seconds)
+    assert ejection == Ejection(consecutive_failures=5, base_seconds=30.0, max_seconds=300.0)  # Envoy's
     args = build_parser().parse_args(
         ["proxy", "--upstream", "u", "--encoders-dns", "pool.ns.svc:8100,8101", "--max-request-bytes", "1.5Mi"]
     )

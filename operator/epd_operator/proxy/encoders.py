@@ -40,6 +40,16 @@ class Ejection:
     base_seconds: float = 30.0
     max_seconds: float = 300.0
 
+    @classmethod
+    def given(cls, consecutive_failures: int | None, base_seconds: float | None, max_seconds: float | None) -> Ejection:
+        """The values given, the defaults for those that are None (flags not set)."""
+        default = cls()
+        return cls(
+            default.consecutive_failures if consecutive_failures is None else consecutive_failures,
+            default.base_seconds if base_seconds is None else base_seconds,
+            default.max_seconds if max_seconds is None else max_seconds,
+        )
+
 
 class _Record:
     __slots__ = ("ejections", "failures", "until")
