@@ -8,6 +8,7 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -144,18 +145,17 @@ def _positive(text: str) -> float:
     return value
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {text}")
-    return value
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, not {text}")
+        return value
+
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, not {text}")
-    return value
+_positive_int = _int_at_least(1)
 
 
 def _port(text: str) -> int:
@@ -256,7 +256,7 @@ def _add_proxy_parser(sub: Any) -> None:
     )
     proxy.add_argument(
         "--eject-after-failures",
-        type=_non_negative_int,
+        type=_int_at_least(0),
         help="leave an encoder out of priming after this many failed prime requests in a row (no answer in time, "
         "no connection, a 5xx); 0: never (default: 5, Envoy's consecutive gateway failures)",
     )
