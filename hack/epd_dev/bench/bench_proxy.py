@@ -185,6 +185,7 @@ def compared(level: Level) -> dict[str, float]:
     """Whole answers at one level: what the proxy and the relay add to the router alone, and the
     router to the engine alone (keys without their level's suffix)."""
     engine, router, relay, proxy = (level.whole(path) for path in PATHS)
+    rounds = level.round_ratios("proxy", "router")
     return {
         "added_p50_ms": (proxy["p50"] - router["p50"]) * 1e3,
         "added_p99_ms": (proxy["p99"] - router["p99"]) * 1e3,
@@ -195,8 +196,8 @@ def compared(level: Level) -> dict[str, float]:
         "throughput_ratio_over_relay": proxy["throughput"] / relay["throughput"],
         "router_added_p50_ms": (router["p50"] - engine["p50"]) * 1e3,
         "router_added_p99_ms": (router["p99"] - engine["p99"]) * 1e3,
-        "throughput_ratio_min": min(level.round_ratios("proxy", "router")),
-        "throughput_ratio_max": max(level.round_ratios("proxy", "router")),
+        "throughput_ratio_min": min(rounds),
+        "throughput_ratio_max": max(rounds),
     }
 
 
