@@ -9,13 +9,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from epd_client import Endpoints, Unit
 from epd_dev import demo_serving, operator_chart
@@ -97,6 +100,55 @@ def get(cluster, *args: str) -> Any:
     return json.loads(cluster.kubectl("get", *args, "-o", "json").stdout)
 
 
+def kubelet_view(pod: dict[str, Any]) -> dict[str, tuple[str, int, bool]]:
+    """container -> (container ID, restarts, ready), as the kubelet reports them."""
+    return {s["name"]: (s.get("containerID", ""), s["restartCount"], s["ready"]) for s in demo_serving.containers(pod)}
+
+
+def pod_ready(pod: dict[str, Any]) -> bool:
+    return {c["type"]: c["status"] for c in pod["status"].get("conditions", [])}.get("Ready") == "True"
+
+
+def engine_core(real_node: Any, container_id: str) -> int:
+    """The host PID of the EngineCore process in a container (its vLLM engine's core, beside
+    the API server's process)."""
+    listed = real_node.ctr("task", "ps", container_id.removeprefix("containerd://")).stdout.splitlines()[1:]
+    (pid,) = [
+        pid
+        for pid in (int(line.split()[0]) for line in listed)
+        if b"EngineCore" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
+    return pid
+
+
+def scrape(url: str) -> dict[Any, float]:
+    """The samples of `url`/metrics by name, or by (name, reason) where a sample has a reason."""
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
+        text = response.read().decode()
+    samples: dict[Any, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            reason = sample.labels.get("reason")
+            samples[(sample.name, reason) if reason else sample.name] = sample.value
+    return samples
+
+
+def sdk(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def chat_request(msgs: list[dict[str, Any]], **extra: object) -> dict[str, Any]:
+    """Greedy and of fixed length, with token ids (vLLM's extras through extra_body)."""
+    return {
+        "model": tiny_model.SERVED_NAME,
+        "messages": msgs,
+        "max_tokens": 8,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True, "return_token_ids": True},
+        **extra,
+    }
+
+
 def wait_ready(cluster, namespace: str, name: str, timeout: float = 900) -> dict[str, Any]:
     """The EPDDeployment once Ready (its status says every unit is: the kubelet's probes)."""
     deadline = time.monotonic() + timeout
@@ -150,3 +202,9 @@ def reference_applied(cluster, helm_operator, node_namespace, tiny_model_claim, 
 def reference(cluster, node_namespace, reference_applied) -> Deployed:
     """The reference, once Ready."""
     return deployed_ready(cluster, node_namespace, reference_applied)
+
+
+def reference_url(reference: Deployed) -> str:
+    url = reference.unit.entry_url
+    assert url is not None
+    return url

@@ -29,7 +29,7 @@ from epd_dev.vllm import payloads, tiny_model
 from epd_dev.vllm.real_node import node_manifest
 from epd_operator.ec.janitor import EMBEDDING_FILE, GRACE_SECONDS
 from tests.helm.dashboard import ENGINE_METRICS, read_metric_names
-from tests.node.conftest import Deployed, deployed_ready, get, host_shm
+from tests.node.conftest import Deployed, deployed_ready, get, host_shm, scrape
 
 pytestmark = [pytest.mark.node, pytest.mark.cluster, pytest.mark.vllm]
 
@@ -206,17 +206,6 @@ def prime(encoder: str, part: dict) -> None:
             "messages": [{"role": "user", "content": [part]}],
         },
     )
-
-
-def scrape(url: str) -> dict:
-    with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
-        text = response.read().decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            reason = sample.labels.get("reason")
-            samples[(sample.name, reason) if reason else sample.name] = sample.value
-    return samples
 
 
 def _du(store: Path, older_than: float = 0.0) -> dict[str, int]:

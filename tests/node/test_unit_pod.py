@@ -42,7 +42,19 @@ from epd_dev.vllm.real_node import SHM, node_manifest
 from epd_operator.ec.janitor import GRACE_SECONDS
 from epd_operator.ec.quantity import parse_quantity
 from epd_operator.resources import UNIT_UID
-from tests.node.conftest import Deployed, deployed_ready, get, host_shm, wait_ready
+from tests.node.conftest import (
+    Deployed,
+    chat_request,
+    deployed_ready,
+    engine_core,
+    get,
+    host_shm,
+    kubelet_view,
+    pod_ready,
+    reference_url,
+    sdk,
+    wait_ready,
+)
 
 pytestmark = [pytest.mark.node, pytest.mark.cluster, pytest.mark.vllm]
 
@@ -83,15 +95,6 @@ def started_at(status: dict) -> dt.datetime:
 
 def exec_in(cluster, namespace: str, pod: str, container: str, *argv: str) -> str:
     return cluster.kubectl("exec", "-n", namespace, pod, "-c", container, "--", *argv, timeout=120).stdout
-
-
-def kubelet_view(pod: dict) -> dict[str, tuple[str, int, bool]]:
-    """container -> (container ID, restarts, ready), as the kubelet reports them."""
-    return {s["name"]: (s.get("containerID", ""), s["restartCount"], s["ready"]) for s in containers(pod)}
-
-
-def pod_ready(pod: dict) -> bool:
-    return {c["type"]: c["status"] for c in pod["status"].get("conditions", [])}.get("Ready") == "True"
 
 
 def front_endpoints(cluster, namespace: str) -> list[dict]:
@@ -302,28 +305,6 @@ class EncoderLoad:
 
     def new_entries(self, after: EncoderLoad) -> dict[str, list[str]]:
         return {h: files for h, files in after.entries.items() if h not in self.entries}
-
-
-def sdk(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
-
-
-def chat_request(msgs: list[dict], **extra: object) -> dict:
-    """Greedy and of fixed length, with token ids (vLLM's extras through extra_body)."""
-    return {
-        "model": tiny_model.SERVED_NAME,
-        "messages": msgs,
-        "max_tokens": 8,
-        "temperature": 0,
-        "extra_body": {"ignore_eos": True, "return_token_ids": True},
-        **extra,
-    }
-
-
-def reference_url(reference: Deployed) -> str:
-    unit = reference.unit
-    assert unit.entry_url is not None
-    return unit.entry_url
 
 
 def test_an_openai_client_through_the_front_service_gets_the_aggregated_answer(
@@ -773,12 +754,7 @@ def test_an_encoder_that_stops_answering_takes_the_unit_out_and_comes_back_after
         assert [payloads.served_requests(url) for url in consumers] == served
         # The engine core dies as the encoder thaws (the signal waits for it): its API server
         # answers /health with 503 and exits, as after a crash.
-        (engine_core,) = [
-            pid
-            for pid in (int(line.split()[0]) for line in real.ctr("task", "ps", encoder).stdout.splitlines()[1:])
-            if b"EngineCore" in Path(f"/proc/{pid}/cmdline").read_bytes()
-        ]
-        os.kill(engine_core, signal.SIGKILL)
+        os.kill(engine_core(real, encoder), signal.SIGKILL)
     finally:
         real.ctr("task", "resume", encoder)
     # The kubelet restarts the sidecar; once it passed its startup probe again, the unit is back.

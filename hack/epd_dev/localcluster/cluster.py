@@ -140,12 +140,7 @@ def _proc_start_ticks(pid: int) -> int | None:
 
 
 def _alive(proc: _Proc) -> bool:
-    """Running (not a zombie) and still the process we started, not a recycled pid."""
-    try:
-        fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return False
-    return fields[0] != "Z" and int(fields[19]) == proc.start_ticks
+    return node.process_alive(proc.pid, proc.start_ticks)
 
 
 def alive_components(state: dict[str, Any]) -> list[str]:

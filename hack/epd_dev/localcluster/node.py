@@ -343,12 +343,13 @@ def check_host() -> None:
         raise NodeError("the real node needs root (it owns /var/lib/kubelet, /run/containerd, a bridge, iptables)")
 
 
-def _pid_alive(pid: int, ticks: int) -> bool:
+def process_alive(pid: int, start_ticks: int) -> bool:
+    """Running (not a zombie) and still the process recorded, not a recycled pid."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return False
-    return fields[0] != "Z" and int(fields[19]) == ticks
+    return fields[0] != "Z" and int(fields[19]) == start_ticks
 
 
 @contextlib.contextmanager
@@ -370,7 +371,7 @@ def read_owner() -> dict[str, Any] | None:
 
 def owner_alive(owner: dict[str, Any]) -> bool:
     """Any of the owner's recorded node processes still runs."""
-    return any(_pid_alive(p["pid"], p["start_ticks"]) for p in owner.get("processes", {}).values())
+    return any(process_alive(p["pid"], p["start_ticks"]) for p in owner.get("processes", {}).values())
 
 
 @dataclass
@@ -552,7 +553,12 @@ class RealNode:
         for folder in (KUBELET_ROOT, CONTAINERD_STATE, CNI_STATE, *POD_LOGS):
             shutil.rmtree(folder, ignore_errors=True)
         _remove_kubepods_cgroups()
-        if Path(f"/sys/class/net/{BRIDGE}").exists():
+        bridge = Path(f"/sys/class/net/{BRIDGE}")
+        if bridge.exists():
+            # A pod's veth goes with its network namespace, which the kernel frees in the
+            # background, after the umounts above: deleted here, none outlives the node.
+            for port in sorted((bridge / "brif").glob("*")):
+                _run("ip", "link", "delete", port.name, check=False)
             _run("ip", "link", "delete", BRIDGE, check=False)
         _run("ip", "route", "del", "unreachable", self.layout.kwok_pod_cidr, check=False)
         _write_sysctls(sysctls)
