@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -26,9 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from .. import paths
+from ..debian import install_packages
 from ..locking import file_lock
+from ..progress import CommandFailed, run_with_progress
 from . import recipes
-from .buildah import Buildah, BuildError, run_with_progress
+from .buildah import Buildah, BuildError
 
 MARKER = "image.json"
 ARCHIVE = "image.tar"
@@ -91,7 +92,7 @@ class Builder:
     # ------------------------------------------------------------------ build
 
     def build(self, names: tuple[str, ...] = ALL) -> dict[str, Path]:
-        install_packages(self.log)
+        install_packages(PACKAGES, self.log, needed_by="the image builds")
         built = {}
         for name in names:
             built[name] = self._ensure(name)
@@ -340,7 +341,7 @@ class Builder:
             image = self.image(name)
             archive = self.cached(name)
             if archive is None and name == "pause":
-                install_packages(self.log)
+                install_packages(PACKAGES, self.log, needed_by="the image builds")
                 archive = self._ensure("pause")
             if archive is None:
                 continue
@@ -417,25 +418,6 @@ def _context_digest() -> str:
     return recipes.files_digest(paths.REPO, files)
 
 
-def missing_packages() -> list[str]:
-    missing = []
-    for package in PACKAGES:
-        out = subprocess.run(["dpkg-query", "-W", "-f=${Status}", package], capture_output=True, text=True, check=False)
-        if out.returncode != 0 or not out.stdout.endswith(" installed"):
-            missing.append(package)
-    return missing
-
-
-def install_packages(log: Callable[[str], None]) -> None:
-    missing = missing_packages()
-    if not missing:
-        return
-    log(f"installing Debian packages: {' '.join(missing)} (apt-get)")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", "--no-install-recommends", *missing]):
-        run_with_progress(cmd, f"running {' '.join(cmd[:2])}", log, env=env)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m epd_dev.images", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -452,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         builder.build(tuple(args.names) or ALL)
-    except BuildError as err:
+    except CommandFailed as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     if args.import_into:

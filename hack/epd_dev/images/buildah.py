@@ -8,44 +8,14 @@ from __future__ import annotations
 
 import os
 import subprocess
-import tempfile
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
+from ..progress import CommandFailed, run_with_progress
 
-class BuildError(RuntimeError):
+
+class BuildError(CommandFailed):
     pass
-
-
-def _fmt(seconds: float) -> str:
-    return f"{int(seconds // 60)}m{seconds % 60:02.0f}s" if seconds >= 60 else f"{seconds:.0f}s"
-
-
-def run_with_progress(
-    cmd: Sequence[str | os.PathLike[str]], what: str, log: Callable[[str], None], *, env: dict[str, str] | None = None
-) -> str:
-    """Run `cmd`, printing `... still <what> (30s)` every 30 s; return its output (stdout and
-    stderr), raise with its tail on failure."""
-    started = time.monotonic()
-    with tempfile.TemporaryFile("w+") as output:
-        proc = subprocess.Popen([str(c) for c in cmd], stdout=output, stderr=subprocess.STDOUT, text=True, env=env)
-        while True:
-            try:
-                proc.wait(timeout=30)
-                break
-            except subprocess.TimeoutExpired:
-                log(f"  ... still {what} ({_fmt(time.monotonic() - started)})")
-            except BaseException:
-                proc.terminate()
-                proc.wait()
-                raise
-        output.seek(0)
-        text = output.read()
-    if proc.returncode != 0:
-        tail = "\n".join(text.splitlines()[-40:])
-        raise BuildError(f"{what} failed ({proc.returncode}): {' '.join(map(str, cmd))}\n{tail}")
-    return text
 
 
 class Buildah:

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from .. import paths
 from ..locking import file_lock
+from ..progress import CommandFailed, format_seconds, run_with_progress
 
 K8S_VERSION = "v1.36.3"
 ETCD_VERSION = "v3.6.16"
@@ -267,10 +268,6 @@ def _ldflags(binary: Binary) -> str:
     return "-s -w"  # etcd and kwok carry their versions as constants
 
 
-def _fmt(seconds: float) -> str:
-    return f"{int(seconds // 60)}m{seconds % 60:04.1f}s" if seconds >= 60 else f"{seconds:.1f}s"
-
-
 def _go_build(binary: Binary, out: Path, say: Callable[[str], None] = log) -> None:
     tmp = out.with_name(f".{out.name}.tmp")
     cmd = [
@@ -286,22 +283,13 @@ def _go_build(binary: Binary, out: Path, say: Callable[[str], None] = log) -> No
     ]
     # Static binaries like upstream's releases; same env as the warm-up build.
     env = {**os.environ, "CGO_ENABLED": "0"}
-    started = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=_go_dir() / binary.module, env=env)
-    while True:
-        try:
-            rc = proc.wait(timeout=30)
-            break
-        except subprocess.TimeoutExpired:
-            say(f"  ... still building {binary.name} ({_fmt(time.monotonic() - started)})")
-        except BaseException:
-            proc.terminate()
-            proc.wait()
-            tmp.unlink(missing_ok=True)
-            raise
-    if rc != 0:
+    try:
+        run_with_progress(cmd, f"building {binary.name}", say, env=env, cwd=_go_dir() / binary.module)
+    except BaseException as error:
         tmp.unlink(missing_ok=True)
-        raise SystemExit(f"go build of {binary.name} failed (exit {rc}): {' '.join(cmd)}")
+        if isinstance(error, CommandFailed):
+            raise SystemExit(f"go build of {binary.name}: {error}") from None
+        raise
     os.replace(tmp, out)
 
 
@@ -359,7 +347,7 @@ def build(force: bool = False, bset: BinarySet = CONTROL_PLANE) -> Path:
             version = version_of(out, binary)
             if version is None:
                 raise SystemExit(f"{out} does not report {binary.expect!r}")
-            say(f"{step}: done in {_fmt(timings[binary.name])} -> {version.splitlines()[0]}")
+            say(f"{step}: done in {format_seconds(timings[binary.name])} -> {version.splitlines()[0]}")
 
         manifest: dict[str, object] = {"kubernetes": K8S_VERSION}
         if bset is CONTROL_PLANE:
@@ -376,7 +364,7 @@ def build(force: bool = False, bset: BinarySet = CONTROL_PLANE) -> Path:
         if final.exists():
             shutil.rmtree(final)
         os.rename(staging, final)  # atomic: the cache entry appears complete or not at all
-        say(f"done in {_fmt(time.monotonic() - total)}; binaries in {final / 'bin'}")
+        say(f"done in {format_seconds(time.monotonic() - total)}; binaries in {final / 'bin'}")
         return final / "bin"
 
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
+from ..progress import format_seconds
 from . import binaries, node
 
 # Service and kwok's fake pod address ranges. Without a real node nothing routes to them;
@@ -181,10 +182,6 @@ def _tail(path: Path, lines: int = 40) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
-
-
-def _fmt(seconds: float) -> str:
-    return f"{seconds:.1f}s"
 
 
 class LocalCluster:
@@ -410,7 +407,7 @@ class LocalCluster:
         except BaseException:
             self.stop(quiet=True)
             raise
-        self._log(f"cluster ready in {_fmt(time.monotonic() - began)}; KUBECONFIG={self.kubeconfig}")
+        self._log(f"cluster ready in {format_seconds(time.monotonic() - began)}; KUBECONFIG={self.kubeconfig}")
 
     def _start_real_node(self, real: node.RealNode, deadline: float) -> float:
         """Start containerd, run `on_node_runtime`, start the kubelet and kube-proxy; return the
@@ -910,7 +907,7 @@ current-context: epd-local
             if time.monotonic() > deadline:
                 raise self._failure(f"timed out waiting for {what}", component)
             time.sleep(0.2)
-        self._log(f"{what} ({_fmt(time.monotonic() - began)})")
+        self._log(f"{what} ({format_seconds(time.monotonic() - began)})")
 
     def _failure(self, message: str, component: str) -> ClusterError:
         log = self.logs / f"{component}.log"

@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import paths
+from .. import debian, paths
+from ..progress import CommandFailed
 
 NAME = "epd-real-0"
 LABEL = ("epd.vime.dev/node", "real")
@@ -310,31 +311,12 @@ def _run(*cmd: str | os.PathLike[str], check: bool = True, timeout: float = 120)
     return out
 
 
-def missing_packages() -> list[str]:
-    """Debian packages of PACKAGES not installed."""
-    missing = []
-    for package in PACKAGES:
-        out = subprocess.run(["dpkg-query", "-W", "-f=${Status}", package], capture_output=True, text=True, check=False)
-        if out.returncode != 0 or not out.stdout.endswith(" installed"):
-            missing.append(package)
-    return missing
-
-
 def install_packages(log: Callable[[str], None]) -> None:
     """apt-get the runtime's Debian packages if any is missing (as root)."""
-    missing = missing_packages()
-    if not missing:
-        return
-    if shutil.which("apt-get") is None:
-        raise NodeError(f"the real node needs the Debian packages {', '.join(missing)} and there is no apt-get here")
-    log(f"installing Debian packages: {' '.join(missing)} (apt-get)")
-    started = time.monotonic()
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", "--no-install-recommends", *missing]):
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, check=False)
-        if done.returncode != 0:
-            raise NodeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
-    log(f"installed {' '.join(missing)} in {time.monotonic() - started:.1f}s")
+    try:
+        debian.install_packages(PACKAGES, log, needed_by="the real node")
+    except CommandFailed as error:
+        raise NodeError(str(error)) from None
 
 
 def check_host() -> None:
