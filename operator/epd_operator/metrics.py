@@ -41,6 +41,12 @@ class OperatorMetrics:
         self._ready_units = Gauge(
             "epd_ready_units", "Ready EPD units per EPDDeployment.", ["namespace", "name"], registry=self.registry
         )
+        self._desired_units = Gauge(
+            "epd_desired_units",
+            "EPD units each EPDDeployment asks for (every model's replicas).",
+            ["namespace", "name"],
+            registry=self.registry,
+        )
         self._invalid_specs = Gauge(
             "epd_invalid_specs", "EPDDeployments whose spec is invalid.", registry=self.registry
         )
@@ -53,8 +59,9 @@ class OperatorMetrics:
     def observe_stage(self, stage: str, seconds: float) -> None:
         self._stage_seconds.labels(stage).observe(seconds)
 
-    def set_ready_units(self, namespace: str, name: str, count: int) -> None:
-        self._ready_units.labels(namespace, name).set(count)
+    def set_units(self, namespace: str, name: str, *, ready: int, desired: int) -> None:
+        self._ready_units.labels(namespace, name).set(ready)
+        self._desired_units.labels(namespace, name).set(desired)
 
     def mark_invalid(self, namespace: str, name: str) -> None:
         self._invalid.add((namespace, name))
@@ -67,10 +74,11 @@ class OperatorMetrics:
     def forget(self, namespace: str, name: str) -> None:
         """The EPDDeployment is gone: drop its series."""
         self.forget_invalid(namespace, name)
-        try:
-            self._ready_units.remove(namespace, name)
-        except KeyError:
-            pass
+        for gauge in (self._ready_units, self._desired_units):
+            try:
+                gauge.remove(namespace, name)
+            except KeyError:
+                pass
 
     def serve(self, port: int) -> None:
         start_http_server(port, registry=self.registry)

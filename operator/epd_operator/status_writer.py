@@ -122,7 +122,12 @@ class StatusWriter:
             create_failures=failures,
             observations=(observations := self._observations.setdefault(key, Observations())),
         )
-        self._metrics.set_ready_units(namespace, name, sum(m["readyUnits"] for m in status["models"]))
+        self._metrics.set_units(
+            namespace,
+            name,
+            ready=sum(m["readyUnits"] for m in status["models"]),
+            desired=sum(m["desiredUnits"] for m in status["models"]),
+        )
         if _same(status, previous):
             self._written[key] = status_hash(status)
             self._units_written[key] = observations.units()  # what the status found in place says

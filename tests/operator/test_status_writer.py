@@ -54,14 +54,20 @@ def ready_pod(i: int, ready: bool = True) -> PodSummary:
     )
 
 
-def status_writer(kube: Statuses, now: list[float], requeued: list, events: list | None = None) -> StatusWriter:
+def status_writer(
+    kube: Statuses,
+    now: list[float],
+    requeued: list,
+    events: list | None = None,
+    metrics: OperatorMetrics | None = None,
+) -> StatusWriter:
     def told(kind: str):
         return lambda _body, reason, message: events.append((kind, reason, message)) if events is not None else None
 
     return StatusWriter(
         KubeSession(kube),  # type: ignore[arg-type]  # records the one call the writer makes here
         JanitorScraper(warn=lambda *_: None, changed=lambda _key: None),
-        OperatorMetrics(),
+        metrics or OperatorMetrics(),
         warn=told("Warning"),
         inform=told("Normal"),
         requeue_after=lambda key, delay: requeued.append((key, delay)),
@@ -114,3 +120,32 @@ async def test_a_unit_that_falls_and_comes_back_is_told_in_events_though_the_sta
     assert events == [("Warning", "UnitUnready", "unit big-default-7: PodNotReady: pod is not Ready")]
     await write_at(20.0, everyone)
     assert events[1:] == [("Normal", "UnitReady", "unit big-default-7 is ready again")]
+
+
+async def test_the_metrics_say_how_many_units_are_ready_of_how_many_asked_for_even_between_writes():
+    kube, now, metrics = Statuses(), [0.0], OperatorMetrics()
+    writer = status_writer(kube, now, [], metrics=metrics)
+    plans = PlanCache(16, "epd-operator:test")
+    pods: dict = {KEY: []}
+    indexes = Indexes(deployments={}, stateful_sets={}, services={}, budgets={}, pods=pods)
+
+    def units() -> tuple[float | None, float | None]:
+        labels = {"namespace": KEY[0], "name": KEY[1]}
+        return (
+            metrics.registry.get_sample_value("epd_ready_units", labels),
+            metrics.registry.get_sample_value("epd_desired_units", labels),
+        )
+
+    async def write_at(t: float, ready: int) -> bool:
+        now[0] = t
+        pods[KEY] = [ready_pod(i) for i in range(ready)]
+        status = kube.patched[-1] if kube.patched else {}
+        return await writer.write(KEY, body(status), plans.plan(body(status)), indexes)
+
+    await write_at(0.0, 0)
+    assert units() == (0, UNITS)
+    assert await write_at(0.5, 1)
+    assert not await write_at(1.5, 300)  # the status waits for its spacing; the metrics do not
+    assert units() == (300, UNITS)
+    metrics.forget(*KEY)
+    assert units() == (None, None)
