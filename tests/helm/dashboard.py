@@ -46,7 +46,8 @@ def proxy_metric_names() -> set[str]:
 
 def operator_metric_names() -> set[str]:
     metrics = OperatorMetrics()
-    metrics.set_ready_units("ns", "name", 1)  # labelled series exist once set
+    metrics.set_units("ns", "name", ready=1, desired=1)  # labelled series exist once set
+    metrics.observe_reconcile("error", 0.1)
     return sample_names(metrics.registry)
 
 

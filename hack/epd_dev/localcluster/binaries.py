@@ -3,12 +3,14 @@
     python -m epd_dev.localcluster.build [--node] [--force] [--print-bin-dir]   (see build.py)
 
 Every binary is compiled from published Go modules pinned by the go.mod/go.sum
-files under hack/go (no Docker, no release downloads). Three sets, each with a cache
+files under hack/go (no Docker, no release downloads). Four sets, each with a cache
 of its own: the control plane (``CONTROL_PLANE``: hack/go/{kubernetes,etcd,kwok,helm})
-in ``<cache root>/controlplane/<key>/bin``, the real node's kubelet and kube-proxy
-(``NODE``: hack/go/node) in ``<cache root>/node/<key>/bin`` (``epd_dev.paths.cache_root``),
-and its NetworkPolicy engine, kube-router (``NETWORK_POLICY``: hack/go/kube-router), in
-``<cache root>/network-policy/<key>/bin``; ``--node`` builds the last two.
+in ``<cache root>/controlplane/<key>/bin``, with promtool (``MONITORING``: hack/go/prometheus,
+which checks the chart's alerting rules) in ``<cache root>/monitoring/<key>/bin``; the real
+node's kubelet and kube-proxy (``NODE``: hack/go/node) in ``<cache root>/node/<key>/bin``
+(``epd_dev.paths.cache_root``), and its NetworkPolicy engine, kube-router
+(``NETWORK_POLICY``: hack/go/kube-router), in ``<cache root>/network-policy/<key>/bin``;
+``--node`` builds the last two.
 A set's key names its versions plus a hash of its own Go module files only, so changing a
 pin builds a fresh cache entry of that set and never mixes versions; the node's module
 can change without rebuilding the control plane (the Go build cache makes the node quick
@@ -42,11 +44,15 @@ ETCD_VERSION = "v3.6.16"
 KWOK_VERSION = "v0.8.0"
 HELM_VERSION = "v3.22.0"
 KUBE_ROUTER_VERSION = "v2.1.0"
+# Prometheus' Go module versions v0.3MM.P are its releases 3.MM.P.
+PROMETHEUS_MODULE_VERSION = "v0.316.0"
+PROMETHEUS_VERSION = "3.16.0"
 
 # Bump when the build recipe changes in a way the Go files do not show.
 RECIPE = "1"
 NODE_RECIPE = "1"
 NETWORK_POLICY_RECIPE = "1"
+MONITORING_RECIPE = "2"
 
 # Upstream's own release flags; without the -X values the binaries say v0.0.0.
 # The warm-up build used exactly these, so the Go build cache is shared.
@@ -69,6 +75,7 @@ class Binary:
     package: str
     version_args: tuple[str, ...]
     expect: str  # must appear in the version output
+    tags: tuple[str, ...] = ()  # Go build tags
 
 
 BINARIES: tuple[Binary, ...] = (
@@ -119,6 +126,17 @@ KUBE_ROUTER = Binary(
     f"version {KUBE_ROUTER_VERSION},",
 )
 
+PROMTOOL = Binary(
+    "promtool",
+    "prometheus",
+    "github.com/prometheus/prometheus/cmd/promtool",
+    ("--version",),
+    f"promtool, version {PROMETHEUS_VERSION} ",
+    # Without the service discovery plugins (Prometheus' own build tag): the rule checks need
+    # none, and the build takes half the time (1 min 47 s cold on 2 cores).
+    ("remove_all_sd",),
+)
+
 
 @dataclass(frozen=True)
 class BinarySet:
@@ -161,6 +179,14 @@ NETWORK_POLICY = BinarySet(
     (("kube-router", "github.com/cloudnativelabs/kube-router/v2", KUBE_ROUTER_VERSION),),
     NETWORK_POLICY_RECIPE,
     f"kube-router-{KUBE_ROUTER_VERSION}",
+)
+# promtool checks and unit-tests the chart's alerting rules (tests/helm).
+MONITORING = BinarySet(
+    "monitoring",
+    (PROMTOOL,),
+    (("prometheus", "github.com/prometheus/prometheus", PROMETHEUS_MODULE_VERSION),),
+    MONITORING_RECIPE,
+    f"prometheus-{PROMETHEUS_VERSION}",
 )
 
 # kwok ships no default stages in its binary (kwokctl injects them), so the
@@ -265,6 +291,9 @@ def _ldflags(binary: Binary) -> str:
                 f"-X {v}/pkg/chartutil.k8sVersionMinor={minor}",
             ]
         )
+    if binary.name == "promtool":
+        v = "github.com/prometheus/common/version"
+        return f"-s -w -X {v}.Version={PROMETHEUS_VERSION} -X {v}.Branch=release -X {v}.Revision=epd-dev"
     return "-s -w"  # etcd and kwok carry their versions as constants
 
 
@@ -275,6 +304,7 @@ def _go_build(binary: Binary, out: Path, say: Callable[[str], None] = log) -> No
         "build",
         "-buildvcs=false",
         "-trimpath",
+        *(("-tags", ",".join(binary.tags)) if binary.tags else ()),
         "-ldflags",
         _ldflags(binary),
         "-o",
@@ -382,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         "--print-bin-dir", action="store_true", help="print the cache's bin folder and exit (builds nothing)"
     )
     args = parser.parse_args(argv)
-    sets = (NODE, NETWORK_POLICY) if args.node else (CONTROL_PLANE,)
+    sets = (NODE, NETWORK_POLICY) if args.node else (CONTROL_PLANE, MONITORING)
     if args.print_bin_dir:
         print(*(bin_dir(bset) for bset in sets), sep="\n")
         return 0
