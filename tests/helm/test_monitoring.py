@@ -1,6 +1,7 @@
 """The chart's monitoring, rendered by the real helm: a PodMonitor for every engine and EC
 janitor of the operator's units, and a Grafana dashboard whose every query names a metric that
-really exists (tests/helm/dashboard.py).
+really exists (tests/helm/dashboard.py). The PodMonitor, the ServiceMonitor and the
+PrometheusRule are validated by the real API server against the Prometheus Operator's own CRDs.
 
 Whether the PodMonitor selects the right targets is checked on the pods the operator really
 renders, through a STAND-IN for Prometheus' pod discovery and relabeling (`scrape_targets`):
@@ -11,12 +12,14 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from epd_dev.localcluster import binaries
 from epd_operator.render import render
 from epd_operator.resources import JANITOR_METRICS_PORT, PROXY_METRICS_PORT, desired_children
 from epd_operator.validation import validate
@@ -39,6 +42,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
 MONITORING = {
     "monitoring.podMonitor.enabled": True,
     "monitoring.grafanaDashboard.enabled": True,
+    "monitoring.prometheusRule.enabled": True,
     "metrics.serviceMonitor.enabled": True,
 }
 
@@ -56,6 +60,35 @@ def dashboard_of(docs: list[dict[str, Any]]) -> dict[str, Any]:
 def test_monitoring_is_off_by_default():
     docs = documents(template().stdout)
     assert not find(docs, "PodMonitor") and not find(docs, "ConfigMap")
+
+
+def test_the_api_server_accepts_the_monitors_and_the_rule_against_the_prometheus_operators_crds(cluster):
+    crds = binaries.monitoring_crds()
+    missing = [str(path) for path in crds if not path.is_file()]
+    if missing:
+        pytest.fail(
+            f"the Prometheus Operator's CRDs are missing ({', '.join(missing)}). Get them with:\n\n    make cluster\n",
+            pytrace=False,
+        )
+    for path in crds:
+        cluster.kubectl("apply", "--server-side", "-f", str(path))
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", *(f"-f={path}" for path in crds))
+    namespace = f"epd-monitoring-{uuid.uuid4().hex[:5]}"
+    cluster.kubectl("create", "namespace", namespace)
+    try:
+        docs = documents(template(MONITORING, namespace=namespace).stdout)
+        monitoring = [d for d in docs if d["apiVersion"] == "monitoring.coreos.com/v1"]
+        assert sorted(d["kind"] for d in monitoring) == ["PodMonitor", "PrometheusRule", "ServiceMonitor"]
+        dry_run = ("apply", "--dry-run=server", "--validate=strict", "-n", namespace, "-f", "-")
+        accepted = cluster.kubectl(*dry_run, input=yaml.safe_dump_all(monitoring), check=False)
+        assert accepted.returncode == 0, accepted.stderr
+        # The CRDs do check: a rule whose `for` is no Prometheus duration is refused.
+        (rule,) = [d for d in monitoring if d["kind"] == "PrometheusRule"]
+        rule["spec"]["groups"][0]["rules"][0]["for"] = "ten minutes"
+        refused = cluster.kubectl(*dry_run, input=yaml.safe_dump(rule), check=False)
+        assert refused.returncode != 0 and "spec.groups[0].rules[0].for" in refused.stderr, refused.stderr
+    finally:
+        cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
 
 
 def test_every_dashboard_query_names_only_metrics_that_are_exported(rendered):

@@ -47,6 +47,8 @@ KUBE_ROUTER_VERSION = "v2.1.0"
 # Prometheus' Go module versions v0.3MM.P are its releases 3.MM.P.
 PROMETHEUS_MODULE_VERSION = "v0.316.0"
 PROMETHEUS_VERSION = "3.16.0"
+PROMETHEUS_OPERATOR = "github.com/prometheus-operator/prometheus-operator"
+PROMETHEUS_OPERATOR_VERSION = "v0.85.0"
 
 # Bump when the build recipe changes in a way the Go files do not show.
 RECIPE = "1"
@@ -184,9 +186,19 @@ NETWORK_POLICY = BinarySet(
 MONITORING = BinarySet(
     "monitoring",
     (PROMTOOL,),
-    (("prometheus", "github.com/prometheus/prometheus", PROMETHEUS_MODULE_VERSION),),
+    (
+        ("prometheus", "github.com/prometheus/prometheus", PROMETHEUS_MODULE_VERSION),
+        ("prometheus", PROMETHEUS_OPERATOR, PROMETHEUS_OPERATOR_VERSION),
+    ),
     MONITORING_RECIPE,
-    f"prometheus-{PROMETHEUS_VERSION}",
+    f"prometheus-{PROMETHEUS_VERSION}_prometheus-operator-{PROMETHEUS_OPERATOR_VERSION}",
+)
+# The Prometheus Operator's CRDs of the chart's monitoring objects, copied from its module into
+# the monitoring cache: the tests validate the rendered objects against them on the API server.
+MONITORING_CRDS = (
+    "monitoring.coreos.com_podmonitors.yaml",
+    "monitoring.coreos.com_servicemonitors.yaml",
+    "monitoring.coreos.com_prometheusrules.yaml",
 )
 
 # kwok ships no default stages in its binary (kwokctl injects them), so the
@@ -332,6 +344,19 @@ def _write_kwok_stages(dest: Path) -> None:
     dest.write_text("\n---\n".join(docs) + "\n")
 
 
+def _write_monitoring_crds(dest: Path) -> None:
+    _go("prometheus", "mod", "download", PROMETHEUS_OPERATOR)
+    module = Path(_go("prometheus", "list", "-m", "-f", "{{.Dir}}", PROMETHEUS_OPERATOR))
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in MONITORING_CRDS:
+        shutil.copyfile(module / "example" / "prometheus-operator-crd" / name, dest / name)
+
+
+def monitoring_crds() -> list[Path]:
+    """The Prometheus Operator's CRD files in the monitoring cache (built by `make cluster`)."""
+    return [cache_dir(MONITORING) / "crds" / name for name in MONITORING_CRDS]
+
+
 def _verify_all(bset: BinarySet, bindir: Path) -> list[str]:
     return [b.name for b in bset.binaries if version_of(bindir / b.name, b) is None]
 
@@ -383,6 +408,9 @@ def build(force: bool = False, bset: BinarySet = CONTROL_PLANE) -> Path:
         if bset is CONTROL_PLANE:
             _write_kwok_stages(staging / KWOK_STAGES)
             manifest.update(etcd=ETCD_VERSION, kwok=KWOK_VERSION, helm=HELM_VERSION)
+        if bset is MONITORING:
+            _write_monitoring_crds(staging / "crds")
+            manifest.update(prometheus=PROMETHEUS_VERSION, prometheus_operator=PROMETHEUS_OPERATOR_VERSION)
         manifest.update(
             {
                 "key": key,
