@@ -109,7 +109,7 @@ def pod_ready(pod: dict[str, Any]) -> bool:
     return {c["type"]: c["status"] for c in pod["status"].get("conditions", [])}.get("Ready") == "True"
 
 
-def engine_core(real_node: Any, container_id: str) -> int:
+def engine_core(real_node: node.RealNode, container_id: str) -> int:
     """The host PID of the EngineCore process in a container (its vLLM engine's core, beside
     the API server's process)."""
     listed = real_node.ctr("task", "ps", container_id.removeprefix("containerd://")).stdout.splitlines()[1:]
