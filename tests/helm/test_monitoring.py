@@ -116,6 +116,7 @@ def test_every_dashboard_query_names_only_metrics_that_are_exported(rendered):
         "epd_ec_evictions_total",
         "epd_ec_fallback_encodes_total",
         "epd_ready_units",
+        "epd_desired_units",
         "epd_proxy_requests_total",
         "epd_proxy_media_primed_total",
         "epd_proxy_prime_failures_total",
