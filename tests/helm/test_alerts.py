@@ -9,6 +9,7 @@ what it says, and that the series of a healthy deployment leave it quiet.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
@@ -43,6 +44,7 @@ UNIT = {"namespace": "team-a", "pod": "vision-default-0", "role": "unit", "deplo
 STORE = {**UNIT, "path": "/dev/shm/epd-ec/vision/default"}
 
 
+@functools.cache
 def rules() -> dict[str, dict[str, Any]]:
     return {rule["alert"]: rule for group in yaml.safe_load(ALERTS.read_text())["groups"] for rule in group["rules"]}
 

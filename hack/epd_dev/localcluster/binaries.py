@@ -195,6 +195,7 @@ MONITORING = BinarySet(
 )
 # The Prometheus Operator's CRDs of the chart's monitoring objects, copied from its module into
 # the monitoring cache: the tests validate the rendered objects against them on the API server.
+MONITORING_CRDS_DIR = "crds"
 MONITORING_CRDS = (
     "monitoring.coreos.com_podmonitors.yaml",
     "monitoring.coreos.com_servicemonitors.yaml",
@@ -303,7 +304,7 @@ def _ldflags(binary: Binary) -> str:
                 f"-X {v}/pkg/chartutil.k8sVersionMinor={minor}",
             ]
         )
-    if binary.name == "promtool":
+    if binary is PROMTOOL:
         v = "github.com/prometheus/common/version"
         return f"-s -w -X {v}.Version={PROMETHEUS_VERSION} -X {v}.Branch=release -X {v}.Revision=epd-dev"
     return "-s -w"  # etcd and kwok carry their versions as constants
@@ -327,12 +328,11 @@ def _go_build(binary: Binary, out: Path, say: Callable[[str], None] = log) -> No
     env = {**os.environ, "CGO_ENABLED": "0"}
     try:
         run_with_progress(cmd, f"building {binary.name}", say, env=env, cwd=_go_dir() / binary.module)
-    except BaseException as error:
-        tmp.unlink(missing_ok=True)
-        if isinstance(error, CommandFailed):
-            raise SystemExit(f"go build of {binary.name}: {error}") from None
-        raise
-    os.replace(tmp, out)
+        os.replace(tmp, out)
+    except CommandFailed as error:
+        raise SystemExit(f"go build of {binary.name}: {error}") from None
+    finally:
+        tmp.unlink(missing_ok=True)  # only a failed or interrupted build leaves it
 
 
 def _write_kwok_stages(dest: Path) -> None:
@@ -354,7 +354,7 @@ def _write_monitoring_crds(dest: Path) -> None:
 
 def monitoring_crds() -> list[Path]:
     """The Prometheus Operator's CRD files in the monitoring cache (built by `make cluster`)."""
-    return [cache_dir(MONITORING) / "crds" / name for name in MONITORING_CRDS]
+    return [cache_dir(MONITORING) / MONITORING_CRDS_DIR / name for name in MONITORING_CRDS]
 
 
 def _verify_all(bset: BinarySet, bindir: Path) -> list[str]:
@@ -409,7 +409,7 @@ def build(force: bool = False, bset: BinarySet = CONTROL_PLANE) -> Path:
             _write_kwok_stages(staging / KWOK_STAGES)
             manifest.update(etcd=ETCD_VERSION, kwok=KWOK_VERSION, helm=HELM_VERSION)
         if bset is MONITORING:
-            _write_monitoring_crds(staging / "crds")
+            _write_monitoring_crds(staging / MONITORING_CRDS_DIR)
             manifest.update(prometheus=PROMETHEUS_VERSION, prometheus_operator=PROMETHEUS_OPERATOR_VERSION)
         manifest.update(
             {
