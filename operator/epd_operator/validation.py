@@ -298,6 +298,23 @@ def owned_arg_errors(group: ServerGroup, where: str) -> list[str]:
     return errors
 
 
+# What a server group's engines may be made into: EPD serves generation. A pooling engine's
+# routes (/v1/embeddings, /pooling, /classify, /score, /rerank) would encode their media on the
+# consumer, and the EPD proxy primes generation routes only (docs/proxy.md).
+GENERATION_ONLY = {"runner": ("auto", "generate"), "convert": ("auto", "none")}
+
+
+def generation_only_errors(group: ServerGroup, where: str) -> list[str]:
+    """Overrides that would make an engine a pooling one (``runner``, ``convert``)."""
+    return [
+        f"{where}.{name}: {group.overrides[name]!r} would make a pooling engine, whose media its consumers "
+        f"would encode themselves (the EPD proxy primes generation only): use one of {', '.join(allowed)} or "
+        "remove it"
+        for name, allowed in GENERATION_ONLY.items()
+        if name in group.overrides and group.overrides[name] not in allowed
+    ]
+
+
 def _has_path(tree: Any, path: tuple[str, ...]) -> bool:
     for key in path:
         if not isinstance(tree, dict) or key not in tree:
@@ -491,6 +508,7 @@ def validate(raw: dict[str, Any], *, name: str | None = None, limits: Limits | N
         for g_index, group in enumerate(model.server_groups):
             where = f"spec.models[{index}].serverGroups[{g_index}].overrides"
             errors += owned_arg_errors(group, where)
+            errors += generation_only_errors(group, where)
             if minor:
                 errors += override_errors(minor, group.overrides, where)
             if group.num_gpus % group.num_gpus_per_engine:

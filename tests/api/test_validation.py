@@ -370,6 +370,8 @@ def test_a_pod_with_more_gpus_than_the_operator_allows_is_refused():
         ({"hf_token": "hf_x"}, ".hf_token: a secret must not be an argument"),
         ({"allowed_origins": ["*", "--port", "9999"]}, ".allowed_origins: '--port' starts with '-'"),
         ({"chat_template": "-x"}, ".chat_template: '-x' starts with '-'"),
+        ({"runner": "pooling"}, ".runner: 'pooling' would make a pooling engine"),
+        ({"convert": "embed"}, ".convert: 'embed' would make a pooling engine"),
         (
             {"ec_transfer_config": {"ec_connector_extra_config": {"shared_storage_path": "/dev/shm/other"}}},
             ".ec_transfer_config.ec_connector_extra_config.shared_storage_path: set by the operator",
@@ -381,6 +383,12 @@ def test_overrides_cannot_set_what_the_operator_owns_secrets_or_flags(override, 
     spec["models"][0]["serverGroups"][0]["overrides"] = override
     (message,) = refusals(spec)
     assert message.startswith("spec.models[0].serverGroups[0].overrides" + start), message
+
+
+def test_engines_made_to_generate_explicitly_are_accepted():
+    spec = spec_with("encoder", "regular")
+    spec["models"][0]["serverGroups"][1]["overrides"] = {"runner": "generate", "convert": "none"}
+    assert refusals(spec) == []
 
 
 def test_the_seed_keeps_group_overrides_above_the_rendered_ec_role():
