@@ -26,6 +26,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -363,6 +364,40 @@ def test_responses_input_images_are_primed_through_the_front_service(cluster, de
     assert answer.output_text == sdk(reference_url(reference)).responses.create(**request).output_text
     assert after.finished - before.finished == 1
     assert list(before.new_entries(after).values()) == [[EMBEDDING_FILE]]
+
+
+def test_anthropic_messages_images_are_primed_through_the_front_service(cluster, deployed, node_namespace, reference):
+    """The official anthropic SDK, as Claude-style clients talk to vLLM's Messages API: its image
+    block is primed as the image_url part vLLM makes of it, and the consumer reads the embedding."""
+    media_type, data = payloads.png_data_url((30, 160, 200)).removeprefix("data:").split(";base64,")
+    request = {
+        "model": tiny_model.SERVED_NAME,
+        "max_tokens": 8,
+        "extra_body": {"temperature": 0},  # the SDK no longer takes sampling parameters; vLLM does
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image", "source": {"type": "base64", "media_type": media_type, "data": data}},
+                    {"type": "text", "text": "describe"},
+                ],
+            }
+        ],
+    }
+
+    def client(url: str) -> anthropic.Anthropic:
+        return anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=300)
+
+    before = EncoderLoad.of(cluster, node_namespace, deployed)
+    answer = client(front_service_url(cluster, node_namespace, UNIT)).messages.create(**request)
+    time.sleep(GRACE_SECONDS + 5)  # the janitor's verdict on the new entry, as above
+    after = EncoderLoad.of(cluster, node_namespace, deployed)
+    expected = client(reference_url(reference)).messages.create(**request)
+    assert answer.usage.output_tokens > 0
+    assert answer.content == expected.content
+    assert after.finished - before.finished == 1
+    assert list(before.new_entries(after).values()) == [[EMBEDDING_FILE]]
+    assert after.fallback_encodes == before.fallback_encodes
 
 
 def test_text_only_through_the_front_service_never_reaches_the_encoder(cluster, deployed, node_namespace, reference):

@@ -165,6 +165,84 @@ async def test_responses_input_images_are_primed(server, start_proxy, http):
     assert [r.body for r in upstream.records] == [request]
 
 
+async def test_anthropic_messages_images_are_primed_as_vllm_converts_them(server, start_proxy, http):
+    """The stand-in upstream knows no /v1/messages (404): what matters is what reached it."""
+    encoder, upstream = server(), server()
+    proxy = await start_proxy(upstream.url, [encoder.url])
+    request = {
+        "model": "served",
+        "max_tokens": 8,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "and these?"},
+                    {"type": "image", "source": {"type": "url", "url": "https://images.test/a.png"}},
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}},
+                ],
+            }
+        ],
+    }
+    await post(http, proxy.url + "/v1/messages", request)
+    assert unordered(primed_parts(encoder)) == unordered(
+        [
+            {"type": "image_url", "image_url": {"url": "https://images.test/a.png"}},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+        ]
+    )
+    assert [(r.path, r.body) for r in upstream.records] == [("/v1/messages", request)]  # unchanged
+
+
+async def test_an_anthropic_request_whose_prime_fails_gets_an_anthropic_error(server, faulty, start_proxy, http):
+    broken, upstream = faulty(server().url), server()
+    broken.add(http_status(503), times=None)
+    proxy = await start_proxy(upstream.url, [broken.url])
+    image_block = {"type": "image", "source": {"type": "url", "url": "https://images.test/a.png"}}
+    status, answer, _ = await post(
+        http, proxy.url + "/v1/messages", {"max_tokens": 8, "messages": [{"role": "user", "content": [image_block]}]}
+    )
+    assert status == 502 and answer["type"] == "error"
+    assert answer["error"]["type"] == "BadGatewayError"
+    assert "image messages[0].content[0] (https://images.test/a.png)" in answer["error"]["message"]
+    assert upstream.records == []
+
+
+async def test_batches_and_sagemaker_invocations_are_primed(server, start_proxy, http):
+    encoder, upstream = server(), server()
+    proxy = await start_proxy(upstream.url, [encoder.url])
+    batch = {"model": "served", "messages": [[{"role": "user", "content": [image(1)]}], chat(image(2))["messages"]]}
+    await post(http, proxy.url + "/v1/chat/completions/batch", batch)
+    await post(http, proxy.url + "/invocations", chat(image(3)))
+    await post(http, proxy.url + "/invocations", {"model": "served", "prompt": "a completion"})
+    assert unordered(primed_parts(encoder)) == unordered([image(1), image(2), image(3)])
+    assert [r.path for r in upstream.records] == ["/v1/chat/completions/batch", "/invocations", "/invocations"]
+
+
+@pytest.mark.parametrize("path", ["/v1/audio/transcriptions", "/v1/audio/translations"])
+async def test_uploaded_audio_is_refused_unread_and_never_forwarded(server, start_proxy, http, path):
+    encoder, upstream = server(), server()
+    proxy = await start_proxy(upstream.url, [encoder.url])
+    form = aiohttp.FormData()
+    form.add_field("file", b"RIFF" + bytes(300_000), filename="a.wav", content_type="audio/wav")
+    form.add_field("model", "served")
+    async with http.post(proxy.url + path, data=form) as response:
+        answer = await response.json()
+        assert response.status == 400 and response.headers["connection"] == "close"  # the body was left unread
+    assert answer["error"]["type"] == "BadRequestError"
+    assert "input_audio part to /v1/chat/completions" in answer["error"]["message"]
+    assert encoder.records == [] and upstream.records == []
+
+
+async def test_structured_decisions_with_media_are_refused_and_without_pass(server, start_proxy, http):
+    encoder, upstream = server(), server()
+    proxy = await start_proxy(upstream.url, [encoder.url])
+    decision = {"state": "a picture", "questions": {"q": {"type": "predicate"}}}
+    status, answer, _ = await post(http, proxy.url + "/v1/systemone", {**decision, "images": ["https://i.test/a.png"]})
+    assert (status, answer["error"]["param"]) == (400, "images")
+    await post(http, proxy.url + "/v1/systemone", decision)
+    assert encoder.records == [] and [r.body for r in upstream.records] == [decision]
+
+
 async def test_an_encoder_failing_after_retries_gets_a_502_and_nothing_is_forwarded(server, faulty, start_proxy, http):
     broken, upstream = faulty(server().url), server()
     broken.add(http_status(503), times=None)

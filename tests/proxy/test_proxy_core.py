@@ -16,6 +16,16 @@ from epd_operator.proxy.core import BadRequest, DNSTarget
     [
         ("POST", "/v1/chat/completions", "chat_completions"),
         ("POST", "/v1/responses", "responses"),
+        ("POST", "/v1/messages", "messages"),
+        ("POST", "/v1/chat/completions/batch", "chat_completions_batch"),
+        ("POST", "/invocations", "invocations"),
+        ("POST", "/cohere/v2/chat", "cohere_chat"),
+        ("POST", "/v1/systemone", "structured_decisions"),
+        ("POST", "/v1/audio/transcriptions", "transcriptions"),
+        ("POST", "/v1/audio/translations", "translations"),
+        ("POST", "/v1/messages/count_tokens", "other"),  # tokenizes only: no encoder runs
+        ("POST", "/tokenize", "other"),
+        ("POST", "/v1/decisions", "other"),  # text only (vLLM 0.33 refuses images there itself)
         ("GET", "/v1/chat/completions", "other"),
         ("POST", "/v1/chat/completions/render", "other"),
         ("POST", "/inference/v1/generate", "other"),
@@ -26,7 +36,7 @@ from epd_operator.proxy.core import BadRequest, DNSTarget
         ("POST", "/health", "other"),
     ],
 )
-def test_only_chat_completions_and_responses_posts_are_primed(method, path, expected):
+def test_posts_of_routes_that_take_media_are_primed_or_refused(method, path, expected):
     assert core.route(method, path) == expected
 
 
@@ -59,6 +69,58 @@ def test_a_responses_plan_reads_previous_messages_then_input():
     assert core.plan("responses", raw({"model": "m", "input": "text only"})).parts == ()
 
 
+IMAGE = {"type": "image_url", "image_url": {"url": "https://i.test/a.png"}}
+
+
+def test_a_batch_plan_locates_parts_in_every_conversation():
+    body = {"messages": [[{"role": "user", "content": "text"}], [{"role": "user", "content": ["x", IMAGE]}]]}
+    assert [(p.item.part, p.param) for p in core.plan("chat_completions_batch", raw(body)).parts] == [
+        (IMAGE, "messages[1][0].content[1]")
+    ]
+
+
+def test_invocations_with_messages_are_chat_completions_and_others_pass():
+    chat = {"messages": [{"role": "user", "content": [IMAGE]}]}
+    assert [p.param for p in core.plan("invocations", raw(chat)).parts] == ["messages[0].content[0]"]
+    assert core.plan("invocations", raw({"prompt": "a completion"})).parts == ()
+    assert core.plan("cohere_chat", raw(chat)).parts == core.plan("chat_completions", raw(chat)).parts
+
+
+def test_an_anthropic_plan_primes_image_blocks_as_vllm_converts_them():
+    url = {"type": "image", "source": {"type": "url", "url": "https://i.test/a.png"}}
+    data = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
+    tool = {
+        "type": "tool_result",
+        "tool_use_id": "t1",
+        "content": [{"type": "text", "text": "seen"}, {"type": "image", "source": {"type": "base64", "data": "BBBB"}}],
+    }
+    body = {
+        "model": "m",
+        "system": "be brief",
+        "messages": [
+            {"role": "system", "content": [data]},  # vLLM keeps only a system message's text
+            {"role": "user", "content": [{"type": "text", "text": "look"}, url, data]},
+            {
+                "role": "assistant",
+                "content": [{"type": "text", "text": "ok"}, {"type": "tool_result", "content": [data]}],
+            },
+            {"role": "user", "content": [tool]},
+            {"role": "user", "content": "text only"},
+        ],
+    }
+    found = core.plan("messages", raw(body))
+    assert [(p.item.part["image_url"]["url"], p.param) for p in found.parts] == [
+        ("https://i.test/a.png", "messages[1].content[1]"),
+        ("data:image/png;base64,AAAA", "messages[1].content[2]"),
+        ("data:image/jpeg;base64,BBBB", "messages[3].content[0].content[1]"),  # vLLM's default media type
+    ]
+    assert {p.item.kind for p in found.parts} == {"image_url"} and found.model == "m"
+
+
+def test_structured_decisions_without_media_pass():
+    assert core.plan("structured_decisions", raw({"state": "s", "questions": {}, "images": []})).parts == ()
+
+
 @pytest.mark.parametrize(
     ("route", "body", "param"),
     [
@@ -68,6 +130,10 @@ def test_a_responses_plan_reads_previous_messages_then_input():
         ("chat_completions", raw({"messages": {"role": "user"}}), "messages"),
         ("responses", raw({"input": 3}), "input"),
         ("responses", raw({"input": "x", "previous_input_messages": {}}), "previous_input_messages"),
+        ("messages", raw({"messages": "hi"}), "messages"),
+        ("chat_completions_batch", raw({"messages": [[], {"role": "user"}]}), "messages[1]"),
+        ("structured_decisions", raw({"state": "s", "questions": {}, "images": ["https://i.test/a.png"]}), "images"),
+        ("structured_decisions", raw({"state": "s", "questions": {}, "videos": ["https://i.test/a.mp4"]}), "videos"),
     ],
 )
 def test_unreadable_bodies_are_bad_requests(route, body, param):
@@ -135,9 +201,12 @@ def test_primes_carry_credentials_trace_context_and_the_request_id():
     ],
 )
 def test_errors_have_vllms_shape(status, kind):
-    assert core.error_body(status, "why", "messages") == {
+    error = core.ProxyError(status, "why", "messages")
+    assert core.error_body(error, "/v1/chat/completions") == {
         "error": {"message": "why", "type": kind, "param": "messages", "code": status}
     }
+    # vLLM's AnthropicErrorResponse on the Anthropic paths: the anthropic SDK reads it there.
+    assert core.error_body(error, "/v1/messages") == {"type": "error", "error": {"type": kind, "message": "why"}}
 
 
 def failure(index: int, status: int | None, reason: str = "boom") -> MediaFailure:
@@ -166,20 +235,17 @@ def parts(count: int) -> tuple[core.MediaPart, ...]:
 )
 def test_a_prime_failure_is_the_clients_only_for_an_encoder_4xx(statuses, expected):
     error = PrimeError("u", 3, [failure(i + 1, s) for i, s in enumerate(statuses)])
-    status, body = core.prime_failure(error, parts(3))
-    assert status == expected == body["error"]["code"]
-    assert body["error"]["param"] == "messages[0].content[1]"
-    assert f"{len(statuses)} of 3 media part(s)" in body["error"]["message"]
-    assert "image messages[0].content[1] (https://i.test/1) via http://e:1: boom" in body["error"]["message"]
+    found = core.prime_failure(error, parts(3))
+    assert found.status == expected
+    assert found.param == "messages[0].content[1]"
+    assert f"{len(statuses)} of 3 media part(s)" in found.message
+    assert "image messages[0].content[1] (https://i.test/1) via http://e:1: boom" in found.message
 
 
 def test_no_encoder_is_a_503_naming_the_first_part():
-    status, body = core.no_encoder(parts(2))
-    assert (status, body["error"]["type"], body["error"]["param"]) == (
-        503,
-        "ServiceUnavailableError",
-        "messages[0].content[0]",
-    )
+    found = core.no_encoder(parts(2))
+    assert (found.status, found.param) == (503, "messages[0].content[0]")
+    assert core.error_body(found)["error"]["type"] == "ServiceUnavailableError"
 
 
 def test_the_clients_own_transfer_params_win():

@@ -9,6 +9,10 @@ Protocol: one JSON request per stdin line, one JSON answer per stdout line.
   argv is the whole command (`["vllm", "serve", ...]`). Each result is `{"ok": true, "namespace":
   {...}}`, plus `"engine": {...}` when `full` (the EngineArgs `vllm serve` builds), or
   `{"ok": false, "exit_code": int | None, "error": str}`.
+- `{"op": "post_routes"}` -> `{"routes": [...]}`: every path vLLM's API routers declare for POST
+  (read from the source of vllm/entrypoints: importing every router needs optional packages).
+- `{"op": "anthropic_images", "requests": [...]}` -> `{"images": [[url, ...], ...]}`: per Anthropic
+  Messages request, the image URLs of the chat request vLLM serves it as, in order.
 
 It builds the parser exactly as the `vllm` console script does for `serve` (a top-level
 FlexibleArgumentParser with the serve subcommand, so the model is the positional `model_tag`),
@@ -22,7 +26,9 @@ import contextlib
 import io
 import json
 import os
+import re
 import sys
+from pathlib import Path
 
 
 def _parser():
@@ -123,6 +129,31 @@ def _parse(top, serve, command: dict) -> dict:
         return {"ok": False, "exit_code": None, "error": f"{type(error).__name__}: {error}"}
 
 
+_POST_ROUTE = re.compile(r"""(?:\.post|\.add_api_route)\(\s*["'](/[^"']*)["']""")
+
+
+def _post_routes() -> list[str]:
+    import vllm.entrypoints
+
+    root = Path(vllm.entrypoints.__file__).parent
+    found = {m.group(1) for path in root.rglob("*.py") for m in _POST_ROUTE.finditer(path.read_text())}
+    return sorted(found)
+
+
+def _anthropic_images(request: dict) -> list[str]:
+    from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+    from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
+
+    chat = AnthropicServingMessages.to_chat_completion_request(AnthropicMessagesRequest(**request))
+    return [
+        part["image_url"]["url"]
+        for message in chat.messages
+        if isinstance(message.get("content"), list)
+        for part in message["content"]
+        if part.get("type") == "image_url"
+    ]
+
+
 def main() -> None:
     # vLLM logs to stdout: keep the protocol on a private copy of it, send everything else to stderr.
     out = os.fdopen(os.dup(1), "w")
@@ -137,6 +168,10 @@ def main() -> None:
             import vllm.envs
 
             answer = {"envs": sorted(vllm.envs.environment_variables)}
+        elif request["op"] == "post_routes":
+            answer = {"routes": _post_routes()}
+        elif request["op"] == "anthropic_images":
+            answer = {"images": [_anthropic_images(r) for r in request["requests"]]}
         else:
             answer = {"results": {c["id"]: _parse(top, serve, c) for c in request["commands"]}}
         out.write(json.dumps(answer, default=repr) + "\n")

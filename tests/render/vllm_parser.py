@@ -56,6 +56,15 @@ class VllmParser:
         commands = [{"id": key, "argv": argv, "full": full} for key, argv in argvs.items()]
         return self._ask({"op": "parse", "commands": commands})["results"]
 
+    def post_routes(self) -> set[str]:
+        """Every path this vLLM's API routers declare for POST."""
+        return set(self._ask({"op": "post_routes"})["routes"])
+
+    def anthropic_images(self, requests: list[dict[str, Any]]) -> list[list[str]]:
+        """Per Anthropic Messages request, the image URLs of the chat request vLLM makes of it."""
+        images: list[list[str]] = self._ask({"op": "anthropic_images", "requests": requests})["images"]
+        return images
+
     def close(self) -> None:
         # Nothing to flush: killing skips vLLM's slow interpreter shutdown.
         self._proc.kill()

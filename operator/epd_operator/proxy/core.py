@@ -8,17 +8,34 @@ from __future__ import annotations
 
 import ipaddress
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
 from epd_client import MEDIA_KINDS, MediaItem, PrimeError, media_items
 
-# Paths whose media the proxy primes, by the route label metrics use. Only POSTs: a GET of
-# /v1/responses/{id} or anything else passes through, as do the scale-out paths
-# (/v1/chat/completions/render, /inference/v1/generate) of clients that prime themselves.
-PRIMED_ROUTES = {"/v1/chat/completions": "chat_completions", "/v1/responses": "responses"}
+# Paths whose media the proxy primes, by the route label metrics use: every route of vLLM 0.32
+# and 0.33 that takes media into a generation. Only POSTs: a GET of /v1/responses/{id} or
+# anything else passes through, as do the scale-out paths (/v1/chat/completions/render,
+# /inference/v1/generate) of clients that prime themselves, and the routes that only tokenize or
+# render (/tokenize, /v1/messages/count_tokens, */render), which run no encoder.
+PRIMED_ROUTES = {
+    "/v1/chat/completions": "chat_completions",
+    "/v1/responses": "responses",
+    "/v1/messages": "messages",  # Anthropic's Messages API
+    "/v1/chat/completions/batch": "chat_completions_batch",
+    "/invocations": "invocations",  # SageMaker's: a body with messages is served as a chat completion
+    "/cohere/v2/chat": "cohere_chat",
+    "/v1/systemone": "structured_decisions",  # its media are refused (plan)
+}
+# Routes whose media no prime can stand for, refused unread: their audio is uploaded as a file,
+# cut and resampled for the model's feature extractor, not as a chat part.
+REFUSED_ROUTES = {"/v1/audio/transcriptions": "transcriptions", "/v1/audio/translations": "translations"}
+REFUSED = frozenset(REFUSED_ROUTES.values())
+# The Anthropic Messages API's errors have a shape of their own (vLLM's AnthropicErrorResponse);
+# its SDK reads the message from there.
+ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
 OTHER = "other"
 # GET /health passes through too, under a label of its own: the kubelet's readiness probe asks
 # it every few seconds through the front port, and its 502s while the router starts would
@@ -42,11 +59,20 @@ PRIME_HEADERS = ("authorization", "x-request-id", "traceparent", "tracestate")
 
 
 def route(method: str, path: str) -> str:
-    """The request's route label: a primed one, or ``health`` or ``other`` (passed through
-    untouched)."""
+    """The request's route label: a primed or refused one, or ``health`` or ``other`` (passed
+    through untouched)."""
     if method == "POST":
-        return PRIMED_ROUTES.get(path, OTHER)
+        return PRIMED_ROUTES.get(path) or REFUSED_ROUTES.get(path, OTHER)
     return HEALTH if path == "/health" else OTHER
+
+
+def refusal(route_name: str) -> str:
+    """Why a request of a refused route is not forwarded, and what to send instead."""
+    return (
+        f"the EPD proxy does not forward {route_name}: the consumer would encode their audio itself, and no "
+        "prime on the encoders can stand for it (vLLM cuts and resamples an uploaded file for this route). "
+        "Send the audio as an input_audio part to /v1/chat/completions instead."
+    )
 
 
 class BadRequest(Exception):
@@ -75,32 +101,120 @@ class Plan:
 
 
 def plan(route_name: str, raw: bytes) -> Plan:
-    """Parse a chat completions or Responses request and find its media parts (epd_client's
-    definition). Chat: ``messages``. Responses: the ``input`` items (a string input has none)
-    and vLLM's ``previous_input_messages``, which it renders before them. Raises BadRequest."""
+    """Parse a request of a primed route and find its media parts (epd_client's definition, on
+    the messages vLLM makes of the request). Raises BadRequest."""
     try:
         body = json.loads(raw)
     except ValueError as error:  # UnicodeDecodeError is one
         raise BadRequest(f"the request body is not JSON: {error}") from None
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
-    if route_name == "chat_completions":
-        lists = [("messages", _list_field(body, "messages", "a list of messages"))]
-    else:
-        given = body.get("input")
-        if not isinstance(given, str):
-            given = _list_field(body, "input", "a string or a list of input items")
-        previous = body.get("previous_input_messages")
-        if previous is not None and not isinstance(previous, list):
-            raise BadRequest("'previous_input_messages' must be a list of messages", "previous_input_messages")
-        lists = [("previous_input_messages", previous or []), ("input", given if isinstance(given, list) else [])]
-    parts = tuple(
-        MediaPart(item, f"{field}[{item.message}].content[{item.position}]")
-        for field, messages in lists
-        for item in media_items(messages)
-    )
     model = body.get("model")
-    return Plan(body, parts, model if isinstance(model, str) else None)
+    return Plan(body, tuple(_PLANNERS[route_name](body)), model if isinstance(model, str) else None)
+
+
+def _chat_parts(body: Mapping[str, Any]) -> list[MediaPart]:
+    return _parts_of("messages", _list_field(body, "messages", "a list of messages"))
+
+
+def _responses_parts(body: Mapping[str, Any]) -> list[MediaPart]:
+    """The ``input`` items (a string input has none) and vLLM's ``previous_input_messages``,
+    which it renders before them."""
+    given = body.get("input")
+    if not isinstance(given, str):
+        given = _list_field(body, "input", "a string or a list of input items")
+    previous = body.get("previous_input_messages")
+    if previous is not None and not isinstance(previous, list):
+        raise BadRequest("'previous_input_messages' must be a list of messages", "previous_input_messages")
+    return _parts_of("previous_input_messages", previous or []) + _parts_of(
+        "input", given if isinstance(given, list) else []
+    )
+
+
+def _batch_parts(body: Mapping[str, Any]) -> list[MediaPart]:
+    """/v1/chat/completions/batch: ``messages`` is a list of conversations, each served alone."""
+    conversations = _list_field(body, "messages", "a list of conversations (lists of messages)")
+    parts: list[MediaPart] = []
+    for i, conversation in enumerate(conversations):
+        if not isinstance(conversation, list):
+            raise BadRequest(f"'messages[{i}]' must be a list of messages", f"messages[{i}]")
+        parts += _parts_of(f"messages[{i}]", conversation)
+    return parts
+
+
+def _invocation_parts(body: Mapping[str, Any]) -> list[MediaPart]:
+    """SageMaker's /invocations serves a body as the first request type it validates as, chat
+    completions first: one with a ``messages`` list is a chat completion; any other has no media
+    (a completion, or a pooling request to a pooling model)."""
+    return _chat_parts(body) if isinstance(body.get("messages"), list) else []
+
+
+def _anthropic_parts(body: Mapping[str, Any]) -> list[MediaPart]:
+    """Anthropic image blocks, as vLLM turns them into ``image_url`` parts
+    (``AnthropicServingMessages._convert_block`` and ``_convert_user_tool_result``): a block
+    of a non-system message, and an image in a user's ``tool_result`` content."""
+    parts: list[MediaPart] = []
+    for m, message in enumerate(_list_field(body, "messages", "a list of messages")):
+        if not isinstance(message, Mapping) or message.get("role") == "system":
+            continue
+        content = message.get("content")
+        for b, block in enumerate(content if isinstance(content, list) else []):
+            if not isinstance(block, Mapping):
+                continue
+            source = block.get("source")
+            if block.get("type") == "image" and isinstance(source, Mapping) and source:
+                parts.append(_anthropic_image(_anthropic_url(source), f"messages[{m}].content[{b}]", m, b))
+            inner = block.get("content")
+            if block.get("type") == "tool_result" and message.get("role") == "user" and isinstance(inner, list):
+                for k, item in enumerate(inner):
+                    source = (
+                        item.get("source", {}) if isinstance(item, Mapping) and item.get("type") == "image" else None
+                    )
+                    if isinstance(source, Mapping) and (url := _anthropic_url(source)):
+                        parts.append(_anthropic_image(url, f"messages[{m}].content[{b}].content[{k}]", m, b))
+    return parts
+
+
+def _anthropic_url(source: Mapping[str, Any]) -> str:
+    """vLLM's ``_convert_image_source_to_url``: a URL source as it is, any other as a data URL."""
+    if source.get("type") == "url":
+        return str(source.get("url", ""))
+    return f"data:{source.get('media_type', 'image/jpeg')};base64,{source.get('data', '')}"
+
+
+def _anthropic_image(url: str, param: str, message: int, position: int) -> MediaPart:
+    part = {"type": "image_url", "image_url": {"url": url}}
+    return MediaPart(MediaItem(part, "image_url", url, message, position), param)
+
+
+def _refuse_media(body: Mapping[str, Any]) -> list[MediaPart]:
+    """/v1/systemone fetches its ``images``, ``audio`` and ``videos`` and resizes them for the
+    model's reads: a chat prime of the same URL is another embedding, so the consumer would
+    encode them itself. Text-only requests go through."""
+    for field in ("images", "audio", "videos"):
+        if body.get(field):
+            raise BadRequest(
+                f"the EPD proxy does not forward /v1/systemone requests with '{field}': vLLM resizes them for "
+                "this route, so no prime on the encoders can stand for them and the consumer would encode them "
+                "itself. Ask about the media through /v1/chat/completions instead.",
+                field,
+            )
+    return []
+
+
+def _parts_of(field: str, messages: list[Any]) -> list[MediaPart]:
+    return [MediaPart(item, f"{field}[{item.message}].content[{item.position}]") for item in media_items(messages)]
+
+
+_PLANNERS: dict[str, Callable[[Mapping[str, Any]], list[MediaPart]]] = {
+    "chat_completions": _chat_parts,
+    "cohere_chat": _chat_parts,  # Cohere's image_url parts are OpenAI's
+    "responses": _responses_parts,
+    "chat_completions_batch": _batch_parts,
+    "invocations": _invocation_parts,
+    "messages": _anthropic_parts,
+    "structured_decisions": _refuse_media,
+}
 
 
 def _list_field(body: Mapping[str, Any], name: str, what: str) -> list[Any]:
@@ -136,15 +250,27 @@ def prime_headers(headers: Iterable[tuple[str, str]]) -> dict[str, str]:
     return found
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    """vLLM's error shape (OpenAI's, with the status as an integer ``code``), so clients parse the
-    proxy's errors as the engines' own: the type is the status' name, as vLLM's BadRequestError."""
-    phrase = HTTPStatus(status).phrase.title().replace(" ", "").replace("-", "")
+@dataclass(frozen=True)
+class ProxyError:
+    """An answer of the proxy's own instead of the upstream's."""
+
+    status: int
+    message: str
+    param: str | None = None
+
+
+def error_body(error: ProxyError, path: str | None = None) -> dict[str, Any]:
+    """vLLM's error shape for the request's path, so clients parse the proxy's errors as the
+    engines' own: OpenAI's, with the status as an integer ``code`` and the status' name as the
+    type (vLLM's BadRequestError), or on the Anthropic paths vLLM's AnthropicErrorResponse."""
+    phrase = HTTPStatus(error.status).phrase.title().replace(" ", "").replace("-", "")
     kind = phrase if phrase.endswith("Error") else f"{phrase}Error"
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    if path in ANTHROPIC_PATHS:
+        return {"type": "error", "error": {"type": kind, "message": error.message}}
+    return {"error": {"message": error.message, "type": kind, "param": error.param, "code": error.status}}
 
 
-def prime_failure(error: PrimeError, parts: Sequence[MediaPart]) -> tuple[int, dict[str, Any]]:
+def prime_failure(error: PrimeError, parts: Sequence[MediaPart]) -> ProxyError:
     """The answer to a request whose priming failed: an encoder's 4xx (a bad request stays bad:
     an unreachable media URL, an unknown model, bad credentials) is the client's, with that
     status; anything else (5xx, 408 and 429 retried to the end, timeouts, connection errors,
@@ -160,7 +286,7 @@ def prime_failure(error: PrimeError, parts: Sequence[MediaPart]) -> tuple[int, d
         f"{len(error.failures)} of {len(parts)} media part(s) could not be encoded by the encoders, so the "
         f"request was not forwarded (its consumer would encode them itself): {details}"
     )
-    return int(status), error_body(int(status), message, parts[error.failures[0].index].param)
+    return ProxyError(int(status), message, parts[error.failures[0].index].param)
 
 
 def _is_clients(status: int) -> bool:
@@ -168,13 +294,13 @@ def _is_clients(status: int) -> bool:
     return 400 <= status < 500 and status not in (408, 429)
 
 
-def no_encoder(parts: Sequence[MediaPart]) -> tuple[int, dict[str, Any]]:
+def no_encoder(parts: Sequence[MediaPart]) -> ProxyError:
     """The answer while the proxy knows no encoder (a Pools model's pool has no ready one)."""
     message = (
         f"no encoder is available to encode the request's {len(parts)} media part(s); the request was not "
         "forwarded (its consumer would encode them itself). Retry later."
     )
-    return int(HTTPStatus.SERVICE_UNAVAILABLE), error_body(HTTPStatus.SERVICE_UNAVAILABLE, message, parts[0].param)
+    return ProxyError(int(HTTPStatus.SERVICE_UNAVAILABLE), message, parts[0].param)
 
 
 # --------------------------------------------------------------------------- encoders by DNS

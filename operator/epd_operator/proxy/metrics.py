@@ -19,9 +19,10 @@ class ProxyMetrics:
         PlatformCollector(registry=self.registry)
         self._requests = Counter(
             "epd_proxy_requests_total",
-            "Requests answered, by route (chat_completions and responses are primed; health, the "
-            "readiness probe's GET /health, and other pass through) and HTTP status code (the upstream's, "
-            "or the proxy's own errors).",
+            "Requests answered, by route (chat_completions, responses, messages and the other routes that "
+            "take media are primed, transcriptions and translations refused; health, the readiness probe's "
+            "GET /health, and other pass through) and HTTP status code (the upstream's, or the proxy's own "
+            "errors).",
             ["route", "code"],
             registry=self.registry,
         )

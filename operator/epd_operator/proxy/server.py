@@ -1,5 +1,6 @@
 """The EPD proxy's shell: in front of the unit's router (or its only consumer), it primes the
-media of chat completions and Responses requests on the encoders, then forwards every request
+media of every request that takes media into a generation (chat completions, Responses,
+Anthropic Messages, ...: core.PRIMED_ROUTES) on the encoders, then forwards every request
 unchanged and streams the answer back as it comes.
 
 The decisions are core.py's and the HTTP/1.1 plumbing is http1.py's; this module puts them
@@ -29,16 +30,19 @@ from ..loop import event_loop
 from .core import (
     ANSWER_DROPPED,
     PASSED_THROUGH,
+    REFUSED,
     REQUEST_DROPPED,
     BadRequest,
     DNSTarget,
     Plan,
+    ProxyError,
     error_body,
     forwarded,
     no_encoder,
     plan,
     prime_failure,
     prime_headers,
+    refusal,
     route,
     with_transfer_params,
 )
@@ -121,6 +125,10 @@ class Proxy:
             if head.framed and not body.complete:  # streamed upstream as it arrives
                 return self.counted(exchange, name, self.forward(exchange, body))
             return self._forward_now(exchange, name, body.take() if head.framed else None)
+        if name in REFUSED:  # answered unread: the connection closes if a body is left
+            _error(exchange, ProxyError(400, refusal(name)))
+            self.done(exchange, name)
+            return None
         if not body.complete:
             return self.counted(exchange, name, self._read_primed(exchange, name))
         try:
@@ -156,12 +164,12 @@ class Proxy:
         try:
             return plan(name, raw)
         except BadRequest as error:
-            _error(exchange, 400, str(error), error.param)
+            _error(exchange, ProxyError(400, str(error), error.param))
             return None
 
     def _too_large(self, exchange: Exchange) -> None:
         limit = self.config.max_request_bytes
-        _error(exchange, 413, f"the request body is larger than the proxy's limit of {limit} bytes")
+        _error(exchange, ProxyError(413, f"the request body is larger than the proxy's limit of {limit} bytes"))
 
     async def _primed(self, exchange: Exchange, found: Plan, raw: bytes) -> None:
         params = await self._prime(exchange, found)
@@ -191,7 +199,7 @@ class Proxy:
         encoders = self.encoders.usable()
         if not encoders:
             self.metrics.observe_prime_failure("no_encoder")
-            _json(exchange, *no_encoder(found.parts))
+            _error(exchange, no_encoder(found.parts))
             return None
         first, self._rotation = self._rotation, self._rotation + len(found.parts)
         started = time.monotonic()
@@ -206,10 +214,10 @@ class Proxy:
                 first=first,
             )
         except PrimeError as error:
-            status, body = prime_failure(error, found.parts)
-            self.metrics.observe_prime_failure("client_error" if status < 500 else "encoder_error")
-            logger.warning("%s %s answered %d, not forwarded: %s", head.method, head.path, status, error)
-            _json(exchange, status, body)
+            failure = prime_failure(error, found.parts)
+            self.metrics.observe_prime_failure("client_error" if failure.status < 500 else "encoder_error")
+            logger.warning("%s %s answered %d, not forwarded: %s", head.method, head.path, failure.status, error)
+            _error(exchange, failure)
             return None
         self.metrics.observe_primed([MEDIA_KINDS[p.item.kind] for p in found.parts], time.monotonic() - started)
         return params
@@ -262,11 +270,11 @@ class Proxy:
         upstream = self._upstream.url
         seconds = self.config.request_timeout_seconds
         if isinstance(error, Unreachable):
-            return _error(exchange, 502, f"the upstream {upstream} is unreachable: {error}")
+            return _error(exchange, ProxyError(502, f"the upstream {upstream} is unreachable: {error}"))
         if not exchange.started:
             if isinstance(error, TimeoutError):
-                return _error(exchange, 504, f"the upstream {upstream} did not answer within {seconds:g} s")
-            return _error(exchange, 502, f"the upstream's answer broke off: {error}")
+                return _error(exchange, ProxyError(504, f"the upstream {upstream} did not answer within {seconds:g} s"))
+            return _error(exchange, ProxyError(502, f"the upstream's answer broke off: {error}"))
         # The status went out already: all the client can still learn is that the body is cut
         # short, so the connection is dropped rather than the body ended.
         if isinstance(error, TimeoutError):
@@ -354,16 +362,14 @@ async def _healthy(request: web.Request) -> web.Response:
     return web.Response(text="ok")
 
 
-def _error_json(status: int, message: str, param: str | None = None) -> bytes:
-    return json.dumps(error_body(status, message, param)).encode()
+def _error_json(status: int, message: str) -> bytes:
+    """The answer to a request that could not be parsed (no path to shape it by)."""
+    return json.dumps(error_body(ProxyError(status, message))).encode()
 
 
-def _json(exchange: Exchange, status: int, body: dict[str, Any]) -> None:
-    exchange.respond(status, JSON_HEADERS, json.dumps(body).encode())
-
-
-def _error(exchange: Exchange, status: int, message: str, param: str | None = None) -> None:
-    exchange.respond(status, JSON_HEADERS, _error_json(status, message, param))
+def _error(exchange: Exchange, error: ProxyError) -> None:
+    body = json.dumps(error_body(error, exchange.head.path)).encode()
+    exchange.respond(error.status, JSON_HEADERS, body)
 
 
 # --------------------------------------------------------------------------- the process

@@ -1,0 +1,139 @@
+"""The EPD proxy's reading of vLLM's API, checked against the real vLLM 0.32 and 0.33: every POST
+route either has its media primed, is refused, or is known to run no encoder on a consumer's
+media; and Anthropic image blocks are primed as the very URLs vLLM makes of them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from epd_operator.proxy import core
+
+from .vllm_parser import VllmParser
+
+# vLLM's POST routes that the proxy passes through, and why none of them has a consumer encode
+# a client's media.
+NO_ENCODER_ROUTES = {
+    # Tokenize or render only: the HF processor counts placeholders, no engine step runs.
+    "/tokenize": "tokenizes",
+    "/detokenize": "tokens in, text out",
+    "/v1/messages/count_tokens": "tokenizes",
+    "/v1/chat/completions/render": "renders (epd_client's rollouts prime, then generate)",
+    "/v1/completions/render": "renders",
+    "/v1/responses/render": "renders",
+    "/v1/messages/render": "renders",
+    "/cohere/v2/chat/render": "renders",
+    "/v1/chat/completions/derender": "tokens in, text out",
+    "/v1/completions/derender": "tokens in, text out",
+    # Generation without media.
+    "/v1/completions": "a text or token prompt",
+    "/inference/v1/generate": "tokens and the features render gave; the rollout primed them (epd_client)",
+    "/generative_scoring": "text or token ids",
+    "/v1/decisions": "text only: vLLM 0.33 refuses an input_image itself",
+    "/v1/responses/{response_id}/cancel": "no body",
+    # Pooling models only: validation refuses a pooling engine (validation.GENERATION_ONLY).
+    "/v1/embeddings": "pooling",
+    "/pooling": "pooling",
+    "/classify": "pooling",
+    "/score": "pooling",
+    "/v1/score": "pooling",
+    "/rerank": "pooling",
+    "/v1/rerank": "pooling",
+    "/v2/embed": "pooling",
+    "/v2/rerank": "pooling",
+    # The engine's control: no request content.
+    **dict.fromkeys(
+        [
+            "/abort_requests",
+            "/inference/v1/abort_requests",
+            "/collective_rpc",
+            "/fault_tolerance/apply",
+            "/pause",
+            "/resume",
+            "/sleep",
+            "/wake_up",
+            "/release_kv_cache_memory",
+            "/reset_encoder_cache",
+            "/reset_mm_cache",
+            "/reset_prefix_cache",
+            "/start_profile",
+            "/stop_profile",
+            "/init_weight_transfer_engine",
+            "/shutdown_weight_transfer_engine",
+            "/start_weight_update",
+            "/start_draft_weight_update",
+            "/update_weights",
+            "/finish_weight_update",
+            "/update_weight_version",
+            "/weight_checker",
+            "/scale_elastic_ep",
+            "/is_scaling_elastic_ep",
+            "/v1/load_lora_adapter",
+            "/v1/unload_lora_adapter",
+            "/ping",
+        ],
+        "control",
+    ),
+}
+
+
+def test_every_post_route_of_vllm_is_primed_refused_or_runs_no_encoder(vllm_parser: VllmParser):
+    known = set(core.PRIMED_ROUTES) | set(core.REFUSED_ROUTES) | set(NO_ENCODER_ROUTES)
+    routes = vllm_parser.post_routes()
+    assert routes - known == set(), (
+        f"vLLM {vllm_parser.version} has POST routes the EPD proxy does not know: can they carry media into a "
+        "generation? Prime them (core.PRIMED_ROUTES), refuse them (core.REFUSED_ROUTES) or list them here"
+    )
+    assert {"/v1/chat/completions", "/v1/responses", "/v1/messages", "/invocations"} <= routes  # it reads them
+
+
+def anthropic(*messages: dict) -> dict:
+    return {"model": "m", "max_tokens": 8, "messages": list(messages)}
+
+
+def image(source: dict) -> dict:
+    return {"type": "image", "source": source}
+
+
+ANTHROPIC_REQUESTS = [
+    anthropic(
+        {"role": "user", "content": [{"type": "text", "text": "x"}, image({"type": "url", "url": "https://i.test/a"})]}
+    ),
+    anthropic({"role": "user", "content": [image({"type": "base64", "media_type": "image/png", "data": "AAAA"})]}),
+    anthropic({"role": "user", "content": [image({"type": "base64", "data": "BBBB"})]}),  # vLLM's default type
+    anthropic(
+        {"role": "user", "content": "look"},
+        {
+            "role": "assistant",
+            "content": [{"type": "text", "text": "ok"}, image({"type": "url", "url": "https://i.test/b"})],
+        },
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": "t1",
+                    "content": [
+                        {"type": "text", "text": "seen"},
+                        image({"type": "url", "url": "https://i.test/c"}),
+                        image({"type": "url", "url": ""}),  # vLLM drops an empty URL here
+                    ],
+                }
+            ],
+        },
+    ),
+    anthropic({"role": "system", "content": [{"type": "text", "text": "be brief"}]}, {"role": "user", "content": "hi"}),
+]
+
+
+def test_anthropic_images_are_primed_as_the_urls_vllm_serves(vllm_parser: VllmParser):
+    plans = [core.plan("messages", json.dumps(r).encode()) for r in ANTHROPIC_REQUESTS]
+    primed = [[p.item.part["image_url"]["url"] for p in found.parts] for found in plans]
+    assert primed == vllm_parser.anthropic_images(ANTHROPIC_REQUESTS)
+    assert primed[3] == ["https://i.test/b", "https://i.test/c"]  # the check has something to compare
+
+
+@pytest.mark.parametrize("path", sorted(core.REFUSED_ROUTES))
+def test_refused_routes_are_vllms(vllm_parser: VllmParser, path: str):
+    assert path in vllm_parser.post_routes()
