@@ -538,6 +538,17 @@ def print_explore(answer: Answer, cluster: Any, namespace: str) -> None:
 
     print("\n  The same with the official openai SDK (pip install openai):\n")
     print(f'    {sys.executable} -c {shlex.quote(sdk())} "$IMG"')
+    messages_api = (
+        "import anthropic, sys; "
+        f"c = anthropic.Anthropic(base_url={json.dumps(answer.front_url)}, api_key='none'); "
+        "kind, data = sys.argv[1].removeprefix('data:').split(';base64,'); "
+        f"r = c.messages.create(model={json.dumps(tiny_model.SERVED_NAME)}, max_tokens=8, "
+        'extra_body={"temperature": 0}, messages=[{"role": "user", "content": [{"type": "image", "source": '
+        '{"type": "base64", "media_type": kind, "data": data}}, {"type": "text", "text": "what is this?"}]}]); '
+        "print(repr(r.content[0].text))"
+    )
+    print("\n  Or Anthropic's Messages API, with the official anthropic SDK (pip install anthropic):\n")
+    print(f'    {sys.executable} -c {shlex.quote(messages_api)} "$IMG"')
     client = (
         "import epd_client as c, sys; "
         f"ep = c.Endpoints.from_urls([{json.dumps(encoder)}], {json.dumps(entry)}, "

@@ -170,12 +170,18 @@ def test_what_the_demo_prints_for_exploring_works_as_printed(served, cluster, no
             ["bash", "-euo", "pipefail", "-c", script], check=False, capture_output=True, text=True, timeout=180
         )
 
-    image, curl, sdk_line, client_line = [line for line in lines if line.startswith(("IMG=", "curl ", sys.executable))]
-    ran = bash(image, curl, sdk_line, client_line, *kubectl_lines)
+    image, curl, sdk_line, messages_line, client_line = [
+        line for line in lines if line.startswith(("IMG=", "curl ", sys.executable))
+    ]
+    before = payloads.finished_requests(answer.engine_urls["encoder-0"])
+    ran = bash(image, curl, sdk_line, messages_line, client_line, *kubectl_lines)
     assert ran.returncode == 0, ran.stderr
-    chat, sdk, client, *kubectl_out = ran.stdout.strip().splitlines()
+    chat, sdk, messages_text, client, *kubectl_out = ran.stdout.strip().splitlines()
     # curl and the openai SDK through the front Service give the same greedy answer.
     assert repr(json.loads(chat)["choices"][0]["message"]["content"]) == sdk
+    assert messages_text.startswith("'")  # the anthropic SDK's answer text
+    # Every door primed the picture: curl, the two SDKs through the proxy, and epd_client itself.
+    assert payloads.finished_requests(answer.engine_urls["encoder-0"]) - before == 4
     assert len(json.loads(client)) == 8
     assert any("Application startup complete" in line for line in kubectl_out)  # prefill-0's log
 

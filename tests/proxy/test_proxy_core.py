@@ -117,6 +117,16 @@ def test_an_anthropic_plan_primes_image_blocks_as_vllm_converts_them():
     assert {p.item.kind for p in found.parts} == {"image_url"} and found.model == "m"
 
 
+def test_a_pools_model_refuses_media_on_routes_that_drop_transfer_params():
+    chat = raw({"model": "m", "messages": [{"role": "user", "content": [IMAGE]}]})
+    with pytest.raises(BadRequest, match="ec_transfer_params") as caught:
+        core.plan("cohere_chat", chat, pooled=True)
+    assert caught.value.param == "messages[0].content[0]"
+    assert len(core.plan("cohere_chat", chat).parts) == 1  # a unit's consumers read the shared store
+    assert len(core.plan("chat_completions", chat, pooled=True).parts) == 1
+    assert core.plan("cohere_chat", raw({"model": "m", "messages": []}), pooled=True).parts == ()
+
+
 def test_structured_decisions_without_media_pass():
     assert core.plan("structured_decisions", raw({"state": "s", "questions": {}, "images": []})).parts == ()
 

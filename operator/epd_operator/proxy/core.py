@@ -100,17 +100,32 @@ class Plan:
     """The request's ``model``: the primes name the same (None: the engines' default)."""
 
 
-def plan(route_name: str, raw: bytes) -> Plan:
+# Primed routes whose request vLLM reads without ``ec_transfer_params`` (its Cohere model has
+# kv_transfer_params only): a Pools consumer could not pull their embeddings, so their media are
+# refused there.
+WITHOUT_TRANSFER_PARAMS = frozenset({"cohere_chat"})
+
+
+def plan(route_name: str, raw: bytes, *, pooled: bool = False) -> Plan:
     """Parse a request of a primed route and find its media parts (epd_client's definition, on
-    the messages vLLM makes of the request). Raises BadRequest."""
+    the messages vLLM makes of the request); ``pooled``: for a placement Pools model. Raises
+    BadRequest."""
     try:
         body = json.loads(raw)
     except ValueError as error:  # UnicodeDecodeError is one
         raise BadRequest(f"the request body is not JSON: {error}") from None
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
+    parts = tuple(_PLANNERS[route_name](body))
+    if parts and pooled and route_name in WITHOUT_TRANSFER_PARAMS:
+        raise BadRequest(
+            f"this model's encoders are a pool on other nodes, and vLLM reads {route_name} requests without the "
+            "ec_transfer_params its consumers need to fetch the embeddings: send media through "
+            "/v1/chat/completions instead",
+            parts[0].param,
+        )
     model = body.get("model")
-    return Plan(body, tuple(_PLANNERS[route_name](body)), model if isinstance(model, str) else None)
+    return Plan(body, parts, model if isinstance(model, str) else None)
 
 
 def _chat_parts(body: Mapping[str, Any]) -> list[MediaPart]:

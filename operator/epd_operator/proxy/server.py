@@ -162,7 +162,7 @@ class Proxy:
     def _plan(self, exchange: Exchange, name: str, raw: bytes) -> Plan | None:
         """What to prime (None: the request was answered 400)."""
         try:
-            return plan(name, raw)
+            return plan(name, raw, pooled=self.config.pooled)
         except BadRequest as error:
             _error(exchange, ProxyError(400, str(error), error.param))
             return None
