@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -21,10 +22,23 @@ from .paths import REPO
 CRD = REPO / "crds" / "epddeployments.epd.vime.dev.yaml"
 
 
+# Ports are picked under the kernel's ephemeral range: a process restarted on its port (the
+# operator after kill -9) finds it free, where an ephemeral one may meanwhile have become some
+# outgoing connection's local port ("address already in use", seen under load).
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST_PORT = 10000
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    ephemeral_low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    for port in random.sample(range(LOWEST_PORT, ephemeral_low), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port between {LOWEST_PORT} and {ephemeral_low} after 200 tries")
 
 
 def install_crd(cluster: Any) -> None:

@@ -311,7 +311,7 @@ def generation_only_errors(group: ServerGroup, where: str) -> list[str]:
         f"would encode themselves (the EPD proxy primes generation only): use one of {', '.join(allowed)} or "
         "remove it"
         for name, allowed in GENERATION_ONLY.items()
-        if name in group.overrides and group.overrides[name] not in allowed
+        if group.overrides.get(name) not in (None, *allowed)  # None: vLLM's default, auto
     ]
 
 

@@ -389,6 +389,8 @@ def test_engines_made_to_generate_explicitly_are_accepted():
     spec = spec_with("encoder", "regular")
     spec["models"][0]["serverGroups"][1]["overrides"] = {"runner": "generate", "convert": "none"}
     assert refusals(spec) == []
+    spec["models"][0]["serverGroups"][1]["overrides"] = {"runner": None, "convert": "auto"}
+    assert refusals(spec) == []
 
 
 def test_the_seed_keeps_group_overrides_above_the_rendered_ec_role():

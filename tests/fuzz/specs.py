@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from epd_operator.api import EPDDeploymentSpec
 from epd_operator.engine_args import known_engine_args
 from epd_operator.validation import (
+    GENERATION_ONLY,
     OWNED_ARGS,
     OWNED_WIRING,
     ROUTER_KV_CONNECTORS,
@@ -53,6 +54,7 @@ MUST_FAIL = frozenset(
         "gpu_multiple",
         "host_path",
         "owned_override",
+        "pooling_override",
         "kv_connector",
         "bad_model_name",
         "empty_string",
@@ -81,6 +83,7 @@ arg_keys = st.sampled_from(
         - OWNED_ARGS.keys()
         - OWNED_WIRING.keys()
         - SECRET_ARGS.keys()
+        - GENERATION_ONLY.keys()  # valid with some values only (pooling_override)
     )
 )
 # A text that cannot reach a command line looking like a flag (validation refuses those).
@@ -293,6 +296,14 @@ def _owned_override(draw: st.DrawFn, spec: dict[str, Any]) -> None:
 
 
 @st.composite
+def _pooling_override(draw: st.DrawFn, spec: dict[str, Any]) -> None:
+    key, value = draw(
+        st.sampled_from([("runner", "pooling"), ("runner", "draft"), ("convert", "embed"), ("convert", "classify")])
+    )
+    draw(st.sampled_from(_groups(spec))).setdefault("overrides", {})[key] = value
+
+
+@st.composite
 def _odd_override(draw: st.DrawFn, spec: dict[str, Any]) -> None:
     key = draw(st.sampled_from(["", " ", "a b", "--x", "x=y", "ünïcode", "UPPER", "a-b_c", "ec_transfer_config"]))
     value = draw(json_values | st.sampled_from([2**70, -(2**63), "", [], {}, [[]], {"": None}]))
@@ -365,6 +376,7 @@ MUTATIONS = {
     "gpu_multiple": _gpu_multiple,
     "host_path": _host_path,
     "owned_override": _owned_override,
+    "pooling_override": _pooling_override,
     "odd_override": _odd_override,
     "port_clash": _port_clash,
     "kv_connector": _kv_connector,

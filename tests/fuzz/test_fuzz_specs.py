@@ -37,6 +37,8 @@ NAMES_A_FIELD_OR_MODEL = re.compile(r"^(spec\b|model ')")
 KNOWN_GAPS = {
     # The CRD keeps overrides schemaless; the renderer refuses keys the operator derives itself.
     "owned_override": "Python refuses, the API server accepts",
+    # Likewise for the values that would make a pooling engine.
+    "pooling_override": "Python refuses, the API server accepts",
     # Only the renderer knows which KV connectors vllm-router can coordinate.
     "kv_connector": "Python refuses, the API server accepts",
     # Port ranges depend on engine counts; the CRD has no rule across them.
