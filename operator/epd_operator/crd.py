@@ -49,7 +49,11 @@ def _inline(node: Any, defs: dict[str, Any]) -> Any:
         if len(options) == 1:
             node = {**options[0], **node}
         elif {o.get("type") for o in options} == {"integer", "string"}:
-            node = {"x-kubernetes-int-or-string": True, **node}
+            # A string's own rules stay (an apiserver applies them to strings only), as
+            # controller-gen keeps a resource.Quantity's pattern: "two" is no quantity.
+            text = next(o for o in options if o.get("type") == "string")
+            rules = {k: v for k, v in text.items() if k in ("pattern", "maxLength", "minLength")}
+            node = {"x-kubernetes-int-or-string": True, **rules, **node}
         else:
             raise ValueError(f"cannot express anyOf {any_of} structurally")
         if nullable:

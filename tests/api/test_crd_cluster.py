@@ -192,3 +192,13 @@ def test_the_api_server_takes_every_byte_bound_up_to_the_largest(cluster, crd, n
     verdicts = server_dry_run(cluster, namespace, documents)
     assert verdicts["small"] == verdicts["largest"] == ""
     assert "should be less than or equal to" in verdicts["too-large"], verdicts["too-large"]
+
+
+@pytest.mark.parametrize(
+    ("quantity", "accepted"), [("two", False), ("1 Gi", False), (4, True), ("8Gi", True), ("1.5", True), ("1e3", True)]
+)
+def test_resource_quantities_are_checked_by_the_api_server_as_by_python(cluster, crd, namespace, quantity, accepted):
+    spec = spec_with("encoder", "regular")
+    spec["models"][0]["serverGroups"][0]["resources"] = {"limits": {"cpu": quantity}}
+    (verdict,) = server_dry_run(cluster, namespace, [manifest("quantity", spec)]).values()
+    assert (verdict == "", python_verdict(spec) == []) == (accepted, accepted), verdict

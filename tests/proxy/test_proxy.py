@@ -515,7 +515,7 @@ async def test_a_proxy_failure_before_forwarding_is_a_500_logged_and_nothing_is_
     upstream = server()
     proxy = await start_proxy(upstream.url, [server().url])
 
-    def failing(route_name, raw):
+    def failing(route_name, raw, **options):
         raise RuntimeError("a bug in plan")
 
     with monkeypatch.context() as patched:
