@@ -353,7 +353,11 @@ class LocalCluster:
         real = self.real_node() if self.real_nodes else None
         if real is not None:
             node.install_packages(self._log)
-            real.claim()  # NodeBusy while another cluster's node runs; cleans a dead one's leftovers
+            try:
+                real.claim()  # NodeBusy while another cluster's node runs; cleans a dead one's leftovers
+            except node.NodeError:
+                self._release_dir()  # nothing of this run started: a cluster without the node may take it
+                raise
         elif self.real_node_owned():
             self.real_node().release()  # an earlier run of this folder had one
         self._reset_dir()
@@ -452,9 +456,7 @@ class LocalCluster:
         stopped += self._terminate_recorded()
         if real is not None:
             real.release()
-        if self._owner_lock is not None:
-            self._owner_lock.close()  # releases the flock
-            self._owner_lock = None
+        self._release_dir()
         if stopped and not quiet:
             self._log(f"stopped {', '.join(stopped)}")
 
@@ -544,6 +546,11 @@ class LocalCluster:
     def _kubelet_healthy() -> bool:
         with urllib.request.urlopen("http://127.0.0.1:10248/healthz", timeout=2) as resp:
             return bool(resp.status == 200)
+
+    def _release_dir(self) -> None:
+        if self._owner_lock is not None:
+            self._owner_lock.close()  # releases the flock
+            self._owner_lock = None
 
     def _claim_dir(self) -> None:
         """Refuse a folder whose cluster another live process (a test session) owns.
