@@ -12,14 +12,16 @@ templates), though past 350 lines: they share the labels, names and container bu
 
 from __future__ import annotations
 
+import ast
 import copy
 import hashlib
 import json
 import math
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
-from . import api
+from . import api, engine_liveness
 from .ec.budget import effective_max_bytes
 from .ec.quantity import byte_quantity, parse_quantity
 from .layout import pool_ports, unit_ports
@@ -154,6 +156,45 @@ def _probes(port: int, probes: api.Probes, *, startup: bool = True, path: str = 
     return found
 
 
+def _without_docstrings(source: str) -> str:
+    """Python source with its docstrings and comments left out: what an exec probe carries."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list):
+            kept = [s for s in body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+            node.body = kept or [ast.Pass()]  # type: ignore[attr-defined]
+    return ast.unparse(tree)
+
+
+ENGINE_LIVENESS_SOURCE = _without_docstrings(Path(engine_liveness.__file__).read_text())
+
+
+# An exec probe starts a process in the container (about 0.1 CPU-second with runc's exec): not
+# more often than the kubelet's default period, however often readiness is probed.
+LIVENESS_EXEC_MIN_PERIOD_SECONDS = 10
+# An engine that failed its liveness probe serves nothing: it is killed this soon, not after the
+# pod's grace period (meant for draining requests), which a hung engine core would use up whole.
+LIVENESS_KILL_GRACE_SECONDS = 10
+
+
+def _engine_liveness(container: str, port: int, probes: api.Probes) -> dict[str, Any]:
+    """/health, and a stalled engine core fails too (engine_liveness.py, run in the engine's own
+    container: its python3 and its loopback); /health alone when stallSeconds is 0. Its record
+    between probes goes to the pod's /tmp, one file per container."""
+    if not probes.stall_seconds:
+        return {}
+    record = f"/tmp/epd-liveness-{container}.json"
+    command = ["python3", "-c", ENGINE_LIVENESS_SOURCE, str(port), str(probes.stall_seconds), record]
+    return {
+        "exec": {"command": command},
+        "periodSeconds": max(probes.period_seconds, LIVENESS_EXEC_MIN_PERIOD_SECONDS),
+        "failureThreshold": 3 * probes.failure_threshold,
+        "timeoutSeconds": 10,
+        "terminationGracePeriodSeconds": LIVENESS_KILL_GRACE_SECONDS,
+    }
+
+
 # Resources of a container that sets none (so that the scheduler counts every pod and a
 # namespace's quotas can, and no container can take a node's memory): an engine's host
 # processes (a large model's engine sets its own), the router.
@@ -233,6 +274,8 @@ def _engine_container(
         **_lifecycle(spec),
         "securityContext": security_context(spec),
     }
+    if liveness := _engine_liveness(command.container_name, command.port, spec.probes):
+        container["livenessProbe"] = liveness
     if command.worker_type.is_encoder and sidecar:
         # A native sidecar: the kubelet starts the consumers only after every encoder's
         # startupProbe passed, and an unready encoder makes the whole pod unready.

@@ -1,20 +1,28 @@
 """An encoder whose engine core hangs, on the real node: its pod stays Ready (vLLM's /health
 asks whether the core died, not whether it answers), and the unit's EPD proxy leaves it out
-of priming after its failed prime requests, then takes it back once it answers again.
+of priming after its failed prime requests, then takes it back once it answers again; once it
+has had a request in flight and finished no step for stallSeconds, its liveness probe fails and
+the kubelet restarts it.
 
 The module's unit has two encoders and one regular consumer, and the proxy's outlier detection
 tightened so the test is short: one prime attempt may take PRIME_ATTEMPT_SECONDS, FAILURES
-failed ones in a row leave an encoder out for EJECTION_SECONDS. The hang is the encoder's
-EngineCore process stopped (SIGSTOP from the host) while its API server runs on.
+failed ones in a row leave an encoder out for EJECTION_SECONDS; an engine stalled for
+STALL_SECONDS fails its liveness probe (every 10 s, 3 failures in a row: failureThreshold 1).
+The hang is the encoder's EngineCore process stopped (SIGSTOP from the host) while its API
+server runs on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import signal
+import threading
 import time
 import urllib.request
 
+import httpx
 import pytest
 import yaml
 
@@ -42,6 +50,9 @@ PRIME_ATTEMPT_SECONDS = 5
 FAILURES = 2
 EJECTION_SECONDS = 30
 PROXY_METRICS_PORT = 9401
+# Over the FAILURES x PRIME_ATTEMPT_SECONDS the first test keeps a prime waiting on the hung one.
+STALL_SECONDS = 20
+LIVENESS_PATIENCE_SECONDS = 3 * 10
 # A fresh image for each request, so each is primed.
 COLOURS = [(200, 30, 30), (30, 200, 30), (30, 30, 200), (200, 200, 30), (30, 200, 200), (200, 30, 200)]
 
@@ -58,6 +69,7 @@ def deployed(cluster, helm_operator, node_namespace, tiny_model_claim, reference
             "outlierDetection": {"consecutiveFailures": FAILURES, "baseEjectionSeconds": EJECTION_SECONDS},
         },
     )
+    unit["spec"]["probes"].update(stallSeconds=STALL_SECONDS, failureThreshold=1)
     cluster.kubectl("apply", "-n", node_namespace, "-f", "-", input=yaml.safe_dump(unit))
     yield deployed_ready(cluster, node_namespace, NAME)
     cluster.kubectl("delete", "epd", NAME, "-n", node_namespace, "--wait=false", check=False)
@@ -126,3 +138,85 @@ def test_a_hung_encoder_stays_ready_and_the_proxy_leaves_it_out_then_takes_it_ba
         assert client.chat.completions.create(**request).choices[0].token_ids == answer
     assert payloads.finished_requests(hung) - primed_before == 1
     assert scrape(proxy)["epd_proxy_encoder_ejections_total"] == 1
+
+
+def test_a_hung_engine_core_with_a_request_waiting_fails_its_liveness_probe_and_is_restarted(
+    cluster, deployed, node_namespace
+):
+    pod = unit_pod(cluster, node_namespace)
+    view = kubelet_view(pod)
+    hung = encoder_url(pod, "encoder-1")
+    restarts = {name: restarts for name, (_, restarts, _) in view.items()}
+    core = engine_core(cluster.real_node(), view["encoder-1"][0])
+    os.kill(core, signal.SIGSTOP)
+    stopped = time.monotonic()
+    outcome: list[object] = []
+    # A prime sent straight to it, as epd_client sends them: it waits in the API server.
+    waiting = threading.Thread(
+        target=lambda: outcome.append(_answer_or_error(hung, chat_request(messages(image_part((7, 70, 170)))))),
+        daemon=True,
+    )
+    waiting.start()
+    try:
+        wait_for(
+            lambda: kubelet_view(unit_pod(cluster, node_namespace))["encoder-1"][1] == restarts["encoder-1"] + 1,
+            STALL_SECONDS + LIVENESS_PATIENCE_SECONDS + 60,
+            "the kubelet to restart the stalled encoder",
+        )
+        took = time.monotonic() - stopped
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # gone with its container
+            os.kill(core, signal.SIGCONT)
+    # Not before it had stalled for STALL_SECONDS: /health answered 200 all along.
+    assert took >= STALL_SECONDS, took
+    waiting.join(timeout=60)
+    assert outcome and isinstance(outcome[0], Exception), outcome  # the waiting request was cut, not answered
+    # The kubelet's word: why it restarted the container (its Event), and the probe's output (its
+    # log; the kubelet's Events of probe failures are rate-limited per pod, so not all are posted).
+    name = pod["metadata"]["name"]
+    events = get(cluster, "events", "-n", node_namespace, "--field-selector", f"involvedObject.name={name}")
+    kills = [e["message"] for e in events["items"] if e["reason"] == "Killing"]
+    assert "Init container encoder-1 failed liveness probe" in kills, kills
+    kubelet = (cluster.logs / "kubelet.log").read_text()
+    stalled = re.findall(
+        rf'probeType="Liveness" pod="{node_namespace}/{name}" .*? containerName="encoder-1" probeResult="failure" '
+        r"output=<\n\s*engine stalled: 1 requests in flight and no step finished for (\d+) s",
+        kubelet,
+    )
+    assert stalled and all(int(seconds) >= STALL_SECONDS for seconds in stalled), stalled
+    after = {name: restarts for name, (_, restarts, _) in kubelet_view(unit_pod(cluster, node_namespace)).items()}
+    assert after == {**restarts, "encoder-1": restarts["encoder-1"] + 1}
+
+
+def _answer_or_error(url: str, request: dict) -> object:
+    try:
+        return sdk(url).chat.completions.create(**request)
+    except Exception as error:  # noqa: BLE001 - what the waiting client got is the test's subject
+        return error
+
+
+def test_the_in_flight_count_the_check_reads_returns_to_zero_when_clients_leave(cluster, deployed, node_namespace):
+    """vLLM's /load, which the liveness check reads: a count that clients leaving mid-answer
+    left above zero would have an idle engine restarted once stallSeconds passed. The consumer's
+    engine core is stopped while the clients wait (the tiny model answers within a blink), so
+    that they leave before their answers end."""
+    consumer = deployed.unit.consumer_urls[0]
+    core = engine_core(cluster.real_node(), kubelet_view(unit_pod(cluster, node_namespace))["regular-0"][0])
+
+    def load() -> int:
+        return int(httpx.get(consumer + "/load", timeout=5).json()["server_load"])
+
+    request = chat_request(messages(text="count"))
+    request.update(request.pop("extra_body"))
+    os.kill(core, signal.SIGSTOP)
+    try:
+        # A stream whose answer has begun (vLLM sends its head before the first token), left.
+        with httpx.stream("POST", consumer + "/v1/chat/completions", json={**request, "stream": True}) as stream:
+            assert stream.status_code == 200
+            assert load() == 1  # the tracking is on (rendered for every engine)
+        # A client that gives up before its answer (its timeout): the connection closed.
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(consumer + "/v1/chat/completions", json=request, timeout=httpx.Timeout(60, read=2))
+    finally:
+        os.kill(core, signal.SIGCONT)
+    wait_for(lambda: load() == 0, 30, "vLLM's /load back to 0 once both clients left")

@@ -5,7 +5,14 @@ from pathlib import Path
 import yaml
 
 from epd_operator.render import render
-from epd_operator.resources import PROXY_METRICS_PORT, child_name, desired_children, is_headless
+from epd_operator.resources import (
+    ENGINE_LIVENESS_SOURCE,
+    PROXY_METRICS_PORT,
+    TMP_VOLUME,
+    child_name,
+    desired_children,
+    is_headless,
+)
 from epd_operator.validation import validate
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
@@ -307,11 +314,35 @@ def test_liveness_is_laxer_than_readiness_on_every_probed_container():
         if "readinessProbe" not in container:
             continue  # the janitor, the router on the loopback
         ready, live = container["readinessProbe"], container["livenessProbe"]
-        if container["name"] != "proxy":  # its readiness goes through the front port (below)
+        if "exec" in live:  # an engine's: /health and its progress, on the same port (below)
+            assert str(ready["httpGet"]["port"]) in live["exec"]["command"]
+        elif container["name"] != "proxy":  # its readiness goes through the front port (below)
             assert ready["httpGet"] == live["httpGet"] and ready["httpGet"] is not live["httpGet"]
         patience = live["failureThreshold"] * live["periodSeconds"] + live["timeoutSeconds"]
         assert patience > ready["failureThreshold"] * ready["periodSeconds"] + ready["timeoutSeconds"]
         assert live["timeoutSeconds"] > ready["timeoutSeconds"], container["name"]
+
+
+def test_every_engine_runs_the_stall_check_as_its_liveness_probe_with_a_record_of_its_own():
+    pod = unit_pod()
+    engines = [c for c in containers(pod) if c["name"] in {"encoder-0", "prefill-0", "decode-0"}]
+    records = set()
+    for engine in engines:
+        python, flag, source, port, stall, record = engine["livenessProbe"]["exec"]["command"]
+        assert (python, flag, source) == ("python3", "-c", ENGINE_LIVENESS_SOURCE)
+        assert port == str(engine["readinessProbe"]["httpGet"]["port"]) and stall == "120"
+        # Killed soon after: the pod's grace period is for draining, and a hung engine drains nothing.
+        assert engine["livenessProbe"]["terminationGracePeriodSeconds"] < pod["terminationGracePeriodSeconds"]
+        assert record.startswith("/tmp/") and {"name": TMP_VOLUME, "mountPath": "/tmp"} in engine["volumeMounts"]
+        records.add(record)
+        assert "--enable-server-load-tracking" in engine["args"]  # what /load counts
+    assert len(records) == len(engines) == 3  # /tmp is the pod's: one file per container
+    # The source carries no docstrings or comments (the pod spec carries it), and runs as is.
+    assert '"""' not in ENGINE_LIVENESS_SOURCE and "#" not in ENGINE_LIVENESS_SOURCE
+    compile(ENGINE_LIVENESS_SOURCE, "<probe>", "exec")
+    for engine in containers(unit_pod(probes={"stallSeconds": 0})):
+        if engine["name"] in {"encoder-0", "prefill-0", "decode-0"}:
+            assert engine["livenessProbe"]["httpGet"]["path"] == "/health"
 
 
 def test_behind_the_proxy_the_router_has_no_probe_and_the_proxys_readiness_goes_through_it():

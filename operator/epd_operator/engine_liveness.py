@@ -1,0 +1,107 @@
+"""An engine's liveness check, run by the kubelet in the engine's container (an exec probe: the
+pod spec carries this file's source, so it uses the standard library only and any vLLM image's
+python3 runs it).
+
+vLLM's /health says whether its engine core died, not whether it makes progress: a core stuck in
+a step (a hung collective, a frozen process) keeps /health at 200 and its unit Ready while every
+request sent to it waits. The check fails such an engine: requests in flight on its API server
+(`/load`, with --enable-server-load-tracking) and none of its step counters moved for
+``stall_seconds``, between probes (the last sample is kept in a file). A busy engine moves them
+every step, and an idle one has nothing in flight, so neither is restarted; a dead one fails
+/health as before.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import urllib.request
+from typing import NamedTuple
+
+# Counters that move with every engine step that finishes work: an encoder-only engine (no
+# tokens) finishes requests, a language engine schedules tokens.
+PROGRESS_COUNTERS = (
+    "vllm:request_success_total",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:iteration_tokens_total_count",
+)
+START_TIME = "process_start_time_seconds "
+# Three requests, each within this, inside the probe's 10 s.
+TIMEOUT_SECONDS = 3.0
+
+
+class Sample(NamedTuple):
+    at: float
+    """time.monotonic(): one clock for every process of the container."""
+    in_flight: int
+    progress: float
+
+
+class Stall(NamedTuple):
+    since: float
+    """When the engine was last seen making progress, or idle."""
+    progress: float
+
+
+def progress_of(metrics: str) -> tuple[float, float]:
+    """The sum of the progress counters in a Prometheus text exposition, and when the serving
+    process started (a restarted engine's counters start again from 0)."""
+    total, started = 0.0, 0.0
+    for line in metrics.splitlines():
+        if line.startswith(PROGRESS_COUNTERS):
+            total += float(line.rsplit(" ", 1)[1])
+        elif line.startswith(START_TIME):
+            started = float(line.rsplit(" ", 1)[1])
+    return total, started
+
+
+def judge(last: Stall | None, sample: Sample, stall_seconds: float) -> tuple[Stall, float | None]:
+    """What to keep for the next probe, and how long the engine has stalled (None: it has not,
+    or not for ``stall_seconds`` yet). Stalled time runs only between samples that both had
+    requests in flight and saw no progress."""
+    if last is None or sample.in_flight <= 0 or sample.progress != last.progress:
+        return Stall(sample.at, sample.progress), None
+    stalled = sample.at - last.since
+    return last, (stalled if stalled >= stall_seconds else None)
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=TIMEOUT_SECONDS) as response:
+        return str(response.read().decode())
+
+
+def _load(path: str, started: float) -> Stall | None:
+    """The last probe's record while the engine was busy; a missing or unreadable one, or one of
+    an earlier run of the container (the file outlives it), starts afresh."""
+    try:
+        with open(path) as file:
+            since, progress, busy, of_run = json.load(file)
+    except (OSError, ValueError, TypeError):
+        return None
+    return Stall(float(since), float(progress)) if busy and of_run == started else None
+
+
+def main(argv: list[str]) -> int:
+    port, stall_seconds, state_path = int(argv[0]), float(argv[1]), argv[2]
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _get(base + "/health")  # a dead engine core answers 503, which urlopen raises
+        in_flight = int(json.loads(_get(base + "/load"))["server_load"])
+        progress, started = progress_of(_get(base + "/metrics"))
+    except (OSError, ValueError, KeyError) as error:
+        print(f"engine not healthy: {error}")
+        return 1
+    sample = Sample(time.monotonic(), in_flight, progress)
+    kept, stalled = judge(_load(state_path, started), sample, stall_seconds)
+    with open(state_path, "w") as file:
+        json.dump([kept.since, kept.progress, in_flight > 0, started], file)
+    if stalled is not None:
+        print(f"engine stalled: {in_flight} requests in flight and no step finished for {stalled:.0f} s")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

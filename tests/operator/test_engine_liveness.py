@@ -1,0 +1,128 @@
+"""The engine liveness check: its decision, and its source as the pod spec carries it, run by a
+bare interpreter (`python3 -I`, no site-packages: what any vLLM image has) against a STAND-IN
+engine API (/health, /load, /metrics), which can be made to hang, die and restart on demand;
+tests/node/test_encoder_outliers.py shows it on a real engine whose core is frozen."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from epd_operator.engine_liveness import Sample, Stall, judge, progress_of
+from epd_operator.resources import ENGINE_LIVENESS_SOURCE
+
+EXPOSITION = """\
+# HELP vllm:request_success_total Count of successfully processed requests.
+# TYPE vllm:request_success_total counter
+vllm:request_success_total{engine="0",finished_reason="stop",model_name="m"} 2.0
+vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 1.0
+vllm:prompt_tokens_total{engine="0",model_name="m"} 52.0
+vllm:prompt_tokens_created{engine="0",model_name="m"} 1.7e+09
+vllm:generation_tokens_total{engine="0",model_name="m"} 4.0
+vllm:iteration_tokens_total_count{engine="0",model_name="m"} 3.0
+vllm:iteration_tokens_total_sum{engine="0",model_name="m"} 56.0
+vllm:num_requests_running{engine="0",model_name="m"} 1.0
+process_start_time_seconds 1.7965639661e+09
+"""
+
+
+def test_progress_is_the_sum_of_the_step_counters_and_the_run_is_the_process_start():
+    assert progress_of(EXPOSITION) == (2.0 + 1.0 + 52.0 + 4.0 + 3.0, 1.7965639661e09)
+
+
+def test_stalled_time_runs_only_while_busy_without_progress():
+    stall = 60.0
+    # The first busy sample (an idle one leaves no record): the idle time before it does not count.
+    kept, stalled = judge(None, Sample(10.0, 1, 5.0), stall)
+    assert (kept, stalled) == (Stall(10.0, 5.0), None)
+    kept, stalled = judge(kept, Sample(69.0, 1, 5.0), stall)
+    assert (kept, stalled) == (Stall(10.0, 5.0), None)
+    kept, stalled = judge(kept, Sample(70.0, 3, 5.0), stall)
+    assert stalled == 60.0 and kept == Stall(10.0, 5.0)  # it keeps failing until restarted
+    # A step finished: busy but moving, the clock starts again.
+    assert judge(kept, Sample(80.0, 3, 6.0), stall) == (Stall(80.0, 6.0), None)
+    # Nothing in flight: a frozen idle engine serves nobody, and its restart would fix nothing yet.
+    assert judge(kept, Sample(500.0, 0, 5.0), stall) == (Stall(500.0, 5.0), None)
+
+
+class StandInEngine:
+    """A STAND-IN for a vLLM API server's /health, /load and /metrics."""
+
+    def __init__(self) -> None:
+        self.health = 200
+        self.load = 0
+        self.progress = 10.0
+        self.started = 1.0
+        engine = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if self.path == "/health":
+                    status, body = engine.health, b""
+                elif self.path == "/load":
+                    status, body = 200, json.dumps({"server_load": engine.load}).encode()
+                else:
+                    lines = [
+                        f'vllm:request_success_total{{finished_reason="stop"}} {engine.progress}',
+                        f"process_start_time_seconds {engine.started}",
+                    ]
+                    status, body = 200, "\n".join(lines).encode()
+                self.send_response(status)
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+
+
+@pytest.fixture
+def engine() -> Iterator[StandInEngine]:
+    stand_in = StandInEngine()
+    thread = threading.Thread(target=stand_in.server.serve_forever, daemon=True)
+    thread.start()
+    yield stand_in
+    stand_in.server.shutdown()
+
+
+def probe(engine: StandInEngine, record: Path, stall_seconds: float) -> subprocess.CompletedProcess[str]:
+    """The kubelet's exec: the pod spec's command, with the interpreter isolated from this venv."""
+    command = [sys.executable, "-I", "-c", ENGINE_LIVENESS_SOURCE, str(engine.port), str(stall_seconds), str(record)]
+    return subprocess.run(command, check=False, capture_output=True, text=True, timeout=30)
+
+
+def test_the_probe_fails_a_busy_engine_that_makes_no_progress_and_no_other(engine, tmp_path):
+    record = tmp_path / "record.json"
+    assert probe(engine, record, 0.0).returncode == 0  # idle
+    engine.load = 2
+    assert probe(engine, record, 0.0).returncode == 0  # busy from now: nothing to compare yet
+    engine.progress += 1
+    assert probe(engine, record, 0.0).returncode == 0  # busy and moving
+    stalled = probe(engine, record, 0.0)  # busy, and no step since the last probe
+    assert stalled.returncode == 1
+    assert "engine stalled: 2 requests in flight and no step finished" in stalled.stdout
+    assert probe(engine, record, 3600.0).returncode == 0  # within its stallSeconds
+    # The container restarted (its engine's counters start again): the old record does not count.
+    engine.started, engine.progress = 2.0, 0.0
+    assert probe(engine, record, 0.0).returncode == 0
+    # A dead engine core: /health answers 503, as it did before this check.
+    engine.health = 503
+    dead = probe(engine, record, 3600.0)
+    assert dead.returncode == 1 and "engine not healthy" in dead.stdout and "503" in dead.stdout
+
+
+def test_the_probe_fails_an_engine_that_does_not_answer(tmp_path):
+    stand_in = StandInEngine()
+    stand_in.server.server_close()  # nothing listens there any more
+    refused = probe(stand_in, tmp_path / "record.json", 60.0)
+    assert refused.returncode == 1 and "engine not healthy" in refused.stdout
