@@ -8,7 +8,8 @@ request sent to it waits. The check fails such an engine: requests in flight on 
 (`/load`, with --enable-server-load-tracking) and none of its step counters moved for
 ``stall_seconds``, between probes (the last sample is kept in a file). A busy engine moves them
 every step, and an idle one has nothing in flight, so neither is restarted; a dead one fails
-/health as before.
+/health as before. Nor is one that was told to wait: paused for a weight update (vLLM's /pause
+holds the requests that come meanwhile) or asleep.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ PROGRESS_COUNTERS = (
     "vllm:iteration_tokens_total_count",
 )
 START_TIME = "process_start_time_seconds "
+AWAKE = 'sleep_state="awake"'
 # Three requests, each within this, inside the probe's 10 s.
 TIMEOUT_SECONDS = 3.0
 
@@ -45,16 +47,26 @@ class Stall(NamedTuple):
     progress: float
 
 
-def progress_of(metrics: str) -> tuple[float, float]:
-    """The sum of the progress counters in a Prometheus text exposition, and when the serving
-    process started (a restarted engine's counters start again from 0)."""
-    total, started = 0.0, 0.0
+class Reading(NamedTuple):
+    progress: float
+    """The sum of the progress counters."""
+    started: float
+    """When the serving process started: a restarted engine's counters start again from 0."""
+    asleep: bool
+    """vLLM's sleep mode (vllm:engine_sleep_state{sleep_state="awake"} 0)."""
+
+
+def read_metrics(metrics: str) -> Reading:
+    """What the check needs of a Prometheus text exposition."""
+    total, started, asleep = 0.0, 0.0, False
     for line in metrics.splitlines():
         if line.startswith(PROGRESS_COUNTERS):
             total += float(line.rsplit(" ", 1)[1])
         elif line.startswith(START_TIME):
             started = float(line.rsplit(" ", 1)[1])
-    return total, started
+        elif line.startswith("vllm:engine_sleep_state{") and AWAKE in line:
+            asleep = asleep or float(line.rsplit(" ", 1)[1]) == 0
+    return Reading(total, started, asleep)
 
 
 def judge(last: Stall | None, sample: Sample, stall_seconds: float) -> tuple[Stall, float | None]:
@@ -70,6 +82,16 @@ def judge(last: Stall | None, sample: Sample, stall_seconds: float) -> tuple[Sta
 def _get(url: str) -> str:
     with urllib.request.urlopen(url, timeout=TIMEOUT_SECONDS) as response:
         return str(response.read().decode())
+
+
+def _paused(base: str) -> bool:
+    """Paused by vLLM's /pause (served, like /is_paused, only with VLLM_SERVER_DEV_MODE=1: 404
+    otherwise). The answer comes from the engine core between its steps, so a hung core gives
+    none, and counts as not paused."""
+    try:
+        return bool(json.loads(_get(base + "/is_paused"))["is_paused"])
+    except (OSError, ValueError, KeyError):
+        return False
 
 
 def _load(path: str, started: float) -> Stall | None:
@@ -89,14 +111,17 @@ def main(argv: list[str]) -> int:
     try:
         _get(base + "/health")  # a dead engine core answers 503, which urlopen raises
         in_flight = int(json.loads(_get(base + "/load"))["server_load"])
-        progress, started = progress_of(_get(base + "/metrics"))
+        reading = read_metrics(_get(base + "/metrics"))
     except (OSError, ValueError, KeyError) as error:
         print(f"engine not healthy: {error}")
         return 1
-    sample = Sample(time.monotonic(), in_flight, progress)
-    kept, stalled = judge(_load(state_path, started), sample, stall_seconds)
+    sample = Sample(time.monotonic(), in_flight, reading.progress)
+    kept, stalled = judge(_load(state_path, reading.started), sample, stall_seconds)
+    if stalled is not None and (reading.asleep or _paused(base)):
+        # Its requests wait by design: the stall is counted again from the resume.
+        kept, stalled = Stall(sample.at, sample.progress), None
     with open(state_path, "w") as file:
-        json.dump([kept.since, kept.progress, in_flight > 0, started], file)
+        json.dump([kept.since, kept.progress, in_flight > 0, reading.started], file)
     if stalled is not None:
         print(f"engine stalled: {in_flight} requests in flight and no step finished for {stalled:.0f} s")
         return 1

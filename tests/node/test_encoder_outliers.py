@@ -51,7 +51,7 @@ FAILURES = 2
 EJECTION_SECONDS = 30
 PROXY_METRICS_PORT = 9401
 # Over the FAILURES x PRIME_ATTEMPT_SECONDS the first test keeps a prime waiting on the hung one.
-STALL_SECONDS = 20
+STALL_SECONDS = 30
 LIVENESS_PATIENCE_SECONDS = 3 * 10
 # A fresh image for each request, so each is primed.
 COLOURS = [(200, 30, 30), (30, 200, 30), (30, 30, 200), (200, 200, 30), (30, 200, 200), (200, 30, 200)]

@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import time
 import urllib.request
 import uuid
@@ -585,7 +586,21 @@ async def test_a_vime_rollout_runs_unchanged_against_vime_args(deployed, referen
     assert_same(output, aggregated(reference, msgs))
 
 
-async def test_pause_and_resume_hold_every_engine(deployed):
+def liveness_check(cluster, namespace: str, pod: dict, container: str) -> subprocess.CompletedProcess[str]:
+    """The container's liveness check as its probe runs it, allowing no stall at all (its own
+    record, not the kubelet's probe's)."""
+    (spec,) = [c for c in pod["spec"].get("initContainers", []) + pod["spec"]["containers"] if c["name"] == container]
+    *command, _, _ = spec["livenessProbe"]["exec"]["command"]
+    check = [*command, "0", "/tmp/epd-liveness-check.json"]
+    return cluster.kubectl("exec", "-n", namespace, pod["metadata"]["name"], "-c", container, "--", *check, check=False)
+
+
+def in_flight(url: str) -> int:
+    with urllib.request.urlopen(url + "/load", timeout=10) as resp:
+        return int(json.loads(resp.read())["server_load"])
+
+
+async def test_pause_and_resume_hold_every_engine(cluster, deployed, node_namespace):
     async with EPDClient(deployed.endpoints) as client:
         engines = client.engines(MODEL)
         assert [e.name for e in engines] == ["encoder-0", "regular-0", "regular-1"]
@@ -595,6 +610,13 @@ async def test_pause_and_resume_hold_every_engine(deployed):
         held = asyncio.create_task(client.generate(text_only))
         await asyncio.sleep(2.0)
         assert not held.done(), "a paused engine generated"
+        # The engine holding it waits by design: its liveness check, which fails an engine whose
+        # requests wait while no step finishes, passes it (vLLM's /is_paused says why).
+        waiting = [e.name for e in engines if e.url and in_flight(e.url) > 0]
+        assert len(waiting) == 1, waiting
+        pod = unit_pod(cluster, node_namespace)
+        checks = [await asyncio.to_thread(liveness_check, cluster, node_namespace, pod, waiting[0]) for _ in range(2)]
+        assert [c.returncode for c in checks] == [0, 0], [(c.stdout, c.stderr) for c in checks]
 
         await client.resume(MODEL)
         assert not any(is_paused(e.url) for e in engines if e.url)

@@ -9,13 +9,14 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
-from epd_operator.engine_liveness import Sample, Stall, judge, progress_of
+from epd_operator.engine_liveness import Reading, Sample, Stall, judge, read_metrics
 from epd_operator.resources import ENGINE_LIVENESS_SOURCE
 
 EXPOSITION = """\
@@ -30,11 +31,15 @@ vllm:iteration_tokens_total_count{engine="0",model_name="m"} 3.0
 vllm:iteration_tokens_total_sum{engine="0",model_name="m"} 56.0
 vllm:num_requests_running{engine="0",model_name="m"} 1.0
 process_start_time_seconds 1.7965639661e+09
+vllm:engine_sleep_state{engine="0",model_name="m",sleep_state="awake"} 1.0
+vllm:engine_sleep_state{engine="0",model_name="m",sleep_state="weights_offloaded"} 0.0
 """
 
 
 def test_progress_is_the_sum_of_the_step_counters_and_the_run_is_the_process_start():
-    assert progress_of(EXPOSITION) == (2.0 + 1.0 + 52.0 + 4.0 + 3.0, 1.7965639661e09)
+    assert read_metrics(EXPOSITION) == Reading(2.0 + 1.0 + 52.0 + 4.0 + 3.0, 1.7965639661e09, asleep=False)
+    asleep = EXPOSITION.replace('sleep_state="awake"} 1.0', 'sleep_state="awake"} 0.0')
+    assert read_metrics(asleep).asleep
 
 
 def test_stalled_time_runs_only_while_busy_without_progress():
@@ -60,6 +65,9 @@ class StandInEngine:
         self.load = 0
         self.progress = 10.0
         self.started = 1.0
+        self.awake = 1
+        self.paused: bool | None = None  # None: no /is_paused (VLLM_SERVER_DEV_MODE off)
+        self.core_hangs = False  # /is_paused asks the engine core
         engine = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -68,10 +76,16 @@ class StandInEngine:
                     status, body = engine.health, b""
                 elif self.path == "/load":
                     status, body = 200, json.dumps({"server_load": engine.load}).encode()
+                elif self.path == "/is_paused":
+                    if engine.core_hangs:
+                        time.sleep(10)
+                    found = engine.paused is not None
+                    status, body = (200 if found else 404), json.dumps({"is_paused": engine.paused}).encode()
                 else:
                     lines = [
                         f'vllm:request_success_total{{finished_reason="stop"}} {engine.progress}',
                         f"process_start_time_seconds {engine.started}",
+                        f'vllm:engine_sleep_state{{sleep_state="awake"}} {engine.awake}',
                     ]
                     status, body = 200, "\n".join(lines).encode()
                 self.send_response(status)
@@ -115,6 +129,18 @@ def test_the_probe_fails_a_busy_engine_that_makes_no_progress_and_no_other(engin
     # The container restarted (its engine's counters start again): the old record does not count.
     engine.started, engine.progress = 2.0, 0.0
     assert probe(engine, record, 0.0).returncode == 0
+    # Told to wait: paused (vLLM's /pause, for a weight update) or asleep; its requests wait.
+    assert probe(engine, record, 0.0).returncode == 1  # stalled since the restart's first probe
+    engine.paused = True
+    assert probe(engine, record, 0.0).returncode == 0
+    assert probe(engine, record, 0.0).returncode == 0
+    engine.paused, engine.awake = False, 0
+    assert probe(engine, record, 0.0).returncode == 0
+    engine.awake = 1
+    assert probe(engine, record, 0.0).returncode == 1  # awake, not paused, stalled
+    engine.paused, engine.core_hangs = True, True  # a hung core cannot say it is paused
+    assert probe(engine, record, 0.0).returncode == 1
+    engine.core_hangs = False
     # A dead engine core: /health answers 503, as it did before this check.
     engine.health = 503
     dead = probe(engine, record, 3600.0)
