@@ -541,8 +541,8 @@ class Probes(Schema):
         ge=0,
         le=86400,
         description=(
-            "An engine whose API server has requests in flight while no engine step finishes for this "
-            "long fails its liveness probe, and the kubelet restarts it: vLLM's /health stays 200 while "
+            "An engine whose API server has had requests in flight for this long in all while no engine "
+            "step finished fails its liveness probe, and the kubelet restarts it: vLLM's /health stays 200 while "
             "its engine core hangs. An engine paused (/pause, for a weight update) or asleep is not "
             "stalled. Longer than the longest step (a long prefill, a large video's encode). The check "
             "runs every periodSeconds (at least 10 s: it starts a process in the engine's container), so a "

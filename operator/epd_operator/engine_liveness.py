@@ -4,11 +4,12 @@ python3 runs it).
 
 vLLM's /health says whether its engine core died, not whether it makes progress: a core stuck in
 a step (a hung collective, a frozen process) keeps /health at 200 and its unit Ready while every
-request sent to it waits. The check fails such an engine: requests in flight on its API server
-(`/load`, with --enable-server-load-tracking) and none of its step counters moved for
-``stall_seconds``, between probes (the last sample is kept in a file). A busy engine moves them
-every step, and an idle one has nothing in flight, so neither is restarted; a dead one fails
-/health as before. Nor is one that was told to wait: paused for a weight update (vLLM's /pause
+request sent to it waits. The check fails such an engine: none of its step counters moved while
+requests were in flight on its API server (`/load`, with --enable-server-load-tracking) for
+``stall_seconds`` in all, counted between probes (the last one's record is kept in a file). Idle
+spells add nothing and do not start the count again, so requests that each give up sooner (a
+client's timeout) add up to a stall too. A busy engine moves the counters every step, and an
+idle one has nothing in flight, so neither is restarted; a dead one fails /health as before. Nor is one that was told to wait: paused for a weight update (vLLM's /pause
 holds the requests that come meanwhile) or asleep.
 """
 
@@ -41,10 +42,13 @@ class Sample(NamedTuple):
     progress: float
 
 
-class Stall(NamedTuple):
-    since: float
-    """When the engine was last seen making progress, or idle."""
-    progress: float
+class Record(NamedTuple):
+    """What a probe leaves for the next one."""
+
+    sample: Sample
+    stalled_for: float
+    """Seconds with requests in flight (between probes that both found some) since the step
+    counters last moved."""
 
 
 class Reading(NamedTuple):
@@ -69,14 +73,17 @@ def read_metrics(metrics: str) -> Reading:
     return Reading(total, started, asleep)
 
 
-def judge(last: Stall | None, sample: Sample, stall_seconds: float) -> tuple[Stall, float | None]:
-    """What to keep for the next probe, and how long the engine has stalled (None: it has not,
-    or not for ``stall_seconds`` yet). Stalled time runs only between samples that both had
-    requests in flight and saw no progress."""
-    if last is None or sample.in_flight <= 0 or sample.progress != last.progress:
-        return Stall(sample.at, sample.progress), None
-    stalled = sample.at - last.since
-    return last, (stalled if stalled >= stall_seconds else None)
+def judge(last: Record | None, sample: Sample, stall_seconds: float) -> tuple[Record, float | None]:
+    """The record for the next probe, and how long the engine has stalled (None: it has not,
+    or not for ``stall_seconds`` yet)."""
+    if last is None or sample.progress != last.sample.progress:
+        stalled_for = 0.0
+    elif sample.in_flight > 0 and last.sample.in_flight > 0:
+        stalled_for = last.stalled_for + (sample.at - last.sample.at)
+    else:
+        stalled_for = last.stalled_for
+    stalled = stalled_for if stalled_for > 0 and stalled_for >= stall_seconds else None
+    return Record(sample, stalled_for), stalled
 
 
 def _get(url: str) -> str:
@@ -94,15 +101,17 @@ def _paused(base: str) -> bool:
         return False
 
 
-def _load(path: str, started: float) -> Stall | None:
-    """The last probe's record while the engine was busy; a missing or unreadable one, or one of
-    an earlier run of the container (the file outlives it), starts afresh."""
+def _load(path: str, started: float) -> Record | None:
+    """The last probe's record; a missing or unreadable one, or one of an earlier run of the
+    container (the file outlives it), starts afresh."""
     try:
         with open(path) as file:
-            since, progress, busy, of_run = json.load(file)
+            at, in_flight, progress, stalled_for, of_run = json.load(file)
     except (OSError, ValueError, TypeError):
         return None
-    return Stall(float(since), float(progress)) if busy and of_run == started else None
+    if of_run != started:
+        return None
+    return Record(Sample(float(at), int(in_flight), float(progress)), float(stalled_for))
 
 
 def main(argv: list[str]) -> int:
@@ -119,11 +128,11 @@ def main(argv: list[str]) -> int:
     kept, stalled = judge(_load(state_path, reading.started), sample, stall_seconds)
     if stalled is not None and (reading.asleep or _paused(base)):
         # Its requests wait by design: the stall is counted again from the resume.
-        kept, stalled = Stall(sample.at, sample.progress), None
+        kept, stalled = Record(sample, 0.0), None
     with open(state_path, "w") as file:
-        json.dump([kept.since, kept.progress, in_flight > 0, reading.started], file)
+        json.dump([*kept.sample, kept.stalled_for, reading.started], file)
     if stalled is not None:
-        print(f"engine stalled: {in_flight} requests in flight and no step finished for {stalled:.0f} s")
+        print(f"engine stalled: requests waited {stalled:.0f} s and no step finished ({in_flight} in flight now)")
         return 1
     return 0
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from epd_operator.engine_liveness import Reading, Sample, Stall, judge, read_metrics
+from epd_operator.engine_liveness import Reading, Record, Sample, judge, read_metrics
 from epd_operator.resources import ENGINE_LIVENESS_SOURCE
 
 EXPOSITION = """\
@@ -42,19 +42,30 @@ def test_progress_is_the_sum_of_the_step_counters_and_the_run_is_the_process_sta
     assert read_metrics(asleep).asleep
 
 
-def test_stalled_time_runs_only_while_busy_without_progress():
+def test_stalled_time_adds_up_while_requests_wait_and_starts_again_with_progress():
     stall = 60.0
-    # The first busy sample (an idle one leaves no record): the idle time before it does not count.
-    kept, stalled = judge(None, Sample(10.0, 1, 5.0), stall)
-    assert (kept, stalled) == (Stall(10.0, 5.0), None)
-    kept, stalled = judge(kept, Sample(69.0, 1, 5.0), stall)
-    assert (kept, stalled) == (Stall(10.0, 5.0), None)
-    kept, stalled = judge(kept, Sample(70.0, 3, 5.0), stall)
-    assert stalled == 60.0 and kept == Stall(10.0, 5.0)  # it keeps failing until restarted
-    # A step finished: busy but moving, the clock starts again.
-    assert judge(kept, Sample(80.0, 3, 6.0), stall) == (Stall(80.0, 6.0), None)
-    # Nothing in flight: a frozen idle engine serves nobody, and its restart would fix nothing yet.
-    assert judge(kept, Sample(500.0, 0, 5.0), stall) == (Stall(500.0, 5.0), None)
+    record, stalled = judge(None, Sample(10.0, 1, 5.0), stall)
+    assert (record, stalled) == (Record(Sample(10.0, 1, 5.0), 0.0), None)
+    record, stalled = judge(record, Sample(50.0, 1, 5.0), stall)  # 40 s waiting, no step
+    assert (record.stalled_for, stalled) == (40.0, None)
+    # Its client gave up (a timeout): idle spells add nothing, and start nothing again.
+    record, _ = judge(record, Sample(60.0, 0, 5.0), stall)
+    record, stalled = judge(record, Sample(300.0, 0, 5.0), stall)
+    assert (record.stalled_for, stalled) == (40.0, None)
+    record, _ = judge(record, Sample(310.0, 2, 5.0), stall)  # the interval before it was idle
+    assert record.stalled_for == 40.0
+    record, stalled = judge(record, Sample(330.0, 2, 5.0), stall)
+    assert (record.stalled_for, stalled) == (60.0, 60.0)
+    # It keeps failing until restarted, though nothing waits now: it showed that it does not step.
+    record, stalled = judge(record, Sample(340.0, 0, 5.0), stall)
+    assert stalled == 60.0
+    # A step finished: the count starts again.
+    assert judge(record, Sample(350.0, 2, 6.0), stall) == (Record(Sample(350.0, 2, 6.0), 0.0), None)
+    # An idle engine, frozen or not, never stalls: nothing waited on it.
+    idle: Record | None = None
+    for at in range(0, 1000, 10):
+        idle, stalled = judge(idle, Sample(float(at), 0, 5.0), stall)
+        assert stalled is None
 
 
 class StandInEngine:
@@ -124,7 +135,7 @@ def test_the_probe_fails_a_busy_engine_that_makes_no_progress_and_no_other(engin
     assert probe(engine, record, 0.0).returncode == 0  # busy and moving
     stalled = probe(engine, record, 0.0)  # busy, and no step since the last probe
     assert stalled.returncode == 1
-    assert "engine stalled: 2 requests in flight and no step finished" in stalled.stdout
+    assert "engine stalled: requests waited 0 s and no step finished (2 in flight now)" in stalled.stdout
     assert probe(engine, record, 3600.0).returncode == 0  # within its stallSeconds
     # The container restarted (its engine's counters start again): the old record does not count.
     engine.started, engine.progress = 2.0, 0.0
