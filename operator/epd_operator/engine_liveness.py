@@ -9,8 +9,9 @@ requests were in flight on its API server (`/load`, with --enable-server-load-tr
 ``stall_seconds`` in all, counted between probes (the last one's record is kept in a file). Idle
 spells add nothing and do not start the count again, so requests that each give up sooner (a
 client's timeout) add up to a stall too. A busy engine moves the counters every step, and an
-idle one has nothing in flight, so neither is restarted; a dead one fails /health as before. Nor is one that was told to wait: paused for a weight update (vLLM's /pause
-holds the requests that come meanwhile) or asleep.
+idle one has nothing in flight, so neither is restarted; a dead one fails /health as before.
+Nor is one that was told to wait: paused for a weight update (vLLM's /pause holds the requests
+that come meanwhile) or asleep.
 """
 
 from __future__ import annotations

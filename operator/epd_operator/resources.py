@@ -178,21 +178,24 @@ LIVENESS_EXEC_MIN_PERIOD_SECONDS = 10
 LIVENESS_KILL_GRACE_SECONDS = 10
 
 
-def _engine_liveness(container: str, port: int, probes: api.Probes) -> dict[str, Any]:
-    """/health, and a stalled engine core fails too (engine_liveness.py, run in the engine's own
-    container: its python3 and its loopback); /health alone when stallSeconds is 0. Its record
-    between probes goes to the pod's /tmp, one file per container."""
+def _engine_probes(container: str, port: int, probes: api.Probes) -> dict[str, Any]:
+    """``_probes``, with a liveness probe that fails a stalled engine core too (engine_liveness.py,
+    run in the engine's own container: its python3 and its loopback), as lax as /health's;
+    /health alone when stallSeconds is 0. Its record between probes goes to the pod's /tmp, one
+    file per container."""
+    found = _probes(port, probes)
     if not probes.stall_seconds:
-        return {}
+        return found
     record = f"/tmp/epd-liveness-{container}.json"
     command = ["python3", "-c", ENGINE_LIVENESS_SOURCE, str(port), str(probes.stall_seconds), record]
-    return {
+    live = {k: v for k, v in found["livenessProbe"].items() if k != "httpGet"}
+    found["livenessProbe"] = {
         "exec": {"command": command},
+        **live,
         "periodSeconds": max(probes.period_seconds, LIVENESS_EXEC_MIN_PERIOD_SECONDS),
-        "failureThreshold": 3 * probes.failure_threshold,
-        "timeoutSeconds": 10,
         "terminationGracePeriodSeconds": LIVENESS_KILL_GRACE_SECONDS,
     }
+    return found
 
 
 # Resources of a container that sets none (so that the scheduler counts every pod and a
@@ -270,12 +273,10 @@ def _engine_container(
             {"name": HOME_VOLUME, "mountPath": HOME_PATH},
             {"name": TMP_VOLUME, "mountPath": "/tmp"},
         ],
-        **_probes(command.port, spec.probes),
+        **_engine_probes(command.container_name, command.port, spec.probes),
         **_lifecycle(spec),
         "securityContext": security_context(spec),
     }
-    if liveness := _engine_liveness(command.container_name, command.port, spec.probes):
-        container["livenessProbe"] = liveness
     if command.worker_type.is_encoder and sidecar:
         # A native sidecar: the kubelet starts the consumers only after every encoder's
         # startupProbe passed, and an unready encoder makes the whole pod unready.
