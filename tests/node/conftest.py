@@ -105,6 +105,18 @@ def kubelet_view(pod: dict[str, Any]) -> dict[str, tuple[str, int, bool]]:
     return {s["name"]: (s.get("containerID", ""), s["restartCount"], s["ready"]) for s in demo_serving.containers(pod)}
 
 
+def container_spec(pod: dict[str, Any], name: str) -> dict[str, Any]:
+    """A container of the pod's spec by name, init containers (native sidecars) included."""
+    (spec,) = [c for c in [*pod["spec"].get("initContainers", []), *pod["spec"]["containers"]] if c["name"] == name]
+    return dict(spec)
+
+
+def server_load(url: str) -> int:
+    """vLLM's /load: the requests in flight on an engine's API server (the liveness check reads it)."""
+    with urllib.request.urlopen(url + "/load", timeout=10) as response:
+        return int(json.loads(response.read())["server_load"])
+
+
 def pod_ready(pod: dict[str, Any]) -> bool:
     return {c["type"]: c["status"] for c in pod["status"].get("conditions", [])}.get("Ready") == "True"
 

@@ -33,6 +33,7 @@ from epd_dev.vllm.payloads import image_part, messages
 from epd_dev.vllm.real_node import node_manifest
 from tests.node.conftest import (
     chat_request,
+    container_spec,
     deployed_ready,
     engine_core,
     get,
@@ -41,6 +42,7 @@ from tests.node.conftest import (
     reference_url,
     scrape,
     sdk,
+    server_load,
 )
 
 pytestmark = [pytest.mark.node, pytest.mark.cluster, pytest.mark.vllm]
@@ -80,8 +82,7 @@ def unit_pod(cluster, namespace: str) -> dict:
 
 
 def encoder_url(pod: dict, container: str) -> str:
-    (spec,) = [c for c in pod["spec"].get("initContainers", []) + pod["spec"]["containers"] if c["name"] == container]
-    return f"http://{pod['status']['podIP']}:{spec['ports'][0]['containerPort']}"
+    return f"http://{pod['status']['podIP']}:{container_spec(pod, container)['ports'][0]['containerPort']}"
 
 
 def health(url: str) -> int:
@@ -202,10 +203,6 @@ def test_the_in_flight_count_the_check_reads_returns_to_zero_when_clients_leave(
     that they leave before their answers end."""
     consumer = deployed.unit.consumer_urls[0]
     core = engine_core(cluster.real_node(), kubelet_view(unit_pod(cluster, node_namespace))["regular-0"][0])
-
-    def load() -> int:
-        return int(httpx.get(consumer + "/load", timeout=5).json()["server_load"])
-
     request = chat_request(messages(text="count"))
     request.update(request.pop("extra_body"))
     os.kill(core, signal.SIGSTOP)
@@ -213,10 +210,10 @@ def test_the_in_flight_count_the_check_reads_returns_to_zero_when_clients_leave(
         # A stream whose answer has begun (vLLM sends its head before the first token), left.
         with httpx.stream("POST", consumer + "/v1/chat/completions", json={**request, "stream": True}) as stream:
             assert stream.status_code == 200
-            assert load() == 1  # the tracking is on (rendered for every engine)
+            assert server_load(consumer) == 1  # the tracking is on (rendered for every engine)
         # A client that gives up before its answer (its timeout): the connection closed.
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(consumer + "/v1/chat/completions", json=request, timeout=httpx.Timeout(60, read=2))
     finally:
         os.kill(core, signal.SIGCONT)
-    wait_for(lambda: load() == 0, 30, "vLLM's /load back to 0 once both clients left")
+    wait_for(lambda: server_load(consumer) == 0, 30, "vLLM's /load back to 0 once both clients left")

@@ -47,6 +47,7 @@ from epd_operator.resources import UNIT_UID
 from tests.node.conftest import (
     Deployed,
     chat_request,
+    container_spec,
     deployed_ready,
     engine_core,
     get,
@@ -55,6 +56,7 @@ from tests.node.conftest import (
     pod_ready,
     reference_url,
     sdk,
+    server_load,
     wait_ready,
 )
 
@@ -589,15 +591,9 @@ async def test_a_vime_rollout_runs_unchanged_against_vime_args(deployed, referen
 def liveness_check(cluster, namespace: str, pod: dict, container: str) -> subprocess.CompletedProcess[str]:
     """The container's liveness check as its probe runs it, allowing no stall at all (its own
     record, not the kubelet's probe's)."""
-    (spec,) = [c for c in pod["spec"].get("initContainers", []) + pod["spec"]["containers"] if c["name"] == container]
-    *command, _, _ = spec["livenessProbe"]["exec"]["command"]
+    *command, _, _ = container_spec(pod, container)["livenessProbe"]["exec"]["command"]
     check = [*command, "0", "/tmp/epd-liveness-check.json"]
     return cluster.kubectl("exec", "-n", namespace, pod["metadata"]["name"], "-c", container, "--", *check, check=False)
-
-
-def in_flight(url: str) -> int:
-    with urllib.request.urlopen(url + "/load", timeout=10) as resp:
-        return int(json.loads(resp.read())["server_load"])
 
 
 async def test_pause_and_resume_hold_every_engine(cluster, deployed, node_namespace):
@@ -612,7 +608,7 @@ async def test_pause_and_resume_hold_every_engine(cluster, deployed, node_namesp
         assert not held.done(), "a paused engine generated"
         # The engine holding it waits by design: its liveness check, which fails an engine whose
         # requests wait while no step finishes, passes it (vLLM's /is_paused says why).
-        waiting = [e.name for e in engines if e.url and in_flight(e.url) > 0]
+        waiting = [e.name for e in engines if e.url and server_load(e.url) > 0]
         assert len(waiting) == 1, waiting
         pod = unit_pod(cluster, node_namespace)
         checks = [await asyncio.to_thread(liveness_check, cluster, node_namespace, pod, waiting[0]) for _ in range(2)]
