@@ -49,6 +49,9 @@ DEMO_DIR = ".demo"
 NAMESPACE = "epd-demo"
 SEEDS = ("encoder-regular.yaml", "encoder-prefill-decode.yaml")
 ENVS = ["serve", "router"]
+# The demo's two build streams (build_missing), as `make test` runs them side by side.
+GO_BUILDS = [sys.executable, "-m", "epd_dev.localcluster.build", "--real-nodes", "1"]
+IMAGES_BESIDE_GO = [sys.executable, "-m", "epd_dev.images", "build", "--without-go"]
 # The local model's PersistentVolume and claim (a PV is cluster-wide).
 MODEL_CLAIM = "tiny-llava-model"
 # Measured (PSS of each engine's processes, serving): prefill, decode and the reference 2.3 GB
@@ -102,11 +105,9 @@ def check_cache_writable(wanted: dict[str, Path]) -> None:
 def missing_caches(runs_engines: bool) -> dict[str, Path]:
     """What `up` would install or build, and the cache folder it goes to."""
     wanted = {}
-    if binaries.missing_binaries():
-        wanted["the control plane (make cluster)"] = binaries.cache_dir()
+    for bset, names in binaries.missing_by_set(binaries.cluster_sets(real_nodes=1 if runs_engines else 0)).items():
+        wanted[f"{', '.join(names)} (make cluster)"] = binaries.cache_dir(bset)
     if runs_engines:
-        if binaries.missing_binaries(binaries.NODE):
-            wanted["the real node's kubelet and kube-proxy (make cluster)"] = binaries.cache_dir(binaries.NODE)
         builder = images.Builder()
         # Without the control plane's build there is no Go module cache to key the pause image by.
         if binaries.missing_binaries() or any(builder.cached(name) is None for name in images.ALL):
@@ -289,16 +290,42 @@ def simulated_part(cluster: Any, namespace: str, operator_log: Callable[[], str]
 
 
 def build_missing() -> None:
-    """What the embedded run needs and the cache lacks: each step says what it does (the first
-    time: the control plane about 15 min, the node 2 min, the images about 12 min)."""
+    """What the embedded run needs and the cache lacks, as `make test` builds it: the Go builds
+    (binaries.cluster_sets: the control plane, the node's kubelet, kube-proxy and kube-router)
+    beside the images that need none of them (the vLLM venvs first), then the pause image and the
+    tiny model. Each stream prints its own progress."""
     banner("Building what is missing (cached in " + str(paths.cache_root()) + ")")
-    for bset in (binaries.CONTROL_PLANE, binaries.NODE):
-        if binaries.missing_binaries(bset):
-            binaries.build(bset=bset)
-    envs.install(ENVS)
-    say(f"tiny model: {tiny_model.tiny_model_path()}")
+    streams = {"the images (vLLM venvs, base, vllm-cpu, vllm-router, epd-operator)": IMAGES_BESIDE_GO}
+    if binaries.missing_by_set(binaries.cluster_sets(real_nodes=1)):
+        streams = {"the Go builds (control plane, kubelet, kube-proxy, kube-router)": GO_BUILDS, **streams}
+    run_side_by_side(streams)
+    started = time.monotonic()
     images.Builder().build()
+    envs.install(ENVS)  # the image builds installed them, unless the images were cached already
+    say(f"tiny model: {tiny_model.tiny_model_path()} ({time.monotonic() - started:.0f}s with the pause image)")
     say("images: " + ", ".join(images.Builder().image(name).ref for name in images.ALL))
+
+
+def run_side_by_side(commands: dict[str, list[str]]) -> None:
+    """Run the commands at once, their output going to the terminal; say when each is done.
+    Interrupted, or when one fails, the others are stopped as Ctrl-C stops them."""
+    began = time.monotonic()
+    running = {what: subprocess.Popen(cmd, cwd=paths.REPO) for what, cmd in commands.items()}
+    try:
+        while running:
+            for what, proc in list(running.items()):
+                if proc.poll() is None:
+                    continue
+                del running[what]
+                if proc.returncode != 0:
+                    raise DemoError(f"building {what} failed (exit {proc.returncode}); its output is above")
+                say(f"built {what} in {time.monotonic() - began:.0f}s")
+            time.sleep(0.5)
+    finally:
+        for proc in running.values():
+            proc.send_signal(signal.SIGINT)
+        for proc in running.values():
+            proc.wait()
 
 
 def start_embedded(root: Path) -> LocalCluster:

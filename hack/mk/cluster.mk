@@ -10,10 +10,9 @@ CLUSTER_PY = $(PY)
 
 .PHONY: cluster cluster-up cluster-down cluster-status images images-vllm images-status test-node
 
-## cluster: build etcd, kube-apiserver/-controller-manager/-scheduler, kubectl, kwok, helm once, and the real node's kubelet and kube-proxy (cached in $EPD_CACHE)
+## cluster: build etcd, kube-apiserver/-controller-manager/-scheduler, kubectl, kwok, helm once, the real node's kubelet, kube-proxy and kube-router, and promtool (cached in $EPD_CACHE)
 cluster: venv
-	$(CLUSTER_PY) -m epd_dev.localcluster.build
-	$(if $(filter 0,$(CLUSTER_REAL_NODES)),,$(CLUSTER_PY) -m epd_dev.localcluster.build --node)
+	$(CLUSTER_PY) -m epd_dev.localcluster.build --real-nodes $(CLUSTER_REAL_NODES) --promtool
 
 ## cluster-up: start the local control plane with fake GPU nodes and the real node in .cluster/ (CLUSTER_DIR=)
 cluster-up: cluster
@@ -25,7 +24,7 @@ images: vllm-envs cluster
 
 ## images-vllm: build the images that need no Go build (base, vllm-cpu, vllm-router, epd-operator): make test builds them beside the control plane
 images-vllm: vllm-envs
-	$(CLUSTER_PY) -m epd_dev.images build base vllm-cpu vllm-router epd-operator
+	$(CLUSTER_PY) -m epd_dev.images build --without-go
 
 ## images-status: each image's ref, content key and whether it is cached
 images-status: venv

@@ -72,15 +72,18 @@ def _import_pause(real: RealNode) -> None:
 
 
 def require_binaries() -> None:
-    """Fail (never skip) when the control plane has not been built."""
-    missing = binaries.missing_binaries()
+    """Fail (never skip) when what the session's cluster starts with has not been built."""
+    missing = binaries.missing_by_set(binaries.cluster_sets(_real_nodes()))
     if missing:
         pytest.fail(
-            f"local control plane binaries are not built ({', '.join(missing)} missing from "
-            f"{binaries.bin_dir()}).\nBuild them once (about 15 min cold on 2 cores) with:\n\n"
-            f"    {BUILD_HINT}\n",
+            f"the local cluster's binaries are not built: {binaries.describe_missing(missing)}.\n"
+            f"Build them once (about 15 min cold on 2 cores) with:\n\n    {BUILD_HINT}\n",
             pytrace=False,
         )
+
+
+def _real_nodes() -> int:
+    return 0 if os.environ.get("EPD_TEST_REAL_NODES") == "0" else 1
 
 
 def _start_cluster() -> tuple[LocalCluster, str]:
@@ -89,7 +92,7 @@ def _start_cluster() -> tuple[LocalCluster, str]:
     candidates = (
         [Path(env)] if env else [REPO / (".cluster-test" if i == 1 else f".cluster-test-{i}") for i in range(1, 9)]
     )
-    real = 0 if os.environ.get("EPD_TEST_REAL_NODES") == "0" else 1
+    real = _real_nodes()
     for folder in candidates:
         local = LocalCluster(folder, nodes=4, die_with_parent=True, real_nodes=real, on_node_runtime=_import_pause)
         try:

@@ -36,6 +36,9 @@ ARCHIVE = "image.tar"
 # Image tools from Debian (bookworm: buildah 1.28.2, debootstrap 1.0.128).
 PACKAGES = ("buildah", "debootstrap", "gcc", "libc6-dev")
 ALL = ("pause", "base", "vllm-cpu", "vllm-router", "epd-operator")
+# The pause image is built from the Go module cache the control plane's build fills; the others
+# need no Go build, so `make test` and `make demo` build them beside it.
+WITHOUT_GO = tuple(name for name in ALL if name != "pause")
 # containerd label naming the key an imported image was built with.
 KEY_LABEL = "epd.vime.dev/image-key"
 # Free disk a build needs at its peak (vfs storage: working container, committed layer, archive).
@@ -382,8 +385,10 @@ def _labelled(node: Any) -> dict[str, str]:
 
 
 def _env_path(name: str) -> Path:
+    """The venv an image is made of, installed first if it is not yet (`make vllm-envs`)."""
     from ..vllm import envs
 
+    envs.install([name])
     if name == "serve":
         return envs.serving_python().parent.parent
     return envs.router_binary().parent.parent
@@ -423,6 +428,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p_build = sub.add_parser("build", help="build missing images into the cache")
     p_build.add_argument("names", nargs="*", metavar="NAME", help=", ".join(ALL))
+    p_build.add_argument(
+        "--without-go", action="store_true", help=f"only those that need no Go build: {', '.join(WITHOUT_GO)}"
+    )
     p_build.add_argument("--import-into", metavar="CLUSTER_DIR", help="then import them into that cluster's real node")
     sub.add_parser("status", help="each image's ref, key and whether it is cached")
     args = parser.parse_args(argv)
@@ -433,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:13} {image.ref:40} {image.key}  {'cached' if builder.cached(name) else 'not built'}")
         return 0
     try:
-        builder.build(tuple(args.names) or ALL)
+        builder.build(WITHOUT_GO if args.without_go else tuple(args.names) or ALL)
     except CommandFailed as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

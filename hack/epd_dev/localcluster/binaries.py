@@ -1,6 +1,6 @@
 """The control plane and real node binaries: versions, cache location, and the one-time build.
 
-    python -m epd_dev.localcluster.build [--node] [--force] [--print-bin-dir]   (see build.py)
+    python -m epd_dev.localcluster.build [--real-nodes 0|1] [--promtool] [--force] [--print-bin-dir]
 
 Every binary is compiled from published Go modules pinned by the go.mod/go.sum
 files under hack/go (no Docker, no release downloads). Four sets, each with a cache
@@ -9,8 +9,9 @@ in ``<cache root>/controlplane/<key>/bin``, with promtool (``MONITORING``: hack/
 which checks the chart's alerting rules) in ``<cache root>/monitoring/<key>/bin``; the real
 node's kubelet and kube-proxy (``NODE``: hack/go/node) in ``<cache root>/node/<key>/bin``
 (``epd_dev.paths.cache_root``), and its NetworkPolicy engine, kube-router
-(``NETWORK_POLICY``: hack/go/kube-router), in ``<cache root>/network-policy/<key>/bin``;
-``--node`` builds the last two.
+(``NETWORK_POLICY``: hack/go/kube-router), in ``<cache root>/network-policy/<key>/bin``.
+``cluster_sets`` is the one list of what a local cluster starts with: its start checks it, and
+``make cluster`` and ``make demo`` build it.
 A set's key names its versions plus a hash of its own Go module files only, so changing a
 pin builds a fresh cache entry of that set and never mixes versions; the node's module
 can change without rebuilding the control plane (the Go build cache makes the node quick
@@ -193,6 +194,14 @@ MONITORING = BinarySet(
     MONITORING_RECIPE,
     f"prometheus-{PROMETHEUS_VERSION}_prometheus-operator-{PROMETHEUS_OPERATOR_VERSION}",
 )
+
+
+def cluster_sets(real_nodes: int) -> tuple[BinarySet, ...]:
+    """The binary sets a local cluster starts with: the control plane, and with the real node its
+    kubelet and kube-proxy and its NetworkPolicy engine."""
+    return (CONTROL_PLANE, NODE, NETWORK_POLICY) if real_nodes else (CONTROL_PLANE,)
+
+
 # The Prometheus Operator's CRDs of the chart's monitoring objects, copied from its module into
 # the monitoring cache: the tests validate the rendered objects against them on the API server.
 MONITORING_CRDS_DIR = "crds"
@@ -262,6 +271,17 @@ def missing_binaries(bset: BinarySet = CONTROL_PLANE) -> list[str]:
     if not (cache_dir(bset) / MANIFEST).is_file():
         return list(bset.names)
     return [n for n in bset.names if not os.access(bin_dir(bset) / n, os.X_OK)]
+
+
+def missing_by_set(sets: tuple[BinarySet, ...]) -> dict[BinarySet, list[str]]:
+    """Each set of `sets` that lacks binaries, with their names (empty when all are built)."""
+    missing = {bset: missing_binaries(bset) for bset in sets}
+    return {bset: names for bset, names in missing.items() if names}
+
+
+def describe_missing(missing: dict[BinarySet, list[str]]) -> str:
+    """What is missing and where it belongs, for an error that ends with the command to build it."""
+    return "; ".join(f"{', '.join(names)} (in {bin_dir(bset)})" for bset, names in missing.items())
 
 
 def version_of(path: Path, binary: Binary) -> str | None:
@@ -434,16 +454,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--force", action="store_true", help="rebuild even if cached")
     parser.add_argument(
-        "--node", action="store_true", help="the real node's kubelet, kube-proxy and kube-router instead"
+        "--real-nodes",
+        type=int,
+        choices=(0, 1),
+        default=1,
+        help="1 (default): also what the real node runs (its kubelet, kube-proxy and kube-router)",
     )
     parser.add_argument(
-        "--print-bin-dir", action="store_true", help="print the cache's bin folder and exit (builds nothing)"
+        "--print-bin-dir",
+        action="store_true",
+        help="print the control plane's bin folder (kubectl, helm) and exit (builds nothing)",
+    )
+    parser.add_argument(
+        "--promtool", action="store_true", help="also promtool, with which the tests check the chart's alerting rules"
     )
     args = parser.parse_args(argv)
-    sets = (NODE, NETWORK_POLICY) if args.node else (CONTROL_PLANE, MONITORING)
     if args.print_bin_dir:
-        print(*(bin_dir(bset) for bset in sets), sep="\n")
+        print(bin_dir(CONTROL_PLANE))
         return 0
-    for bset in sets:
+    for bset in (*cluster_sets(args.real_nodes), *((MONITORING,) if args.promtool else ())):
         build(force=args.force, bset=bset)
     return 0

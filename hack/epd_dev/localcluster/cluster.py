@@ -188,7 +188,7 @@ class LocalCluster:
     """One local control plane rooted at ``dir``.
 
     ``nodes`` fake GPU nodes are created, and ``real_nodes`` (0 or 1) real ones
-    (node.py); ``bin_dir`` defaults to the build cache; ``extra_stages`` are kwok
+    (node.py); the binaries come from the build cache; ``extra_stages`` are kwok
     Stage files added to kwok's standard ones (default: this package's
     ``stages/*.yaml``). ``on_node_runtime`` is called with the `RealNode` once its
     containerd runs, before its kubelet starts (the images are imported then).
@@ -202,7 +202,6 @@ class LocalCluster:
         dir: str | os.PathLike = ".cluster",
         nodes: int = 4,
         *,
-        bin_dir: str | os.PathLike | None = None,
         die_with_parent: bool = False,
         extra_stages: list[str | os.PathLike] | None = None,
         log: Callable[[str], None] | None = None,
@@ -215,7 +214,7 @@ class LocalCluster:
         self.nodes = nodes
         self.real_nodes = real_nodes
         self.on_node_runtime = on_node_runtime
-        self.bin_dir = Path(bin_dir) if bin_dir else binaries.bin_dir()
+        self.bin_dir = binaries.bin_dir()
         # For test sessions: the kernel kills the components if the launching
         # process dies (even by SIGKILL), so no orphan outlives a killed pytest.
         # SIGKILL, not SIGTERM: all would get it at once, and an apiserver whose
@@ -320,15 +319,13 @@ class LocalCluster:
         self.stop()
 
     def start(self, timeout: float = 180) -> LocalCluster:
-        """Start a fresh cluster, killing whatever an earlier run left in ``dir``."""
-        missing = [n for n in binaries.NAMES if not os.access(self.bin_dir / n, os.X_OK)]
-        if self.real_nodes:
-            missing += binaries.missing_binaries(binaries.NODE)
-            missing += binaries.missing_binaries(binaries.NETWORK_POLICY)
+        """Start a fresh cluster, killing whatever an earlier run left in ``dir``. Each wait for a
+        component may take `timeout` seconds of its own, whatever came before it: importing the
+        node's images takes minutes the first time and is no part of any wait."""
+        missing = binaries.missing_by_set(binaries.cluster_sets(self.real_nodes))
         if missing:
             raise ClusterError(
-                f"control plane binaries missing from {self.bin_dir}: {', '.join(missing)}. "
-                "Build them once with: make cluster"
+                f"binaries missing: {binaries.describe_missing(missing)}. Build them once with: make cluster"
             )
         for attempt in (1, 2):
             try:
@@ -345,7 +342,6 @@ class LocalCluster:
 
     def _start(self, timeout: float) -> None:
         began = time.monotonic()
-        deadline = began + timeout
         self._claim_dir()
         leftovers = self._terminate_recorded()
         if leftovers:
@@ -375,28 +371,27 @@ class LocalCluster:
             nodes = f"{self.nodes} kwok nodes" + (f" and the real node {node.NAME}" if real else "")
             self._log(f"starting in {self.dir} (apiserver {self.api_host}:{ports['apiserver']}, {nodes})")
             self._spawn("etcd", self._etcd_args())
-            self._wait("etcd healthy", self._etcd_healthy, deadline, "etcd")
+            self._wait("etcd healthy", self._etcd_healthy, timeout, "etcd")
             self._spawn("kube-apiserver", self._apiserver_args())
-            self._wait("kube-apiserver ready", self._apiserver_ready, deadline, "kube-apiserver")
+            self._wait("kube-apiserver ready", self._apiserver_ready, timeout, "kube-apiserver")
             # Nodes exist before kwok starts so it picks them all up at once.
             self._create_nodes()
             self._spawn("kube-controller-manager", self._controller_manager_args())
             self._spawn("kube-scheduler", self._scheduler_args())
             self._spawn("kwok", self._kwok_args())
             if real is not None:
-                # Importing images (minutes for vLLM's, once per image version) is not start-up.
-                deadline += self._start_real_node(real, deadline)
+                self._start_real_node(real, timeout)
             self._wait(
                 "kube-controller-manager healthy",
                 lambda: self._https_ok(ports["controller-manager"]),
-                deadline,
+                timeout,
                 "kube-controller-manager",
             )
-            self._wait("kube-scheduler healthy", lambda: self._https_ok(ports["scheduler"]), deadline, "kube-scheduler")
-            self._wait("kwok healthy", self._kwok_healthy, deadline, "kwok")
-            self._wait(f"{self.nodes} nodes Ready and untainted", self._nodes_ready, deadline, "kwok")
+            self._wait("kube-scheduler healthy", lambda: self._https_ok(ports["scheduler"]), timeout, "kube-scheduler")
+            self._wait("kwok healthy", self._kwok_healthy, timeout, "kwok")
+            self._wait(f"{self.nodes} nodes Ready and untainted", self._nodes_ready, timeout, "kwok")
             if real is not None:
-                self._wait(f"{node.NAME} Ready", self._real_node_ready, deadline, "kubelet")
+                self._wait(f"{node.NAME} Ready", self._real_node_ready, timeout, "kubelet")
                 self.kubectl(
                     "patch",
                     "node",
@@ -406,24 +401,22 @@ class LocalCluster:
                     "-p",
                     json.dumps(node.gpu_status_patch(node.GPUS)),
                 )
-                self._wait(f"{node.NAME} offers nvidia.com/gpu: {node.GPUS}", self._real_node_gpus, deadline, "kubelet")
-            self._wait("default ServiceAccount", self._default_sa_exists, deadline, "kube-controller-manager")
+                self._wait(f"{node.NAME} offers nvidia.com/gpu: {node.GPUS}", self._real_node_gpus, timeout, "kubelet")
+            self._wait("default ServiceAccount", self._default_sa_exists, timeout, "kube-controller-manager")
         except BaseException:
             self.stop(quiet=True)
             raise
         self._log(f"cluster ready in {format_seconds(time.monotonic() - began)}; KUBECONFIG={self.kubeconfig}")
 
-    def _start_real_node(self, real: node.RealNode, deadline: float) -> float:
-        """Start containerd, run `on_node_runtime`, start the kubelet and kube-proxy; return the
-        seconds `on_node_runtime` took."""
+    def _start_real_node(self, real: node.RealNode, timeout: float) -> None:
+        """Start containerd, run `on_node_runtime`, start the kubelet, kube-proxy and kube-router;
+        each wait has `timeout` seconds from when it begins."""
         real.write_configs(self.pki, self.dir / "kubeconfigs")
         self._spawn("containerd", real.containerd_args(), binary=node.CONTAINERD)
-        self._wait("containerd ready", real.containerd_ready, deadline, "containerd")
+        self._wait("containerd ready", real.containerd_ready, timeout, "containerd")
         real.purge_containers()  # what a killed run left in the kept containerd root
-        hook_started = time.monotonic()
         if self.on_node_runtime is not None:
             self.on_node_runtime(real)
-        hook_seconds = time.monotonic() - hook_started
         self._spawn("kubelet", real.kubelet_args(self.dir / "kubeconfigs"), binary=self._node_bin("kubelet"))
         self._spawn("kube-proxy", real.kube_proxy_args(), binary=self._node_bin("kube-proxy"))
         self.kubectl("apply", "-f", "-", input=json.dumps(KUBE_ROUTER_RBAC))
@@ -433,11 +426,10 @@ class LocalCluster:
             real.kube_router_args(self.dir / "kubeconfigs", health_port),
             binary=binaries.bin_dir(binaries.NETWORK_POLICY) / "kube-router",
         )
-        self._wait("kube-router enforcing NetworkPolicies", lambda: _http_ok(health_port), deadline, "kube-router")
+        self._wait("kube-router enforcing NetworkPolicies", lambda: _http_ok(health_port), timeout, "kube-router")
         real.record(
             {n: {"pid": p.pid, "start_ticks": p.start_ticks} for n, p in self._procs.items() if n in NODE_COMPONENTS}
         )
-        return hook_seconds
 
     @staticmethod
     def _node_bin(name: str) -> Path:
@@ -531,7 +523,7 @@ class LocalCluster:
         os.killpg(proc.pid, signal.SIGKILL if hard else signal.SIGTERM)
         proc.popen.wait(timeout=60)
         self._spawn(component, [*args(), *extra_args], binary=binary)
-        self._wait(f"{component} healthy again", healthy, began + timeout, component)
+        self._wait(f"{component} healthy again", healthy, timeout, component)
         if real is not None and component in NODE_COMPONENTS:
             real.record(
                 {
@@ -900,8 +892,9 @@ current-context: epd-local
                 procs.append(_Proc(name, rec["pid"], rec["start_ticks"]))
         return procs
 
-    def _wait(self, what: str, check: Callable[[], bool], deadline: float, component: str) -> None:
+    def _wait(self, what: str, check: Callable[[], bool], timeout: float, component: str) -> None:
         began = time.monotonic()
+        deadline = began + timeout
         while True:
             dead = [p.name for p in self._procs.values() if not _alive(p)]
             if dead:
