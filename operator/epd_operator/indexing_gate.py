@@ -6,7 +6,8 @@ kopf 1.45's ToggleSet wakes every waiting worker on each of those changes, thoug
 only once: with n objects that is n^2 wake-ups (each re-taking the set's lock), which kept an
 operator restarted beside 1,000 EPDDeployments (7,000 watched objects) from reconciling anything
 for over ten minutes on a 2-core machine (docs/performance.md). `install` replaces kopf's class by
-one that wakes the waiters only when the set's state changes, which is all they wait for.
+one that wakes the waiters only when the set's state changes, which is all they wait for, as
+long as kopf's module is the one it was written against (kopf_source.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from kopf._cogs.aiokits import aiotoggles  # kopf's own module: nothing public to hook into
+
+from . import kopf_source
+
+# kopf 1.45.2's aiotoggles.py (kopf_source.py).
+AIOTOGGLES_SHA256 = "8308730e8c42c15fc975c4900bad8ab12589f654f699feff5a25f3032416e444"
 
 
 class QuietToggleSet(aiotoggles.ToggleSet):
@@ -40,6 +46,10 @@ class QuietToggleSet(aiotoggles.ToggleSet):
                 self._condition.notify_all()
 
 
-def install() -> None:
-    """Make kopf build its ToggleSets as QuietToggleSet (before kopf.run)."""
+def install() -> bool:
+    """Make kopf build its ToggleSets as QuietToggleSet (before kopf.run); False, and kopf's
+    own class, if kopf's module is not the one this was written against."""
+    if not kopf_source.unchanged(aiotoggles, AIOTOGGLES_SHA256, "the quiet indexing gate"):
+        return False
     aiotoggles.ToggleSet = QuietToggleSet  # type: ignore[misc]
+    return True
