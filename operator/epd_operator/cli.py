@@ -1,6 +1,5 @@
-"""`epd-operator`: run the operator, the processes of its pods (janitor, proxy), and offline
-tools (render, convert, crds) for people. One module, though past 350 lines: one argparse
-tree, so every subcommand's --help and errors read alike."""
+"""`epd-operator`: the command line users meet. One argparse tree for every subcommand (the
+operator, the processes of its pods, the offline tools), so their --help and errors read alike."""
 
 from __future__ import annotations
 
@@ -286,15 +285,45 @@ def _add_proxy_parser(sub: Any) -> None:
         help="on SIGTERM, how long requests in flight may take to finish (keep it under the pod's "
         "terminationGracePeriodSeconds)",
     )
-    proxy.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    proxy.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="a prime failure is a WARNING line",
+    )
     proxy.set_defaults(func=_proxy)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="epd-operator", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+DESCRIPTION = """\
+The operator for vLLM Encoder-Prefill Disaggregation (EPD): an EPDDeployment (epd.vime.dev/v1alpha1)
+becomes EPD units whose encoder engines write image embeddings that their language engines read.
 
-    run = sub.add_parser("run", help="run the operator (wraps kopf)")
+Try a manifest before applying it:
+  epd-operator render -f my-epd.yaml           every engine's vLLM command line, checked as the operator checks it
+  epd-operator render -f my-epd.yaml --objects the StatefulSets, Services and budgets it would create
+  epd-operator convert -f vime.yaml            a Vime `vllm:` config as an EPDDeployment
+
+The operator itself is installed with its Helm chart (charts/epd-operator), which runs
+`epd-operator run`; `janitor` and `proxy` run inside the units' pods.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="epd-operator",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="`epd-operator <command> --help` says more about each. Docs: docs/api.md, docs/rendering.md.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="<command>")
+
+    run = sub.add_parser(
+        "run",
+        help="run the operator (what the Helm chart's Deployment runs)",
+        description="Reconcile the EPDDeployments of the watched namespaces: validate each spec, render its "
+        "engines' vLLM commands, and create and keep its units (StatefulSets, Services, budgets), reporting "
+        "in status.conditions and Events. Uses the in-cluster credentials, else $KUBECONFIG. Built on kopf.",
+    )
     run.add_argument("-n", "--namespace", action="append", default=[], help="watch this namespace (repeatable)")
     run.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace")
     run.add_argument("--peering", default=None, help="kopf peering name for leader election among replicas")
@@ -305,7 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="peering priority: the highest live peer works, the others stand by; 'random' gives "
         "each replica its own (kopf pauses every peer while two share the top priority)",
     )
-    run.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="liveness endpoint URL")
+    run.add_argument(
+        "--liveness", default="http://0.0.0.0:8080/healthz", help="where the liveness probe's /healthz is served"
+    )
     run.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port (0: off)")
     run.add_argument(
         "--janitor-scrape-interval",
@@ -335,13 +366,36 @@ def build_parser() -> argparse.ArgumentParser:
         help="refuse specs whose unit or encoder pool pods would request more GPUs (no node has more; "
         f"default {DEFAULT_MAX_GPUS_PER_POD})",
     )
-    run.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    run.add_argument("--log-format", default="plain", choices=["plain", "full", "json"])
+    run.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="DEBUG also logs every handler kopf runs",
+    )
+    run.add_argument(
+        "--log-format",
+        default="plain",
+        choices=["plain", "full", "json"],
+        help="json: one object a line, with the EPDDeployment's namespace/name under `epd`",
+    )
     run.set_defaults(func=_run)
 
-    render = sub.add_parser("render", help="print every engine's and router's command line, or the objects")
+    render = sub.add_parser(
+        "render",
+        help="print every engine's and router's command line, or the objects the operator would create",
+        description="Validate an EPDDeployment as the operator does (the same rules, the same messages) and print "
+        "what it makes of it: each engine's `vllm serve` command and environment, each router's command, or with "
+        "--objects the Kubernetes objects. Nothing is sent to a cluster. Example: epd-operator render -f "
+        "docs/examples/encoder-prefill-decode.yaml",
+    )
     render.add_argument("-f", "--file", required=True, help="EPDDeployment manifest ('-' for stdin)")
-    render.add_argument("-o", "--output", choices=["text", "json"], default="text")
+    render.add_argument(
+        "-o",
+        "--output",
+        choices=["text", "json"],
+        default="text",
+        help="text: a shell-like listing per unit; json: the same as data, for scripts",
+    )
     render.add_argument(
         "--objects",
         action="store_true",
@@ -351,13 +405,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--janitor-image", default=None, help="the EC janitor's image in --objects (default: as `run` picks it)"
     )
     render.add_argument("--namespace", default="default", help="namespace when the manifest has none")
-    render.add_argument("--uid", default="00000000-0000-0000-0000-000000000000", help="object uid to assume")
+    render.add_argument(
+        "--uid",
+        default="00000000-0000-0000-0000-000000000000",
+        help="the EPDDeployment's uid to assume when the manifest has none (it names the EC store folders)",
+    )
     render.set_defaults(func=_render)
 
-    convert = sub.add_parser("convert", help="turn a Vime `vllm:` config into an EPDDeployment")
+    convert = sub.add_parser(
+        "convert",
+        help="turn a Vime `vllm:` config into an EPDDeployment",
+        description="Read a Vime rollout config (its `vllm:` list of models and server groups) and print the "
+        "EPDDeployment that runs the same topology, ready for kubectl apply; what does not carry over is said on "
+        "stderr as `note:` lines. Example: epd-operator convert -f vime.yaml --name rollout | kubectl apply -f -",
+    )
     convert.add_argument("-f", "--file", required=True, help="Vime config YAML ('-' for stdin)")
     convert.add_argument("--name", default="vime", help="EPDDeployment name")
-    convert.add_argument("--image", default="vllm/vllm-openai:v0.33.0", help="vLLM image")
+    convert.add_argument("--image", default="vllm/vllm-openai:v0.33.0", help="the vLLM image of every engine")
     convert.add_argument(
         "--hf-checkpoint",
         "--model",
@@ -373,18 +437,36 @@ def build_parser() -> argparse.ArgumentParser:
         help="Vime's --rollout-num-gpus-per-engine: GPUs per engine of groups whose group and model set none",
     )
     convert.add_argument("--vllm-version", default=None, help="spec.vllmVersion, when the image tag does not tell")
-    convert.add_argument("--namespace", default=None)
+    convert.add_argument("--namespace", default=None, help="metadata.namespace of the EPDDeployment (default: none)")
     convert.set_defaults(func=_convert)
 
-    crds = sub.add_parser("crds", help="print the generated CustomResourceDefinition")
+    crds = sub.add_parser(
+        "crds",
+        help="print the EPDDeployment CustomResourceDefinition",
+        description="Print the CRD the operator serves, generated from its API models (the Helm chart installs the "
+        "same one): epd-operator crds | kubectl apply --server-side -f -",
+    )
     crds.set_defaults(func=_crds)
 
-    janitor = sub.add_parser("janitor", help="keep EC stores under a byte budget (runs in each unit)")
+    janitor = sub.add_parser(
+        "janitor",
+        help="keep a unit's EC stores under a byte budget (runs in each unit's pod)",
+        description="Keep EC store folders (the encoders' embeddings, one folder per media hash) under a byte "
+        "budget: remove abandoned entries, those older than --ttl-seconds, then the oldest until the stores fit "
+        "--max-bytes; count the consumers' fallback encodes (empty folders). The operator adds it to every unit "
+        "(spec.ecStorage); docs/ec-storage.md.",
+    )
     janitor.add_argument("--path", action="append", required=True, help="an EC store folder (repeatable)")
-    janitor.add_argument("--max-bytes", type=int, required=True)
-    janitor.add_argument("--ttl-seconds", type=int, default=None)
-    janitor.add_argument("--interval", type=float, default=2.0)
-    janitor.add_argument("--metrics-port", type=int, default=0)
+    janitor.add_argument(
+        "--max-bytes", type=int, required=True, help="the stores' byte budget: the oldest entries go first"
+    )
+    janitor.add_argument(
+        "--ttl-seconds", type=int, default=None, help="also remove entries this old (default: no age limit)"
+    )
+    janitor.add_argument("--interval", type=float, default=2.0, help="seconds between two passes over the stores")
+    janitor.add_argument(
+        "--metrics-port", type=int, default=0, help="serve /metrics (evictions, bytes, fallback encodes) here (0: off)"
+    )
     janitor.set_defaults(func=_janitor)
 
     _add_proxy_parser(sub)

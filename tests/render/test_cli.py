@@ -1,9 +1,12 @@
 """`epd-operator render` as people call it, on the documented examples."""
 
+import argparse
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+from epd_operator.cli import build_parser
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "encoder-prefill-decode.yaml"
 
@@ -41,3 +44,31 @@ def test_render_refuses_an_invalid_manifest_naming_the_rule(tmp_path):
     out = run("-f", str(bad))
     assert out.returncode == 1
     assert "model 'default': encoder+prefill is incomplete: add a decode group" in out.stderr
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(sub.choices)
+
+
+def test_every_subcommand_says_what_it_does_and_every_option_what_it_means():
+    parser = build_parser()
+    subcommands = _subcommands(parser)
+    assert set(subcommands) == {"run", "render", "convert", "crds", "janitor", "proxy"}
+    for name, subparser in subcommands.items():
+        assert subparser.description and len(subparser.description) > 80, f"`epd-operator {name}` has no description"
+        undocumented = [
+            action.option_strings[0]
+            for action in subparser._actions
+            if action.option_strings and not isinstance(action, argparse._HelpAction) and not action.help
+        ]
+        assert undocumented == [], f"`epd-operator {name}` options without help: {undocumented}"
+
+
+def test_the_top_level_help_speaks_to_users():
+    out = subprocess.run(
+        [sys.executable, "-m", "epd_operator.cli", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    assert "EPDDeployment" in out and "epd-operator render -f" in out and "Helm chart" in out
+    for name in _subcommands(build_parser()):
+        assert f"    {name} " in out
