@@ -32,7 +32,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import yaml
 
@@ -46,6 +46,8 @@ from .operator_process import OperatorProcess, get_json, group_members, install_
 from .vllm import envs, real_node, tiny_model
 
 DEMO_DIR = ".demo"
+# While the first run builds vLLM's image: the SIMULATED part on a cluster of its own (`preview`).
+PREVIEW_DIR = "preview"
 NAMESPACE = "epd-demo"
 SEEDS = ("encoder-regular.yaml", "encoder-prefill-decode.yaml")
 ENVS = ["serve", "router"]
@@ -289,16 +291,24 @@ def simulated_part(cluster: Any, namespace: str, operator_log: Callable[[], str]
 # --------------------------------------------------------------------------- up / down
 
 
-def build_missing() -> None:
+def build_missing(root: Path) -> None:
     """What the embedded run needs and the cache lacks, as `make test` builds it: the Go builds
     (binaries.cluster_sets: the control plane, the node's kubelet, kube-proxy and kube-router)
     beside the images that need none of them (the vLLM venvs first), then the pause image and the
-    tiny model. Each stream prints its own progress."""
+    tiny model. Each stream prints its own progress. While vLLM's image builds (the first run), the
+    SIMULATED part is shown as soon as the control plane is built (`preview`)."""
     banner("Building what is missing (cached in " + str(paths.cache_root()) + ")")
     streams = {"the images (vLLM venvs, base, vllm-cpu, vllm-router, epd-operator)": IMAGES_BESIDE_GO}
     if binaries.missing_by_set(binaries.cluster_sets(real_nodes=1)):
         streams = {"the Go builds (control plane, kubelet, kube-proxy, kube-router)": GO_BUILDS, **streams}
-    run_side_by_side(streams)
+    long_build = images.Builder().cached("vllm-cpu") is None
+    with SideBySide(streams) as builds:
+        while binaries.missing_binaries() and builds.running():
+            time.sleep(1)
+        if long_build and builds.running():
+            preview(root)
+        builds.wait()
+    stop_preview(root)
     started = time.monotonic()
     images.Builder().build()
     envs.install(ENVS)  # the image builds installed them, unless the images were cached already
@@ -306,26 +316,66 @@ def build_missing() -> None:
     say("images: " + ", ".join(images.Builder().image(name).ref for name in images.ALL))
 
 
-def run_side_by_side(commands: dict[str, list[str]]) -> None:
-    """Run the commands at once, their output going to the terminal; say when each is done.
-    Interrupted, or when one fails, the others are stopped as Ctrl-C stops them."""
-    began = time.monotonic()
-    running = {what: subprocess.Popen(cmd, cwd=paths.REPO) for what, cmd in commands.items()}
-    try:
-        while running:
-            for what, proc in list(running.items()):
-                if proc.poll() is None:
-                    continue
-                del running[what]
-                if proc.returncode != 0:
-                    raise DemoError(f"building {what} failed (exit {proc.returncode}); its output is above")
-                say(f"built {what} in {time.monotonic() - began:.0f}s")
+class SideBySide:
+    """Commands run at once, their output going to the terminal. Leaving the block early (an
+    error, Ctrl-C) stops those still running as Ctrl-C stops them."""
+
+    def __init__(self, commands: dict[str, list[str]]) -> None:
+        self.commands = commands
+        self.began = time.monotonic()
+        self._running: dict[str, subprocess.Popen[bytes]] = {}
+
+    def __enter__(self) -> Self:
+        self._running = {what: subprocess.Popen(cmd, cwd=paths.REPO) for what, cmd in self.commands.items()}
+        return self
+
+    def running(self) -> bool:
+        """Whether any still runs; says when one is done, raises DemoError when one failed."""
+        for what, proc in list(self._running.items()):
+            if proc.poll() is None:
+                continue
+            del self._running[what]
+            if proc.returncode != 0:
+                raise DemoError(f"building {what} failed (exit {proc.returncode}); its output is above")
+            say(f"built {what} in {time.monotonic() - self.began:.0f}s")
+        return bool(self._running)
+
+    def wait(self) -> None:
+        while self.running():
             time.sleep(0.5)
-    finally:
-        for proc in running.values():
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in self._running.values():
             proc.send_signal(signal.SIGINT)
-        for proc in running.values():
+        for proc in self._running.values():
             proc.wait()
+
+
+def preview(root: Path) -> None:
+    """The SIMULATED part while the rest builds, on a control plane of its own with kwok's GPU
+    nodes and no real node, the operator running here as a process (its image may not be built
+    yet). It stops once the builds are done; the full run shows the same part again."""
+    banner("SIMULATED, while the rest builds: the operator and the seed's two topologies on kwok's fake GPU nodes")
+    say("starting a control plane with 4 kwok GPU nodes (no real node yet) ...")
+    cluster = LocalCluster(root / PREVIEW_DIR, nodes=4, real_nodes=0).start()
+    install_crd(cluster)
+    _ensure_namespace(cluster, NAMESPACE)
+    operator = _start_operator(cluster.kubeconfig, root, ["--namespace", NAMESPACE])
+    simulated_part(cluster, NAMESPACE, operator.tail, embedded=True)
+    say(
+        f"SIMULATED  try it meanwhile: KUBECONFIG={cluster.kubeconfig} {cluster.dir / 'bin' / 'kubectl'} get epd "
+        f"-n {NAMESPACE} -o wide. The REAL part follows once the images are built; this preview stops then."
+    )
+
+
+def stop_preview(root: Path) -> bool:
+    """Stop the preview's operator and control plane, if it runs; whether it did."""
+    preview_cluster = LocalCluster(root / PREVIEW_DIR)
+    if not preview_cluster.state_file.exists():
+        return False
+    _stop_operator(root)
+    preview_cluster.stop()
+    return True
 
 
 def start_embedded(root: Path) -> LocalCluster:
@@ -389,7 +439,7 @@ def up(root: Path, kubeconfig: Path | None = None) -> int:
             )
             return 0
         check_memory(ENGINES)
-        build_missing()
+        build_missing(root)
         cluster = start_embedded(root)
         banner("SIMULATED: the operator and the seed's two topologies on kwok's fake GPU nodes")
         operator_log = install_operator(cluster, NAMESPACE)
@@ -439,6 +489,9 @@ def down(root: Path) -> list[str]:
     state_file = root / "demo.json"
     state = json.loads(state_file.read_text()) if state_file.exists() else {}
     stopped = []
+    if stop_preview(root):
+        say("stopped the preview's operator and control plane")
+        stopped.append("the preview")
     if _stop_operator(root):
         say("stopped the operator")
         stopped.append("the operator")

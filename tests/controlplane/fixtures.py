@@ -71,9 +71,10 @@ def _import_pause(real: RealNode) -> None:
     Builder().import_cached(real, ("pause",))
 
 
-def require_binaries() -> None:
-    """Fail (never skip) when what the session's cluster starts with has not been built."""
-    missing = binaries.missing_by_set(binaries.cluster_sets(_real_nodes()))
+def require_binaries(real_nodes: int | None = None) -> None:
+    """Fail (never skip) when what a cluster starts with has not been built (by default the
+    session's, with the real node unless EPD_TEST_REAL_NODES=0)."""
+    missing = binaries.missing_by_set(binaries.cluster_sets(_real_nodes() if real_nodes is None else real_nodes))
     if missing:
         pytest.fail(
             f"the local cluster's binaries are not built: {binaries.describe_missing(missing)}.\n"

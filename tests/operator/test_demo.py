@@ -27,8 +27,10 @@ from pathlib import Path
 import pytest
 
 from epd_dev import demo
+from epd_dev.localcluster import LocalCluster
 from epd_dev.operator_process import OperatorProcess, get_json, group_members, wait_for
 from epd_dev.paths import REPO
+from tests.controlplane.fixtures import require_binaries
 
 DEMO = [sys.executable, "-m", "epd_dev.demo"]
 
@@ -219,3 +221,41 @@ def _in_child(call, env: dict[str, str]) -> tuple[int, str]:
         code, out = json.loads(pipe.read())
     os.waitpid(child, 0)
     return code, out
+
+
+# --------------------------------------------------------------------------- the first run's builds
+
+
+def test_builds_side_by_side_stop_the_others_when_one_fails(tmp_path):
+    pid_file = tmp_path / "sleeper.pid"
+    commands = {
+        "the sleeper": ["sh", "-c", f"echo $$ > {pid_file}; exec sleep 300"],
+        "the failing one": ["sh", "-c", f"while [ ! -s {pid_file} ]; do sleep 0.05; done; exit 3"],
+    }
+    with (
+        pytest.raises(demo.DemoError, match=r"building the failing one failed \(exit 3\)"),
+        demo.SideBySide(commands) as builds,
+    ):
+        builds.wait()
+    assert not Path(f"/proc/{pid_file.read_text().strip()}").exists()  # stopped and reaped
+
+
+@pytest.mark.cluster
+def test_the_preview_shows_the_simulated_part_on_a_cluster_of_its_own_and_stops(tmp_path, capsys):
+    """What a fresh machine's `make demo` shows while vLLM's image builds: the operator (a process
+    here) and the seeds Ready on a kwok-only control plane, which stops when the builds are done."""
+    require_binaries(real_nodes=0)
+    try:
+        demo.preview(tmp_path)
+        out = capsys.readouterr().out
+        assert "SIMULATED  both Ready" in out and "this preview stops then" in out
+        preview = LocalCluster(tmp_path / demo.PREVIEW_DIR)
+        assert preview.status()["running"] and preview.real_nodes == 0
+        items = get_json(preview, "epd", "-n", demo.NAMESPACE)["items"]
+        assert sorted(i["metadata"]["name"] for i in items) == ["qwen-vl-pd", "qwen-vl-regular"]
+        pid = operator_pid(tmp_path)
+        assert alive(pid)
+    finally:
+        assert demo.stop_preview(tmp_path)
+    assert not alive(pid) and not preview.status()["running"]
+    assert not demo.stop_preview(tmp_path)  # nothing left to stop

@@ -384,7 +384,10 @@ def _verify_all(bset: BinarySet, bindir: Path) -> list[str]:
 def build(force: bool = False, bset: BinarySet = CONTROL_PLANE) -> Path:
     """Build whatever is missing and return the bin folder of the complete cache."""
     if shutil.which("go") is None:
-        raise SystemExit("the Go toolchain is required (go 1.26+ on PATH)")
+        raise SystemExit(
+            "the control plane is built from Go modules: install Go 1.26 or newer and put it on PATH "
+            "(https://go.dev/doc/install), then run this again"
+        )
     _check_pins(bset)
 
     def say(msg: str) -> None:

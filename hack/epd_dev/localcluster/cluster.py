@@ -874,7 +874,7 @@ current-context: epd-local
         try:
             return json.loads(self.state_file.read_text())
         except FileNotFoundError:
-            raise ClusterError(f"no cluster in {self.dir} (no state.json); run `up` first") from None
+            raise ClusterError(f"no cluster in {self.dir} (no state.json): start one with make cluster-up") from None
 
     def _recorded_procs(self) -> list[_Proc]:
         """Processes in state.json; our own Popen handles where this process started them."""

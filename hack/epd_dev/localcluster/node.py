@@ -322,7 +322,10 @@ def install_packages(log: Callable[[str], None]) -> None:
 def check_host() -> None:
     """Raise NodeError saying what is missing for a real node here."""
     if os.geteuid() != 0:
-        raise NodeError("the real node needs root (it owns /var/lib/kubelet, /run/containerd, a bridge, iptables)")
+        raise NodeError(
+            "the real node needs root (it owns /var/lib/kubelet, /run/containerd, a bridge, iptables): run as "
+            "root, or without it (CLUSTER_REAL_NODES=0 make cluster-up; make demo DEMO_KUBECONFIG=<a cluster>)"
+        )
 
 
 def process_alive(pid: int, start_ticks: int) -> bool:
