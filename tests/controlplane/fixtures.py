@@ -66,11 +66,6 @@ class BackgroundImport(threading.Thread):
             raise self.error
 
 
-def _import_pause(real: RealNode) -> None:
-    """Only the pause image before the kubelet starts: no pod sandbox starts without it."""
-    Builder().import_cached(real, ("pause",))
-
-
 def require_binaries(real_nodes: int | None = None) -> None:
     """Fail (never skip) when what a cluster starts with has not been built (by default the
     session's, with the real node unless EPD_TEST_REAL_NODES=0)."""
@@ -95,7 +90,9 @@ def _start_cluster() -> tuple[LocalCluster, str]:
     )
     real = _real_nodes()
     for folder in candidates:
-        local = LocalCluster(folder, nodes=4, die_with_parent=True, real_nodes=real, on_node_runtime=_import_pause)
+        # The cluster imports its own images (the pause image, CoreDNS's); the others come in the
+        # background (BackgroundImport), while the tests that need none of them run.
+        local = LocalCluster(folder, nodes=4, die_with_parent=True, real_nodes=real)
         try:
             return local.start(), "" if real else "EPD_TEST_REAL_NODES=0 turned it off"
         except ClusterBusy:

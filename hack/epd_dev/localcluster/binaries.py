@@ -9,7 +9,8 @@ in ``<cache root>/controlplane/<key>/bin``, with promtool (``MONITORING``: hack/
 which checks the chart's alerting rules) in ``<cache root>/monitoring/<key>/bin``; the real
 node's kubelet and kube-proxy (``NODE``: hack/go/node) in ``<cache root>/node/<key>/bin``
 (``epd_dev.paths.cache_root``), and its NetworkPolicy engine, kube-router
-(``NETWORK_POLICY``: hack/go/kube-router), in ``<cache root>/network-policy/<key>/bin``.
+(``NETWORK_POLICY``: hack/go/kube-router), in ``<cache root>/network-policy/<key>/bin``, and the
+cluster's DNS, CoreDNS (``CLUSTER_DNS``: hack/go/coredns), in ``<cache root>/cluster-dns/<key>/bin``.
 ``cluster_sets`` is the one list of what a local cluster starts with: its start checks it, and
 ``make cluster`` and ``make demo`` build it.
 A set's key names its versions plus a hash of its own Go module files only, so changing a
@@ -45,6 +46,7 @@ ETCD_VERSION = "v3.6.16"
 KWOK_VERSION = "v0.8.0"
 HELM_VERSION = "v3.22.0"
 KUBE_ROUTER_VERSION = "v2.1.0"
+COREDNS_VERSION = "v1.15.0"
 # Prometheus' Go module versions v0.3MM.P are its releases 3.MM.P.
 PROMETHEUS_MODULE_VERSION = "v0.316.0"
 PROMETHEUS_VERSION = "3.16.0"
@@ -55,6 +57,7 @@ PROMETHEUS_OPERATOR_VERSION = "v0.85.0"
 RECIPE = "1"
 NODE_RECIPE = "1"
 NETWORK_POLICY_RECIPE = "1"
+CLUSTER_DNS_RECIPE = "1"
 MONITORING_RECIPE = "2"
 
 # Upstream's own release flags; without the -X values the binaries say v0.0.0.
@@ -128,6 +131,8 @@ KUBE_ROUTER = Binary(
     ("--version",),
     f"version {KUBE_ROUTER_VERSION},",
 )
+# The cluster's DNS on the real node: CoreDNS with the plugins of its Corefile (hack/go/coredns).
+COREDNS = Binary("coredns", "coredns", ".", ("-version",), f"CoreDNS-{COREDNS_VERSION.lstrip('v')}")
 
 PROMTOOL = Binary(
     "promtool",
@@ -183,6 +188,13 @@ NETWORK_POLICY = BinarySet(
     NETWORK_POLICY_RECIPE,
     f"kube-router-{KUBE_ROUTER_VERSION}",
 )
+CLUSTER_DNS = BinarySet(
+    "cluster-dns",
+    (COREDNS,),
+    (("coredns", "github.com/coredns/coredns", COREDNS_VERSION),),
+    CLUSTER_DNS_RECIPE,
+    f"coredns-{COREDNS_VERSION}",
+)
 # promtool checks and unit-tests the chart's alerting rules (tests/helm).
 MONITORING = BinarySet(
     "monitoring",
@@ -198,8 +210,8 @@ MONITORING = BinarySet(
 
 def cluster_sets(real_nodes: int) -> tuple[BinarySet, ...]:
     """The binary sets a local cluster starts with: the control plane, and with the real node its
-    kubelet and kube-proxy and its NetworkPolicy engine."""
-    return (CONTROL_PLANE, NODE, NETWORK_POLICY) if real_nodes else (CONTROL_PLANE,)
+    kubelet and kube-proxy, its NetworkPolicy engine and the cluster's DNS, which runs on it."""
+    return (CONTROL_PLANE, NODE, NETWORK_POLICY, CLUSTER_DNS) if real_nodes else (CONTROL_PLANE,)
 
 
 # The Prometheus Operator's CRDs of the chart's monitoring objects, copied from its module into
@@ -461,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         choices=(0, 1),
         default=1,
-        help="1 (default): also what the real node runs (its kubelet, kube-proxy and kube-router)",
+        help="1 (default): also what the real node runs (its kubelet, kube-proxy, kube-router and CoreDNS)",
     )
     parser.add_argument(
         "--print-bin-dir",

@@ -40,12 +40,14 @@ from pathlib import Path
 from typing import Any, Self
 
 from ..progress import format_seconds
-from . import binaries, node
+from . import binaries, dns, node
 
 # Service and kwok's fake pod address ranges. Without a real node nothing routes to them;
 # with one, kube-proxy makes the Service range work (node.py) and kwok's stays unreachable.
 SERVICE_CIDR = "10.96.0.0/16"
 FIRST_SERVICE_IP = "10.96.0.1"
+# The kube-dns Service's address: the tenth of the range, as kubeadm picks it.
+CLUSTER_DNS_IP = str(ipaddress.ip_network(SERVICE_CIDR)[10])
 POD_CIDR = "10.244.0.1/16"
 # Without a real node the apiserver listens on loopback only, but the `kubernetes`
 # Service's endpoints may not be a loopback IP. Nothing routes Service traffic then (no
@@ -190,8 +192,10 @@ class LocalCluster:
     ``nodes`` fake GPU nodes are created, and ``real_nodes`` (0 or 1) real ones
     (node.py); the binaries come from the build cache; ``extra_stages`` are kwok
     Stage files added to kwok's standard ones (default: this package's
-    ``stages/*.yaml``). ``on_node_runtime`` is called with the `RealNode` once its
-    containerd runs, before its kubelet starts (the images are imported then).
+    ``stages/*.yaml``). The real node's start imports the cluster's own images (the pause
+    image, CoreDNS's) and runs the cluster's DNS on it (dns.py); ``on_node_runtime`` is called
+    with the `RealNode` once its containerd runs, before its kubelet starts (other images are
+    imported then).
 
     >>> with LocalCluster(".cluster", nodes=4) as c:
     ...     c.kubectl("get", "nodes")
@@ -282,6 +286,8 @@ class LocalCluster:
             sandbox_image=recipes.PAUSE_REF,
             service_cidr=SERVICE_CIDR,
             kwok_pod_cidr=str(ipaddress.ip_network(POD_CIDR, strict=False)),
+            cluster_dns_ip=CLUSTER_DNS_IP,
+            cluster_domain=dns.DOMAIN,
         )
         return node.RealNode(self.dir, layout, log=self._log)
 
@@ -402,6 +408,7 @@ class LocalCluster:
                     json.dumps(node.gpu_status_patch(node.GPUS)),
                 )
                 self._wait(f"{node.NAME} offers nvidia.com/gpu: {node.GPUS}", self._real_node_gpus, timeout, "kubelet")
+                self._start_cluster_dns(timeout)
             self._wait("default ServiceAccount", self._default_sa_exists, timeout, "kube-controller-manager")
         except BaseException:
             self.stop(quiet=True)
@@ -415,6 +422,9 @@ class LocalCluster:
         self._spawn("containerd", real.containerd_args(), binary=node.CONTAINERD)
         self._wait("containerd ready", real.containerd_ready, timeout, "containerd")
         real.purge_containers()  # what a killed run left in the kept containerd root
+        from ..images import build as images
+
+        images.Builder(log=self._log).import_cached(real, images.CLUSTER_IMAGES)
         if self.on_node_runtime is not None:
             self.on_node_runtime(real)
         self._spawn("kubelet", real.kubelet_args(self.dir / "kubeconfigs"), binary=self._node_bin("kubelet"))
@@ -430,6 +440,19 @@ class LocalCluster:
         real.record(
             {n: {"pid": p.pid, "start_ticks": p.start_ticks} for n, p in self._procs.items() if n in NODE_COMPONENTS}
         )
+
+    def _start_cluster_dns(self, timeout: float) -> None:
+        """CoreDNS on the real node behind kube-dns (dns.py), answering once it is Ready."""
+        from ..images import recipes
+
+        objects = dns.objects(CLUSTER_DNS_IP, recipes.COREDNS_REF)
+        self.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": objects}))
+        self._wait(f"cluster DNS (CoreDNS at {CLUSTER_DNS_IP}) ready", self._dns_ready, timeout, "kubelet")
+
+    def _dns_ready(self) -> bool:
+        selector = ",".join(f"{k}%3D{v}" for k, v in dns.LABELS.items())
+        status, body = self.api("GET", f"/api/v1/namespaces/{dns.NAMESPACE}/pods?labelSelector={selector}")
+        return status == 200 and dns.ready(body)
 
     @staticmethod
     def _node_bin(name: str) -> Path:

@@ -116,6 +116,8 @@ class NodeLayout:
     sandbox_image: str
     service_cidr: str
     kwok_pod_cidr: str
+    cluster_dns_ip: str  # the kube-dns Service's address, which pods resolve through
+    cluster_domain: str
 
     @property
     def containerd_config(self) -> Path:
@@ -230,7 +232,9 @@ def kubelet_configuration(layout: NodeLayout, pki: Path) -> dict[str, Any]:
         },
         "authorization": {"mode": "Webhook"},
         "registerWithTaints": [TAINT],
-        # No cluster DNS, and no host resolver either: pods resolve nothing outside.
+        # The cluster's DNS (dns.py), and no host resolver: pods resolve the cluster's names only.
+        "clusterDNS": [layout.cluster_dns_ip],
+        "clusterDomain": layout.cluster_domain,
         "resolvConf": "",
         # A shared disk and multi-GB images: neither evicted nor garbage-collected.
         "evictionHard": {
