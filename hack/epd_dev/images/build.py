@@ -45,6 +45,8 @@ WITHOUT_GO = tuple(name for name in ALL if name not in CLUSTER_IMAGES)
 KEY_LABEL = "epd.vime.dev/image-key"
 # Free disk a build needs at its peak (vfs storage: working container, committed layer, archive).
 BUILD_SPACE = {"vllm-cpu": 20 * 2**30}
+# Older builds of a small image kept beside the current one (`Builder.prune`).
+OTHER_KEYS_KEPT = 4
 
 
 def log(msg: str) -> None:
@@ -118,8 +120,7 @@ class Builder:
                 return folder / ARCHIVE
             if name not in ("base", *CLUSTER_IMAGES):
                 self._base_in_storage()
-            # An older key is never reused (its inputs changed): its space is what the build needs.
-            self._prune(name, folder)
+            self.prune(name, folder)
             self._check_space(name)
             self.log(f"{name}: building {image.ref} (key {image.key})")
             started = time.monotonic()
@@ -152,11 +153,16 @@ class Builder:
             self.log(f"{name}: built in {took:.0f}s ({size / 2**30:.2f} GiB archive)")
             return folder / ARCHIVE
 
-    def _prune(self, name: str, keep: Path) -> None:
-        """Older keys of the same image: never reused (their inputs changed), only big."""
-        for old in self.root.glob(f"{name}-" + "?" * len(keep.name.rsplit("-", 1)[1])):
-            if old != keep:
-                shutil.rmtree(old, ignore_errors=True)
+    def prune(self, name: str, keep: Path) -> None:
+        """Other keys of the same image, before building `keep`. A big image's go: their space is
+        what the build needs, and their inputs change rarely. A small one keeps its
+        OTHER_KEYS_KEPT most recent: clones and worktrees share the cache, each with its own
+        operator code, and would otherwise delete each other's image at every build."""
+        others = [old for old in self.root.glob(f"{name}-" + "?" * len(keep.name.rsplit("-", 1)[1])) if old != keep]
+        others.sort(key=lambda folder: folder.stat().st_mtime, reverse=True)
+        kept = 0 if name in BUILD_SPACE else OTHER_KEYS_KEPT
+        for old in others[kept:]:
+            shutil.rmtree(old, ignore_errors=True)
 
     def _check_space(self, name: str) -> None:
         """Fail before a build that cannot finish: buildah's vfs storage holds the working
