@@ -1,8 +1,9 @@
 """The operator as users install it: `helm install` of charts/epd-operator, its pod on the real node.
 
 The image is the local `localhost/epd-operator:dev` (images/, `make images`; never pulled), the
-pod tolerates and selects epd-real-0, and it watches the namespaces given. The node tests and
-`make demo` install it this way.
+pod tolerates and selects epd-real-0, and it watches the namespaces given: the values a user gives,
+nothing more (the cluster's DNS resolves the API server's name as on any cluster). The node tests
+and `make demo` install it this way.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import subprocess
 from collections.abc import Mapping
 from typing import Any
 
+from .images import recipes
 from .localcluster import binaries
 from .localcluster import node as real_node
 from .paths import REPO
@@ -24,19 +26,20 @@ class ChartError(RuntimeError):
     pass
 
 
-def values(watch: list[str], **extra: Any) -> dict[str, Any]:
-    """The chart's values for the local image on the real node, watching `watch`."""
-    return {
-        "image.repository": "localhost/epd-operator",
-        "image.tag": "dev",
-        "image.pullPolicy": "Never",
-        "watchNamespaces": watch,
+def values(watch: list[str] | None = None, **extra: Any) -> dict[str, Any]:
+    """The chart's values a user of the local cluster gives: the local image (its containerd has
+    it, so the chart's IfNotPresent never pulls), the real node's selector and toleration, and the
+    namespaces to watch (`watch`; None: the chart's default, every namespace)."""
+    repository, tag = recipes.OPERATOR_REF.rsplit(":", 1)
+    given: dict[str, Any] = {
+        "image.repository": repository,
+        "image.tag": tag,
         "nodeSelector": real_node.NODE_SELECTOR,
         "tolerations": real_node.TOLERATIONS,
-        # No cluster DNS on the local cluster: kopf's in-cluster login names the API server so.
-        "hostAliases": [{"ip": "10.96.0.1", "hostnames": ["kubernetes.default.svc"]}],
-        **extra,
     }
+    if watch is not None:
+        given["watchNamespaces"] = watch
+    return {**given, **extra}
 
 
 def helm(cluster: Any, *args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess[str]:
