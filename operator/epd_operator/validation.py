@@ -19,10 +19,10 @@ import pydantic
 from .api import DNS1123_LABEL, EPDDeploymentSpec, ModelSpec, ServerGroup
 from .ec.quantity import BYTE_QUANTITY, MAX_BYTES, parse_quantity
 from .ec.regions import region_errors, uses_cpu_regions
-from .engine_args import override_errors
+from .engine_args import SUPPORTED_MINORS, override_errors
 from .layout import Block, pod_gpus, pool_ports, unit_ports
 
-SUPPORTED_VLLM_VERSIONS = ("0.32", "0.33")
+SUPPORTED_VLLM_VERSIONS = SUPPORTED_MINORS
 
 # Pod wiring the operator derives from other spec fields (probes, Services, GPU requests and the
 # router depend on them): an override would silently break it, so it is refused instead.

@@ -1,4 +1,4 @@
-"""Real-parser fixtures: both vLLM versions' parsers, started once per session."""
+"""Real-parser fixtures: each vLLM minor's parser, started once per session."""
 
 from __future__ import annotations
 
@@ -7,16 +7,26 @@ from collections.abc import Iterator
 import pytest
 
 from epd_dev.vllm import envs
+from epd_dev.vllm.cli_parser import VllmParser
 
 from .cases import VERSIONS
-from .vllm_parser import VllmParser
+
+
+def _minors_in(session: pytest.Session) -> list[str]:
+    """The minors the selected tests ask for (`-k vllm-0.34` starts one parser, not all)."""
+    wanted = {
+        item.callspec.params["vllm_parser"]
+        for item in session.items
+        if hasattr(item, "callspec") and "vllm_parser" in item.callspec.params
+    }
+    return [version for version in VERSIONS if version in wanted] or list(VERSIONS)
 
 
 @pytest.fixture(scope="session")
-def vllm_parsers() -> Iterator[dict[str, VllmParser]]:
-    """Both versions' parsers, started together so their imports overlap."""
+def vllm_parsers(request: pytest.FixtureRequest) -> Iterator[dict[str, VllmParser]]:
+    """The selected minors' parsers, started together so their imports overlap."""
     try:
-        pythons = {version: envs.parser_python(version) for version in VERSIONS}
+        pythons = {version: envs.parser_python(version) for version in _minors_in(request.session)}
     except envs.MissingEnvironment as missing:
         pytest.fail(str(missing), pytrace=False)
     parsers = {version: VllmParser(version, python) for version, python in pythons.items()}

@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from epd_dev.vllm.cli_parser import VllmParser
 from epd_operator.render import engine_flags
 
 from .cases import CASES, plans
-from .vllm_parser import VllmParser
 
 EC_ROLE = {"encoder": "ec_producer", "regular": "ec_consumer", "prefill": "ec_consumer", "decode": None}
 KV_ROLE = {"encoder": None, "regular": None, "prefill": "kv_producer", "decode": "kv_consumer"}
@@ -217,12 +217,3 @@ def test_every_list_flag_is_spelled_the_way_the_parser_reads_it(vllm_parser: Vll
         if not good:
             wrong[dest] = {"argv": argvs[dest][3:], "parsed": parsed if result["ok"] else result["error"]}
     assert not wrong, f"vLLM {version} read these list spellings differently: {wrong}"
-
-
-def test_flag_tables_list_exactly_the_parsers_exceptions(vllm_parser: VllmParser) -> None:
-    from epd_operator.render import flag_spelling
-
-    spelling = flag_spelling(vllm_parser.version)
-    actions = vllm_parser.actions()
-    assert spelling.store_true == {a["dest"] for a in actions if a["kind"] == "_StoreTrueAction"}
-    assert spelling.append == {a["dest"] for a in actions if a["kind"] == "_AppendAction"}

@@ -8,9 +8,8 @@ import json
 
 import pytest
 
+from epd_dev.vllm.cli_parser import VllmParser
 from epd_operator.proxy import core
-
-from .vllm_parser import VllmParser
 
 # vLLM's POST routes that the proxy passes through, and why none of them has a consumer encode
 # a client's media.

@@ -13,6 +13,10 @@ Protocol: one JSON request per stdin line, one JSON answer per stdout line.
   (read from the source of vllm/entrypoints: importing every router needs optional packages).
 - `{"op": "anthropic_images", "requests": [...]}` -> `{"images": [[url, ...], ...]}`: per Anthropic
   Messages request, the image URLs of the chat request vLLM serves it as, in order.
+- `{"op": "config"}` -> `{"ec_transfer_config": [field, ...], "kv_transfer_config": [...],
+  "ec_connectors": {name: [extra config key, ...]}, "kv_connectors": [name, ...]}`: the fields of
+  vLLM's transfer config classes, its registered connectors, and the `*_connector_extra_config`
+  keys each EC connector's sources read (`make vllm-minor` compares minors with it).
 
 It builds the parser exactly as the `vllm` console script does for `serve` (a top-level
 FlexibleArgumentParser with the serve subcommand, so the model is the positional `model_tag`),
@@ -29,6 +33,7 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def _parser():
@@ -140,6 +145,60 @@ def _post_routes() -> list[str]:
     return sorted(found)
 
 
+# How connector sources read their extra config: `get_from_extra_config("key", ...)` (or an alias
+# of it, `get = config.get_from_extra_config`), `extra_config.get("key")`, `extra_config["key"]`.
+_EXTRA_KEY = re.compile(
+    r"""(?:get_from_extra_config|extra_config\.get)\(\s*["'](\w+)["']|extra_config\[["'](\w+)["']\]"""
+)
+_EXTRA_ALIAS = re.compile(r"(\w+)\s*=\s*[\w.]*\.get_from_extra_config\b(?!\()")
+
+
+def _extra_keys(text: str) -> set[str]:
+    keys = {a or b for a, b in _EXTRA_KEY.findall(text)}
+    for alias in set(_EXTRA_ALIAS.findall(text)):
+        keys |= set(re.findall(rf"\b{alias}\(\s*[\"'](\w+)[\"']", text))
+    return keys
+
+
+_EC_PACKAGE = "vllm.distributed.ec_transfer.ec_connector"
+
+
+def _ec_connector_sources(cls) -> list[Path]:
+    """The connector's module and the ec_connector subpackages it imports from."""
+    import inspect
+
+    module = Path(inspect.getfile(cls))
+    root = Path(inspect.getfile(sys.modules[_EC_PACKAGE])).parent
+    text = module.read_text()
+    packages = {module.parent} if module.parent != root else set()
+    packages |= {
+        root / name for name in re.findall(re.escape(_EC_PACKAGE) + r"\.(\w+)", text) if (root / name).is_dir()
+    }
+    return sorted({module, *(path for package in packages for path in package.rglob("*.py"))})
+
+
+def _config() -> dict:
+    import dataclasses
+
+    import vllm.distributed.ec_transfer.ec_connector  # noqa: F401 - the package _ec_connector_sources reads
+    from vllm.config import ECTransferConfig, KVTransferConfig
+    from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    ec_connectors = {}
+    for name, loader in sorted(ECConnectorFactory._registry.items()):
+        keys = set()
+        for path in _ec_connector_sources(loader()):
+            keys |= _extra_keys(path.read_text())
+        ec_connectors[name] = sorted(keys)
+    return {
+        "ec_transfer_config": sorted(f.name for f in dataclasses.fields(ECTransferConfig)),
+        "kv_transfer_config": sorted(f.name for f in dataclasses.fields(KVTransferConfig)),
+        "ec_connectors": ec_connectors,
+        "kv_connectors": sorted(KVConnectorFactory._registry),
+    }
+
+
 def _anthropic_images(request: dict) -> list[str]:
     from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
     from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
@@ -162,6 +221,7 @@ def main() -> None:
     top, serve, serve_parser = _parser()
     for line in sys.stdin:
         request = json.loads(line)
+        answer: dict[str, Any]
         if request["op"] == "actions":
             answer = {"actions": _actions(serve_parser)}
         elif request["op"] == "envs":
@@ -172,6 +232,8 @@ def main() -> None:
             answer = {"routes": _post_routes()}
         elif request["op"] == "anthropic_images":
             answer = {"images": [_anthropic_images(r) for r in request["requests"]]}
+        elif request["op"] == "config":
+            answer = _config()
         else:
             answer = {"results": {c["id"]: _parse(top, serve, c) for c in request["commands"]}}
         out.write(json.dumps(answer, default=repr) + "\n")

@@ -1,5 +1,5 @@
-"""A long-lived parse_with_vllm.py per vLLM version (importing vLLM takes ~20 s, so every
-contract test of a version shares one process)."""
+"""A long-lived parse_with_vllm.py per vLLM version, in that version's parser venv (importing
+vLLM takes ~20 s, so every contract test of a version, and `make vllm-minor`, share one process)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 HELPER = Path(__file__).with_name("parse_with_vllm.py")
+
+
+class ParserDied(RuntimeError):
+    """The helper process exited; the message ends with its stderr."""
 
 
 class VllmParser:
@@ -38,7 +40,7 @@ class VllmParser:
         line = self._proc.stdout.readline()
         if not line:
             self._log.seek(0)
-            pytest.fail(f"the vLLM {self.version} parser process died:\n{self._log.read()[-4000:]}")
+            raise ParserDied(f"the vLLM {self.version} parser process died:\n{self._log.read()[-4000:]}")
         return json.loads(line)
 
     def actions(self) -> list[dict[str, Any]]:
@@ -64,6 +66,11 @@ class VllmParser:
         """Per Anthropic Messages request, the image URLs of the chat request vLLM makes of it."""
         images: list[list[str]] = self._ask({"op": "anthropic_images", "requests": requests})["images"]
         return images
+
+    def config(self) -> dict[str, Any]:
+        """The fields of vLLM's EC/KV transfer config classes, its connectors, and the extra config
+        keys each EC connector reads; see parse_with_vllm.py."""
+        return self._ask({"op": "config"})
 
     def close(self) -> None:
         # Nothing to flush: killing skips vLLM's slow interpreter shutdown.
