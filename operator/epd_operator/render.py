@@ -28,10 +28,14 @@ import yaml
 
 from .api import EPDDeploymentSpec, ModelSpec, Placement, WorkerType
 from .ec.regions import cpu_bytes, uses_cpu_regions
+from .engine_args import known_env_vars
 from .layout import proxied, slots
 from .validation import ROUTER_KV_CONNECTORS, CheckedSpec
 
 ROUTER = "router"
+# Selects vLLM's V2 model runner, which ECCPUConnector needs; from 0.34 on there is no other, and
+# vLLM no longer reads the variable.
+V2_MODEL_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 
 _templates = jinja2.Environment(
     loader=jinja2.PackageLoader(__package__, "templates"),
@@ -259,7 +263,7 @@ def _model_plan(spec: EPDDeploymentSpec, minor: str, model: ModelSpec, ec_path: 
                 pools_ec=model.pools_connector if model.pooled else None,
                 ec_cpu_bytes=cpu_bytes(spec, model, group) if cpu_regions and worker_type.ec_role else None,
                 ec_side_channel_port=slot.ec_side_channel_port,
-                v2_model_runner=cpu_regions,
+                v2_model_runner=cpu_regions and V2_MODEL_RUNNER_ENV in known_env_vars(minor),
             )
         )
         args = _apply_overrides(defaults["args"], group.overrides)

@@ -38,7 +38,7 @@ INVALID_LAYOUTS = (
     ("regular", "decode"),
     ("encoder", "regular", "prefill"),
 )
-SUPPORTED_TAGS = ("v0.32.0", "v0.33.0", "0.32.1", "v0.33.1-cu129", "0.33.0+cpu")
+SUPPORTED_TAGS = ("v0.32.0", "v0.33.0", "v0.34.0", "0.32.1", "v0.33.1-cu129", "0.33.0+cpu", "0.34.2-cu130")
 PD = {"prefill", "decode"}
 
 # The API's own bound (it rose from 1,000 to 10,000 with the status moving units to EndpointSlices).
@@ -140,7 +140,7 @@ def valid_specs(draw: st.DrawFn) -> dict[str, Any]:
     }
     optional = {
         "replicas": st.integers(0, 1000),
-        "vllmVersion": st.sampled_from(["0.32", "0.33", "v0.33.1", "0.32.0-rc1"]),
+        "vllmVersion": st.sampled_from(["0.32", "0.33", "0.34", "v0.33.1", "0.32.0-rc1", "v0.34.1"]),
         # Disjoint ranges, clear of the janitor's 9400: overlapping ports are an invalid spec.
         "ports": st.fixed_dictionaries(
             {},

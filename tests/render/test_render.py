@@ -217,7 +217,12 @@ def test_ec_storage_path_is_one_readable_safe_component() -> None:
 
 
 @pytest.mark.parametrize(
-    ("version", "caching_off"), [("0.32", "--no-enable-prefix-caching"), ("0.33", "--disable-prefix-caching")]
+    ("version", "caching_off"),
+    [
+        ("0.32", "--no-enable-prefix-caching"),
+        ("0.33", "--disable-prefix-caching"),
+        ("0.34", "--disable-prefix-caching"),
+    ],
 )
 def test_encoder_defaults(version: str, caching_off: str) -> None:
     encoder = by_type(plan_of(spec(ENC_REG, version)))["encoder"]
@@ -264,7 +269,7 @@ def with_overrides(layout: list[dict[str, Any]], worker_type: str, overrides: di
     return [{**g, "overrides": overrides} if g["workerType"] == worker_type else g for g in layout]
 
 
-@pytest.mark.parametrize("version", ["0.32", "0.33"])
+@pytest.mark.parametrize("version", ["0.32", "0.33", "0.34"])
 def test_overrides_replace_encoder_defaults(version: str) -> None:
     layout = with_overrides(ENC_REG, "encoder", {"mm_encoder_only": False, "enable_prefix_caching": True})
     encoder = by_type(plan_of(spec(layout, version)))["encoder"]
@@ -373,6 +378,8 @@ def test_overriding_operator_wiring_is_rejected(key: str, field: str) -> None:
         ("0.33", {"middleware": ["m1", "m2"]}, ["--middleware", "m1", "--middleware", "m2"]),
         ("0.33", {"lora_modules": [{"name": "x", "path": "/x"}]}, ["--lora-modules", '{"name":"x","path":"/x"}']),
         ("0.33", {"quantization": None, "allowed_origins": []}, []),
+        ("0.34", {"enable_extensible_kv_cache": False}, ["--disable-extensible-kv-cache"]),  # new in 0.34
+        ("0.34", {"shuffle_safetensors_files": False}, ["--no-shuffle-safetensors-files"]),  # new in 0.34
     ],
 )
 def test_engine_flags(version: str, args: dict[str, Any], argv: list[str]) -> None:

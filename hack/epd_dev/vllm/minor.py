@@ -145,7 +145,7 @@ def env_vars_text(minor: str, names: Iterable[str]) -> str:
 
 def flags_text(minor: str, tables: FlagTables) -> str:
     def block(names: list[str]) -> str:
-        return "".join(f"  - {name}\n" for name in names) if names else " []\n"
+        return "\n" + "".join(f"  - {name}\n" for name in names) if names else " []\n"
 
     if tables.negated_prefixes:
         negation = (
@@ -225,13 +225,21 @@ def _sources(manifests: Iterable[Path]) -> dict[str, dict[str, Any]]:
     return specs
 
 
-def used_flags(minor: str, manifests: Iterable[Path]) -> dict[str, set[str]]:
-    """Each flag the engines of the specs render with for `minor` (a supported one): the
-    operator's defaults and the overrides alike, with the specs that use it."""
+@dataclass(frozen=True)
+class Used:
+    """What the engines of the specs render with for one minor, each with the specs using it."""
+
+    flags: dict[str, set[str]]
+    env_names: dict[str, set[str]]
+
+
+def used_by_renders(minor: str, manifests: Iterable[Path]) -> Used:
+    """The flags and environment variables the engines of the specs render with for `minor` (a
+    supported one): the operator's defaults and the overrides alike."""
     from epd_operator.render import render
     from epd_operator.validation import SpecError, validate
 
-    used: dict[str, set[str]] = {}
+    used = Used({}, {})
     for where, spec in _sources(manifests).items():
         try:
             plans = render(validate({**spec, "vllmVersion": minor}), namespace="ns", name="x", uid="uid")
@@ -242,7 +250,9 @@ def used_flags(minor: str, manifests: Iterable[Path]) -> dict[str, set[str]]:
             for cmd in plan.engines:
                 for token in cmd.args:
                     if token.startswith("--"):
-                        used.setdefault(token, set()).add(where)
+                        used.flags.setdefault(token, set()).add(where)
+                for name in [*cmd.env, *cmd.field_env]:
+                    used.env_names.setdefault(name, set()).add(where)
     return used
 
 
@@ -258,7 +268,7 @@ def _renamed(removed: Iterable[str], added: Iterable[str]) -> dict[str, list[str
     return {name: difflib.get_close_matches(name, sorted(added), n=2, cutoff=0.7) for name in sorted(removed)}
 
 
-def changes(old: Facts, new: Facts, used: Mapping[str, set[str]]) -> list[str]:
+def changes(old: Facts, new: Facts, used: Used) -> list[str]:
     """What changed from `old` to `new`, for people: one line per topic (and one per problem)."""
     lines = [f"vLLM {new.minor} against {old.minor}:"]
     old_names, new_names = set(accepted_names(old.actions)), set(accepted_names(new.actions))
@@ -266,7 +276,7 @@ def changes(old: Facts, new: Facts, used: Mapping[str, set[str]]) -> list[str]:
     lines.append(f"  engine arguments: {len(added)} added ({_listed(added)}); {len(removed)} removed")
     for name, guesses in _renamed(removed, added).items():
         lines.append(f"    removed {name}" + (f" (renamed to {' or '.join(guesses)}?)" if guesses else ""))
-    gone = {flag: where for flag, where in used.items() if flag not in new.options}
+    gone = {flag: where for flag, where in used.flags.items() if flag not in new.options}
     if gone:
         for flag, where in sorted(gone.items()):
             guesses = difflib.get_close_matches(flag, sorted(new.options), n=2, cutoff=0.7)
@@ -277,7 +287,7 @@ def changes(old: Facts, new: Facts, used: Mapping[str, set[str]]) -> list[str]:
     else:
         lines.append(
             f"  flags rendered for {old.minor} (the operator's defaults, the examples' and given manifests' "
-            f"overrides: {len(used)} flags): all accepted by {new.minor}"
+            f"overrides: {len(used.flags)} flags): all accepted by {new.minor}"
         )
     before, after = flag_tables(old.actions), flag_tables(new.actions)
     if before == after:
@@ -286,6 +296,12 @@ def changes(old: Facts, new: Facts, used: Mapping[str, set[str]]) -> list[str]:
         lines.append(f"  boolean and list spellings (flags.yaml): {before} -> {after}")
     env_added, env_removed = new.env_names - old.env_names, old.env_names - new.env_names
     lines.append(f"  environment variables: {len(env_added)} added, removed {_listed(env_removed)}")
+    for name, where in sorted(used.env_names.items()):
+        if name not in new.env_names:
+            lines.append(
+                f"  ! {name} is rendered for {old.minor} (by {_listed(where, 4)}) and {new.minor} does not read it: "
+                f"check that {new.minor}'s goldens leave it out (vLLM warns about VLLM_* variables it does not know)"
+            )
     for config in ("ec_transfer_config", "kv_transfer_config"):
         was, now = set(old.config[config]), set(new.config[config])
         lines.append(f"  {config} fields: added {_listed(now - was)}, removed {_listed(was - now)}")
@@ -369,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
             failed.append("tests/render")
     _log("6/6 what changed")
     if previous:
-        print("\n".join(changes(found[1], new, used_flags(previous, args.manifests))), flush=True)
+        print("\n".join(changes(found[1], new, used_by_renders(previous, args.manifests))), flush=True)
     else:
         print(f"vLLM {minor} is the oldest supported minor: nothing to compare with", flush=True)
     if failed:
