@@ -118,6 +118,20 @@ def override_errors(minor: str, overrides: Mapping[str, Any], where: str) -> lis
     return errors + [f"{where}: {message}" for message in spelling_errors(overrides)]
 
 
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch, how overrides apply: dicts merge key by key, null deletes,
+    anything else replaces."""
+    if not isinstance(patch, dict):
+        return patch
+    merged = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            merged.pop(key, None)
+        else:
+            merged[key] = merge_patch(merged.get(key), value)
+    return merged
+
+
 def _did_you_mean(minor: str, key: Any) -> str:
     names = closest_engine_args(minor, key)
     if not names:

@@ -194,6 +194,18 @@ POOLS_CASES = {
         {"ecConnector": {"name": "ECCPUConnector"}},
         "model 'actor': ecConnector is for placement Pools: a Unit model uses spec.ecConnector",
     ),
+    "pools-mooncake": ({"placement": "Pools", "ecConnector": {"name": "ECMooncakeConnector"}}, None),
+    "pools-mooncake-tensor-parallel-encoder": (
+        {
+            "placement": "Pools",
+            "ecConnector": {"name": "ECMooncakeConnector"},
+            "serverGroups": [
+                {"workerType": "encoder", "numGpus": 2, "numGpusPerEngine": 2},
+                {"workerType": "regular", "numGpus": 1},
+            ],
+        },
+        "model 'actor': ECMooncakeConnector's producers (the encoder groups) run tensor_parallel_size 1",
+    ),
     "pools-text-only": (
         {"placement": "Pools", "serverGroups": [{"workerType": "regular", "numGpus": 1}]},
         "model 'actor': placement Pools needs an encoder group",

@@ -15,9 +15,11 @@ from .cases import VERSIONS
 def _minors_in(session: pytest.Session) -> list[str]:
     """The minors the selected tests ask for (`-k vllm-0.34` starts one parser, not all)."""
     wanted = {
-        item.callspec.params["vllm_parser"]
+        item.callspec.params[name]
         for item in session.items
-        if hasattr(item, "callspec") and "vllm_parser" in item.callspec.params
+        if hasattr(item, "callspec")
+        for name in ("vllm_parser", "connector_parser")
+        if name in item.callspec.params
     }
     return [version for version in VERSIONS if version in wanted] or list(VERSIONS)
 
@@ -37,6 +39,12 @@ def vllm_parsers(request: pytest.FixtureRequest) -> Iterator[dict[str, VllmParse
 
 @pytest.fixture(params=VERSIONS, ids=lambda v: f"vllm-{v}")
 def vllm_parser(request: pytest.FixtureRequest, vllm_parsers: dict[str, VllmParser]) -> VllmParser:
+    return vllm_parsers[request.param]
+
+
+@pytest.fixture(params=[v for v in VERSIONS if envs.runs_ec_connectors(v)], ids=lambda v: f"vllm-{v}")
+def connector_parser(request: pytest.FixtureRequest, vllm_parsers: dict[str, VllmParser]) -> VllmParser:
+    """The parsers whose venvs also construct EC connectors (from 0.34 on)."""
     return vllm_parsers[request.param]
 
 

@@ -67,6 +67,11 @@ class VllmParser:
         images: list[list[str]] = self._ask({"op": "anthropic_images", "requests": requests})["images"]
         return images
 
+    def ec_connector(self, argv: list[str], env: dict[str, str]) -> dict[str, Any]:
+        """What the command's EC connector makes of its config as the engine starts (no GPU):
+        `{"ok", "checked", "error"}`; see parse_with_vllm.py. From 0.34 on."""
+        return self._ask({"op": "ec_connector", "argv": argv, "env": env})
+
     def config(self) -> dict[str, Any]:
         """The fields of vLLM's EC/KV transfer config classes, its connectors, and the extra config
         keys each EC connector reads; see parse_with_vllm.py."""

@@ -90,6 +90,9 @@ class EnvSpec:
     imports: tuple[str, ...] = ()
 
 
+# Minors whose parser venvs predate parser_env: the CLI parser only. Their ECCPUConnector also
+# wants the V2 model runner, which only a full VllmConfig (the model's files) can tell.
+PARSER_ONLY_MINORS = ("0.32", "0.33")
 # NIXL for ECCPUConnector's data path (the parser venvs construct its scheduler side: from 0.34 on
 # it needs no V2 model runner, so no GPU). As in `serve`: the CUDA 13 backend, --no-deps.
 NIXL = ("nixl==1.5.2", "nixl-cu13==1.5.1")
@@ -147,7 +150,7 @@ ENVS: dict[str, EnvSpec] = {
             constraints=("torch==2.14.0",),
             imports=("vllm.engine.arg_utils",),
         ),
-        *(parser_env(minor) for minor in SUPPORTED_VLLM_VERSIONS if minor not in ("0.32", "0.33")),
+        *(parser_env(minor) for minor in SUPPORTED_VLLM_VERSIONS if minor not in PARSER_ONLY_MINORS),
         EnvSpec(
             name="router",
             summary="vllm-router 0.1.17",
@@ -163,6 +166,12 @@ ENVS: dict[str, EnvSpec] = {
         ),
     )
 }
+
+
+def runs_ec_connectors(minor: str) -> bool:
+    """Whether the parser venv of `minor` constructs EC connectors (their scheduler side, which
+    needs no GPU) besides parsing: every minor from 0.34 on."""
+    return minor not in PARSER_ONLY_MINORS
 
 
 class MissingEnvironment(RuntimeError):

@@ -13,6 +13,14 @@ Protocol: one JSON request per stdin line, one JSON answer per stdout line.
   (read from the source of vllm/entrypoints: importing every router needs optional packages).
 - `{"op": "anthropic_images", "requests": [...]}` -> `{"images": [[url, ...], ...]}`: per Anthropic
   Messages request, the image URLs of the chat request vLLM serves it as, in order.
+- `{"op": "ec_connector", "argv": [...], "env": {...}}` -> `{"ok": bool, "checked": str, "error": str}`:
+  what a `vllm serve` command's EC connector makes of its config as the engine starts, without a
+  GPU: the command is parsed and its ECTransferConfig built as `vllm serve` does; then
+  ECCPUConnector's scheduler side is constructed for real (its /dev/shm region, its NIXL agent,
+  the producer's ZMQ side channel, with `env` set), ECMooncakeConnector's config class
+  (MooncakeECConfig) reads it, and any other connector's class is loaded. The VllmConfig they get
+  holds the real ECTransferConfig and ParallelConfig and a stand-in of the model's config (dtype,
+  hidden size, processor cache: the real one needs the model's files). Parser venvs from 0.34 on.
 - `{"op": "config"}` -> `{"ec_transfer_config": [field, ...], "kv_transfer_config": [...],
   "ec_connectors": {name: [extra config key, ...]}, "kv_connectors": [name, ...]}`: the fields of
   vLLM's transfer config classes, its registered connectors, and the `*_connector_extra_config`
@@ -102,6 +110,87 @@ def _engine(args) -> dict:
             "kv_connector_extra_config": kv.kv_connector_extra_config,
         },
     }
+
+
+@contextlib.contextmanager
+def _environment(env: dict):
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _vllm_config(engine, ec):
+    """What the EC connectors read of a VllmConfig: the real transfer and parallel configs, and a
+    STAND-IN for the model's config (vLLM's needs the model's files): bfloat16, hidden size 2048."""
+    import types
+    import uuid
+
+    import torch
+    from vllm.config import ParallelConfig
+
+    model = types.SimpleNamespace(
+        model=engine.model,
+        dtype=torch.bfloat16,
+        get_inputs_embeds_size=lambda: 2048,
+        multimodal_config=types.SimpleNamespace(mm_processor_cache_gb=engine.mm_processor_cache_gb),
+    )
+    parallel = ParallelConfig(
+        tensor_parallel_size=engine.tensor_parallel_size,
+        pipeline_parallel_size=engine.pipeline_parallel_size,
+        data_parallel_size=engine.data_parallel_size,
+    )
+    return types.SimpleNamespace(
+        ec_transfer_config=ec,
+        parallel_config=parallel,
+        model_config=model,
+        lora_config=object() if engine.enable_lora else None,
+        instance_id=f"epd-contract-{uuid.uuid4().hex[:8]}",  # names the /dev/shm region
+    )
+
+
+def _ec_connector(top, serve, command: dict) -> dict:
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+    from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            args = top.parse_args(command["argv"][1:])
+            serve.validate(args)
+            if args.model_tag is not None:
+                args.model = args.model_tag
+            engine = AsyncEngineArgs.from_cli_args(args)
+    except SystemExit:
+        return {"ok": False, "checked": "the command", "error": stderr.getvalue()}
+    except Exception as error:  # noqa: BLE001 - any rejection is an answer, not a crash
+        return {"ok": False, "checked": "the command", "error": f"{type(error).__name__}: {error}"}
+    ec = engine.ec_transfer_config
+    if ec is None:
+        return {"ok": True, "checked": "no EC config", "error": ""}
+    checked = f"{ec.ec_connector}'s class"
+    try:
+        with _environment(command.get("env", {})):
+            if ec.ec_connector == "ECMooncakeConnector":
+                from vllm.distributed.ec_transfer.ec_connector.mooncake.config import MooncakeECConfig
+
+                checked = "MooncakeECConfig"
+                MooncakeECConfig.from_vllm_config(_vllm_config(engine, ec))
+            elif ec.ec_connector == "ECCPUConnector":
+                checked = "ECCPUConnector's scheduler side"
+                ECConnectorFactory.create_connector(_vllm_config(engine, ec), ECConnectorRole.SCHEDULER).shutdown()
+            else:
+                ECConnectorFactory.get_connector_class(ec)
+    except Exception as error:  # noqa: BLE001
+        return {"ok": False, "checked": checked, "error": f"{type(error).__name__}: {error}"}
+    return {"ok": True, "checked": checked, "error": ""}
 
 
 def _connector_class(name: str | None) -> str | None:
@@ -234,6 +323,8 @@ def main() -> None:
             answer = {"images": [_anthropic_images(r) for r in request["requests"]]}
         elif request["op"] == "config":
             answer = _config()
+        elif request["op"] == "ec_connector":
+            answer = _ec_connector(top, serve, request)
         else:
             answer = {"results": {c["id"]: _parse(top, serve, c) for c in request["commands"]}}
         out.write(json.dumps(answer, default=repr) + "\n")
