@@ -252,7 +252,7 @@ def test_an_override_misspelt_names_the_closest_arguments(tmp_path, capsys) -> N
     code, _, err = convert(capsys, write(tmp_path, vime), "--hf-checkpoint", "m")
     assert code == 1
     assert (
-        "vllm[0].server_groups[0].overrides.gpu_memory_utilisation: not an engine argument of vLLM 0.33: "
+        "vllm[0].server_groups[0].overrides.gpu_memory_utilisation: not an engine argument of vLLM 0.34: "
         "did you mean `gpu_memory_utilization`?"
     ) in err
 

@@ -206,23 +206,23 @@ def facts(parser: VllmParser) -> Facts:
     return Facts(parser.version, parser.actions(), parser.envs(), parser.config(), parser.post_routes())
 
 
-def _sources(manifests: Iterable[Path]) -> dict[str, dict[str, Any]]:
-    """EPDDeployment specs to render: the examples, the README's, and the user's manifests."""
-    specs: dict[str, dict[str, Any]] = {}
+def documented_manifests(manifests: Iterable[Path] = ()) -> dict[str, dict[str, Any]]:
+    """The EPDDeployments of docs/examples, of the README and of the given files or folders."""
+    found: dict[str, dict[str, Any]] = {}
 
     def add(where: str, text: str) -> None:
         for index, document in enumerate(yaml.safe_load_all(text)):
             if isinstance(document, dict) and document.get("kind") == "EPDDeployment":
-                specs[f"{where}#{index}" if index else where] = document.get("spec") or {}
+                found[f"{where}#{index}" if index else where] = document
 
     for path in sorted(EXAMPLES.glob("*.yaml")):
         add(str(path.relative_to(REPO)), path.read_text())
-    for block in re.findall(r"```yaml\n(.*?)```", README.read_text(), re.DOTALL):
-        add("README.md", block)
+    for number, block in enumerate(re.findall(r"```yaml\n(.*?)```", README.read_text(), re.DOTALL)):
+        add(f"README.md (yaml block {number + 1})", block)
     for given in manifests:
         for path in sorted(given.rglob("*.y*ml")) if given.is_dir() else [given]:
             add(str(path), path.read_text())
-    return specs
+    return found
 
 
 @dataclass(frozen=True)
@@ -240,9 +240,11 @@ def used_by_renders(minor: str, manifests: Iterable[Path]) -> Used:
     from epd_operator.validation import SpecError, validate
 
     used = Used({}, {})
-    for where, spec in _sources(manifests).items():
+    for where, manifest in documented_manifests(manifests).items():
         try:
-            plans = render(validate({**spec, "vllmVersion": minor}), namespace="ns", name="x", uid="uid")
+            plans = render(
+                validate({**manifest.get("spec", {}), "vllmVersion": minor}), namespace="ns", name="x", uid="uid"
+            )
         except SpecError as error:
             _log(f"{where}: not valid for vLLM {minor}, left out: {error}")
             continue
