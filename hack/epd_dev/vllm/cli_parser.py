@@ -72,6 +72,26 @@ class VllmParser:
         `{"ok", "checked", "error"}`; see parse_with_vllm.py. From 0.34 on."""
         return self._ask({"op": "ec_connector", "argv": argv, "env": env})
 
+    def openapi(self, paths: list[str]) -> dict[str, Any]:
+        """The OpenAPI document of the API routers that declare these POST paths."""
+        return self._ask({"op": "openapi", "paths": paths})
+
+    def model_fields(self, model: str) -> set[str]:
+        """The fields of vLLM's pydantic model `module:Class`."""
+        return set(self._ask({"op": "model_fields", "model": model})["fields"])
+
+    def media_uuids(self, parts: list[dict[str, Any]]) -> list[list[Any]]:
+        """Per content part, [media parser method, uuid] as vLLM's chat parser hands it on."""
+        calls: list[list[Any]] = self._ask({"op": "media_uuids", "parts": parts})["calls"]
+        return calls
+
+    def media_keys(self, items: list[tuple[str, str | None, str]], processor_kwargs: dict[str, Any]) -> list[str]:
+        """Each (modality, uuid, content) item's key (mm hash) as vLLM computes it."""
+        keys: list[str] = self._ask(
+            {"op": "media_keys", "items": [list(i) for i in items], "processor_kwargs": processor_kwargs}
+        )["keys"]
+        return keys
+
     def config(self) -> dict[str, Any]:
         """The fields of vLLM's EC/KV transfer config classes, its connectors, and the extra config
         keys each EC connector reads; see parse_with_vllm.py."""

@@ -21,6 +21,16 @@ Protocol: one JSON request per stdin line, one JSON answer per stdout line.
   (MooncakeECConfig) reads it, and any other connector's class is loaded. The VllmConfig they get
   holds the real ECTransferConfig and ParallelConfig and a stand-in of the model's config (dtype,
   hidden size, processor cache: the real one needs the model's files). Parser venvs from 0.34 on.
+- `{"op": "openapi", "paths": [...]}` -> the OpenAPI document of the vLLM API routers that declare
+  those POST paths (each router module imported, as `vllm serve` includes it).
+- `{"op": "model_fields", "model": "module:Class"}` -> `{"fields": [...]}`: a pydantic model's fields
+  (a response model a route declares no schema for).
+- `{"op": "media_uuids", "parts": [...]}` -> `{"calls": [[method, uuid], ...]}`: what vLLM's chat
+  content-part parser hands its media parser for each part (a recording one): the media kind's
+  method and the part's `uuid`.
+- `{"op": "media_keys", "items": [[modality, uuid, content], ...], "processor_kwargs": {...}}` ->
+  `{"keys": [...]}`: each item's cache and EC store key (mm hash) as vLLM's processor inputs
+  compute it from the uuid and the content.
 - `{"op": "config"}` -> `{"ec_transfer_config": [field, ...], "kv_transfer_config": [...],
   "ec_connectors": {name: [extra config key, ...]}, "kv_connectors": [name, ...]}`: the fields of
   vLLM's transfer config classes, its registered connectors, and the `*_connector_extra_config`
@@ -288,6 +298,86 @@ def _config() -> dict:
     }
 
 
+def _openapi(paths: list[str]) -> dict:
+    import importlib
+
+    import vllm.entrypoints
+    from fastapi import APIRouter, FastAPI
+
+    root = Path(vllm.entrypoints.__file__).parent
+    app = FastAPI()
+    for path in sorted(root.rglob("*.py")):
+        declared = {m.group(1) for m in _POST_ROUTE.finditer(path.read_text())}
+        if not declared & set(paths) or path.name != "api_router.py":
+            continue
+        module = importlib.import_module("vllm.entrypoints." + ".".join(path.relative_to(root).with_suffix("").parts))
+        for value in vars(module).values():
+            if isinstance(value, APIRouter):
+                app.include_router(value)
+    return app.openapi()
+
+
+def _content_part_parser():
+    """vLLM's parser of one chat content part, and the media parser base it hands parts to."""
+    import importlib
+
+    for module, function, base in (
+        ("vllm.renderers.chat_utils.chat_message", "parse_chat_message_content_part", "content_parser"),  # 0.33 on
+        ("vllm.renderers.chat_utils", "_parse_chat_message_content_part", ""),  # 0.32: one module
+    ):
+        try:
+            parse = getattr(importlib.import_module(module), function)
+        except (ImportError, AttributeError):
+            continue
+        bases = importlib.import_module("vllm.renderers.chat_utils" + (f".{base}" if base else ""))
+        return parse, bases.BaseMultiModalContentParser
+    raise RuntimeError("no chat content part parser found in this vLLM")
+
+
+def _media_uuids(parts: list[dict]) -> list[list]:
+    import inspect
+
+    parse, base = _content_part_parser()
+    calls: list[list] = []
+
+    def recorder(method: str):
+        def record(self, *args, **kwargs):
+            calls.append([method, args[1] if len(args) > 1 else kwargs.get("uuid")])
+
+        return record
+
+    methods = {name: recorder(name) for name in base.__abstractmethods__ if name != "model_config"}
+    recording = type("Recording", (base,), {**methods, "model_config": property(lambda self: None)})
+    options: dict[str, Any] = {"wrap_dicts": False, "interleave_strings": False}
+    if "mm_tracker" in inspect.signature(parse).parameters:
+        options["mm_tracker"] = None
+    for part in parts:
+        parse(part, recording(), **options)
+    return calls
+
+
+class _Items(list):
+    """The items of one modality as the hasher reads them (vLLM's MultiModalDataItems holds them)."""
+
+    def get_all_items_for_hash(self) -> list:
+        return list(self)
+
+
+def _media_keys(items: list[list], processor_kwargs: dict) -> list[str]:
+    from vllm.multimodal.processing.inputs import ProcessorInputs
+
+    keys = []
+    for modality, uuid, content in items:
+        inputs = ProcessorInputs(
+            prompt=[],
+            mm_data_items={modality: _Items([content])},
+            mm_uuid_items={modality: [uuid]},
+            hf_processor_mm_kwargs=processor_kwargs,
+        )
+        keys.append(inputs.get_mm_hashes(model_id="model", hash_algorithm="blake3")[modality][0])
+    return keys
+
+
 def _anthropic_images(request: dict) -> list[str]:
     from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
     from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
@@ -325,6 +415,17 @@ def main() -> None:
             answer = _config()
         elif request["op"] == "ec_connector":
             answer = _ec_connector(top, serve, request)
+        elif request["op"] == "openapi":
+            answer = _openapi(request["paths"])
+        elif request["op"] == "model_fields":
+            import importlib
+
+            module, name = request["model"].split(":")
+            answer = {"fields": sorted(getattr(importlib.import_module(module), name).model_fields)}
+        elif request["op"] == "media_uuids":
+            answer = {"calls": _media_uuids(request["parts"])}
+        elif request["op"] == "media_keys":
+            answer = {"keys": _media_keys(request["items"], request.get("processor_kwargs", {}))}
         else:
             answer = {"results": {c["id"]: _parse(top, serve, c) for c in request["commands"]}}
         out.write(json.dumps(answer, default=repr) + "\n")
