@@ -6,7 +6,7 @@
 
 .PHONY: vllm-envs vllm-status test-vllm vllm-minor
 
-## vllm-envs: install the vLLM venvs and vllm-router once (cold: about 2 min, 11 GB)
+## vllm-envs: install the vLLM venvs and vllm-router once (cold: about 2 min, 12 GB)
 vllm-envs: venv
 	$(PY) -m epd_dev.vllm.envs install
 
