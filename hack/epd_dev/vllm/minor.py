@@ -356,7 +356,12 @@ def main(argv: list[str] | None = None) -> int:
     previous = previous_minor(minor)
     names = [f"parser-{minor}"] + ([f"parser-{previous}"] if previous else [])
     _log(f"1/6 the parser venvs: {', '.join(names)}")
-    envs.install(names)
+    try:
+        envs.install(names)
+    except subprocess.CalledProcessError:
+        _log(f"FAILED: no parser venv for vLLM {minor}.0 (the installer's error is above: is vllm=={minor}.0 on PyPI?)")
+        _log("nothing was written")
+        return 1
     _log(f"2/6 vLLM {minor}'s files from its parser" + (f" (and {previous}'s, to compare)" if previous else ""))
     with concurrent.futures.ThreadPoolExecutor() as pool:
         parsers = list(pool.map(_start, [minor] + ([previous] if previous else [])))
