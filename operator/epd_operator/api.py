@@ -579,7 +579,7 @@ class Termination(Schema):
 class EPDDeploymentSpec(Schema):
     """Desired state: models served with encoder-prefill disaggregation."""
 
-    image: str = Field(min_length=1, max_length=512, description="vLLM image, e.g. vllm/vllm-openai:v0.33.0.")
+    image: str = Field(min_length=1, max_length=512, description="vLLM image, e.g. vllm/vllm-openai:v0.34.0.")
     vllm_version: str | None = Field(
         default=None,
         max_length=64,

@@ -421,7 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     convert.add_argument("-f", "--file", required=True, help="Vime config YAML ('-' for stdin)")
     convert.add_argument("--name", default="vime", help="EPDDeployment name")
-    convert.add_argument("--image", default="vllm/vllm-openai:v0.33.0", help="the vLLM image of every engine")
+    convert.add_argument("--image", default="vllm/vllm-openai:v0.34.0", help="the vLLM image of every engine")
     convert.add_argument(
         "--hf-checkpoint",
         "--model",

@@ -27,7 +27,9 @@ import jinja2
 import yaml
 
 from .api import EPDDeploymentSpec, ModelSpec, Placement, WorkerType
+from .ec.connectors import V2_MODEL_RUNNER_ENV
 from .ec.regions import cpu_bytes, uses_cpu_regions
+from .engine_args import known_env_vars, merge_patch
 from .layout import proxied, slots
 from .validation import ROUTER_KV_CONNECTORS, CheckedSpec
 
@@ -259,7 +261,7 @@ def _model_plan(spec: EPDDeploymentSpec, minor: str, model: ModelSpec, ec_path: 
                 pools_ec=model.pools_connector if model.pooled else None,
                 ec_cpu_bytes=cpu_bytes(spec, model, group) if cpu_regions and worker_type.ec_role else None,
                 ec_side_channel_port=slot.ec_side_channel_port,
-                v2_model_runner=cpu_regions,
+                v2_model_runner=cpu_regions and V2_MODEL_RUNNER_ENV in known_env_vars(minor),
             )
         )
         args = _apply_overrides(defaults["args"], group.overrides)
@@ -291,20 +293,7 @@ def _model_plan(spec: EPDDeploymentSpec, minor: str, model: ModelSpec, ec_path: 
 def _apply_overrides(defaults: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     # Sorted: args new to the defaults come in a stable order whatever the source's key order
     # (a reordered pod template would roll every unit).
-    merged: dict[str, Any] = _merge_patch(defaults, {key: overrides[key] for key in sorted(overrides)})
-    return merged
-
-
-def _merge_patch(target: Any, patch: Any) -> Any:
-    """RFC 7386 JSON merge patch: dicts merge key by key, null deletes, anything else replaces."""
-    if not isinstance(patch, dict):
-        return patch
-    merged = dict(target) if isinstance(target, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            merged.pop(key, None)
-        else:
-            merged[key] = _merge_patch(merged.get(key), value)
+    merged: dict[str, Any] = merge_patch(defaults, {key: overrides[key] for key in sorted(overrides)})
     return merged
 
 

@@ -17,12 +17,13 @@ from typing import Any
 import pydantic
 
 from .api import DNS1123_LABEL, EPDDeploymentSpec, ModelSpec, ServerGroup
+from .ec.connectors import MOONCAKE_CONNECTOR, ec_config_errors
 from .ec.quantity import BYTE_QUANTITY, MAX_BYTES, parse_quantity
 from .ec.regions import region_errors, uses_cpu_regions
-from .engine_args import override_errors
+from .engine_args import SUPPORTED_MINORS, override_errors
 from .layout import Block, pod_gpus, pool_ports, unit_ports
 
-SUPPORTED_VLLM_VERSIONS = ("0.32", "0.33")
+SUPPORTED_VLLM_VERSIONS = SUPPORTED_MINORS
 
 # Pod wiring the operator derives from other spec fields (probes, Services, GPU requests and the
 # router depend on them): an override would silently break it, so it is refused instead.
@@ -207,6 +208,17 @@ PLACEMENT_RULES: tuple[ModelRule, ...] = (
         "placement Pools cannot use ECExampleConnector: it exchanges embeddings as files in a node-local "
         "/dev/shm, which cannot span nodes; use ECCPUConnector (the default for Pools: leave ecConnector.name unset)",
         lambda m: m.pooled and m.ec_connector is not None and m.ec_connector.name == "ECExampleConnector",
+    ),
+    ModelRule(
+        "!(self.placement == 'Pools' && has(self.ecConnector) && self.ecConnector.name == 'ECMooncakeConnector' && "
+        "self.serverGroups.exists(g, g.workerType == 'encoder' && has(g.numGpusPerEngine) && g.numGpusPerEngine > 1))",
+        "ECMooncakeConnector's producers (the encoder groups) run tensor_parallel_size 1, and vLLM refuses more: "
+        "set their numGpusPerEngine to 1",
+        lambda m: (
+            m.pooled
+            and m.pools_connector.name == MOONCAKE_CONNECTOR
+            and any(g.worker_type.is_encoder and g.num_gpus_per_engine > 1 for g in m.server_groups)
+        ),
     ),
     ModelRule(
         "!(self.placement != 'Pools' && has(self.ecConnector))",
@@ -503,6 +515,7 @@ def validate(raw: dict[str, Any], *, name: str | None = None, limits: Limits | N
         seen.add(model.name)
         errors += layout_errors(model)
         errors += placement_errors(spec, index, model)
+        errors += ec_config_errors(spec, index, model, minor)
         errors += port_errors(spec, index, model)
         errors += router_errors(spec, model)
         for g_index, group in enumerate(model.server_groups):

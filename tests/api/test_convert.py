@@ -227,7 +227,7 @@ def test_seed_topologies_convert_to_the_documented_examples(capsys) -> None:
 
 
 @pytest.mark.parametrize("file", REFUSED)
-@pytest.mark.parametrize("version", ["0.32", "0.33"])
+@pytest.mark.parametrize("version", ["0.32", "0.33", "0.34"])
 def test_sglang_override_names_are_refused_with_vllms_name(capsys, file, version) -> None:
     code, manifest, err = convert(
         capsys, VIME / file, "--hf-checkpoint", "m", "--image", f"vllm/vllm-openai:v{version}.0"
@@ -252,7 +252,7 @@ def test_an_override_misspelt_names_the_closest_arguments(tmp_path, capsys) -> N
     code, _, err = convert(capsys, write(tmp_path, vime), "--hf-checkpoint", "m")
     assert code == 1
     assert (
-        "vllm[0].server_groups[0].overrides.gpu_memory_utilisation: not an engine argument of vLLM 0.33: "
+        "vllm[0].server_groups[0].overrides.gpu_memory_utilisation: not an engine argument of vLLM 0.34: "
         "did you mean `gpu_memory_utilization`?"
     ) in err
 

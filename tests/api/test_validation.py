@@ -117,6 +117,8 @@ def test_all_errors_are_reported_at_once():
         ("vllm/vllm-openai:0.32.0-cu129", None, "0.32"),
         ("vllm/vllm-openai:latest", "0.33.1", "0.33"),
         ("vllm/vllm-openai@sha256:abc", "v0.32", "0.32"),
+        ("vllm/vllm-openai:v0.34.0", None, "0.34"),
+        ("vllm/vllm-openai:v0.33.0", "0.34.1", "0.34"),  # the field wins over the tag
     ],
 )
 def test_vllm_version_from_field_or_image_tag(image, version, minor):
@@ -129,8 +131,13 @@ def test_vllm_version_from_field_or_image_tag(image, version, minor):
     [
         ("vllm/vllm-openai:latest", None, "spec.image: cannot tell the vLLM version from 'latest'"),
         ("vllm/vllm-openai", None, "spec.image: cannot tell the vLLM version"),
-        ("vllm/vllm-openai:v0.31.0", None, "spec.image: vLLM 0.31 is not supported: use one of 0.32, 0.33"),
-        ("vllm/vllm-openai:latest", "0.34.0", "spec.vllmVersion: vLLM 0.34 is not supported"),
+        ("vllm/vllm-openai:v0.31.0", None, "spec.image: vLLM 0.31 is not supported: use one of 0.32, 0.33, 0.34"),
+        (
+            "vllm/vllm-openai:latest",
+            "0.35.0",
+            "spec.vllmVersion: vLLM 0.35 is not supported: use one of 0.32, 0.33, 0.34",
+        ),
+        ("vllm/vllm-openai:v0.35.0", None, "spec.image: vLLM 0.35 is not supported"),
     ],
 )
 def test_unsupported_versions_are_errors_not_guesses(image, version, message):
@@ -186,6 +193,18 @@ POOLS_CASES = {
     "unit-connector": (
         {"ecConnector": {"name": "ECCPUConnector"}},
         "model 'actor': ecConnector is for placement Pools: a Unit model uses spec.ecConnector",
+    ),
+    "pools-mooncake": ({"placement": "Pools", "ecConnector": {"name": "ECMooncakeConnector"}}, None),
+    "pools-mooncake-tensor-parallel-encoder": (
+        {
+            "placement": "Pools",
+            "ecConnector": {"name": "ECMooncakeConnector"},
+            "serverGroups": [
+                {"workerType": "encoder", "numGpus": 2, "numGpusPerEngine": 2},
+                {"workerType": "regular", "numGpus": 1},
+            ],
+        },
+        "model 'actor': ECMooncakeConnector's producers (the encoder groups) run tensor_parallel_size 1",
     ),
     "pools-text-only": (
         {"placement": "Pools", "serverGroups": [{"workerType": "regular", "numGpus": 1}]},

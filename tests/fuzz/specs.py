@@ -15,7 +15,7 @@ from typing import Any
 from hypothesis import strategies as st
 
 from epd_operator.api import EPDDeploymentSpec
-from epd_operator.engine_args import known_engine_args
+from epd_operator.engine_args import SUPPORTED_MINORS, known_engine_args
 from epd_operator.validation import (
     GENERATION_ONLY,
     OWNED_ARGS,
@@ -38,7 +38,9 @@ INVALID_LAYOUTS = (
     ("regular", "decode"),
     ("encoder", "regular", "prefill"),
 )
-SUPPORTED_TAGS = ("v0.32.0", "v0.33.0", "0.32.1", "v0.33.1-cu129", "0.33.0+cpu")
+# The minor after the newest supported one: no templates yet, so refused.
+UNSUPPORTED_MINOR = f"0.{int(SUPPORTED_MINORS[-1].split('.')[1]) + 1}"
+SUPPORTED_TAGS = ("v0.32.0", "v0.33.0", "v0.34.0", "0.32.1", "v0.33.1-cu129", "0.33.0+cpu", "0.34.2-cu130")
 PD = {"prefill", "decode"}
 
 # The API's own bound (it rose from 1,000 to 10,000 with the status moving units to EndpointSlices).
@@ -140,7 +142,7 @@ def valid_specs(draw: st.DrawFn) -> dict[str, Any]:
     }
     optional = {
         "replicas": st.integers(0, 1000),
-        "vllmVersion": st.sampled_from(["0.32", "0.33", "v0.33.1", "0.32.0-rc1"]),
+        "vllmVersion": st.sampled_from(["0.32", "0.33", "0.34", "v0.33.1", "0.32.0-rc1", "v0.34.1"]),
         # Disjoint ranges, clear of the janitor's 9400: overlapping ports are an invalid spec.
         "ports": st.fixed_dictionaries(
             {},
@@ -247,7 +249,7 @@ def _out_of_range(draw: st.DrawFn, spec: dict[str, Any]) -> None:
 @st.composite
 def _bad_version(draw: st.DrawFn, spec: dict[str, Any]) -> None:
     if draw(st.booleans()):
-        spec["vllmVersion"] = draw(st.sampled_from(["0.31", "1.0", "0.34.0", "v1.33", "0.9"]))
+        spec["vllmVersion"] = draw(st.sampled_from(["0.31", "1.0", f"{UNSUPPORTED_MINOR}.0", "v1.33", "0.9"]))
     else:
         spec.pop("vllmVersion", None)
         spec["image"] = draw(
@@ -257,7 +259,7 @@ def _bad_version(draw: st.DrawFn, spec: dict[str, Any]) -> None:
                     "vllm/vllm-openai",
                     "vllm:v0.31.0",
                     "vllm/vllm-openai@sha256:abc",
-                    "vllm:0.34",
+                    f"vllm:{UNSUPPORTED_MINOR}",
                     "host:5000/vllm",
                 ]
             )

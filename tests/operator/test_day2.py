@@ -159,7 +159,8 @@ def test_a_rollout_stops_at_a_revision_that_never_becomes_ready(cluster, namespa
 
     time.sleep(5)  # longer than kwok takes to make a pod Ready: nothing else may move meanwhile
     images = sorted(p["spec"]["containers"][0]["image"] for p in pods(cluster, namespace))
-    assert images == sorted([NEVER_READY_IMAGE, "vllm/vllm-openai:v0.33.0", "vllm/vllm-openai:v0.33.0"])
+    example_image = yaml.safe_load(EXAMPLE.read_text())["spec"]["image"]
+    assert images == sorted([NEVER_READY_IMAGE, example_image, example_image])
     assert sum(condition(p, "Ready").get("status") != "True" for p in pods(cluster, namespace)) == 1
 
     apply(cluster, namespace, replicas=3, image="vllm/vllm-openai:v0.33.1")  # the fix

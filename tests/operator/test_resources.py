@@ -244,11 +244,28 @@ def test_pool_encoders_announce_their_pod_ip_and_a_declared_side_channel_port():
             "name": "VLLM_EC_SIDE_CHANNEL_HOST",
             "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}},
         }
-        assert env["VLLM_USE_V2_MODEL_RUNNER"]["value"] == "1"
+        assert "VLLM_USE_V2_MODEL_RUNNER" not in env  # the example's vLLM 0.34 has only the V2 model runner
         side = next(p for p in container["ports"] if p["name"].startswith("ec-side-"))
         assert env["VLLM_EC_SIDE_CHANNEL_PORT"]["value"] == str(side["containerPort"])
         sides.append(side["containerPort"])
     assert sides == [5700, 5701]
+
+
+def test_pool_engines_before_034_choose_the_v2_model_runner():
+    manifest = yaml.safe_load((EXAMPLES / "encoder-pools.yaml").read_text())
+    manifest["spec"]["vllmVersion"] = "0.33"
+    checked = validate(manifest["spec"])
+    children = desired_children(checked.spec, "p", render(checked, namespace="ns", name="p", uid="u"), IMAGE)
+    engines = [
+        container
+        for child in children
+        if child["kind"] == "StatefulSet"
+        for container in child["spec"]["template"]["spec"]["containers"]
+        if container["name"].startswith(("encoder-", "regular-"))
+    ]
+    assert {c["name"] for c in engines} == {"encoder-0", "regular-0"}
+    for container in engines:
+        assert {"name": "VLLM_USE_V2_MODEL_RUNNER", "value": "1"} in container["env"], container["name"]
 
 
 def test_user_env_still_wins_over_the_side_channel_host():

@@ -27,7 +27,7 @@ def test_render_prints_one_line_per_engine_and_router():
         "[default group=2 engine=2 decode-0]",
         "[default router]",
     ]
-    assert "--mm-encoder-only" in lines[0] and "--disable-prefix-caching" in lines[0]  # the image is v0.33
+    assert "--mm-encoder-only" in lines[0] and "--disable-prefix-caching" in lines[0]  # the image is v0.34
 
 
 def test_render_json_has_the_documented_keys():

@@ -1,14 +1,14 @@
-"""Contract with the REAL vLLM parsers (0.32.0, 0.33.0; tests/vllm/envs.py): the engine argument
-names shipped for each version are exactly the ones its `vllm serve` accepts, and what validation
-refuses, vLLM refuses too. Regenerate the lists with `make engine-args`."""
+"""Contract with the REAL vLLM parsers (hack/epd_dev/vllm/envs.py): the files each minor's support
+is generated into (`make vllm-minor`) are exactly what its package says, byte for byte, so that
+`make vllm-minor V=<minor>` on a clean tree changes nothing; and what validation refuses, vLLM
+refuses too."""
 
 from __future__ import annotations
 
-from epd_operator.engine_args import SGLANG_EQUIVALENTS, known_engine_args, override_errors
-from epd_operator.render import engine_flags
-
-from .engine_arg_names import accepted_names, data_file, file_text
-from .vllm_parser import VllmParser
+from epd_dev.vllm.cli_parser import VllmParser
+from epd_dev.vllm.minor import HAND_WRITTEN_FLAGS, accepted_names, flag_tables, generated_files, template_dir
+from epd_operator.engine_args import SGLANG_EQUIVALENTS, known_engine_args, known_env_vars, override_errors
+from epd_operator.render import engine_flags, flag_spelling
 
 
 def test_the_shipped_names_are_the_parsers(vllm_parser: VllmParser) -> None:
@@ -16,10 +16,29 @@ def test_the_shipped_names_are_the_parsers(vllm_parser: VllmParser) -> None:
     names = accepted_names(vllm_parser.actions())
     shipped = known_engine_args(version)
     assert shipped == set(names), (
-        f"{data_file(version)} drifted from vLLM {version}'s parser: missing {sorted(set(names) - shipped)}, "
-        f"extra {sorted(shipped - set(names))}: run `make engine-args`"
+        f"vLLM {version}'s engine_args.txt drifted from its parser: missing {sorted(set(names) - shipped)}, "
+        f"extra {sorted(shipped - set(names))}: run `make vllm-minor V={version}`"
     )
-    assert data_file(version).read_text() == file_text(version, names), "run `make engine-args`"
+    assert known_env_vars(version) == vllm_parser.envs()
+
+
+def test_make_vllm_minor_would_write_the_committed_files(vllm_parser: VllmParser) -> None:
+    version = vllm_parser.version
+    files = generated_files(version, vllm_parser.actions(), vllm_parser.envs())
+    expected = {"engine_args.txt", "env_vars.txt"} | ({"flags.yaml"} if version not in HAND_WRITTEN_FLAGS else set())
+    assert {path.name for path in files} == expected
+    differ = [path.name for path, text in files.items() if not path.is_file() or path.read_text() != text]
+    assert not differ, f"{template_dir(version)}: {differ} differ from the parser's: run `make vllm-minor V={version}`"
+
+
+def test_the_flag_tables_are_the_parsers(vllm_parser: VllmParser) -> None:
+    """The hand-written flags.yaml files included: their tables are what the generator finds."""
+    tables, shipped = flag_tables(vllm_parser.actions()), flag_spelling(vllm_parser.version)
+    assert (tables.negated_prefixes, set(tables.store_true), set(tables.append)) == (
+        shipped.negated_prefixes,
+        shipped.store_true,
+        shipped.append,
+    )
 
 
 def test_what_validation_refuses_vllm_refuses(vllm_parser: VllmParser) -> None:

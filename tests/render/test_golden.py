@@ -29,7 +29,7 @@ def _document(case: str, version: str) -> str:
     return header + yaml.safe_dump(body, sort_keys=False, width=10_000)
 
 
-@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("version", VERSIONS, ids=lambda v: f"vllm-{v}")
 @pytest.mark.parametrize("case", CASES)
 def test_golden(case: str, version: str) -> None:
     path = GOLDEN / f"{case}.vllm-{version}.yaml"

@@ -1,4 +1,4 @@
-"""The EPD proxy's reading of vLLM's API, checked against the real vLLM 0.32 and 0.33: every POST
+"""The EPD proxy's reading of vLLM's API, checked against the real vLLM 0.32, 0.33 and 0.34: every POST
 route either has its media primed, is refused, or is known to run no encoder on a consumer's
 media; and Anthropic image blocks are primed as the very URLs vLLM makes of them."""
 
@@ -8,9 +8,8 @@ import json
 
 import pytest
 
+from epd_dev.vllm.cli_parser import VllmParser
 from epd_operator.proxy import core
-
-from .vllm_parser import VllmParser
 
 # vLLM's POST routes that the proxy passes through, and why none of them has a consumer encode
 # a client's media.
@@ -47,8 +46,11 @@ NO_ENCODER_ROUTES = {
         [
             "/abort_requests",
             "/inference/v1/abort_requests",
+            "/checkpoint/prepare",
+            "/checkpoint/restore",
             "/collective_rpc",
             "/fault_tolerance/apply",
+            "/v1/fault_tolerance/apply",
             "/pause",
             "/resume",
             "/sleep",

