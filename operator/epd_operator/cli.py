@@ -142,7 +142,7 @@ def _proxy(args: argparse.Namespace) -> None:
 
 def proxy_limits(args: argparse.Namespace) -> Any:
     """The proxy's Limits from its flags; exits with the rule broken when they do not fit."""
-    from .proxy.limits import Limits
+    from .proxy_limits import Limits
 
     try:
         return Limits(**{name: getattr(args, name) for name in Limits.__dataclass_fields__})
@@ -297,7 +297,7 @@ def _add_proxy_parser(sub: Any) -> None:
 
 def _add_limits(proxy: argparse.ArgumentParser) -> None:
     """The proxy's bounds (docs/proxy.md, "Bounds"): each also a field of spec.proxy."""
-    from .proxy.limits import Limits
+    from .proxy_limits import Limits
 
     default = Limits()
     proxy.add_argument(

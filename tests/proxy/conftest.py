@@ -17,9 +17,9 @@ from epd_client import Primer, RetryPolicy
 from epd_dev.standins.fault_proxy import FaultProxy
 from epd_operator.proxy.core import DNSTarget
 from epd_operator.proxy.encoders import Encoders, Resolve, resolve_addresses
-from epd_operator.proxy.limits import Limits
 from epd_operator.proxy.metrics import ProxyMetrics
 from epd_operator.proxy.server import Proxy, ProxyConfig, serve
+from epd_operator.proxy_limits import Limits
 
 # Quick retries so failure paths take milliseconds.
 FAST = RetryPolicy(max_attempts=3, backoff=0.01, max_backoff=0.05, attempt_timeout=5, deadline=10)

@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from epd_operator.proxy.limits import Limits
 from epd_operator.proxy.server import LINGER_SECONDS
+from epd_operator.proxy_limits import Limits
 
 from .conftest import answer_models, raw_upstream
 

@@ -45,6 +45,7 @@ from yarl import URL
 from epd_client import MEDIA_KINDS, PrimeError, Primer, RetryPolicy
 
 from ..loop import event_loop
+from ..proxy_limits import Limits, nested_deeper, raise_it, request_cost, request_cost_bound
 from .budget import Budget, Reservation
 from .core import (
     ANSWER_DROPPED,
@@ -66,7 +67,6 @@ from .core import (
     with_transfer_params,
 )
 from .encoders import Ejection, Encoders
-from .limits import Limits, nested_deeper, raise_it, request_cost, request_cost_bound
 from .metrics import ProxyMetrics
 
 logger = logging.getLogger("epd_operator.proxy")

@@ -1,6 +1,8 @@
 """The EPD proxy's bounds, as pure data and functions: what one request may hold, what the
-proxy may hold for all of them at once, and the refusals that name each limit and how to raise
-it (its `spec.proxy` field and its flag). docs/proxy.md, "Bounds", explains each."""
+proxy may hold for all of them at once, and how each refusal names its limit and how to raise
+it (its `spec.proxy` field and its flag). The proxy (proxy/server.py), its flags (cli.py), the
+operator's checks and the container it renders (validation.py, resources.py) all read them
+here. docs/proxy.md, "Bounds", explains each."""
 
 from __future__ import annotations
 
@@ -55,11 +57,8 @@ class Limits:
         for field in fields(self):
             if not getattr(self, field.name) > 0:
                 raise ValueError(f"{SPELLINGS[field.name][1]} must be positive")
-        if self.max_buffered_bytes < request_cost_bound(self.max_request_bytes, self.max_media_parts):
-            raise ValueError(
-                f"--max-buffered-bytes ({self.max_buffered_bytes}) must hold at least one ASCII body of "
-                f"--max-request-bytes ({request_cost_bound(self.max_request_bytes, self.max_media_parts)} bytes)"
-            )
+        if (error := budget_error(self)) is not None:
+            raise ValueError(error)
 
 
 # Each limit's spec.proxy field and flag, for the refusals and docs.
@@ -74,6 +73,18 @@ SPELLINGS = {
     "body_timeout_seconds": ("bodyTimeoutSeconds", "--body-timeout-seconds"),
     "prime_concurrency_per_request": ("primeConcurrencyPerRequest", "--prime-concurrency-per-request"),
 }
+
+
+def budget_error(limits: Limits) -> str | None:
+    """Why the memory budget cannot hold one body of the largest size with all its parts, if
+    it cannot: such a request would wait for ever."""
+    needed = request_cost_bound(limits.max_request_bytes, limits.max_media_parts)
+    if limits.max_buffered_bytes >= needed:
+        return None
+    return (
+        f"maxBufferedBytes ({limits.max_buffered_bytes}) must hold one ASCII body of maxRequestBytes with its "
+        f"maxMediaParts parts: at least {needed} bytes ({BYTES_PER_ASCII_BYTE} bytes a byte, {BYTES_PER_PART} a part)"
+    )
 
 
 def raise_it(limit: str) -> str:
