@@ -18,10 +18,10 @@ MiB = 1024 * KiB
 BYTES_PER_JSON_VALUE = 100
 # What a primed body costs per byte, beyond its values: the bytes held, json's decoded copy,
 # the parsed strings, each prime's body (a str and its bytes) and, for a Pools model, the
-# re-serialised body (measured at 4 to 5 bytes a byte for ASCII). A body with non-ASCII bytes or
-# \\u escapes may parse into 4-byte characters: its copies are counted 4 times over.
+# re-serialised body: measured at 5 bytes a byte for ASCII, 13 for a body whose non-ASCII bytes
+# or \\u escapes make its copies 4-byte characters (tests/proxy/test_proxy_limits.py).
 BYTES_PER_ASCII_BYTE = 6
-BYTES_PER_WIDE_BYTE = 12
+BYTES_PER_WIDE_BYTE = 16
 # Per media part primed: its prime's request and answer objects, task and retry state.
 BYTES_PER_PART = 16 * KiB
 
