@@ -17,12 +17,19 @@ class Budget:
         self.free = total
         self._waiting: deque[tuple[int, asyncio.Future[None]]] = deque()
 
+    def try_reserve(self, size: int) -> Reservation | None:
+        """Hold ``size`` bytes (at most ``total``) if they fit now and no one waits, else None."""
+        size = min(size, self.total)
+        if self._waiting or size > self.free:
+            return None
+        self.free -= size
+        return Reservation(self, size)
+
     async def reserve(self, size: int) -> Reservation:
         """Hold ``size`` bytes (at most ``total``) once they fit; cancelling the wait gives up."""
+        if (reservation := self.try_reserve(size)) is not None:
+            return reservation
         size = min(size, self.total)
-        if not self._waiting and size <= self.free:
-            self.free -= size
-            return Reservation(self, size)
         waiter = asyncio.get_running_loop().create_future()
         entry = (size, waiter)
         self._waiting.append(entry)

@@ -213,11 +213,13 @@ class Proxy:
         # Before a byte is read, room for what the body will cost once parsed (an ASCII body of
         # its declared length; a chunked one may be as large as allowed).
         estimate = request_cost_bound(limits.max_request_bytes if declared is None else declared)
-        try:
-            async with asyncio.timeout_at(deadline):
-                reservation = await self.budget.reserve(estimate)
-        except TimeoutError:
-            return _error(request, self._busy(estimate), True)
+        reservation = self.budget.try_reserve(estimate)  # at once, without a timer, when it fits
+        if reservation is None:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    reservation = await self.budget.reserve(estimate)
+            except TimeoutError:
+                return _error(request, self._busy(estimate), True)
         try:
             return await self._primed_within(request, reservation, deadline)
         finally:
@@ -229,8 +231,11 @@ class Proxy:
         limits = self.limits
         _continue(request)
         try:
-            async with asyncio.timeout_at(deadline):
+            if request.content.is_eof():  # came whole with its head: no timer to set
                 raw = await _read(request, limits.max_request_bytes)
+            else:
+                async with asyncio.timeout_at(deadline):
+                    raw = await _read(request, limits.max_request_bytes)
         except _TooLarge:
             return self._too_large(request)
         except TimeoutError:
@@ -274,7 +279,10 @@ class Proxy:
             found = plan(name, raw, pooled=self.config.pooled)
         except RecursionError:  # deeper than Python's parser goes
             raise BadRequest(self._too_deep()) from None
-        if nested_deeper(found.body, limits.max_json_depth):
+        # No deeper than it has brackets: most bodies need no walk.
+        if raw.count(b"[") + raw.count(b"{") > limits.max_json_depth and nested_deeper(
+            found.body, limits.max_json_depth
+        ):
             raise BadRequest(self._too_deep())
         if len(found.parts) > limits.max_media_parts:
             raise BadRequest(
