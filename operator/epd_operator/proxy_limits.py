@@ -33,7 +33,7 @@ class Limits:
 
     max_request_bytes: int = 64 * MiB
     """Largest body of a primed route (read whole and parsed); other bodies are streamed."""
-    max_buffered_bytes: int = 768 * MiB
+    max_buffered_bytes: int = 800 * MiB
     """Memory the primed requests being read, parsed and primed may take in all (estimated
     from their bodies before parsing: ``request_cost``); a request waits for room."""
     max_media_parts: int = 32
@@ -76,14 +76,15 @@ SPELLINGS = {
 
 
 def budget_error(limits: Limits) -> str | None:
-    """Why the memory budget cannot hold one body of the largest size with all its parts, if
-    it cannot: such a request would wait for ever."""
-    needed = request_cost_bound(limits.max_request_bytes, limits.max_media_parts)
+    """Why the memory budget cannot hold one body of the largest size, if it cannot: such a
+    request would wait for ever."""
+    needed = reservation(limits.max_request_bytes, limits)
     if limits.max_buffered_bytes >= needed:
         return None
     return (
-        f"maxBufferedBytes ({limits.max_buffered_bytes}) must hold one ASCII body of maxRequestBytes with its "
-        f"maxMediaParts parts: at least {needed} bytes ({BYTES_PER_ASCII_BYTE} bytes a byte, {BYTES_PER_PART} a part)"
+        f"maxBufferedBytes ({limits.max_buffered_bytes}) must hold what one body of maxRequestBytes reserves "
+        f"before it is read: at least {needed} bytes ({BYTES_PER_ASCII_BYTE} bytes a byte and a sixteenth, "
+        f"{BYTES_PER_PART} a part of maxMediaParts)"
     )
 
 
@@ -102,10 +103,11 @@ def request_cost(raw: bytes, parts: int = 0) -> int:
     return len(raw) * per_byte + values * BYTES_PER_JSON_VALUE + parts * BYTES_PER_PART
 
 
-def request_cost_bound(length: int, parts: int = 0) -> int:
-    """What ``request_cost`` of an ASCII body of ``length`` bytes with few values is: what a
-    request of that declared length reserves before its body is read."""
-    return length * BYTES_PER_ASCII_BYTE + parts * BYTES_PER_PART
+def reservation(length: int, limits: Limits) -> int:
+    """What a request whose body is ``length`` bytes reserves before reading it: the cost of an
+    ASCII body of that length with as many parts as allowed, and a sixteenth more for its JSON
+    values (a body with up to one value per 1,600 bytes never needs more once read)."""
+    return length * BYTES_PER_ASCII_BYTE + length // 16 + limits.max_media_parts * BYTES_PER_PART
 
 
 def nested_deeper(value: object, limit: int) -> bool:

@@ -141,6 +141,6 @@ def test_a_memory_budget_that_cannot_hold_one_largest_body_is_refused():
     manifest = yaml.safe_load((EXAMPLES / "encoder-regular.yaml").read_text())
     manifest["spec"]["proxy"] = {"maxRequestBytes": 64 << 20, "maxBufferedBytes": 128 << 20}
     with pytest.raises(
-        SpecError, match=r"spec.proxy .*maxBufferedBytes .* must hold one ASCII body of maxRequestBytes"
+        SpecError, match=r"spec.proxy .*maxBufferedBytes .* must hold what one body of maxRequestBytes reserves"
     ):
         validate(manifest["spec"])

@@ -45,7 +45,7 @@ from yarl import URL
 from epd_client import MEDIA_KINDS, PrimeError, Primer, RetryPolicy
 
 from ..loop import event_loop
-from ..proxy_limits import Limits, nested_deeper, raise_it, request_cost, request_cost_bound
+from ..proxy_limits import Limits, nested_deeper, raise_it, request_cost, reservation
 from .budget import Budget, Reservation
 from .core import (
     ANSWER_DROPPED,
@@ -212,18 +212,18 @@ class Proxy:
         deadline = loop.time() + limits.body_timeout_seconds
         # Before a byte is read, room for what the body will cost once parsed (an ASCII body of
         # its declared length; a chunked one may be as large as allowed).
-        estimate = request_cost_bound(limits.max_request_bytes if declared is None else declared)
-        reservation = self.budget.try_reserve(estimate)  # at once, without a timer, when it fits
-        if reservation is None:
+        estimate = reservation(limits.max_request_bytes if declared is None else declared, limits)
+        held = self.budget.try_reserve(estimate)  # at once, without a timer, when it fits
+        if held is None:
             try:
                 async with asyncio.timeout_at(deadline):
-                    reservation = await self.budget.reserve(estimate)
+                    held = await self.budget.reserve(estimate)
             except TimeoutError:
                 return _error(request, self._busy(estimate), True)
         try:
-            return await self._primed_within(request, reservation, deadline)
+            return await self._primed_within(request, held, deadline)
         finally:
-            reservation.release()
+            held.release()
 
     async def _primed_within(
         self, request: web.BaseRequest, reservation: Reservation, deadline: float
@@ -253,15 +253,18 @@ class Proxy:
                 f"limit of {self.budget.total // MiB} MiB for all requests; send fewer JSON values or {raise_it('max_buffered_bytes')}"
             )
             return _error(request, ProxyError(413, message), True)
-        if not reservation.resize(cost):
+        # More than reserved (a body denser or wider than ASCII with few values): grown now, or
+        # refused; never grown by waiting, which could deadlock with other growing requests.
+        if cost > reservation.size and not reservation.resize(cost):
             return _error(request, self._busy(cost), True)
         try:
             found = self._plan(request, raw)
         except BadRequest as error:
             return _error(request, ProxyError(400, str(error), error.param))
         if found.parts:
-            if not reservation.resize(request_cost(raw, len(found.parts))):
-                return _error(request, self._busy(reservation.size), True)
+            cost = request_cost(raw, len(found.parts))
+            if cost > reservation.size and not reservation.resize(cost):
+                return _error(request, self._busy(cost), True)
             params = await self._prime(request, found)
             if isinstance(params, web.StreamResponse):
                 return params
