@@ -314,7 +314,7 @@ def _add_limits(proxy: argparse.ArgumentParser) -> None:
         default=default.max_buffered_bytes,
         help="memory the primed requests being read, parsed and primed may take in all, estimated from each body "
         "before it is parsed (6 bytes a byte of ASCII, 16 otherwise, 100 a JSON value); a request waits its turn "
-        "(default 800Mi, under the proxy container's 1Gi limit)",
+        "(default 600Mi, under the proxy container's 1Gi limit)",
     )
     proxy.add_argument(
         "--max-media-parts",

@@ -33,7 +33,7 @@ class Limits:
 
     max_request_bytes: int = 64 * MiB
     """Largest body of a primed route (read whole and parsed); other bodies are streamed."""
-    max_buffered_bytes: int = 800 * MiB
+    max_buffered_bytes: int = 600 * MiB
     """Memory the primed requests being read, parsed and primed may take in all (estimated
     from their bodies before parsing: ``request_cost``); a request waits for room."""
     max_media_parts: int = 32

@@ -14,6 +14,7 @@ serves the admin port (/health, /metrics) too.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
 import json
 import logging
@@ -589,6 +590,22 @@ async def serve(
         await admin.cleanup()
 
 
+# glibc's M_MMAP_THRESHOLD: blocks from this size up are mapped apart and unmapped when freed.
+_MMAP_THRESHOLD = -3
+_MAPPED_FROM_BYTES = 128 * 1024
+
+
+def _give_large_blocks_back() -> None:
+    """Fix glibc's mmap threshold at 128 KiB: by default it rises to the size of each large
+    block freed, so after one large body every later one comes from the heap, which is not given
+    back, and the proxy's RSS creeps up wave after wave of large bodies (measured: 776 MiB between
+    waves of 64 MiB bodies that each took 250 MiB). A no-op where the C library is not glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(_MMAP_THRESHOLD, _MAPPED_FROM_BYTES)
+    except (OSError, AttributeError):
+        pass
+
+
 def run_proxy(
     *,
     host: str,
@@ -610,6 +627,7 @@ def run_proxy(
     log_level: str,
 ) -> None:
     """`epd-operator proxy`: build the proxy from its flags and serve until SIGTERM or SIGINT."""
+    _give_large_blocks_back()
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if log_level != "DEBUG":
         logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per prime at INFO
