@@ -4,7 +4,9 @@ implementation behind ``prime_encoder``, ``Session.prime`` and ``Primer``."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from typing import Any, Self
 
 from ._errors import MediaFailure, PrimeError, RequestError
@@ -35,17 +37,23 @@ async def prime_items(
     unit: str,
     headers: Mapping[str, str] | None = None,
     first: int = 0,
+    max_concurrency: int | None = None,
 ) -> TransferParams:
-    """Prime every item at once, item i on ``encoders[(first + i) % n]`` (a retry moves to the
-    next encoder); raise PrimeError naming every item that failed. For a pooled model, return
-    every item's ``ec_transfer_params`` entries (keyed by vLLM's item hash) merged into one dict;
-    an answer without them is a failure of its item."""
+    """Prime every item at once (at most ``max_concurrency`` of them in flight, when given),
+    item i on ``encoders[(first + i) % n]`` (a retry moves to the next encoder); raise
+    PrimeError naming every item that failed. For a pooled model, return every item's
+    ``ec_transfer_params`` entries (keyed by vLLM's item hash) merged into one dict; an answer
+    without them is a failure of its item."""
+    own_slots: AbstractAsyncContextManager[object] = (
+        asyncio.Semaphore(max_concurrency) if max_concurrency is not None else contextlib.nullcontext()
+    )
 
     async def prime_one(index: int, item: MediaItem) -> TransferParams | MediaFailure:
         try:
-            response = await transport.post(
-                encoders, CHAT, prime_body(item, model), first=first + index, headers=headers
-            )
+            async with own_slots:
+                response = await transport.post(
+                    encoders, CHAT, prime_body(item, model), first=first + index, headers=headers
+                )
         except RequestError as exc:
             return MediaFailure(index, short(item.source), exc.urls, exc, item.kind)
         if not pooled:
@@ -145,6 +153,7 @@ class Primer:
         headers: Mapping[str, str] | None = None,
         first: int = 0,
         unit: str = "encoders",
+        max_concurrency: int | None = None,
     ) -> TransferParams:
         """One single-part ``/v1/chat/completions`` request per item (``model`` its ``model``
         field, left out when None), all at once: item i goes to ``encoders[(first + i) % n]``
@@ -152,7 +161,9 @@ class Primer:
         becomes the prefix of each attempt's own). Raises PrimeError (``unit`` names where)
         listing every item that failed once retries ran out; ValueError when there are items
         but no encoders. ``pooled``: the encoders form a ``Pools`` model's pool, so each answer
-        must announce its ``ec_transfer_params``, which are returned merged."""
+        must announce its ``ec_transfer_params``, which are returned merged. ``max_concurrency``:
+        at most that many of this call's requests in flight at once (the Primer's own limit
+        holds for all calls together), so one call with many items leaves room for others."""
         if not items:
             return {}
         if not encoders:
@@ -166,4 +177,5 @@ class Primer:
             unit=unit,
             headers=headers,
             first=first,
+            max_concurrency=max_concurrency,
         )

@@ -8,6 +8,7 @@ module, though past 350 lines, as Kubernetes keeps an API version's types in one
 from __future__ import annotations
 
 import enum
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -15,6 +16,9 @@ from pydantic.alias_generators import to_camel
 
 from .ec.quantity import BYTE_QUANTITY, MAX_BYTES, QUANTITY
 from .engine_args import engine_arg_name, spelling_errors
+from .proxy_limits import BYTES_PER_ASCII_BYTE, BYTES_PER_JSON_VALUE, BYTES_PER_WIDE_BYTE, Limits
+
+_PROXY = Limits()  # the proxy's defaults, said in each field's description
 
 GROUP = "epd.vime.dev"
 VERSION = "v1alpha1"
@@ -294,6 +298,39 @@ class ModelSpec(Schema):
     def pools_connector(self) -> PoolsECConnector:
         return self.ec_connector or PoolsECConnector()
 
+    @property
+    def media_per_prompt(self) -> int | None:
+        """The most media items a consumer takes in one prompt, by its limit_mm_per_prompt
+        override (every modality's count added up; the strictest consumer group's), or None
+        when no consumer sets one."""
+        totals = [
+            _media_total(group.overrides["limit_mm_per_prompt"])
+            for group in self.server_groups
+            if group.worker_type.is_ec_consumer and "limit_mm_per_prompt" in group.overrides
+        ]
+        known = [total for total in totals if total]  # 0: no media at all, which no prime changes
+        return min(known) if known else None
+
+
+def _media_total(value: Any) -> int | None:
+    """limit_mm_per_prompt's counts added up: ``{"image": 4}``, vLLM's ``{"video": {"count": 1,
+    ...}}`` form, or either as JSON text (as on the command line). None for a value that is
+    neither (vLLM's parser says what is wrong with it)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+    if not isinstance(value, dict):
+        return None
+    total = 0
+    for limit in value.values():
+        count = limit.get("count") if isinstance(limit, dict) else limit
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            return None
+        total += count
+    return total
+
 
 class ECConnector(Schema):
     """Encoder-cache (EC) connector between encoders (producers) and consumers."""
@@ -404,7 +441,97 @@ class Proxy(Schema):
         default_factory=OutlierDetection,
         description="When an encoder that keeps failing its prime requests is left out (its probes may still pass).",
     )
+    max_request_bytes: int | None = Field(
+        default=None,
+        ge=1024,
+        le=MAX_BYTES,
+        description=(
+            "Largest body of a route whose media are primed (chat completions, Responses, ...), which the proxy "
+            f"holds whole and parses; other bodies stream through. Over it: 413. Default: {_PROXY.max_request_bytes}."
+        ),
+    )
+    max_buffered_bytes: int | None = Field(
+        default=None,
+        ge=1 << 20,
+        le=MAX_BYTES,
+        description=(
+            "Memory the primed requests being read, parsed and primed may take in all, estimated from each body "
+            f"before parsing ({BYTES_PER_ASCII_BYTE} bytes a byte of ASCII, {BYTES_PER_WIDE_BYTE} otherwise, "
+            f"{BYTES_PER_JSON_VALUE} a JSON value); a request waits its turn (503 after bodyTimeoutSeconds). It must "
+            f"hold one ASCII body of maxRequestBytes. Default: {_PROXY.max_buffered_bytes}, under the proxy "
+            "container's 1Gi memory limit: raise both together."
+        ),
+    )
+    max_media_parts: int | None = Field(
+        default=None,
+        ge=1,
+        le=100_000,
+        description=(
+            "Media parts one request may carry, each primed by a request to an encoder. Over it: 400. Default: the "
+            f"consumers' limit_mm_per_prompt override (its counts added up) if set, else {_PROXY.max_media_parts}."
+        ),
+    )
+    max_json_depth: int | None = Field(
+        default=None,
+        ge=1,
+        le=512,
+        description=f"How deep a primed body's JSON may nest. Over it: 400. Default: {_PROXY.max_json_depth}.",
+    )
+    max_header_bytes: int | None = Field(
+        default=None,
+        ge=1024,
+        le=1 << 20,
+        description=(
+            "Longest request line, header field or trailer field of a client's request. Over it: 431. Default: "
+            f"{_PROXY.max_header_bytes}."
+        ),
+    )
+    max_headers: int | None = Field(
+        default=None,
+        ge=8,
+        le=4096,
+        description=(
+            "Header fields of a client's request and trailer fields of its chunked body, together. Over it: 400. "
+            f"Default: {_PROXY.max_headers}."
+        ),
+    )
+    keepalive_timeout_seconds: int | None = Field(
+        default=None,
+        ge=1,
+        le=86400,
+        description=(
+            "A client connection with no request for this long is closed, and a request's head must arrive whole "
+            f"within this long of the connection opening or of the previous answer. Default: "
+            f"{_PROXY.keepalive_timeout_seconds:g}."
+        ),
+    )
+    body_timeout_seconds: int | None = Field(
+        default=None,
+        ge=1,
+        le=86400,
+        description=(
+            f"How long a primed route's body may take to arrive whole (then 408). Default: "
+            f"{_PROXY.body_timeout_seconds:g}."
+        ),
+    )
+    prime_concurrency_per_request: int | None = Field(
+        default=None,
+        ge=1,
+        le=1024,
+        description=(
+            "Prime requests of one request in flight at once, so that one request's many parts do not hold up "
+            f"other requests' primes. Default: {_PROXY.prime_concurrency_per_request} (of 64 in all)."
+        ),
+    )
     resources: ResourceRequirements | None = Field(default=None, description="The proxy container's resources.")
+
+    def limits(self, model: ModelSpec) -> Limits:
+        """The bounds the proxy of ``model``'s units runs with: the fields set, the proxy's own
+        defaults for the rest (maxMediaParts: the consumers' limit_mm_per_prompt first)."""
+        given = {name: getattr(self, name) for name in Limits.__dataclass_fields__}
+        if given["max_media_parts"] is None:
+            given["max_media_parts"] = model.media_per_prompt
+        return Limits(**{name: value for name, value in given.items() if value is not None})
 
 
 class NetworkPolicySpec(Schema):

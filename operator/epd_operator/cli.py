@@ -116,6 +116,8 @@ def _proxy(args: argparse.Namespace) -> None:
     from .proxy.encoders import Ejection
     from .proxy.server import run_proxy
 
+    limits = proxy_limits(args)
+
     run_proxy(
         host=args.host,
         port=args.port,
@@ -130,11 +132,21 @@ def _proxy(args: argparse.Namespace) -> None:
         prime_max_attempts=args.prime_max_attempts,
         prime_concurrency=args.prime_concurrency,
         ejection=Ejection.given(args.eject_after_failures, args.ejection_base_seconds, args.ejection_max_seconds),
-        max_request_bytes=args.max_request_bytes,
+        limits=limits,
         pooled=args.placement == "Pools",
         shutdown_timeout_seconds=args.shutdown_timeout_seconds,
         log_level=args.log_level,
     )
+
+
+def proxy_limits(args: argparse.Namespace) -> Any:
+    """The proxy's Limits from its flags; exits with the rule broken when they do not fit."""
+    from .proxy_limits import Limits
+
+    try:
+        return Limits(**{name: getattr(args, name) for name in Limits.__dataclass_fields__})
+    except ValueError as error:
+        raise SystemExit(f"epd-operator proxy: {error}") from None
 
 
 def _positive(text: str) -> float:
@@ -270,14 +282,7 @@ def _add_proxy_parser(sub: Any) -> None:
     proxy.add_argument(
         "--prime-concurrency", type=_positive_int, default=64, help="prime requests in flight at once, at most"
     )
-    proxy.add_argument(
-        "--max-request-bytes",
-        type=_bytes,
-        default=64 * 2**20,
-        help="largest chat completions or Responses body, which the proxy holds to read its media "
-        "(a byte quantity such as 64Mi, the default: OpenAI's 50 MB request limit and JSON's overhead); "
-        "other bodies are streamed through whatever their size",
-    )
+    _add_limits(proxy)
     proxy.add_argument(
         "--shutdown-timeout-seconds",
         type=_positive,
@@ -292,6 +297,74 @@ def _add_proxy_parser(sub: Any) -> None:
         help="a prime failure is a WARNING line",
     )
     proxy.set_defaults(func=_proxy)
+
+
+def _add_limits(proxy: argparse.ArgumentParser) -> None:
+    """The proxy's bounds (docs/proxy.md, "Bounds"): each also a field of spec.proxy."""
+    from .proxy_limits import Limits
+
+    default = Limits()
+    proxy.add_argument(
+        "--max-request-bytes",
+        type=_bytes,
+        default=default.max_request_bytes,
+        help="largest body of a route whose media are primed (chat completions, Responses, ...), which the proxy "
+        "holds to read its media: a byte quantity such as 64Mi, the default (OpenAI's 50 MB request limit and "
+        "JSON's overhead); other bodies are streamed through whatever their size",
+    )
+    proxy.add_argument(
+        "--max-buffered-bytes",
+        type=_bytes,
+        default=default.max_buffered_bytes,
+        help="memory the primed requests being read, parsed and primed may take in all, estimated from each body "
+        "before it is parsed (6 bytes a byte of ASCII, 16 otherwise, 100 a JSON value); a request waits its turn "
+        "(default 600Mi, under the proxy container's 1Gi limit)",
+    )
+    proxy.add_argument(
+        "--max-media-parts",
+        type=_positive_int,
+        default=default.max_media_parts,
+        help="media parts one request may carry, each primed by a request to an encoder (default 32; the "
+        "operator renders the consumers' limit_mm_per_prompt when set)",
+    )
+    proxy.add_argument(
+        "--max-json-depth",
+        type=_positive_int,
+        default=default.max_json_depth,
+        help="how deep a primed body's JSON may nest (default 64)",
+    )
+    proxy.add_argument(
+        "--max-header-bytes",
+        type=_bytes,
+        default=default.max_header_bytes,
+        help="longest request line, header field or trailer field (default 16Ki; over it: 431)",
+    )
+    proxy.add_argument(
+        "--max-headers",
+        type=_positive_int,
+        default=default.max_headers,
+        help="header fields of a request and trailer fields of its chunked body, together (default 128)",
+    )
+    proxy.add_argument(
+        "--keepalive-timeout-seconds",
+        type=_positive,
+        default=default.keepalive_timeout_seconds,
+        help="close a client connection with no request for this long; a request's head must arrive whole "
+        "within this long of the connection opening or of the previous answer (default 75)",
+    )
+    proxy.add_argument(
+        "--body-timeout-seconds",
+        type=_positive,
+        default=default.body_timeout_seconds,
+        help="how long the body of a primed route may take to arrive whole (default 60; then 408)",
+    )
+    proxy.add_argument(
+        "--prime-concurrency-per-request",
+        type=_positive_int,
+        default=default.prime_concurrency_per_request,
+        help="prime requests of one request in flight at once, so one request's many parts do not hold up "
+        "other requests' primes (default 16, of --prime-concurrency in all)",
+    )
 
 
 DESCRIPTION = """\

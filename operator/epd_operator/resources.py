@@ -25,6 +25,7 @@ from . import api, engine_liveness
 from .ec.budget import effective_max_bytes
 from .ec.quantity import byte_quantity, parse_quantity
 from .layout import pool_ports, unit_ports
+from .proxy_limits import SPELLINGS, Limits
 from .render import EngineCommand, ModelPlan, RouterCommand
 
 FIELD_MANAGER = "epd-operator"
@@ -401,12 +402,19 @@ def proxy_container(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPla
         encoders = [a for e in plan.unit_encoders for a in ("--encoder", f"http://127.0.0.1:{e.port}")]
     timeout = spec.proxy.request_timeout_seconds or spec.router.request_timeout_seconds
     outliers = spec.proxy.outlier_detection
-    tuned = {
+    limits = spec.proxy.limits(spec.model(plan.name))
+    tuned: dict[str, object] = {
         "--prime-attempt-timeout-seconds": spec.proxy.prime_attempt_timeout_seconds,
         "--eject-after-failures": outliers.consecutive_failures,
         "--ejection-base-seconds": outliers.base_ejection_seconds,
         "--ejection-max-seconds": outliers.max_ejection_seconds,
     }  # unset: the proxy's own defaults
+    # The bounds that differ from the proxy's defaults (the fields set, maxMediaParts from the
+    # consumers' limit_mm_per_prompt), by their flags.
+    default = Limits()
+    tuned |= {
+        SPELLINGS[name][1]: value for name in SPELLINGS if (value := getattr(limits, name)) != getattr(default, name)
+    }
     return {
         "name": plan.proxy.container_name,
         "image": image,
@@ -416,7 +424,12 @@ def proxy_container(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPla
             *encoders,
             *("--request-timeout-seconds", str(timeout)),
             *("--prime-timeout-seconds", str(spec.proxy.prime_timeout_seconds)),
-            *(a for flag, value in tuned.items() if value is not None for a in (flag, str(value))),
+            *(
+                a
+                for flag, value in tuned.items()
+                if value is not None
+                for a in (flag, f"{value:g}" if isinstance(value, float) else str(value))
+            ),
             *("--metrics-port", str(PROXY_METRICS_PORT)),
         ],
         "ports": [

@@ -401,15 +401,22 @@ PRIME_ATTEMPT_WITHIN_PRIME = (
 
 
 def proxy_errors(spec: EPDDeploymentSpec) -> list[str]:
+    errors = []
     attempt, whole = spec.proxy.prime_attempt_timeout_seconds, spec.proxy.prime_timeout_seconds
-    if attempt is None or attempt <= whole:
-        return []
-    return [
-        (
+    if attempt is not None and attempt > whole:
+        errors.append(
             f"spec.proxy.primeAttemptTimeoutSeconds: {attempt} s is longer than primeTimeoutSeconds ({whole} s): "
             f"{PRIME_ATTEMPT_WITHIN_PRIME}"
         )
-    ]
+    for model in spec.models:
+        try:
+            spec.proxy.limits(model)
+        except ValueError as error:
+            errors.append(
+                f"spec.proxy (model '{model.name}'): {error}: raise maxBufferedBytes or lower maxRequestBytes"
+            )
+            break
+    return errors
 
 
 HEADLESS_NEEDS_CLUSTER_IP = (

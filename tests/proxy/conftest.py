@@ -19,6 +19,7 @@ from epd_operator.proxy.core import DNSTarget
 from epd_operator.proxy.encoders import Encoders, Resolve, resolve_addresses
 from epd_operator.proxy.metrics import ProxyMetrics
 from epd_operator.proxy.server import Proxy, ProxyConfig, serve
+from epd_operator.proxy_limits import Limits
 
 # Quick retries so failure paths take milliseconds.
 FAST = RetryPolicy(max_attempts=3, backoff=0.01, max_backoff=0.05, attempt_timeout=5, deadline=10)
@@ -74,7 +75,8 @@ def faulty(stack: ExitStack) -> Callable[[str], FaultProxy]:
 
 @pytest.fixture
 async def start_proxy() -> AsyncIterator[Callable[..., Any]]:
-    """``await start_proxy(upstream_url, encoder_urls, **config)``: a proxy serving on free ports."""
+    """``await start_proxy(upstream_url, encoder_urls, **config)``: a proxy serving on free ports
+    (``config``: ProxyConfig's fields and Limits' fields)."""
     async with contextlib.AsyncExitStack() as stack:
 
         async def start(
@@ -86,11 +88,14 @@ async def start_proxy() -> AsyncIterator[Callable[..., Any]]:
             retry: RetryPolicy = FAST,
             **config: Any,
         ) -> RunningProxy:
+            limits = Limits(**{k: config.pop(k) for k in list(config) if k in Limits.__dataclass_fields__})
             metrics = ProxyMetrics()
             target = DNSTarget.parse(dns) if dns else None
             found = Encoders(metrics, encoders, target, refresh_seconds=0.05, resolve=resolve)
             primer = await stack.enter_async_context(Primer(retry=retry))
-            proxy = await stack.enter_async_context(Proxy(ProxyConfig(upstream, **config), found, primer, metrics))
+            proxy = await stack.enter_async_context(
+                Proxy(ProxyConfig(upstream, limits=limits, **config), found, primer, metrics)
+            )
             stop, ready = asyncio.Event(), asyncio.get_running_loop().create_future()
             task = asyncio.create_task(
                 serve(proxy, host="127.0.0.1", port=0, metrics_port=0, shutdown_timeout=5, stop=stop, ready=ready)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
 
-from epd_operator.cli import build_parser
+from epd_operator.cli import build_parser, proxy_limits
+from epd_operator.proxy_limits import SPELLINGS, Limits
 from epd_operator.render import render
 from epd_operator.resources import pool_name, proxy_container
-from epd_operator.validation import validate
+from epd_operator.validation import SpecError, validate
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
 IMAGE = "epd-operator:test"
@@ -97,3 +99,48 @@ def test_a_model_without_encoders_has_no_proxy_and_its_router_keeps_the_front_po
     assert plan.proxy is None and plan.router is not None
     assert plan.router.port == checked.spec.ports.router == plan.front_port
     assert plan.router.args[plan.router.args.index("--host") + 1] == "0.0.0.0"
+
+
+def test_the_proxy_bounds_come_from_spec_proxy_and_unset_ones_are_the_proxys_defaults():
+    spec, name, plan = plan_of("encoder-regular.yaml")
+    args = flags(proxy_container(spec, name, plan, IMAGE))
+    assert proxy_limits(args) == Limits()  # nothing rendered: the proxy's own defaults
+    bounds = {
+        "maxRequestBytes": 8 << 20,
+        "maxBufferedBytes": 256 << 20,
+        "maxMediaParts": 4,
+        "maxJsonDepth": 20,
+        "maxHeaderBytes": 4096,
+        "maxHeaders": 50,
+        "keepaliveTimeoutSeconds": 30,
+        "bodyTimeoutSeconds": 10,
+        "primeConcurrencyPerRequest": 2,
+    }
+    spec, name, plan = plan_of("encoder-regular.yaml", proxy=bounds)
+    limits = proxy_limits(flags(proxy_container(spec, name, plan, IMAGE)))
+    assert limits == Limits(8 << 20, 256 << 20, 4, 20, 4096, 50, 30, 10, 2)
+    assert set(bounds) == {field for field, _ in SPELLINGS.values()}  # every bound is a spec.proxy field
+
+
+@pytest.mark.parametrize(
+    ("limit", "parts"),
+    [({"image": 3, "video": {"count": 2, "num_frames": 8}}, 5), ('{"image": 6}', 6), ({"image": 0}, 32)],
+    ids=["dict", "json text", "no media: the default"],
+)
+def test_media_parts_default_to_the_consumers_limit_mm_per_prompt(limit, parts):
+    manifest = yaml.safe_load((EXAMPLES / "encoder-regular.yaml").read_text())
+    for group in manifest["spec"]["models"][0]["serverGroups"]:
+        if group["workerType"] == "regular":
+            group["overrides"] = {"limit_mm_per_prompt": limit}
+    checked = validate(manifest["spec"])
+    (plan, *_) = render(checked, namespace="ns", name="x", uid="uid-1")
+    assert proxy_limits(flags(proxy_container(checked.spec, "x", plan, IMAGE))).max_media_parts == parts
+
+
+def test_a_memory_budget_that_cannot_hold_one_largest_body_is_refused():
+    manifest = yaml.safe_load((EXAMPLES / "encoder-regular.yaml").read_text())
+    manifest["spec"]["proxy"] = {"maxRequestBytes": 64 << 20, "maxBufferedBytes": 128 << 20}
+    with pytest.raises(
+        SpecError, match=r"spec.proxy .*maxBufferedBytes .* must hold what one body of maxRequestBytes reserves"
+    ):
+        validate(manifest["spec"])

@@ -133,7 +133,9 @@ class StandinServer(Served):
                     record.status, payload = self._answer(request.method, request.target, record.body)
                     record.finished = time.monotonic()  # before the client can see the answer (a test reads it then)
                     body = json.dumps(payload).encode()
-                    writer.write(response_bytes(record.status, body, headers=self.response_headers))
+                    answer = response_bytes(record.status, body, headers=self.response_headers)
+                    # The answer to a HEAD is its head alone (RFC 9110 §9.3.2), its Content-Length the GET's.
+                    writer.write(answer[: len(answer) - len(body)] if request.method == "HEAD" else answer)
                     await writer.drain()
                 if not request.keep_alive:
                     return

@@ -1,5 +1,5 @@
 """The EPD proxy (`epd-operator proxy`): in front of a unit's router, it primes every media part
 of an ordinary OpenAI client's request on the encoders before forwarding it unchanged, so no
-client has to know about encoders. core.py decides (pure), encoders.py keeps the list of
-encoders, http1.py speaks HTTP/1.1 (httptools), server.py is the shell. docs/proxy.md explains
-the design and its limits."""
+client has to know about encoders. core.py decides (pure), limits.py bounds (pure), budget.py
+holds the memory budget, encoders.py keeps the list of encoders, server.py is the shell on
+aiohttp's HTTP server and client. docs/proxy.md explains the design and its limits."""

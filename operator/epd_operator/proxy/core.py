@@ -48,9 +48,9 @@ PASSED_THROUGH = frozenset({OTHER, HEALTH})
 HOP_BY_HOP = frozenset({"connection", "proxy-connection", "keep-alive", "te", "transfer-encoding", "upgrade"})
 # Also dropped from a request: Host is the upstream's, Expect was the client's exchange with the
 # proxy, and the body's framing is the proxy's own (a Pools body is re-serialised; a streamed
-# one keeps the client's length, or goes chunked): http1.py sets Host and Content-Length.
+# one keeps the client's length, or goes chunked): aiohttp's client sets Host and the framing.
 REQUEST_DROPPED = HOP_BY_HOP | {"host", "expect", "content-length"}
-# Dropped from an answer: its framing is the proxy's to the client, set by http1.py.
+# Dropped from an answer: its framing is the proxy's to the client, set by aiohttp's server.
 ANSWER_DROPPED = HOP_BY_HOP | {"content-length"}
 
 # Client headers that also go with each prime: credentials (engines run with --api-key check

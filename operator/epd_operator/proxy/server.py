@@ -3,30 +3,51 @@ media of every request that takes media into a generation (chat completions, Res
 Anthropic Messages, ...: core.PRIMED_ROUTES) on the encoders, then forwards every request
 unchanged and streams the answer back as it comes.
 
-The decisions are core.py's and the HTTP/1.1 plumbing is http1.py's; this module puts them
-together: the client's request in, the primes out (epd_client's Primer: its retry policy and
-round-robin), the request to the upstream, the answer back (SSE events are written as they
-arrive, never buffered). aiohttp serves the admin port (/health, /metrics).
+HTTP is aiohttp's, both ways: its low-level server (llhttp, strict) takes the clients'
+requests, and one pooled ClientSession forwards them. The decisions are core.py's, the bounds
+limits.py's; this module puts them together: the client's request in, within its bounds; the
+primes out (epd_client's Primer: its retry policy and round-robin); the request to the
+upstream; the answer back (SSE events are written as they arrive, never buffered). aiohttp
+serves the admin port (/health, /metrics) too.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
 import json
 import logging
 import signal
 import time
-from collections.abc import Coroutine, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Self
+from urllib.parse import urlsplit
 
-from aiohttp import web
+from aiohttp import (
+    ClientConnectorError,
+    ClientError,
+    ClientOSError,
+    ClientResponse,
+    ClientSession,
+    ClientTimeout,
+    DummyCookieJar,
+    HttpVersion11,
+    ServerDisconnectedError,
+    TCPConnector,
+    web,
+)
+from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
+from multidict import CIMultiDict
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from yarl import URL
 
 from epd_client import MEDIA_KINDS, PrimeError, Primer, RetryPolicy
 
 from ..loop import event_loop
+from ..proxy_limits import Limits, nested_deeper, raise_it, request_cost, reservation
+from .budget import Budget, Reservation
 from .core import (
     ANSWER_DROPPED,
     PASSED_THROUGH,
@@ -47,18 +68,6 @@ from .core import (
     with_transfer_params,
 )
 from .encoders import Ejection, Encoders
-from .http1 import (
-    JSON_HEADERS,
-    Answer,
-    Body,
-    ClientConnection,
-    Exchange,
-    TooLarge,
-    Unreachable,
-    Upstream,
-    UpstreamError,
-    close_idle,
-)
 from .metrics import ProxyMetrics
 
 logger = logging.getLogger("epd_operator.proxy")
@@ -69,6 +78,19 @@ MiB = 1024 * 1024
 HELD_ANSWER_BYTES = 1 * MiB
 # Connections waiting to be accepted: a burst of new clients is not refused or delayed.
 LISTEN_BACKLOG = 1024
+# Pooled upstream connections idle longer than this are closed (Go's net/http keeps them 90 s).
+# A server may close an idle one sooner (vLLM's uvicorn after 5 s): a request whose connection
+# closed before any answer is sent once more on a new one.
+UPSTREAM_IDLE_SECONDS = 60.0
+# A client socket's read buffer (aiohttp's read_bufsize): a body waiting for its turn holds at
+# most twice this before the socket is paused.
+READ_BUFFER_BYTES = 64 * 1024
+# After an answer that leaves a body unread (a refusal), what still comes of it is read and
+# dropped for this long before the connection closes, so the client reads the answer rather
+# than a reset (nginx's lingering close, aiohttp's lingering_time).
+LINGER_SECONDS = 5.0
+# The headers aiohttp's client would add: the proxy adds none the client did not send.
+_NOT_ADDED = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
 
 
 @dataclass(frozen=True)
@@ -77,31 +99,55 @@ class ProxyConfig:
     """Base URL of the router (or the unit's only consumer) on the pod's loopback."""
     request_timeout_seconds: float = 1800.0
     """Whole-request limit upstream, streaming included: vllm-router's own default."""
-    max_request_bytes: int = 64 * MiB
-    """Largest body of a primed route (the proxy holds and parses it); others are streamed."""
     pooled: bool = False
     """Placement Pools: primes must announce ec_transfer_params, which the forwarded body carries."""
+    limits: Limits = field(default_factory=Limits)
+
+
+class _CutShort(Exception):
+    """The answer's status went out, and its body cannot be finished: the connection is dropped."""
+
+
+class _TooLarge(Exception):
+    pass
 
 
 class Proxy:
-    """One proxy: its upstream connections, encoders, primer and metrics. ``async with`` it, then
-    ``serve`` it."""
+    """One proxy: its upstream connections, encoders, primer, memory budget and metrics.
+    ``async with`` it, then ``serve`` it."""
 
     def __init__(self, config: ProxyConfig, encoders: Encoders, primer: Primer, metrics: ProxyMetrics) -> None:
+        parts = urlsplit(config.upstream)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"the upstream must be an http:// URL, not {config.upstream!r}")
         self.config = config
+        self.limits = config.limits
         self.encoders = encoders
         self.primer = primer
         self.metrics = metrics
-        self._upstream = Upstream(config.upstream)
+        self.budget = Budget(config.limits.max_buffered_bytes)
+        self._upstream = config.upstream.rstrip("/")
+        self._session: ClientSession | None = None
         # Round-robin across requests: each request's first part goes to the encoder after the
         # previous request's last, so single-image requests do not all land on encoders[0].
         self._rotation = 0
 
     async def __aenter__(self) -> Self:
+        # No pool limit: each client request holds one connection, so the clients' own
+        # concurrency bounds them, as it bounds the router's. No cookie jar: no client's cookies
+        # reach another's requests.
+        self._session = ClientSession(
+            connector=TCPConnector(limit=0, keepalive_timeout=UPSTREAM_IDLE_SECONDS),
+            cookie_jar=DummyCookieJar(),
+            auto_decompress=False,
+            skip_auto_headers=_NOT_ADDED,
+            timeout=ClientTimeout(total=None),
+        )
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        self._upstream.close()
+        if self._session is not None:
+            await self._session.close()
 
     def admin_app(self) -> web.Application:
         """/health and /metrics of the proxy itself, on their own port: the main port passes those
@@ -111,249 +157,340 @@ class Proxy:
         app.router.add_get("/metrics", self._metrics_page)
         return app
 
-    def connection(self, connections: set[ClientConnection]) -> ClientConnection:
-        """A client connection of the main port (the listener's protocol factory)."""
-        return ClientConnection(self.handle, _error_json, connections)
+    def server(self) -> web.Server:
+        """The main port's aiohttp server, within the limits."""
+        limits = self.limits
+        return _Server(
+            self.handle,
+            limits,
+            # The client leaving cancels its request: primes and the upstream request with it.
+            handler_cancellation=True,
+            access_log=None,
+            keepalive_timeout=limits.keepalive_timeout_seconds,
+            max_line_size=limits.max_header_bytes,
+            max_field_size=limits.max_header_bytes,
+            max_headers=limits.max_headers,
+            read_bufsize=READ_BUFFER_BYTES,
+            lingering_time=LINGER_SECONDS,
+        )
 
-    def handle(self, exchange: Exchange) -> Coroutine[Any, Any, None] | None:
-        """Serve one request. One whose body came whole with its head, that needs no prime and
-        finds an idle upstream connection (the common case) is served from callbacks alone, with
-        no task: most of what the proxy adds to a request's latency is turns of the event loop."""
-        head, body = exchange.head, exchange.body
-        name = route(head.method, head.path)
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        """Serve one request, counted under its route."""
+        name = route(request.method, request.path)
+        try:
+            response = await self._serve(request, name)
+        except _CutShort:
+            self.metrics.observe_request(name, 200)
+            raise
+        self.metrics.observe_request(name, response.status)
+        return response
+
+    async def _serve(self, request: web.BaseRequest, name: str) -> web.StreamResponse:
+        if request.method == "CONNECT":
+            return _error(request, ProxyError(405, "the EPD proxy is not a forward proxy: CONNECT is refused"), True)
+        if not request.raw_path.startswith("/"):
+            message = (
+                f"the request target {request.raw_path[:200]!r} is not a path: the EPD proxy is not a forward proxy, "
+                "send the path alone (origin-form, e.g. /v1/chat/completions)"
+            )
+            return _error(request, ProxyError(400, message), True)
         if name in PASSED_THROUGH:
-            if head.framed and not body.complete:  # streamed upstream as it arrives
-                return self.counted(exchange, name, self.forward(exchange, body))
-            return self._forward_now(exchange, name, body.take() if head.framed else None)
+            return await self.forward(request, None)
         if name in REFUSED:  # answered unread: the connection closes if a body is left
-            _error(exchange, ProxyError(400, refusal(name)))
-            self.done(exchange, name)
-            return None
-        if not body.complete:
-            return self.counted(exchange, name, self._read_primed(exchange, name))
-        try:
-            raw = body.whole(self.config.max_request_bytes)
-        except TooLarge:
-            self._too_large(exchange)
-            self.done(exchange, name)
-            return None
-        found = self._plan(exchange, name, raw)
-        if found is None:
-            self.done(exchange, name)
-            return None
-        if found.parts:
-            return self.counted(exchange, name, self._primed(exchange, found, raw))
-        return self._forward_now(exchange, name, raw)
+            return _error(request, ProxyError(400, refusal(name)), True)
+        return await self._primed(request)
 
-    async def _read_primed(self, exchange: Exchange, name: str) -> None:
-        """A primed route's request whose body arrives after its head."""
+    async def _primed(self, request: web.BaseRequest) -> web.StreamResponse:
+        """A primed route's request: its body read whole within its bounds and the memory
+        budget, its media primed, then forwarded."""
+        limits = self.limits
+        declared = request.content_length
+        if declared is not None and declared > limits.max_request_bytes:
+            return self._too_large(request)
+        if (refused := _expectation(request)) is not None:
+            return refused
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limits.body_timeout_seconds
+        # Before a byte is read, room for what the body will cost once parsed (an ASCII body of
+        # its declared length; a chunked one may be as large as allowed).
+        estimate = reservation(limits.max_request_bytes if declared is None else declared, limits)
+        held = self.budget.try_reserve(estimate)  # at once, without a timer, when it fits
+        if held is None:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    held = await self.budget.reserve(estimate)
+            except TimeoutError:
+                return _error(request, self._busy(estimate), True)
         try:
-            raw = await exchange.body.read(self.config.max_request_bytes)
-        except TooLarge:
-            return self._too_large(exchange)
-        found = self._plan(exchange, name, raw)
-        if found is None:
-            return
-        if found.parts:
-            await self._primed(exchange, found, raw)
-        else:
-            await self.forward(exchange, raw)
+            return await self._primed_within(request, held, deadline)
+        finally:
+            held.release()
 
-    def _plan(self, exchange: Exchange, name: str, raw: bytes) -> Plan | None:
-        """What to prime (None: the request was answered 400)."""
+    async def _primed_within(
+        self, request: web.BaseRequest, reservation: Reservation, deadline: float
+    ) -> web.StreamResponse:
+        limits = self.limits
+        _continue(request)
         try:
-            return plan(name, raw, pooled=self.config.pooled)
+            if request.content.is_eof():  # came whole with its head: no timer to set
+                raw = await _read(request, limits.max_request_bytes)
+            else:
+                async with asyncio.timeout_at(deadline):
+                    raw = await _read(request, limits.max_request_bytes)
+        except _TooLarge:
+            return self._too_large(request)
+        except TimeoutError:
+            message = (
+                f"the request body did not arrive whole within {limits.body_timeout_seconds:g} s; "
+                f"{raise_it('body_timeout_seconds')} for slower clients"
+            )
+            return _error(request, ProxyError(408, message), True)
+        except HttpProcessingError as error:  # a malformed chunked body
+            return _error(request, ProxyError(400, f"malformed request body: {error.message}"), True)
+        cost = request_cost(raw)
+        if cost > self.budget.total:
+            message = (
+                f"the request body would take about {cost // MiB} MiB of the proxy's memory while parsed, over its "
+                f"limit of {self.budget.total // MiB} MiB for all requests; send fewer JSON values or {raise_it('max_buffered_bytes')}"
+            )
+            return _error(request, ProxyError(413, message), True)
+        # More than reserved (a body denser or wider than ASCII with few values): grown now, or
+        # refused; never grown by waiting, which could deadlock with other growing requests.
+        if cost > reservation.size and not reservation.resize(cost):
+            return _error(request, self._busy(cost), True)
+        try:
+            found = self._plan(request, raw)
         except BadRequest as error:
-            _error(exchange, ProxyError(400, str(error), error.param))
-            return None
+            return _error(request, ProxyError(400, str(error), error.param))
+        if found.parts:
+            cost = request_cost(raw, len(found.parts))
+            if cost > reservation.size and not reservation.resize(cost):
+                return _error(request, self._busy(cost), True)
+            params = await self._prime(request, found)
+            if isinstance(params, web.StreamResponse):
+                return params
+            if self.config.pooled:
+                raw = json.dumps(with_transfer_params(found.body, params)).encode()
+        del found  # only the bytes are forwarded: the parsed body is not held while it is
+        reservation.resize(len(raw))
+        return await self.forward(request, raw, reservation)
 
-    def _too_large(self, exchange: Exchange) -> None:
-        limit = self.config.max_request_bytes
-        _error(exchange, ProxyError(413, f"the request body is larger than the proxy's limit of {limit} bytes"))
+    def _plan(self, request: web.BaseRequest, raw: bytes) -> Plan:
+        """What to prime; BadRequest for a body the proxy will not forward."""
+        limits = self.limits
+        name = route(request.method, request.path)
+        try:
+            found = plan(name, raw, pooled=self.config.pooled)
+        except RecursionError:  # deeper than Python's parser goes
+            raise BadRequest(self._too_deep()) from None
+        # No deeper than it has brackets: most bodies need no walk.
+        if raw.count(b"[") + raw.count(b"{") > limits.max_json_depth and nested_deeper(
+            found.body, limits.max_json_depth
+        ):
+            raise BadRequest(self._too_deep())
+        if len(found.parts) > limits.max_media_parts:
+            raise BadRequest(
+                f"the request has {len(found.parts)} media parts, over the proxy's limit of {limits.max_media_parts} "
+                f"a request (each is a request to an encoder); send them in several requests or "
+                f"{raise_it('max_media_parts')}",
+                found.parts[limits.max_media_parts].param,
+            )
+        return found
 
-    async def _primed(self, exchange: Exchange, found: Plan, raw: bytes) -> None:
-        params = await self._prime(exchange, found)
-        if params is None:
-            return
-        if self.config.pooled:
-            raw = json.dumps(with_transfer_params(found.body, params)).encode()
-        await self.forward(exchange, raw)
+    def _too_deep(self) -> str:
+        depth = self.limits.max_json_depth
+        return (
+            f"the request body nests JSON deeper than the proxy's limit of {depth} levels; {raise_it('max_json_depth')}"
+        )
 
-    async def counted(self, exchange: Exchange, name: str, serving: Coroutine[Any, Any, None]) -> None:
-        """Serve a request from a task (``serving``), then count it under route ``name``."""
-        await serving
-        self._observe(exchange, name)
+    def _too_large(self, request: web.BaseRequest) -> web.Response:
+        limit = self.limits.max_request_bytes
+        message = f"the request body is larger than the proxy's limit of {limit} bytes; {raise_it('max_request_bytes')}"
+        return _error(request, ProxyError(413, message), True)
 
-    def done(self, exchange: Exchange, name: str) -> None:
-        """A request served from callbacks is over: counted, and its connection goes on."""
-        self._observe(exchange, name)
-        exchange.finish()
+    def _busy(self, size: int) -> ProxyError:
+        message = (
+            f"the proxy is holding other requests' bodies and has no room for this one's (about {size // MiB + 1} MiB "
+            f"of its {self.budget.total // MiB} MiB for all requests, {raise_it('max_buffered_bytes')} and the proxy's "
+            "memory limit with it); retry later"
+        )
+        return ProxyError(503, message)
 
-    def _observe(self, exchange: Exchange, name: str) -> None:
-        if exchange.status is not None:
-            self.metrics.observe_request(name, exchange.status)
-
-    async def _prime(self, exchange: Exchange, found: Plan) -> dict[str, Any] | None:
-        """Prime the request's parts: the encoders' transfer params, or None when the request was
-        answered with the failure instead."""
+    async def _prime(self, request: web.BaseRequest, found: Plan) -> dict[str, Any] | web.StreamResponse:
+        """Prime the request's parts: the encoders' transfer params, or the error answer."""
         encoders = self.encoders.usable()
         if not encoders:
             self.metrics.observe_prime_failure("no_encoder")
-            _error(exchange, no_encoder(found.parts))
-            return None
+            return _error(request, no_encoder(found.parts))
         first, self._rotation = self._rotation, self._rotation + len(found.parts)
         started = time.monotonic()
-        head = exchange.head
         try:
             params = await self.primer.prime(
                 [part.item for part in found.parts],
                 encoders,
                 model=found.model,
                 pooled=self.config.pooled,
-                headers=prime_headers(head.headers),
+                headers=prime_headers(_lowered(request.headers.items())),
                 first=first,
+                max_concurrency=self.limits.prime_concurrency_per_request,
             )
         except PrimeError as error:
             failure = prime_failure(error, found.parts)
             self.metrics.observe_prime_failure("client_error" if failure.status < 500 else "encoder_error")
-            logger.warning("%s %s answered %d, not forwarded: %s", head.method, head.path, failure.status, error)
-            _error(exchange, failure)
-            return None
+            logger.warning("%s %s answered %d, not forwarded: %s", request.method, request.path, failure.status, error)
+            return _error(request, failure)
         self.metrics.observe_primed([MEDIA_KINDS[p.item.kind] for p in found.parts], time.monotonic() - started)
         return params
 
-    def _forward_now(self, exchange: Exchange, name: str, body: bytes | None) -> Coroutine[Any, Any, None] | None:
-        """Forward a whole request on an idle upstream connection and follow its answer from
-        callbacks; with none idle, from a task that connects."""
-        head = exchange.head
-        sent = self._upstream.send(head, forwarded(head.headers, REQUEST_DROPPED), body)
-        if sent is None:
-            return self.counted(exchange, name, self.forward(exchange, body))
-        _Followed(self, exchange, name, *sent, body)
-        return None
-
-    async def forward(self, exchange: Exchange, body: bytes | Body | None, deadline: float | None = None) -> None:
-        """Send the request upstream, connecting if need be, and pass its answer on, all before
-        ``deadline`` (by default the request timeout from now)."""
-        head = exchange.head
-        if deadline is None:
-            deadline = asyncio.get_running_loop().time() + self.config.request_timeout_seconds
+    async def forward(
+        self, request: web.BaseRequest, body: bytes | None, reservation: Reservation | None = None
+    ) -> web.StreamResponse:
+        """Send the request upstream (``body``: the bytes read, or None to stream the client's
+        own, if any) and pass its answer on, all within the request timeout. ``reservation``
+        (the bytes of ``body``) is given back once the upstream answered."""
+        session = self._session
+        assert session is not None, "serve the proxy inside `async with`"
+        headers = forwarded(_lowered(request.headers.items()), REQUEST_DROPPED)
+        data: bytes | AsyncIterator[bytes] | None = body
+        if body is None and request.body_exists:
+            if (refused := _expectation(request)) is not None:
+                return refused
+            _continue(request)
+            data = request.content.iter_any()
+            if request.content_length is not None:  # else aiohttp sends it on chunked
+                headers.append(("content-length", str(request.content_length)))
+        url = URL(self._upstream + request.raw_path, encoded=True)
+        deadline = asyncio.get_running_loop().time() + self.config.request_timeout_seconds
         try:
             async with asyncio.timeout_at(deadline):
-                answer = await self._upstream.request(head, forwarded(head.headers, REQUEST_DROPPED), body)
-        except (TimeoutError, UpstreamError) as error:
-            return self.upstream_failed(exchange, error)
-        await self.relay(exchange, answer, deadline)
+                answer = await self._send(session, request.method, url, headers, data)
+        except TimeoutError:
+            seconds = self.config.request_timeout_seconds
+            return _error(
+                request, ProxyError(504, f"the upstream {self._upstream} did not answer within {seconds:g} s")
+            )
+        except ClientConnectorError as error:
+            return _error(request, ProxyError(502, f"the upstream {self._upstream} is unreachable: {error}"))
+        except ClientError as error:
+            return _error(request, ProxyError(502, f"the upstream's answer broke off: {error}"))
+        finally:
+            if reservation is not None:
+                reservation.release()
+        # Released whole (its request sent whole and its answer read whole) it goes back to
+        # the pool; aiohttp closes it otherwise: an upstream that answered early, before it
+        # read the whole body, never gets the next request on the rest of this one's.
+        try:
+            return await self._relay(request, answer, deadline)
+        finally:
+            answer.release()
 
-    async def relay(self, exchange: Exchange, answer: Answer, deadline: float) -> None:
-        """Pass the answer on, whole or as it comes, until ``deadline`` (the request's timeout)."""
+    async def _send(
+        self,
+        session: ClientSession,
+        method: str,
+        url: URL,
+        headers: list[tuple[str, str]],
+        data: bytes | AsyncIterator[bytes] | None,
+    ) -> ClientResponse:
+        """The upstream's answer (its head). A request whose connection closed before any answer
+        (a server closing an idle connection as it was reused: vLLM's uvicorn does after 5 s) is
+        sent once more, if its body can be (bytes, or none)."""
+        for attempt in (1, 2):
+            try:
+                return await session.request(
+                    method, url, data=data, headers=headers, allow_redirects=False, auto_decompress=False
+                )
+            except (ServerDisconnectedError, ClientOSError):
+                if attempt == 2 or not (data is None or isinstance(data, bytes)):
+                    raise
+        raise AssertionError("unreachable")
+
+    async def _relay(self, request: web.BaseRequest, answer: ClientResponse, deadline: float) -> web.StreamResponse:
+        """Pass the upstream's answer on: whole when small, else chunk by chunk as it comes
+        (pausing the upstream while the client reads slower)."""
+        headers = CIMultiDict(forwarded(_decoded(answer.raw_headers), ANSWER_DROPPED))
+        length = answer.content_length
+        event_stream = answer.headers.get("content-type", "").startswith("text/event-stream")
+        if request.method != "HEAD" and length is not None and length <= HELD_ANSWER_BYTES and not event_stream:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    body = await answer.read()
+            except TimeoutError:
+                seconds = self.config.request_timeout_seconds
+                return _error(
+                    request, ProxyError(504, f"the upstream {self._upstream} did not answer within {seconds:g} s")
+                )
+            except ClientError as error:
+                return _error(request, ProxyError(502, f"the upstream's answer broke off: {error}"))
+            return web.Response(status=answer.status, reason=answer.reason, body=body, headers=headers)
+        response = web.StreamResponse(status=answer.status, reason=answer.reason, headers=headers)
+        if length is not None:
+            response.content_length = length
+        await response.prepare(request)
         try:
             async with asyncio.timeout_at(deadline):
-                try:
-                    assert answer.status is not None
-                    if held(answer):
-                        await answer.read()
-                        return respond_whole(exchange, answer)
-                    exchange.start(
-                        answer.status, answer.reason, forwarded(answer.headers, ANSWER_DROPPED), answer.length
-                    )
-                    await answer.relay(exchange)
-                    exchange.end()
-                finally:
-                    answer.release()
-        except (TimeoutError, UpstreamError) as error:
-            self.upstream_failed(exchange, error)
-
-    def upstream_failed(self, exchange: Exchange, error: TimeoutError | UpstreamError) -> None:
-        """What the client gets when the upstream did not answer in time, or could not."""
-        head = exchange.head
-        upstream = self._upstream.url
-        seconds = self.config.request_timeout_seconds
-        if isinstance(error, Unreachable):
-            return _error(exchange, ProxyError(502, f"the upstream {upstream} is unreachable: {error}"))
-        if not exchange.started:
-            if isinstance(error, TimeoutError):
-                return _error(exchange, ProxyError(504, f"the upstream {upstream} did not answer within {seconds:g} s"))
-            return _error(exchange, ProxyError(502, f"the upstream's answer broke off: {error}"))
-        # The status went out already: all the client can still learn is that the body is cut
-        # short, so the connection is dropped rather than the body ended.
-        if isinstance(error, TimeoutError):
-            logger.warning("%s %s: the answer took longer than %g s, cut short", head.method, head.path, seconds)
-        else:
-            logger.warning("%s %s: the upstream's answer broke off: %s", head.method, head.path, error)
-        exchange.abort()
+                async for chunk in answer.content.iter_any():
+                    await response.write(chunk)
+        except TimeoutError:
+            seconds = self.config.request_timeout_seconds
+            logger.warning("%s %s: the answer took longer than %g s, cut short", request.method, request.path, seconds)
+            raise _CutShort from None
+        except ClientError as error:
+            logger.warning("%s %s: the upstream's answer broke off: %s", request.method, request.path, error)
+            raise _CutShort from None
+        await response.write_eof()
+        return response
 
     async def _metrics_page(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def held(answer: Answer) -> bool:
-    """Whether an answer is read whole before it is passed on (HELD_ANSWER_BYTES)."""
-    return answer.length is not None and answer.length <= HELD_ANSWER_BYTES and not answer.event_stream
+def _lowered(headers: Any) -> list[tuple[str, str]]:
+    """Header names lower-cased (HTTP/2's form: every later lookup is a compare)."""
+    return [(name.lower(), value) for name, value in headers]
 
 
-def respond_whole(exchange: Exchange, answer: Answer) -> None:
-    """Pass on a held answer, once complete, in one write."""
-    assert answer.status is not None
-    exchange.respond(answer.status, forwarded(answer.headers, ANSWER_DROPPED), answer.whole(), answer.reason)
+def _decoded(raw: Sequence[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
+    return [(name.decode("latin-1").lower(), value.decode("latin-1")) for name, value in raw]
 
 
-class _Followed:
-    """A whole request sent upstream with no task awaiting it: the answer's callbacks pass it on
-    once it is whole, or hand it to a task (Proxy.relay) when it must stream or be sent again.
-    The request timeout is one timer."""
+async def _read(request: web.BaseRequest, limit: int) -> bytes:
+    """The whole body; _TooLarge past ``limit`` bytes (a chunked one, counted as it comes)."""
+    chunks, size = [], 0
+    async for chunk in request.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            raise _TooLarge
+        chunks.append(chunk)
+    return b"".join(chunks)
 
-    __slots__ = ("_answer", "_body", "_deadline", "_exchange", "_name", "_proxy", "_reused", "_timer")
 
-    def __init__(
-        self, proxy: Proxy, exchange: Exchange, name: str, answer: Answer, reused: bool, body: bytes | None
-    ) -> None:
-        self._proxy, self._exchange, self._name, self._answer = proxy, exchange, name, answer
-        self._reused, self._body = reused, body
-        loop = asyncio.get_running_loop()
-        self._deadline = loop.time() + proxy.config.request_timeout_seconds
-        self._timer = loop.call_at(self._deadline, self._timed_out)
-        answer.notify = self._step
-        exchange.cancel = self._detach  # the client left: the upstream request is aborted
+def _expectation(request: web.BaseRequest) -> web.Response | None:
+    """The answer to an Expect the proxy cannot meet (RFC 9110 §10.1.1: 417), else None."""
+    expect = request.headers.get("Expect")
+    if expect is None or expect.lower() == "100-continue":
+        return None
+    return _error(
+        request, ProxyError(417, f"the EPD proxy meets no expectation but 100-continue, not {expect!r}"), True
+    )
 
-    def _step(self) -> None:
-        answer, exchange, proxy = self._answer, self._exchange, self._proxy
-        try:
-            if answer.error is not None:
-                self._detach()
-                if self._reused and not answer.received:  # a kept-alive connection the upstream had closed
-                    again = proxy.forward(exchange, self._body, self._deadline)
-                    exchange.connection.run(exchange, proxy.counted(exchange, self._name, again))
-                    return
-                proxy.upstream_failed(exchange, answer.error)
-            elif answer.status is None or (held(answer) and not answer.complete):
-                return
-            elif held(answer):
-                self._detach()
-                respond_whole(exchange, answer)
-            else:  # streamed: a task relays it, pausing the upstream while the client is slow
-                self._timer.cancel()  # the task's own from now on
-                answer.notify = None  # the client leaving still releases it, until the task runs
-                exchange.connection.run(
-                    exchange, proxy.counted(exchange, self._name, proxy.relay(exchange, answer, self._deadline))
-                )
-                return
-        except Exception:  # noqa: BLE001 - logged by failed(); not the upstream's parser's to handle
-            self._detach()
-            exchange.connection.failed(exchange)
-            return
-        proxy.done(exchange, self._name)
 
-    def _timed_out(self) -> None:
-        self._detach()
-        self._proxy.upstream_failed(self._exchange, TimeoutError())
-        self._proxy.done(self._exchange, self._name)
+def _continue(request: web.BaseRequest) -> None:
+    """Let a client that waits for it send its body (curl does above 1 MiB), as aiohttp's docs
+    tell an Expect handler that accepts to do."""
+    if request.version == HttpVersion11 and request.headers.get("Expect", "").lower() == "100-continue":
+        assert request.transport is not None
+        request.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
-    def _detach(self) -> None:
-        self._timer.cancel()
-        self._answer.notify = None
-        self._exchange.cancel = None
-        self._answer.release()
+
+def _error(request: web.BaseRequest, error: ProxyError, close: bool = False) -> web.Response:
+    """The proxy's own answer, in the route's error shape; ``close``: the connection ends after
+    it (a body may be left unread, or the client is not to be trusted with another request)."""
+    body = json.dumps(error_body(error, request.path)).encode()
+    response = web.Response(status=error.status, body=body, content_type="application/json")
+    if close:
+        response.force_close()
+    return response
 
 
 async def _healthy(request: web.Request) -> web.Response:
@@ -362,14 +499,49 @@ async def _healthy(request: web.Request) -> web.Response:
     return web.Response(text="ok")
 
 
-def _error_json(status: int, message: str) -> bytes:
-    """The answer to a request that could not be parsed (no path to shape it by)."""
-    return json.dumps(error_body(ProxyError(status, message))).encode()
+class _Server(web.Server):
+    """aiohttp's low-level server, whose connections answer malformed requests in vLLM's error
+    shape (_Connection)."""
+
+    def __init__(self, handler: Any, limits: Limits, **kwargs: Any) -> None:
+        super().__init__(handler, **kwargs)
+        self.limits = limits
+        self.connection_args = {k: v for k, v in kwargs.items() if k != "handler_cancellation"}
+
+    def __call__(self) -> web.RequestHandler:
+        return _Connection(self, self.limits, loop=asyncio.get_running_loop(), **self.connection_args)
 
 
-def _error(exchange: Exchange, error: ProxyError) -> None:
-    body = json.dumps(error_body(error, exchange.head.path)).encode()
-    exchange.respond(error.status, JSON_HEADERS, body)
+class _Connection(web.RequestHandler):
+    """One client connection of aiohttp's server; only its error answers are the proxy's: in
+    vLLM's shape, naming the limit a request went over, and without a traceback in the log for
+    a client's malformed request."""
+
+    def __init__(self, manager: web.Server, limits: Limits, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self.limits = limits
+
+    def handle_error(
+        self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None, message: str | None = None
+    ) -> web.StreamResponse:
+        if request.writer.output_size > 0:  # as aiohttp's own: the connection is dropped
+            raise ConnectionError("the answer was under way: the connection is dropped to cut it short")
+        if isinstance(exc, HttpProcessingError):
+            limits = self.limits
+            bounds = (
+                f"(the proxy's limits: {limits.max_header_bytes} bytes a request line or header field, "
+                f"{raise_it('max_header_bytes')}; {limits.max_headers} header and trailer fields, "
+                f"{raise_it('max_headers')})"
+            )
+            logger.debug("refused a malformed request from %s: %s", request.remote, exc)
+            if isinstance(exc, LineTooLong):
+                error = ProxyError(431, f"a request line or header field is too long: {exc.message} {bounds}")
+            else:
+                error = ProxyError(400, f"malformed HTTP request: {exc.message} {bounds}")
+        else:
+            logger.error("the proxy failed on a request", exc_info=exc)
+            error = ProxyError(status, "the proxy failed on this request; its log says why")
+        return _error(request, error, True)
 
 
 # --------------------------------------------------------------------------- the process
@@ -388,20 +560,18 @@ async def serve(
     """Serve until ``stop`` is set, then finish the requests in flight (up to
     ``shutdown_timeout`` seconds) before closing. ``ready`` gets the ports listened on (the
     bound ones for port 0) once both listen."""
-    loop = asyncio.get_running_loop()
-    connections: set[ClientConnection] = set()
+    main = web.ServerRunner(proxy.server(), shutdown_timeout=shutdown_timeout)
     admin = web.AppRunner(proxy.admin_app(), access_log=None)
     refresh = None
     if proxy.encoders.dns:
         await proxy.encoders.refresh()  # the first requests must not find the list empty
         refresh = asyncio.create_task(proxy.encoders.run())
-    listener = None
-    sweep = asyncio.create_task(close_idle(connections))
     try:
-        listener = await loop.create_server(lambda: proxy.connection(connections), host, port, backlog=LISTEN_BACKLOG)
+        await main.setup()
+        await web.TCPSite(main, host, port, backlog=LISTEN_BACKLOG).start()
         await admin.setup()
         await web.TCPSite(admin, host, metrics_port).start()
-        ports = (listener.sockets[0].getsockname()[1], admin.addresses[0][1])
+        ports = (main.addresses[0][1], admin.addresses[0][1])
         logger.info(
             "serving on %s:%d (metrics on %d) in front of %s, priming on %s",
             host,
@@ -413,27 +583,27 @@ async def serve(
             ready.set_result(ports)
         await stop.wait()
     finally:
-        sweep.cancel()
         if refresh is not None:
             refresh.cancel()
-        if listener is not None:
-            listener.close()
-            await _drain(connections, shutdown_timeout)
+        # Stops listening, closes idle connections, waits for the requests in flight.
+        await main.cleanup()
         await admin.cleanup()
 
 
-async def _drain(connections: set[ClientConnection], timeout: float) -> None:
-    """Close idle connections as they become idle, until none is left or ``timeout`` passed;
-    then drop the rest."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while connections and loop.time() < deadline:
-        for connection in list(connections):
-            if not connection.busy:
-                connection.close()
-        await asyncio.sleep(0.05)
-    for connection in list(connections):
-        connection.abort()
+# glibc's M_MMAP_THRESHOLD: blocks from this size up are mapped apart and unmapped when freed.
+_MMAP_THRESHOLD = -3
+_MAPPED_FROM_BYTES = 128 * 1024
+
+
+def _give_large_blocks_back() -> None:
+    """Fix glibc's mmap threshold at 128 KiB: by default it rises to the size of each large
+    block freed, so after one large body every later one comes from the heap, which is not given
+    back, and the proxy's RSS creeps up wave after wave of large bodies (measured: 776 MiB between
+    waves of 64 MiB bodies that each took 250 MiB). A no-op where the C library is not glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(_MMAP_THRESHOLD, _MAPPED_FROM_BYTES)
+    except (OSError, AttributeError):
+        pass
 
 
 def run_proxy(
@@ -451,16 +621,17 @@ def run_proxy(
     prime_max_attempts: int,
     prime_concurrency: int,
     ejection: Ejection,
-    max_request_bytes: int,
+    limits: Limits,
     pooled: bool,
     shutdown_timeout_seconds: float,
     log_level: str,
 ) -> None:
     """`epd-operator proxy`: build the proxy from its flags and serve until SIGTERM or SIGINT."""
+    _give_large_blocks_back()
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if log_level != "DEBUG":
         logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per prime at INFO
-    config = ProxyConfig(upstream, request_timeout_seconds, max_request_bytes, pooled)
+    config = ProxyConfig(upstream, request_timeout_seconds, pooled, limits)
     retry = RetryPolicy(
         max_attempts=prime_max_attempts,
         deadline=prime_timeout_seconds,

@@ -1,6 +1,7 @@
-"""The proxy's HTTP/1.1 on the wire (http1.py): what clients and upstreams send it as raw bytes,
-where a client library would hide the framing: pipelining, 100-continue, chunked bodies both
-ways, limits, HTTP/1.0, HEAD, and an upstream that closes a kept-alive connection."""
+"""The proxy's HTTP/1.1 on the wire (aiohttp's server and client): what clients and upstreams
+send it as raw bytes, where a client library would hide the framing: pipelining, 100-continue,
+chunked bodies both ways, limits, HTTP/1.0, HEAD, and an upstream that closes a kept-alive
+connection."""
 
 from __future__ import annotations
 
@@ -11,12 +12,13 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from epd_operator.proxy import http1
-from epd_operator.proxy.http1 import MAX_HEAD_BYTES
+from epd_operator.proxy.server import LINGER_SECONDS
+from epd_operator.proxy_limits import Limits
 
 from .conftest import answer_models, raw_upstream
 
 CHAT = "/v1/chat/completions"
+HEADER_BYTES = Limits().max_header_bytes
 
 
 def chat_body(text: str = "hi") -> bytes:
@@ -149,8 +151,13 @@ async def test_a_chunked_body_is_streamed_upstream_whole(server, start_proxy):
 @pytest.mark.parametrize(
     ("raw", "status", "kind"),
     [
-        (b"GET /v1/models HTTP/1.1\r\nhost: p\r\nx-big: " + b"a" * MAX_HEAD_BYTES + b"\r\n\r\n", 431, "Request"),
-        (b"GET /v1/models HTTP/1.1\r\n" + b"".join(b"x-%d: 1\r\n" % i for i in range(300)) + b"\r\n", 431, "Request"),
+        (b"GET /v1/models HTTP/1.1\r\nhost: p\r\nx-big: " + b"a" * (HEADER_BYTES + 1) + b"\r\n\r\n", 431, "Request"),
+        (b"GET /" + b"a" * HEADER_BYTES + b" HTTP/1.1\r\nhost: p\r\n\r\n", 431, "Request"),
+        (
+            b"GET /v1/models HTTP/1.1\r\nhost: p\r\n" + b"".join(b"x-%d: 1\r\n" % i for i in range(300)) + b"\r\n",
+            400,
+            "BadRequestError",
+        ),
         (b"GET /v1/models HTTP/1.1\r\ncontent-length: nope\r\n\r\n", 400, "BadRequestError"),
         (b"NOT HTTP AT ALL\r\n\r\n", 400, "BadRequestError"),
     ],
@@ -162,11 +169,11 @@ async def test_unparseable_or_oversized_heads_get_an_error_and_are_not_forwarded
     proxy = await start_proxy(upstream.url, [server().url])
     async with connected(proxy.url) as (reader, writer):
         writer.write(raw)
-        got, headers, body = await read_answer(reader)
+        got, _, body = await read_answer(reader)
         assert await reader.read() == b""  # and the connection closes
     error = json.loads(body)["error"]
     assert (got, error["code"]) == (status, status) and error["type"].startswith(kind)
-    assert headers["connection"] == "close"
+    assert "--max-header-bytes" in error["message"] and "spec.proxy.maxHeaders" in error["message"]
     assert upstream.records == []
 
 
@@ -238,7 +245,7 @@ async def test_a_request_on_a_kept_connection_the_upstream_closed_is_sent_again(
 async def test_a_deep_pipeline_is_read_in_turns_and_answered_whole(server, start_proxy):
     upstream = server()
     proxy = await start_proxy(upstream.url, [server().url])
-    count = http1.PIPELINE_DEPTH * 6
+    count = 200  # many times what aiohttp parses ahead of its turn (32) before it pauses the socket
     async with connected(proxy.url) as (reader, writer):
         writer.write(b"".join(request("GET", f"/v1/models?n={i}") for i in range(count)))
         answers = [await asyncio.wait_for(read_answer(reader), 10) for _ in range(count)]
@@ -246,9 +253,8 @@ async def test_a_deep_pipeline_is_read_in_turns_and_answered_whole(server, start
     assert [r.path for r in upstream.records] == [f"/v1/models?n={i}" for i in range(count)]
 
 
-async def test_an_idle_or_stalled_client_connection_is_closed(server, start_proxy, monkeypatch):
-    monkeypatch.setattr(http1, "CLIENT_IDLE_SECONDS", 0.2)
-    proxy = await start_proxy(server().url, [server().url])
+async def test_an_idle_or_stalled_client_connection_is_closed(server, start_proxy):
+    proxy = await start_proxy(server().url, [server().url], keepalive_timeout_seconds=0.3, body_timeout_seconds=0.3)
     async with connected(proxy.url) as (reader, writer):
         assert await asyncio.wait_for(reader.read(), 5) == b""  # never sent a request
     async with connected(proxy.url) as (reader, writer):
@@ -259,50 +265,12 @@ async def test_an_idle_or_stalled_client_connection_is_closed(server, start_prox
         writer.write(b"GET /v1/models HTTP/1.1\r\nhost: p\r\n")  # a head that never ends
         assert await asyncio.wait_for(reader.read(), 5) == b""
     async with connected(proxy.url) as (reader, writer):
-        writer.write(request("POST", CHAT, chat_body())[:-5])  # a small body that never ends
-        assert await asyncio.wait_for(reader.read(), 5) == b""
-
-
-@contextlib.asynccontextmanager
-async def handing_over() -> AsyncIterator[tuple[str, list[bool]]]:
-    """A server of http1's client connections whose handler answers with the body's length: its
-    URL, and for each request whether its body was whole when the handler got it."""
-    whole: list[bool] = []
-
-    def handle(exchange: http1.Exchange):
-        whole.append(exchange.body.complete)
-
-        async def answer() -> None:
-            body = await exchange.body.read(1 << 20)
-            exchange.respond(200, [("content-type", "text/plain")], str(len(body)).encode())
-
-        return answer()
-
-    connections: set[http1.ClientConnection] = set()
-    loop = asyncio.get_running_loop()
-    listener = await loop.create_server(
-        lambda: http1.ClientConnection(handle, lambda status, message: b"{}", connections), "127.0.0.1", 0
-    )
-    async with listener:
-        yield f"http://127.0.0.1:{listener.sockets[0].getsockname()[1]}", whole
-
-
-@pytest.mark.parametrize(
-    ("size", "whole"),
-    [(1000, True), (http1.AWAITED_BODY_BYTES, True), (http1.AWAITED_BODY_BYTES + 1, False)],
-    ids=["small", "at the limit", "over the limit"],
-)
-async def test_a_small_body_written_after_its_head_is_handed_over_whole(size, whole):
-    """As httpx (the openai SDK) writes requests: the head, then the body. A small body is awaited
-    so the proxy can serve it from callbacks; a larger one is handed over as it arrives."""
-    async with handing_over() as (url, seen), connected(url) as (reader, writer):
-        body = b"x" * size
-        writer.write(request("POST", CHAT, body)[:-size])
-        await writer.drain()
-        await asyncio.sleep(0.05)
-        writer.write(body)
-        status, _, answer = await asyncio.wait_for(read_answer(reader), 5)
-    assert (status, answer, seen) == (200, str(size).encode(), [whole])
+        writer.write(request("POST", CHAT, chat_body())[:-5])  # a body that never ends
+        status, headers, body = await asyncio.wait_for(read_answer(reader), 5)
+        assert (status, headers["connection"]) == (408, "close")
+        assert "spec.proxy.bodyTimeoutSeconds" in json.loads(body)["error"]["message"]
+        # closed once what is left of the body stopped coming for the lingering close's time
+        assert await asyncio.wait_for(reader.read(), LINGER_SECONDS + 5) == b""
 
 
 async def test_an_answer_still_streaming_at_the_request_timeout_is_cut_short(start_proxy, server, http, warm):
