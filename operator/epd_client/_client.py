@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 from typing import Any, Literal, Self
 from urllib.parse import urlencode
 
+from ._affinity import affinity_key
 from ._endpoints import Endpoints, Engine, ModelEndpoints, SupportsEncoderEndpoints, Unit
 from ._errors import EndpointsError, EngineError, InvalidResponseError, NoReadyUnitError, RequestError
 from ._http import Connection, Transport, Verify, json_body
@@ -84,7 +85,13 @@ class EPDClient:
 
     async def generate(self, request: Mapping[str, Any], *, key: str | None = None, model_name: str = "default") -> Any:
         """Prime the request's images, render, generate, all on one unit; returns the
-        generate response JSON."""
+        generate response JSON. Without a ``key`` the request is placed as the EPD gateway
+        places it (``affinity_key``: its ``user`` field, else its first media part's key), so
+        repeats of a picture go back to the unit that holds its embedding."""
+        if key is None:
+            messages = request.get("messages")
+            items = media_items(messages) if isinstance(messages, list) else []
+            key = affinity_key(items, user=request.get("user"), weights_version=self.weights_version)
         async with self.session(key, model_name=model_name) as session:
             return await session.generate(request)
 
@@ -141,13 +148,11 @@ class EPDClient:
             return await _prime(self._transport, model, session.unit, items)
 
     def _choose(self, model: ModelEndpoints, key: str | None) -> Unit:
-        if key is not None:
-            return model.unit_for(key)
-        ready = model.ready_units()
-        # Least open sessions; the rotating start breaks ties so idle units take turns.
-        start = next(self._rotation) % len(ready)
-        order = ready[start:] + ready[:start]
-        return min(order, key=lambda u: self._outstanding[(model.name, u.name)])
+        """The key's unit under this client's open sessions (bounded load: the EPD gateway's
+        function); without a key the unit with the fewest, idle units taking turns."""
+        loads = {unit: n for (name, unit), n in self._outstanding.items() if name == model.name and n}
+        unit, _ = model.choose(key, loads, start=next(self._rotation))
+        return unit
 
 
 class Session:
