@@ -7,6 +7,8 @@ arguments. ``media_items`` says which content parts are media (what every prime 
 kopf nor kubernetes (``discover`` loads the latter when called).
 """
 
+from ._affinity import Choice, affinity_key
+from ._affinity import choose as choose_unit
 from ._client import EPDClient, Session, prime_encoder
 from ._discovery import discover
 from ._endpoints import Endpoints, Engine, ModelEndpoints, SupportsEncoderEndpoints, Unit
@@ -22,14 +24,15 @@ from ._errors import (
     RequestError,
 )
 from ._media import KINDS as MEDIA_KINDS
-from ._media import MediaItem, media_items
-from ._prime import Primer
+from ._media import MediaItem, is_key, key_generation, key_of, media_items, media_key, write_keys
+from ._prime import Primer, hash_factors
 from ._retry import RetryPolicy
 from ._sync import generate_sync, prime_encoder_sync
 from ._vime import VimeRolloutArgs, vime_rollout_args
 
 __all__ = [
     "MEDIA_KINDS",
+    "Choice",
     "DiscoveryError",
     "EPDClient",
     "EPDClientError",
@@ -50,10 +53,18 @@ __all__ = [
     "SupportsEncoderEndpoints",
     "Unit",
     "VimeRolloutArgs",
+    "affinity_key",
+    "choose_unit",
     "discover",
     "generate_sync",
+    "hash_factors",
+    "is_key",
+    "key_generation",
+    "key_of",
     "media_items",
+    "media_key",
     "prime_encoder",
     "prime_encoder_sync",
     "vime_rollout_args",
+    "write_keys",
 ]

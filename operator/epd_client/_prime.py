@@ -20,10 +20,24 @@ CHAT = "/v1/chat/completions"
 TransferParams = dict[str, Any]
 
 
-def prime_body(item: MediaItem, model: str | None) -> dict[str, Any]:
-    """Vime's prime request for one item: a user message holding only that part, one token."""
+# Request fields vLLM hashes into an item's key with its content or uuid (``get_mm_hashes``):
+# a prime must carry them, or the encoder stores the item under another key (and processes it
+# otherwise) than the consumer reads.
+HASH_FACTORS = ("mm_processor_kwargs", "media_io_kwargs")
+
+
+def hash_factors(request: Mapping[str, Any]) -> dict[str, Any]:
+    """The request's fields of HASH_FACTORS that are set: what its primes carry with them."""
+    return {name: request[name] for name in HASH_FACTORS if request.get(name)}
+
+
+def prime_body(item: MediaItem, model: str | None, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Vime's prime request for one item: a user message holding only that part, one token;
+    with ``extra``, the request's hash factors (``hash_factors``)."""
     body: dict[str, Any] = {} if model is None else {"model": model}
     body.update(messages=[{"role": "user", "content": [item.part]}], max_tokens=1, stream=False)
+    if extra:
+        body.update(extra)
     return body
 
 
@@ -38,6 +52,7 @@ async def prime_items(
     headers: Mapping[str, str] | None = None,
     first: int = 0,
     max_concurrency: int | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> TransferParams:
     """Prime every item at once (at most ``max_concurrency`` of them in flight, when given),
     item i on ``encoders[(first + i) % n]`` (a retry moves to the next encoder); raise
@@ -52,7 +67,7 @@ async def prime_items(
         try:
             async with own_slots:
                 response = await transport.post(
-                    encoders, CHAT, prime_body(item, model), first=first + index, headers=headers
+                    encoders, CHAT, prime_body(item, model, extra), first=first + index, headers=headers
                 )
         except RequestError as exc:
             return MediaFailure(index, short(item.source), exc.urls, exc, item.kind)
@@ -154,6 +169,7 @@ class Primer:
         first: int = 0,
         unit: str = "encoders",
         max_concurrency: int | None = None,
+        extra: Mapping[str, Any] | None = None,
     ) -> TransferParams:
         """One single-part ``/v1/chat/completions`` request per item (``model`` its ``model``
         field, left out when None), all at once: item i goes to ``encoders[(first + i) % n]``
@@ -163,7 +179,8 @@ class Primer:
         but no encoders. ``pooled``: the encoders form a ``Pools`` model's pool, so each answer
         must announce its ``ec_transfer_params``, which are returned merged. ``max_concurrency``:
         at most that many of this call's requests in flight at once (the Primer's own limit
-        holds for all calls together), so one call with many items leaves room for others."""
+        holds for all calls together), so one call with many items leaves room for others.
+        ``extra``: fields every prime request carries besides (``hash_factors`` of the request)."""
         if not items:
             return {}
         if not encoders:
@@ -178,4 +195,5 @@ class Primer:
             headers=headers,
             first=first,
             max_concurrency=max_concurrency,
+            extra=extra,
         )

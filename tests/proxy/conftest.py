@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from epd_client import Primer, RetryPolicy
+from epd_client import MEDIA_KINDS, Primer, RetryPolicy, media_items, write_keys
 from epd_dev.standins.fault_proxy import FaultProxy
 from epd_operator.proxy.core import DNSTarget
 from epd_operator.proxy.encoders import Encoders, Resolve, resolve_addresses
@@ -112,3 +113,23 @@ async def start_proxy() -> AsyncIterator[Callable[..., Any]]:
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession() as session:
         yield session
+
+
+def keyed(value: Any, version: str = "") -> Any:
+    """``value`` (a request body, a message list or one media part) as the proxy forwards and
+    primes it: a copy whose every media part carries its key for ``version`` as its uuid (a
+    uuid the client set is kept)."""
+    value = copy.deepcopy(value)
+    if isinstance(value, dict) and value.get("type") in MEDIA_KINDS:
+        write_keys(media_items([{"content": [value]}]), version)
+        return value
+    if isinstance(value, list):  # a message list
+        write_keys(media_items(value), version)
+        return value
+    for field in ("messages", "input", "previous_input_messages"):
+        found = value.get(field) if isinstance(value, dict) else None
+        if isinstance(found, list):
+            conversations = found if found and all(isinstance(c, list) for c in found) else [found]
+            for conversation in conversations:
+                write_keys(media_items(conversation), version)
+    return value

@@ -12,6 +12,8 @@ import pytest
 from epd_dev.standins.fault_proxy import http_status
 from epd_dev.standins.vllm_server import STREAM_TOKENS
 
+from .conftest import keyed
+
 IMAGE = "https://images.test/cat.png"
 MESSAGES = [
     {
@@ -40,7 +42,7 @@ async def test_sync_chat_completion(unit):
     assert answer.choices[0].message.content == "x"
     assert primed_urls(encoder) == [IMAGE]
     (forwarded,) = upstream.records
-    assert forwarded.body["messages"] == MESSAGES
+    assert forwarded.body["messages"] == keyed(MESSAGES)
     assert forwarded.headers["authorization"] == "Bearer sk-test"
     assert encoder.records[0].headers["authorization"] == "Bearer sk-test"
 
@@ -72,7 +74,9 @@ async def test_responses_with_an_input_image(unit):
         )
     assert response.output_text == "x"
     (prime,) = encoder.records
-    assert prime.body["messages"][0]["content"] == [{"type": "input_image", "image_url": IMAGE, "detail": "auto"}]
+    assert prime.body["messages"][0]["content"] == [
+        keyed({"type": "input_image", "image_url": IMAGE, "detail": "auto"})
+    ]
     assert [r.path for r in upstream.records] == ["/v1/responses"]
 
 

@@ -18,7 +18,9 @@ import ctypes
 import gc
 import json
 import logging
+import os
 import signal
+import socket
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -43,13 +45,15 @@ from multidict import CIMultiDict
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from yarl import URL
 
-from epd_client import MEDIA_KINDS, PrimeError, Primer, RetryPolicy
+from epd_client import MEDIA_KINDS, MediaFailure, MediaItem, PrimeError, Primer, RetryPolicy, hash_factors
 
+from ..ec.leases import RENEW_SECONDS, Leases
 from ..loop import event_loop
 from ..proxy_limits import Limits, nested_deeper, raise_it, request_cost, reservation
 from .budget import Budget, Reservation
 from .core import (
     ANSWER_DROPPED,
+    EPD_PRIME,
     PASSED_THROUGH,
     REFUSED,
     REQUEST_DROPPED,
@@ -68,7 +72,9 @@ from .core import (
     with_transfer_params,
 )
 from .encoders import Ejection, Encoders
+from .keys import key_parts, own_key, requested_lease, requested_version
 from .metrics import ProxyMetrics
+from .store import Flights, Grants, StoreView
 
 logger = logging.getLogger("epd_operator.proxy")
 
@@ -91,6 +97,11 @@ READ_BUFFER_BYTES = 64 * 1024
 LINGER_SECONDS = 5.0
 # The headers aiohttp's client would add: the proxy adds none the client did not send.
 _NOT_ADDED = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
+# POST /epd/v1/prime: how long its keys stay leased for the client's render and generate.
+GRANT_SECONDS = 120.0
+MAX_GRANT_SECONDS = 600.0
+# Keys leased to clients at once (Grants): each keeps the janitor from evicting an entry.
+MAX_GRANTED_KEYS = 10_000
 
 
 @dataclass(frozen=True)
@@ -102,6 +113,23 @@ class ProxyConfig:
     pooled: bool = False
     """Placement Pools: primes must announce ec_transfer_params, which the forwarded body carries."""
     limits: Limits = field(default_factory=Limits)
+    ec_store: str | None = None
+    """Placement Unit with ECExampleConnector: the unit's EC store, where the proxy looks before
+    priming (a part the store holds is not primed again) and leases what it relies on."""
+    require_weights_version: bool = False
+    """The model's weights are versioned: a media request without X-EPD-Weights-Version is refused."""
+
+
+@dataclass(frozen=True)
+class _Primed:
+    params: dict[str, Any]
+    """A Pools model's ec_transfer_params."""
+    leased: list[str]
+    """Keys leased until the request is done."""
+    keyed: bool
+    """Keys were written into the body's parts: it is serialised again."""
+    stored: int = 0
+    """Parts the store held: not primed."""
 
 
 class _CutShort(Exception):
@@ -131,6 +159,9 @@ class Proxy:
         # Round-robin across requests: each request's first part goes to the encoder after the
         # previous request's last, so single-image requests do not all land on encoders[0].
         self._rotation = 0
+        self.store: StoreView | None = None
+        self.flights: Flights | None = None
+        self.grants: Grants | None = None
 
     async def __aenter__(self) -> Self:
         # No pool limit: each client request holds one connection, so the clients' own
@@ -143,9 +174,19 @@ class Proxy:
             skip_auto_headers=_NOT_ADDED,
             timeout=ClientTimeout(total=None),
         )
+        if self.config.ec_store and not self.config.pooled:
+            holder = f"{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
+            self.store = StoreView(self.config.ec_store, Leases(self.config.ec_store, holder))
+            self.flights = Flights(self.store, self.metrics.observe_prime)
+            self.grants = Grants(self.store, MAX_GRANTED_KEYS)
+            self.metrics.watch_store(self.store.leases.held, lambda: self.store is not None and self.store.verified)
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
+        if self.grants is not None:
+            self.grants.close()
+        if self.store is not None:
+            self.store.leases.close()
         if self._session is not None:
             await self._session.close()
 
@@ -262,18 +303,31 @@ class Proxy:
             found = self._plan(request, raw)
         except BadRequest as error:
             return _error(request, ProxyError(400, str(error), error.param))
+        name = route(request.method, request.path)
+        leased: list[str] = []
         if found.parts:
             cost = request_cost(raw, len(found.parts))
             if cost > reservation.size and not reservation.resize(cost):
                 return _error(request, self._busy(cost), True)
-            params = await self._prime(request, found)
-            if isinstance(params, web.StreamResponse):
-                return params
+            primed = await self._prime(request, found)
+            if isinstance(primed, web.StreamResponse):
+                return primed
+            leased = primed.leased
+            if name == EPD_PRIME:
+                return self._granted(request, found, primed)
             if self.config.pooled:
-                raw = json.dumps(with_transfer_params(found.body, params)).encode()
+                raw = json.dumps(with_transfer_params(found.body, primed.params)).encode()
+            elif primed.keyed:
+                raw = json.dumps(found.body).encode()
+        elif name == EPD_PRIME:
+            return web.json_response({"keys": [], "stored": 0, "primed": 0, "lease": None})
         del found  # only the bytes are forwarded: the parsed body is not held while it is
         reservation.resize(len(raw))
-        return await self.forward(request, raw, reservation)
+        try:
+            return await self.forward(request, raw, reservation)
+        finally:
+            if leased and self.store is not None:
+                self.store.release(leased)
 
     def _plan(self, request: web.BaseRequest, raw: bytes) -> Plan:
         """What to prime; BadRequest for a body the proxy will not forward."""
@@ -316,31 +370,120 @@ class Proxy:
         )
         return ProxyError(503, message)
 
-    async def _prime(self, request: web.BaseRequest, found: Plan) -> dict[str, Any] | web.StreamResponse:
-        """Prime the request's parts: the encoders' transfer params, or the error answer."""
+    async def _prime(self, request: web.BaseRequest, found: Plan) -> _Primed | web.StreamResponse:
+        """Key the request's parts and prime what its unit does not hold: the outcome (transfer
+        params, the keys leased until the request is done), or the error answer."""
+        headers = _lowered(request.headers.items())
+        items = [part.item for part in found.parts]
+        try:
+            version = requested_version(headers)
+            keyed = key_parts(
+                route(request.method, request.path), items, version, required=self.config.require_weights_version
+            )
+        except BadRequest as error:
+            return _error(request, ProxyError(400, str(error), error.param))
         encoders = self.encoders.usable()
         if not encoders:
             self.metrics.observe_prime_failure("no_encoder")
             return _error(request, no_encoder(found.parts))
-        first, self._rotation = self._rotation, self._rotation + len(found.parts)
-        started = time.monotonic()
-        try:
+        extra = hash_factors(found.body)
+        # Looked up in the store: parts keyed by us, of a request without hash factors (vLLM then
+        # names the entry by the key itself). The others are primed as they are, every time.
+        flights = self.flights if keyed and not extra else None
+        looked_up = {i: key for i, item in enumerate(items) if flights is not None and (key := own_key(item))}
+        plain = [i for i in range(len(items)) if i not in looked_up]
+        options = {"model": found.model, "headers": prime_headers(headers), "extra": extra}
+        slots = asyncio.Semaphore(self.limits.prime_concurrency_per_request)
+
+        async def prime_one(item: MediaItem) -> None:
+            async with slots:
+                first, self._rotation = self._rotation, self._rotation + 1
+                await self.primer.prime([item], encoders, first=first, **options)  # type: ignore[arg-type]
+
+        async def prime_plain() -> dict[str, Any]:
+            if not plain:
+                return {}
+            first, self._rotation = self._rotation, self._rotation + len(plain)
             params = await self.primer.prime(
-                [part.item for part in found.parts],
+                [items[i] for i in plain],
                 encoders,
-                model=found.model,
                 pooled=self.config.pooled,
-                headers=prime_headers(_lowered(request.headers.items())),
                 first=first,
                 max_concurrency=self.limits.prime_concurrency_per_request,
+                **options,  # type: ignore[arg-type]
             )
-        except PrimeError as error:
-            failure = prime_failure(error, found.parts)
+            self.metrics.observe_primed([MEDIA_KINDS[items[i].kind] for i in plain])
+            return params
+
+        async def look_up() -> Any:
+            if flights is None or not looked_up:
+                return None
+            return await flights.resolve([(key, items[i]) for i, key in looked_up.items()], prime_one, "encoders")
+
+        started = time.monotonic()
+        outcome, params = await asyncio.gather(look_up(), prime_plain(), return_exceptions=True)
+        failures = [
+            MediaFailure(order[f.index], f.url, f.encoders, f.error, f.kind)
+            for result, order in ((outcome, list(looked_up)), (params, plain))
+            if isinstance(result, PrimeError)
+            for f in result.failures
+        ]
+        leased = [] if outcome is None or isinstance(outcome, BaseException) else outcome.leased
+        for result in (outcome, params):
+            if isinstance(result, BaseException) and not isinstance(result, PrimeError):
+                if leased and self.store is not None:
+                    self.store.release(leased)
+                raise result
+        if failures:
+            if leased and self.store is not None:
+                self.store.release(leased)
+            failed = PrimeError("encoders", len(items), sorted(failures, key=lambda f: f.index))
+            failure = prime_failure(failed, found.parts)
             self.metrics.observe_prime_failure("client_error" if failure.status < 500 else "encoder_error")
-            logger.warning("%s %s answered %d, not forwarded: %s", request.method, request.path, failure.status, error)
+            logger.warning("%s %s answered %d, not forwarded: %s", request.method, request.path, failure.status, failed)
             return _error(request, failure)
-        self.metrics.observe_primed([MEDIA_KINDS[p.item.kind] for p in found.parts], time.monotonic() - started)
-        return params
+        stored = 0
+        if outcome is not None:
+            for index, name in zip(looked_up, outcome.names, strict=True):
+                items[index].part["uuid"] = name  # type: ignore[index]  # the store name it is read under
+            stored = len(outcome.stored)
+            self.metrics.observe_found([MEDIA_KINDS[kind] for kind in outcome.stored], outcome.waited)
+        self.metrics.observe_prime_seconds(time.monotonic() - started)
+        assert isinstance(params, dict)
+        return _Primed(params, leased, keyed, stored)
+
+    def _granted(self, request: web.BaseRequest, found: Plan, primed: _Primed) -> web.StreamResponse:
+        """POST /epd/v1/prime's answer: each part's key (its uuid to render with), what was
+        primed, and a grant of the leases for the client's render and generate."""
+        lease = None
+        seconds = found.body.get("lease_seconds", GRANT_SECONDS)
+        if not isinstance(seconds, int | float) or isinstance(seconds, bool) or not 0 < seconds <= MAX_GRANT_SECONDS:
+            if primed.leased and self.store is not None:
+                self.store.release(primed.leased)
+            message = f"'lease_seconds' must be a number of seconds above 0 and at most {MAX_GRANT_SECONDS:g}"
+            return _error(request, ProxyError(400, message, "lease_seconds"))
+        if primed.leased:
+            assert self.grants is not None
+            if not self.grants.room(len(primed.leased)):
+                assert self.store is not None
+                self.store.release(primed.leased)
+                message = (
+                    f"the proxy already leases {MAX_GRANTED_KEYS} keys to clients that prime through it (each keeps "
+                    "the janitor from evicting an entry); retry later"
+                )
+                return _error(request, ProxyError(503, message))
+            lease = self.grants.grant(primed.leased, float(seconds))
+        keys = [part.item.part.get("uuid") for part in found.parts]
+        answer: dict[str, Any] = {
+            "keys": keys,
+            "stored": primed.stored,
+            "primed": len(keys) - primed.stored,
+            "lease": lease,
+            "lease_seconds": seconds if lease else None,
+        }
+        if self.config.pooled:
+            answer["ec_transfer_params"] = primed.params
+        return web.json_response(answer)
 
     async def forward(
         self, request: web.BaseRequest, body: bytes | None, reservation: Reservation | None = None
@@ -361,6 +504,21 @@ class Proxy:
                 headers.append(("content-length", str(request.content_length)))
         url = URL(self._upstream + request.raw_path, encoded=True)
         deadline = asyncio.get_running_loop().time() + self.config.request_timeout_seconds
+        if self.grants is not None and (lease := requested_lease(headers)) is not None:
+            with self.grants.carry(lease):  # what it primed stays leased while this runs
+                return await self._forward(request, session, url, headers, data, deadline, reservation)
+        return await self._forward(request, session, url, headers, data, deadline, reservation)
+
+    async def _forward(
+        self,
+        request: web.BaseRequest,
+        session: ClientSession,
+        url: URL,
+        headers: list[tuple[str, str]],
+        data: bytes | AsyncIterator[bytes] | None,
+        deadline: float,
+        reservation: Reservation | None,
+    ) -> web.StreamResponse:
         try:
             async with asyncio.timeout_at(deadline):
                 answer = await self._send(session, request.method, url, headers, data)
@@ -562,10 +720,12 @@ async def serve(
     bound ones for port 0) once both listen."""
     main = web.ServerRunner(proxy.server(), shutdown_timeout=shutdown_timeout)
     admin = web.AppRunner(proxy.admin_app(), access_log=None)
-    refresh = None
+    background = []
     if proxy.encoders.dns:
         await proxy.encoders.refresh()  # the first requests must not find the list empty
-        refresh = asyncio.create_task(proxy.encoders.run())
+        background.append(asyncio.create_task(proxy.encoders.run()))
+    if proxy.store is not None:
+        background.append(asyncio.create_task(_renew(proxy.store.leases)))
     try:
         await main.setup()
         await web.TCPSite(main, host, port, backlog=LISTEN_BACKLOG).start()
@@ -583,11 +743,21 @@ async def serve(
             ready.set_result(ports)
         await stop.wait()
     finally:
-        if refresh is not None:
-            refresh.cancel()
+        for task in background:
+            task.cancel()
         # Stops listening, closes idle connections, waits for the requests in flight.
         await main.cleanup()
         await admin.cleanup()
+
+
+async def _renew(leases: Leases) -> None:
+    """Touch the leases held every RENEW_SECONDS (the janitor trusts fresh ones only), forever."""
+    while True:
+        await asyncio.sleep(RENEW_SECONDS)
+        try:
+            leases.renew()
+        except OSError as error:
+            logger.warning("renewing the EC store leases failed: %s", error)
 
 
 # glibc's M_MMAP_THRESHOLD: blocks from this size up are mapped apart and unmapped when freed.
