@@ -12,10 +12,18 @@ from urllib.parse import urlencode
 
 from ._affinity import affinity_key
 from ._endpoints import Endpoints, Engine, ModelEndpoints, SupportsEncoderEndpoints, Unit
-from ._errors import EndpointsError, EngineError, InvalidResponseError, NoReadyUnitError, RequestError
+from ._errors import (
+    EndpointsError,
+    EngineError,
+    InvalidResponseError,
+    MediaFailure,
+    NoReadyUnitError,
+    PrimeError,
+    RequestError,
+)
 from ._http import Connection, Transport, Verify, json_body
 from ._media import MediaItem, Message, copy_messages, media_items, write_keys
-from ._prime import TransferParams, prime_items
+from ._prime import TransferParams, hash_factors, prime_items, short
 from ._retry import RetryPolicy
 
 _RENDER = "/v1/chat/completions/render"
@@ -53,6 +61,7 @@ class EPDClient:
         self.weights_version = weights_version
         self._transport = Transport(retry or RetryPolicy(), max_concurrency, Connection(api_key, headers, verify))
         self._outstanding: Counter[tuple[str, str]] = Counter()
+        self._without_endpoint: set[str] = set()
         self._rotation = itertools.count()
 
     async def __aenter__(self) -> Self:
@@ -79,7 +88,7 @@ class EPDClient:
         slot = (model.name, unit.name)
         self._outstanding[slot] += 1
         try:
-            yield Session(self._transport, model, unit, self.weights_version)
+            yield Session(self._transport, model, unit, self.weights_version, self._without_endpoint)
         finally:
             self._outstanding[slot] -= 1
 
@@ -143,9 +152,10 @@ class EPDClient:
             raise EngineError(f"POST {path}", model, len(engines), failures)
 
     async def _prime_on(self, model: ModelEndpoints, items: list[MediaItem]) -> TransferParams:
-        """Prime on the model's chosen unit, items keyed already."""
+        """Prime on the model's chosen unit, items keyed already (through its proxy, if any:
+        the keys it answers are written into the parts)."""
         async with self.session(model_name=model.name) as session:
-            return await _prime(self._transport, model, session.unit, items)
+            return await session._prime_items(items, {}, keyed=True)
 
     def _choose(self, model: ModelEndpoints, key: str | None) -> Unit:
         """The key's unit under this client's open sessions (bounded load: the EPD gateway's
@@ -164,21 +174,68 @@ class Session:
         model: ModelEndpoints,
         unit: Unit,
         weights_version: str | None = None,
+        without_endpoint: set[str] | None = None,
     ) -> None:
         self._transport = transport
         self.model = model
         self.unit = unit
         self.weights_version = weights_version
+        # Proxies of operators before POST /epd/v1/prime pass it on (a 404): the client's own
+        # record of them, whose units' encoders it primes itself.
+        self._without_endpoint = without_endpoint if without_endpoint is not None else set()
+        self.lease: str | None = None
+        """The lease the unit's proxy granted on what the last ``prime`` primed or found: send it
+        as the ``X-EPD-Lease`` header with your render and generate (``generate`` does), and the
+        unit's janitor evicts none of it until they are done."""
 
     async def prime(self, messages: Iterable[Message]) -> TransferParams:
         """Encode every media item of ``messages`` on this unit's encoders (see
-        prime_encoder). With a weights version, writes each part's key into ``messages``:
-        render them as they are afterwards. Returns the ``ec_transfer_params`` to send with
-        render (a ``Pools`` model's; empty otherwise)."""
-        items = media_items(messages)
-        if self.weights_version is not None:
+        prime_encoder). With a weights version, or through the unit's EPD proxy, writes each
+        part's key into ``messages``: render them as they are afterwards. Returns the
+        ``ec_transfer_params`` to send with render (a ``Pools`` model's; empty otherwise)."""
+        return await self._prime_items(media_items(messages), {})
+
+    async def _prime_items(
+        self, items: list[MediaItem], extra: Mapping[str, Any], *, keyed: bool = False
+    ) -> TransferParams:
+        """Key the items (with a weights version, unless ``keyed`` already) and prime them:
+        through the unit's proxy, which primes only what its EC store lacks and answers the
+        keys (written into the items' parts; it keeps those they carry), else on the unit's
+        encoders directly. ``extra``: the request's hash factors, which go with every prime."""
+        if self.weights_version is not None and not keyed:
             write_keys(items, self.weights_version)
-        return await _prime(self._transport, self.model, self.unit, items)
+        proxy = _proxy_url(self.model, self.unit)
+        if items and proxy is not None and proxy not in self._without_endpoint:
+            try:
+                return await self._prime_through(proxy, items, extra)
+            except RequestError as exc:
+                if exc.status_code != 404:
+                    raise PrimeError(
+                        self.unit.name, len(items), [_failure(i, item, exc) for i, item in enumerate(items)]
+                    ) from exc
+                self._without_endpoint.add(proxy)  # an older proxy: it passed the path on
+        return await _prime(self._transport, self.model, self.unit, items, extra)
+
+    async def _prime_through(self, proxy: str, items: list[MediaItem], extra: Mapping[str, Any]) -> TransferParams:
+        """POST /epd/v1/prime to the unit's proxy: one message holding every item, in order."""
+        body = {"model": self.model.served_name, "messages": [{"role": "user", "content": [i.part for i in items]}]}
+        body.update(extra)
+        # The proxy keeps the keys the parts carry, and keys the others by this version
+        # (content-only when empty), as this client would.
+        headers = {_VERSION_HEADER: self.weights_version or ""}
+        answer = json_body(await self._transport.post((proxy,), _PRIME_THROUGH, body, headers=headers), _PRIME_THROUGH)
+        keys = answer.get("keys") if isinstance(answer, dict) else None
+        if not isinstance(keys, list) or len(keys) != len(items):
+            raise InvalidResponseError(
+                _PRIME_THROUGH, (proxy,), attempts=1, reason=f"answered no key for each of the {len(items)} part(s)"
+            )
+        for item, key in zip(items, keys, strict=True):
+            if isinstance(key, str):
+                item.part["uuid"] = key  # type: ignore[index]  # the name its embedding is stored under
+        lease = answer.get("lease")
+        self.lease = lease if isinstance(lease, str) else None
+        params = answer.get("ec_transfer_params")
+        return dict(params) if isinstance(params, Mapping) else {}
 
     async def generate(self, request: Mapping[str, Any]) -> Any:
         """Prime, then ``/v1/chat/completions/render`` and ``/inference/v1/generate``
@@ -191,22 +248,26 @@ class Session:
         entry = self.unit.entry
         if entry is None:
             raise EndpointsError(f"unit {self.unit.name!r} has no router or consumer URL")
-        if self.weights_version is not None and request.get("messages"):
+        if request.get("messages"):  # keys are written into the copy, never into the caller's
             request = {**request, "messages": copy_messages(request["messages"])}
-        params = await self.prime(request.get("messages") or ())
+        self.lease = None
+        params = await self._prime_items(media_items(request.get("messages") or ()), hash_factors(request))
         body = {"model": self.model.served_name, **request}
         if params:
             body["ec_transfer_params"] = {**params, **(request.get("ec_transfer_params") or {})}
-        rendered = await self._call(entry, _RENDER, body, idempotent=True)
+        headers = {_LEASE_HEADER: self.lease} if self.lease else None
+        rendered = await self._call(entry, _RENDER, body, idempotent=True, headers=headers)
         if params:
             rendered = _carry_transfer_params(rendered, body["ec_transfer_params"])
         # Not idempotent: a generate that reached the entry may run though its answer was lost.
-        return await self._call(entry, _GENERATE, rendered, idempotent=False)
+        return await self._call(entry, _GENERATE, rendered, idempotent=False, headers=headers)
 
-    async def _call(self, entry: Engine, path: str, body: Any, *, idempotent: bool) -> Any:
+    async def _call(
+        self, entry: Engine, path: str, body: Any, *, idempotent: bool, headers: Mapping[str, str] | None = None
+    ) -> Any:
         assert entry.url is not None
         try:
-            response = await self._transport.post((entry.url,), path, body, idempotent=idempotent)
+            response = await self._transport.post((entry.url,), path, body, idempotent=idempotent, headers=headers)
             return json_body(response, path)
         except InvalidResponseError as exc:
             raise EngineError(f"POST {path}", self.model.name, 1, [(entry, exc)]) from exc
@@ -312,7 +373,13 @@ def _primed_model(endpoints: Endpoints, model_name: str) -> ModelEndpoints | Non
     return None
 
 
-async def _prime(transport: Transport, model: ModelEndpoints, unit: Unit, items: list[MediaItem]) -> TransferParams:
+async def _prime(
+    transport: Transport,
+    model: ModelEndpoints,
+    unit: Unit,
+    items: list[MediaItem],
+    extra: Mapping[str, Any] | None = None,
+) -> TransferParams:
     """Prime the items on the unit's encoders; for a Pools model, return every item's
     ``ec_transfer_params`` entries merged into one dict."""
     encoders = unit.encoder_urls
@@ -320,7 +387,27 @@ async def _prime(transport: Transport, model: ModelEndpoints, unit: Unit, items:
         raise NoReadyUnitError(f"model {model.name!r}: its encoder pool has no ready encoder to prime on")
     if not items or not encoders:
         return {}
-    return await prime_items(transport, items, encoders, model=model.served_name, pooled=model.pooled, unit=unit.name)
+    return await prime_items(
+        transport, items, encoders, model=model.served_name, pooled=model.pooled, unit=unit.name, extra=extra
+    )
+
+
+_PRIME_THROUGH = "/epd/v1/prime"
+_VERSION_HEADER = "X-EPD-Weights-Version"
+_LEASE_HEADER = "X-EPD-Lease"
+
+
+def _proxy_url(model: ModelEndpoints, unit: Unit) -> str | None:
+    """The unit's EPD proxy, if it has one: its front door when that is neither its router nor a
+    consumer. A Pools model's units are primed on the pool directly (as before)."""
+    front = unit.front_url
+    if model.pooled or not unit.encoder_urls or front is None:
+        return None
+    return None if front == unit.router_url or front in unit.consumer_urls else front
+
+
+def _failure(index: int, item: MediaItem, error: RequestError) -> MediaFailure:
+    return MediaFailure(index, short(item.source), error.urls, error, item.kind)
 
 
 def _carry_transfer_params(rendered: Any, params: TransferParams) -> Any:

@@ -134,6 +134,8 @@ def _proxy(args: argparse.Namespace) -> None:
         ejection=Ejection.given(args.eject_after_failures, args.ejection_base_seconds, args.ejection_max_seconds),
         limits=limits,
         pooled=args.placement == "Pools",
+        ec_store=args.ec_store,
+        require_weights_version=args.require_weights_version,
         shutdown_timeout_seconds=args.shutdown_timeout_seconds,
         log_level=args.log_level,
     )
@@ -239,6 +241,19 @@ def _add_proxy_parser(sub: Any) -> None:
         default="Unit",
         help="the model's placement: with Pools every prime must announce ec_transfer_params, which the "
         "forwarded request carries so the consumer pulls each embedding from its encoder",
+    )
+    proxy.add_argument(
+        "--ec-store",
+        metavar="PATH",
+        help="placement Unit with ECExampleConnector: the unit's EC store (its shared_storage_path, mounted here). "
+        "A media part the store holds already is not primed again, and what requests rely on is leased against "
+        "the janitor's evictions",
+    )
+    proxy.add_argument(
+        "--require-weights-version",
+        action="store_true",
+        help="refuse media requests without an X-EPD-Weights-Version header (the model's weights are versioned: "
+        "its EPD gateway stamps the version on what it forwards)",
     )
     proxy.add_argument(
         "--metrics-port", type=_port, default=PROXY_METRICS_PORT, help="port of the proxy's own /metrics and /health"

@@ -19,7 +19,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from epd_client import media_items, media_key
+from epd_client import Endpoints, EPDClient, ModelEndpoints, media_items, media_key
+from epd_client import Unit as Unit_
 from epd_dev.standins.ec_files import FileStore
 from epd_dev.standins.fault_proxy import http_status
 from epd_operator.ec import janitor, leases
@@ -317,3 +318,38 @@ async def test_evictions_raced_against_requests_never_make_the_consumer_encode(u
         assert len(u.primes) > 3  # evicted entries were primed again (under new generations)
     else:
         assert u.files.misses, "the control should lose the race: the test would not see a broken lease"
+
+
+async def test_epd_client_primes_through_the_units_proxy_once_per_picture(unit, start_proxy):
+    u = unit()
+    proxy = await start_proxy(u.consumer.url, [u.encoder.url], ec_store=str(u.store))
+    endpoint = Unit_(
+        name="demo-actor-0", encoder_urls=(u.encoder.url,), consumer_urls=(u.consumer.url,), front_url=proxy.url
+    )
+    endpoints = Endpoints((ModelEndpoints("actor", (endpoint,), "served"),))
+    request = {"messages": chat(picture(1), picture(2))["messages"], "max_tokens": 4}
+    async with EPDClient(endpoints, weights_version="step-3") as client:
+        for _ in range(4):
+            await client.generate(request, model_name="actor")
+    assert len(u.primes) == 2 and all(p["model"] == "served" for p in u.primes)
+    renders = u.consumer.requests("/v1/chat/completions/render")
+    assert len(renders) == 4 and "uuid" not in request["messages"][0]["content"][0]  # the caller's left as it was
+    assert [p["uuid"] for p in renders[0].body["messages"][0]["content"][:2]] == [
+        key(picture(1), "step-3"),
+        key(picture(2), "step-3"),
+    ]
+    # Render and generate carried the lease of what the prime found or primed.
+    leased = {r.headers.get("x-epd-lease") for r in u.consumer.records}
+    assert None not in leased and len(leased) == 4
+    text = await proxy.metrics_text()
+    assert metric(text, "epd_proxy_media_primed_total") == 2 and metric(text, "epd_proxy_media_stored_total") == 6
+
+
+async def test_epd_client_primes_the_encoders_itself_behind_a_proxy_without_the_endpoint(server, unit):
+    u = unit()
+    old_proxy = server()  # answers 404 to POST /epd/v1/prime, as a proxy passing it on would
+    endpoint = Unit_(name="u", encoder_urls=(u.encoder.url,), consumer_urls=(u.consumer.url,), front_url=old_proxy.url)
+    async with EPDClient(Endpoints((ModelEndpoints("actor", (endpoint,)),))) as client:
+        for _ in range(2):
+            await client.generate({"messages": chat(picture(1))["messages"]}, model_name="actor")
+    assert len(u.primes) == 2 and len(old_proxy.requests(PRIME)) == 1  # asked once, then remembered

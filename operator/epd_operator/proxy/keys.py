@@ -17,7 +17,7 @@ from typing import Any
 
 from epd_client import MediaItem, is_key, write_keys
 
-from .core import BadRequest
+from .core import EPD_PRIME, BadRequest
 
 WEIGHTS_VERSION_HEADER = "x-epd-weights-version"
 # Names the grant of POST /epd/v1/prime on the render and generate that read what it primed.
@@ -51,8 +51,9 @@ def requested_lease(headers: Sequence[tuple[str, str]]) -> str | None:
 
 def key_parts(route: str, items: Sequence[MediaItem], version: str | None, *, required: bool) -> bool:
     """Write each part's key for ``version`` (content-only when None) into the parts, in place;
-    a uuid the client chose is kept. False (nothing written) for a route whose keys vLLM drops;
-    BadRequest where a version is wanted there, or required and not given."""
+    a uuid the client chose is kept, and on POST /epd/v1/prime every uuid (epd_client keyed
+    them). False (nothing written) for a route whose keys vLLM drops; BadRequest where a
+    version is wanted there, or required and not given."""
     if route in UNKEYED_ROUTES:
         if version is not None or required:
             raise BadRequest(
@@ -67,7 +68,7 @@ def key_parts(route: str, items: Sequence[MediaItem], version: str | None, *, re
             "version: send them through the model's front Service (its EPD gateway stamps it), or send the "
             "X-EPD-Weights-Version header"
         )
-    write_keys(items, version or "")
+    write_keys([i for i in items if route != EPD_PRIME or i.part.get("uuid") is None], version or "")
     return True
 
 

@@ -795,13 +795,15 @@ def run_proxy(
     pooled: bool,
     shutdown_timeout_seconds: float,
     log_level: str,
+    ec_store: str | None = None,
+    require_weights_version: bool = False,
 ) -> None:
     """`epd-operator proxy`: build the proxy from its flags and serve until SIGTERM or SIGINT."""
     _give_large_blocks_back()
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if log_level != "DEBUG":
         logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per prime at INFO
-    config = ProxyConfig(upstream, request_timeout_seconds, pooled, limits)
+    config = ProxyConfig(upstream, request_timeout_seconds, pooled, limits, ec_store, require_weights_version)
     retry = RetryPolicy(
         max_attempts=prime_max_attempts,
         deadline=prime_timeout_seconds,
