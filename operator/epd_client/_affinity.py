@@ -25,8 +25,6 @@ from ._media import MediaItem, media_key
 
 # A unit may hold 25 % more than the mean of requests in flight (the bound of the benchmark).
 BALANCE = 1.25
-# The header a client names its conversation with (or the OpenAI ``user`` field).
-SESSION_HEADER = "x-epd-session"
 
 
 @dataclass(frozen=True)

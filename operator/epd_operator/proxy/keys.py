@@ -20,6 +20,8 @@ from epd_client import MediaItem, is_key, write_keys
 from .core import EPD_PRIME, BadRequest
 
 WEIGHTS_VERSION_HEADER = "x-epd-weights-version"
+# Names a conversation for the gateway's placement (else the OpenAI ``user`` field).
+SESSION_HEADER = "x-epd-session"
 # Names the grant of POST /epd/v1/prime on the render and generate that read what it primed.
 LEASE_HEADER = "x-epd-lease"
 # A version is a name (a step, a checkpoint's hash), not data: printable ASCII, bounded.

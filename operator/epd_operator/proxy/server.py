@@ -22,7 +22,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
 from urllib.parse import urlsplit
@@ -121,7 +121,7 @@ class ProxyConfig:
 
 
 @dataclass(frozen=True)
-class _Primed:
+class Primed:
     params: dict[str, Any]
     """A Pools model's ec_transfer_params."""
     leased: list[str]
@@ -370,7 +370,7 @@ class Proxy:
         )
         return ProxyError(503, message)
 
-    async def _prime(self, request: web.BaseRequest, found: Plan) -> _Primed | web.StreamResponse:
+    async def _prime(self, request: web.BaseRequest, found: Plan) -> Primed | web.StreamResponse:
         """Key the request's parts and prime what its unit does not hold: the outcome (transfer
         params, the keys leased until the request is done), or the error answer."""
         headers = _lowered(request.headers.items())
@@ -450,9 +450,9 @@ class Proxy:
             self.metrics.observe_found([MEDIA_KINDS[kind] for kind in outcome.stored], outcome.waited)
         self.metrics.observe_prime_seconds(time.monotonic() - started)
         assert isinstance(params, dict)
-        return _Primed(params, leased, keyed, stored)
+        return Primed(params, leased, keyed, stored)
 
-    def _granted(self, request: web.BaseRequest, found: Plan, primed: _Primed) -> web.StreamResponse:
+    def _granted(self, request: web.BaseRequest, found: Plan, primed: Primed) -> web.StreamResponse:
         """POST /epd/v1/prime's answer: each part's key (its uuid to render with), what was
         primed, and a grant of the leases for the client's render and generate."""
         lease = None
@@ -502,17 +502,28 @@ class Proxy:
             data = request.content.iter_any()
             if request.content_length is not None:  # else aiohttp sends it on chunked
                 headers.append(("content-length", str(request.content_length)))
-        url = URL(self._upstream + request.raw_path, encoded=True)
+        headers += self.added_headers(request, headers)
+        upstream = self.upstream_for(request)
+        url = URL(upstream + request.raw_path, encoded=True)
         deadline = asyncio.get_running_loop().time() + self.config.request_timeout_seconds
         if self.grants is not None and (lease := requested_lease(headers)) is not None:
             with self.grants.carry(lease):  # what it primed stays leased while this runs
-                return await self._forward(request, session, url, headers, data, deadline, reservation)
-        return await self._forward(request, session, url, headers, data, deadline, reservation)
+                return await self._forward(request, session, upstream, url, headers, data, deadline, reservation)
+        return await self._forward(request, session, upstream, url, headers, data, deadline, reservation)
+
+    def upstream_for(self, request: web.BaseRequest) -> str:
+        """Where ``request`` goes: the unit's router or consumer (the gateway's: a unit)."""
+        return self._upstream
+
+    def added_headers(self, request: web.BaseRequest, headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """Headers the proxy adds to what it forwards (the gateway's: the weights version)."""
+        return []
 
     async def _forward(
         self,
         request: web.BaseRequest,
         session: ClientSession,
+        upstream: str,
         url: URL,
         headers: list[tuple[str, str]],
         data: bytes | AsyncIterator[bytes] | None,
@@ -524,11 +535,9 @@ class Proxy:
                 answer = await self._send(session, request.method, url, headers, data)
         except TimeoutError:
             seconds = self.config.request_timeout_seconds
-            return _error(
-                request, ProxyError(504, f"the upstream {self._upstream} did not answer within {seconds:g} s")
-            )
+            return _error(request, ProxyError(504, f"the upstream {upstream} did not answer within {seconds:g} s"))
         except ClientConnectorError as error:
-            return _error(request, ProxyError(502, f"the upstream {self._upstream} is unreachable: {error}"))
+            return _error(request, ProxyError(502, f"the upstream {upstream} is unreachable: {error}"))
         except ClientError as error:
             return _error(request, ProxyError(502, f"the upstream's answer broke off: {error}"))
         finally:
@@ -538,7 +547,7 @@ class Proxy:
         # the pool; aiohttp closes it otherwise: an upstream that answered early, before it
         # read the whole body, never gets the next request on the rest of this one's.
         try:
-            return await self._relay(request, answer, deadline)
+            return await self._relay(request, answer, deadline, upstream)
         finally:
             answer.release()
 
@@ -563,7 +572,9 @@ class Proxy:
                     raise
         raise AssertionError("unreachable")
 
-    async def _relay(self, request: web.BaseRequest, answer: ClientResponse, deadline: float) -> web.StreamResponse:
+    async def _relay(
+        self, request: web.BaseRequest, answer: ClientResponse, deadline: float, upstream: str
+    ) -> web.StreamResponse:
         """Pass the upstream's answer on: whole when small, else chunk by chunk as it comes
         (pausing the upstream while the client reads slower)."""
         headers = CIMultiDict(forwarded(_decoded(answer.raw_headers), ANSWER_DROPPED))
@@ -575,9 +586,7 @@ class Proxy:
                     body = await answer.read()
             except TimeoutError:
                 seconds = self.config.request_timeout_seconds
-                return _error(
-                    request, ProxyError(504, f"the upstream {self._upstream} did not answer within {seconds:g} s")
-                )
+                return _error(request, ProxyError(504, f"the upstream {upstream} did not answer within {seconds:g} s"))
             except ClientError as error:
                 return _error(request, ProxyError(502, f"the upstream's answer broke off: {error}"))
             return web.Response(status=answer.status, reason=answer.reason, body=body, headers=headers)
@@ -714,10 +723,11 @@ async def serve(
     shutdown_timeout: float,
     stop: asyncio.Event,
     ready: asyncio.Future[tuple[int, int]] | None = None,
+    tasks: Sequence[Coroutine[Any, Any, None]] = (),
 ) -> None:
     """Serve until ``stop`` is set, then finish the requests in flight (up to
     ``shutdown_timeout`` seconds) before closing. ``ready`` gets the ports listened on (the
-    bound ones for port 0) once both listen."""
+    bound ones for port 0) once both listen. ``tasks`` run meanwhile (the gateway's watches)."""
     main = web.ServerRunner(proxy.server(), shutdown_timeout=shutdown_timeout)
     admin = web.AppRunner(proxy.admin_app(), access_log=None)
     background = []
@@ -726,6 +736,7 @@ async def serve(
         background.append(asyncio.create_task(proxy.encoders.run()))
     if proxy.store is not None:
         background.append(asyncio.create_task(_renew(proxy.store.leases)))
+    background += [asyncio.create_task(task) for task in tasks]
     try:
         await main.setup()
         await web.TCPSite(main, host, port, backlog=LISTEN_BACKLOG).start()
