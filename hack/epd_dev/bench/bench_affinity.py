@@ -215,7 +215,7 @@ def report(arm: Arm, found: UnitSet, gateway: Gateway, args: argparse.Namespace)
         "primes": primes,
         "primes_per_picture": primes / pictures,
         "hit_ratio": 1 - primes / parts_received if parts_received else 0.0,
-        "affinity_misses": int(misses),
+        "affinity_misses": "-" if isinstance(gateway.units, RandomView) else int(misses),
         "served_max_over_mean": max(served) / statistics.fmean(served),
         "in_flight_max_over_mean": max(mean_flight.values()) / flight_mean if flight_mean else 0.0,
         "consumer_misses": sum(len(found.files[n].misses) for n in found.names),
@@ -236,7 +236,7 @@ def print_table(results: list[dict[str, Any]], args: argparse.Namespace) -> None
         ("primes", "{}"),
         ("primes_per_picture", "{:.2f}"),
         ("hit_ratio", "{:.3f}"),
-        ("affinity_misses", "{}"),
+        ("affinity_misses", "{}"),  # "-": a random placement has no key to miss
         ("served_max_over_mean", "{:.2f}"),
         ("in_flight_max_over_mean", "{:.2f}"),
         ("consumer_misses", "{}"),

@@ -33,6 +33,8 @@ from typing import Any
 
 from aiohttp import web
 from prometheus_client import Counter, Gauge
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from epd_client import Endpoints, EndpointsError, ModelEndpoints, NoReadyUnitError, Primer, Unit, affinity_key
 
@@ -142,6 +144,7 @@ class GatewayMetrics:
         self._children: dict[str, Counter] = {}
         for by in ("media", "session", "none"):
             self._routed.labels(by)
+        registry.register(_VersionInfo(units))
 
     def observe(self, unit: str, key: str | None, own: bool) -> None:
         by = "none" if key is None else "session" if key.startswith("session:") else "media"
@@ -152,6 +155,23 @@ class GatewayMetrics:
         if child is None:
             child = self._children[unit] = self._units.labels(unit)
         child.inc()
+
+
+class _VersionInfo(Collector):
+    """``epd_gateway_weights_version_info{version}`` 1: the version the gateway sends now (read at
+    each scrape, so an old version's series goes with it)."""
+
+    def __init__(self, units: UnitsView) -> None:
+        self.units = units
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "epd_gateway_weights_version_info",
+            "The model's weights version the gateway sends with requests that carry none (empty: none set).",
+            labels=["version"],
+        )
+        family.add_metric([self.units.weights_version or ""], 1)
+        yield family
 
 
 class Gateway(Proxy):
