@@ -221,8 +221,8 @@ class Session:
         body = {"model": self.model.served_name, "messages": [{"role": "user", "content": [i.part for i in items]}]}
         body.update(extra)
         # The proxy keeps the keys the parts carry, and keys the others by this version
-        # (content-only when empty), as this client would.
-        headers = {_VERSION_HEADER: self.weights_version or ""}
+        # (content-only without one, unless the model's weights are versioned: refused).
+        headers = {_VERSION_HEADER: self.weights_version} if self.weights_version is not None else None
         answer = json_body(await self._transport.post((proxy,), _PRIME_THROUGH, body, headers=headers), _PRIME_THROUGH)
         keys = answer.get("keys") if isinstance(answer, dict) else None
         if not isinstance(keys, list) or len(keys) != len(items):

@@ -19,7 +19,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from epd_client import Endpoints, EPDClient, ModelEndpoints, media_items, media_key
+from epd_client import Endpoints, EPDClient, ModelEndpoints, PrimeError, media_items, media_key
 from epd_client import Unit as Unit_
 from epd_dev.standins.ec_files import FileStore
 from epd_dev.standins.fault_proxy import http_status
@@ -353,3 +353,17 @@ async def test_epd_client_primes_the_encoders_itself_behind_a_proxy_without_the_
         for _ in range(2):
             await client.generate({"messages": chat(picture(1))["messages"]}, model_name="actor")
     assert len(u.primes) == 2 and len(old_proxy.requests(PRIME)) == 1  # asked once, then remembered
+
+
+async def test_epd_client_without_a_version_is_refused_by_a_versioned_models_proxy(unit, start_proxy):
+    u = unit()
+    proxy = await start_proxy(u.consumer.url, [u.encoder.url], ec_store=str(u.store), require_weights_version=True)
+    endpoint = Unit_(name="u", encoder_urls=(u.encoder.url,), consumer_urls=(u.consumer.url,), front_url=proxy.url)
+    endpoints = Endpoints((ModelEndpoints("actor", (endpoint,)),))
+    async with EPDClient(endpoints) as client:
+        with pytest.raises(PrimeError) as refused:
+            await client.generate({"messages": chat(picture(1))["messages"]}, model_name="actor")
+    assert "weightsVersion" in str(refused.value) and u.primes == [] and u.consumer.records == []
+    async with EPDClient(endpoints, weights_version="step-9") as client:
+        await client.generate({"messages": chat(picture(1))["messages"]}, model_name="actor")
+    assert [p["messages"][0]["content"][0]["uuid"] for p in u.primes] == [key(picture(1), "step-9")]

@@ -64,13 +64,14 @@ def key_parts(route: str, items: Sequence[MediaItem], version: str | None, *, re
                 + ("" if version is not None else " (this model's weights are versioned: spec.models[].weightsVersion)")
             )
         return False
-    if version is None and required:
+    unkeyed = [i for i in items if route != EPD_PRIME or i.part.get("uuid") is None]
+    if not version and required and unkeyed:
         raise BadRequest(
             "this model's weights are versioned (spec.models[].weightsVersion), so media requests carry their "
             "version: send them through the model's front Service (its EPD gateway stamps it), or send the "
             "X-EPD-Weights-Version header"
         )
-    write_keys([i for i in items if route != EPD_PRIME or i.part.get("uuid") is None], version or "")
+    write_keys(unkeyed, version or "")
     return True
 
 
