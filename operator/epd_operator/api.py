@@ -557,7 +557,7 @@ class Gateway(Schema):
             "A Deployment of the gateway per model with an EPD proxy; its front Service targets the gateway, "
             "which sends each request to the ready unit its conversation or first picture prefers (bounded load), "
             "so a repeated picture is primed once per weights version and not once per unit. It reads the "
-            "EPDDeployment and the units' EndpointSlices with a Role of its own (get, list, watch: nothing else)."
+            "EPDDeployment and the units' EndpointSlices with a Role of its own (list and watch: nothing else)."
         ),
     )
     replicas: int = Field(default=1, ge=1, le=100, description="Gateway pods per model.")
