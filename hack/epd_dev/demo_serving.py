@@ -26,7 +26,7 @@ from typing import Any, Self
 import openai
 import yaml
 
-from epd_client import Endpoints, EPDClient
+from epd_client import Endpoints, EPDClient, media_items, media_key
 
 from .operator_process import get_json, wait_for
 from .vllm import payloads, real_node, serving, tiny_model
@@ -201,9 +201,9 @@ class Answer:
     reference_logprobs: list[float]
     seconds: float  # EPDClient.generate, end to end
     served: dict[str, dict[str, tuple[int, float]]]  # engine -> path -> (requests, seconds)
-    image_hashes: list[str]  # vLLM's mm_hash of each picture: its folder in the EC store
+    image_hashes: list[str]  # each picture's key (content-only: no weights version), its folder in the EC store
     ec_store: str  # in the pod's /dev/shm
-    ec_files: dict[str, list[tuple[str, int]]]  # mm_hash -> (file, bytes), written by the prime
+    ec_files: dict[str, list[tuple[str, int]]]  # folder (a picture's key) -> (file, bytes), written by the prime
     kv_files: list[tuple[str, int]]  # what prefill wrote for decode
     pod: dict[str, Any]  # the unit's pod, as the API server has it after the request
     repeats: Repeats | None = None  # the same picture through the front door, again and again
@@ -319,7 +319,7 @@ def repeat(front_url: str, encoder_url: str) -> Repeats:
             messages=[{"role": "user", "content": content}],
             max_tokens=8,
             temperature=0,
-            extra_body={"return_token_ids": True},
+            extra_body={"return_token_ids": True, "ignore_eos": True},
             extra_headers=headers,
         )
         seconds.append(time.monotonic() - started)
@@ -374,7 +374,7 @@ async def _ask(
     (reference,) = reference_endpoints.model(serving.MODEL).units
     reference_url = reference.entry_url
     assert reference_url is not None, "the reference's status names no entry"
-    # The reference renders the same request: its mm_hashes name each picture's EC folder.
+    # The reference renders the same request (unkeyed there: its engine names items by content).
     rendered = post(reference_url, "/v1/chat/completions/render", request)
     ref_ids, ref_logprobs = payloads.output(post(reference_url, "/inference/v1/generate", rendered))
     decode = next(url for name, url in engine_urls.items() if name.startswith("decode"))
@@ -397,7 +397,7 @@ async def _ask(
         ref_logprobs,
         seconds,
         served,
-        payloads.image_hashes(rendered),
+        [media_key(item, "") for item in media_items(request["messages"])],
         ec_store,
         ec_files,
         kv_files,
@@ -491,7 +491,7 @@ def print_answer(answer: Answer) -> None:
         "http_request_duration_seconds; the encoder never renders or generates)"
     )
 
-    _section(f"what the prime wrote: the EC store {answer.ec_store}")
+    _section(f"what the prime wrote: the EC store {answer.ec_store}, a folder per picture named by its key")
     for i, mm_hash in enumerate(answer.image_hashes, 1):
         files = answer.ec_files.get(mm_hash, [])
         listing = ", ".join(f"{mm_hash}/{name} ({_size(size)})" for name, size in files) or "(nothing new)"

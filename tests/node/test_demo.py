@@ -76,8 +76,8 @@ def test_the_same_picture_eight_times_through_the_front_door_costs_one_encoder_r
     # The same answer each time, the aggregated engine's.
     url = reference.unit.consumer_urls[0]
     content = [demo_serving.REPEATED.part, {"type": "text", "text": "what is this?"}]
-    request = {"model": tiny_model.SERVED_NAME, "messages": [{"role": "user", "content": content}], "max_tokens": 8}
-    rendered = demo_serving.post(url, "/v1/chat/completions/render", {**request, "temperature": 0})
+    request = payloads.greedy([{"role": "user", "content": content}], max_tokens=8)
+    rendered = demo_serving.post(url, "/v1/chat/completions/render", request)
     expected, _ = payloads.output(demo_serving.post(url, "/inference/v1/generate", rendered))
     assert all(tokens == expected for tokens in repeats.answers) and len(expected) == 8
     assert f"sends 1-{demo_serving.REPEATS}  encoder requests: 1" in printed
