@@ -392,13 +392,15 @@ class Proxy:
         flights = self.flights if keyed and not extra else None
         looked_up = {i: key for i, item in enumerate(items) if flights is not None and (key := own_key(item))}
         plain = [i for i in range(len(items)) if i not in looked_up]
-        options = {"model": found.model, "headers": prime_headers(headers), "extra": extra}
+        with_primes = prime_headers(headers)
         slots = asyncio.Semaphore(self.limits.prime_concurrency_per_request)
 
         async def prime_one(item: MediaItem) -> None:
             async with slots:
                 first, self._rotation = self._rotation, self._rotation + 1
-                await self.primer.prime([item], encoders, first=first, **options)  # type: ignore[arg-type]
+                await self.primer.prime(
+                    [item], encoders, model=found.model, headers=with_primes, first=first, extra=extra
+                )
 
         async def prime_plain() -> dict[str, Any]:
             if not plain:
@@ -407,10 +409,12 @@ class Proxy:
             params = await self.primer.prime(
                 [items[i] for i in plain],
                 encoders,
+                model=found.model,
                 pooled=self.config.pooled,
+                headers=with_primes,
                 first=first,
                 max_concurrency=self.limits.prime_concurrency_per_request,
-                **options,  # type: ignore[arg-type]
+                extra=extra,
             )
             self.metrics.observe_primed([MEDIA_KINDS[items[i].kind] for i in plain])
             return params
