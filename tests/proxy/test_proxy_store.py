@@ -24,6 +24,7 @@ from epd_client import Unit as Unit_
 from epd_dev.standins.ec_files import FileStore
 from epd_dev.standins.fault_proxy import http_status
 from epd_operator.ec import janitor, leases
+from epd_operator.proxy import core, keys
 
 from .conftest import keyed
 
@@ -367,3 +368,13 @@ async def test_epd_client_without_a_version_is_refused_by_a_versioned_models_pro
     async with EPDClient(endpoints, weights_version="step-9") as client:
         await client.generate({"messages": chat(picture(1))["messages"]}, model_name="actor")
     assert [p["messages"][0]["content"][0]["uuid"] for p in u.primes] == [key(picture(1), "step-9")]
+
+
+def test_only_parts_of_the_body_itself_are_keyed():
+    """A planner may make a part of another shape (vLLM's image_url part of an Anthropic block):
+    a key written there would never reach the engines, so only the body's own parts are keyed."""
+    chat_plan = core.plan("chat_completions", json.dumps(chat(picture(1))).encode())
+    block = {"type": "image", "source": {"type": "url", "url": "https://images.test/a.png"}}
+    anthropic_plan = core.plan("messages", json.dumps({"messages": [{"role": "user", "content": [block]}]}).encode())
+    assert all(id(p.item.part) in keys.in_body(chat_plan.body) for p in chat_plan.parts)
+    assert not any(id(p.item.part) in keys.in_body(anthropic_plan.body) for p in anthropic_plan.parts)

@@ -51,6 +51,21 @@ def requested_lease(headers: Sequence[tuple[str, str]]) -> str | None:
     return value if value is not None and LEASE.fullmatch(value) else None
 
 
+def in_body(body: object) -> set[int]:
+    """The identities of every JSON object in ``body``: a media part the proxy keys must be one of
+    them, or its key would never reach the engines (a part a planner made of another shape, as
+    vLLM does of an Anthropic image block). Iterative: the body's depth is bounded already."""
+    found, stack = set(), [body]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            found.add(id(node))
+            stack.extend(v for v in node.values() if isinstance(v, dict | list))
+        elif isinstance(node, list):
+            stack.extend(v for v in node if isinstance(v, dict | list))
+    return found
+
+
 def key_parts(route: str, items: Sequence[MediaItem], version: str | None, *, required: bool) -> bool:
     """Write each part's key for ``version`` (content-only when None) into the parts, in place;
     a uuid the client chose is kept, and on POST /epd/v1/prime every uuid (epd_client keyed

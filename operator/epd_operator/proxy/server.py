@@ -72,7 +72,7 @@ from .core import (
     with_transfer_params,
 )
 from .encoders import Ejection, Encoders
-from .keys import key_parts, own_key, requested_lease, requested_version
+from .keys import in_body, key_parts, own_key, requested_lease, requested_version
 from .metrics import ProxyMetrics
 from .store import Flights, Grants, StoreView
 
@@ -374,11 +374,14 @@ class Proxy:
         """Key the request's parts and prime what its unit does not hold: the outcome (transfer
         params, the keys leased until the request is done), or the error answer."""
         headers = _lowered(request.headers.items())
+        # Only parts of the body itself can carry a key to the engines; any other is primed as it is.
+        body_parts = in_body(found.body)
         items = [part.item for part in found.parts]
+        keyable = [item for item in items if id(item.part) in body_parts]
         try:
             version = requested_version(headers)
             keyed = key_parts(
-                route(request.method, request.path), items, version, required=self.config.require_weights_version
+                route(request.method, request.path), keyable, version, required=self.config.require_weights_version
             )
         except BadRequest as error:
             return _error(request, ProxyError(400, str(error), error.param))
@@ -390,7 +393,11 @@ class Proxy:
         # Looked up in the store: parts keyed by us, of a request without hash factors (vLLM then
         # names the entry by the key itself). The others are primed as they are, every time.
         flights = self.flights if keyed and not extra else None
-        looked_up = {i: key for i, item in enumerate(items) if flights is not None and (key := own_key(item))}
+        looked_up = {
+            i: key
+            for i, item in enumerate(items)
+            if flights is not None and id(item.part) in body_parts and (key := own_key(item))
+        }
         plain = [i for i in range(len(items)) if i not in looked_up]
         with_primes = prime_headers(headers)
         slots = asyncio.Semaphore(self.limits.prime_concurrency_per_request)
