@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, overload
 
-from ._affinity import Choice, choose
+from ._affinity import BALANCE, Choice, choose
 from ._errors import EndpointsError, NoReadyUnitError
 
 ENCODER = "encoder"
@@ -157,16 +157,19 @@ class ModelEndpoints:
         ``epd_client._affinity``)."""
         return self.choose(key, loads)[0]
 
-    def choose(self, key: str | None, loads: Mapping[str, int] | None = None, *, start: int = 0) -> tuple[Unit, Choice]:
+    def choose(
+        self, key: str | None, loads: Mapping[str, int] | None = None, *, start: int = 0, balance: float = BALANCE
+    ) -> tuple[Unit, Choice]:
         """``unit_for``, and whether the unit is the key's own (``Choice``); without a key the
-        least loaded ready unit, ties broken from ``start`` on."""
+        least loaded ready unit, ties broken from ``start`` on. ``balance``: the most a unit
+        may hold, over the mean of requests in flight."""
         if isinstance(self.units, UnitTable):
             names = self.units.ready_names()
         else:
             names = [u.name for u in self.units if u.ready]
         if not names:
             raise NoReadyUnitError(f"model {self.name!r} has no ready unit (of {len(self.units)})")
-        choice = choose(key, names, loads, start=start)
+        choice = choose(key, names, loads, start=start, balance=balance)
         unit = self.unit(choice.unit)
         assert unit is not None  # one of its own names
         return unit, choice

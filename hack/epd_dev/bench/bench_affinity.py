@@ -147,12 +147,15 @@ async def sample_loads(view: UnitsView, arm: Arm, every: float) -> None:
         await asyncio.sleep(every)
 
 
-async def run_arm(name: str, args: argparse.Namespace, *, affinity: bool) -> dict[str, Any]:
+async def run_arm(
+    name: str, args: argparse.Namespace, *, affinity: bool, balance: float | None = None
+) -> dict[str, Any]:
     arm = Arm(name)
     async with contextlib.AsyncExitStack() as stack:
         root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="epd-bench-affinity-")))
         found = await units(stack, root, args.units, args)
         view = UnitsView.fixed("bench", found.urls)
+        view.balance = balance
         if not affinity:
             view = RandomView("bench", view.endpoints, synced=True)
         metrics = ProxyMetrics()
@@ -269,13 +272,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--encoder-memory", type=int, default=64, help="embeddings a stand-in encoder remembers (vLLM's encoder cache)"
     )
+    parser.add_argument(
+        "--balance",
+        type=float,
+        action="append",
+        default=[],
+        help="also run the gateway with this bound (a unit's most over the mean of requests in flight; "
+        "the product's is 1.25); repeatable",
+    )
     args = parser.parse_args(argv)
 
     async def both() -> list[dict[str, Any]]:
-        return [
-            await run_arm("gateway (affinity)", args, affinity=True),
-            await run_arm("random (kube-proxy)", args, affinity=False),
-        ]
+        results = [await run_arm("gateway (affinity)", args, affinity=True)]
+        for balance in args.balance:
+            results.append(await run_arm(f"gateway, bound {balance:g}", args, affinity=True, balance=balance))
+        results.append(await run_arm("random (kube-proxy)", args, affinity=False))
+        return results
 
     results = asyncio.run(both())
     print_table(results, args)

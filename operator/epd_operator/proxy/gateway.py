@@ -70,6 +70,8 @@ class UnitsView:
     synced: bool = False
     """The first answer of each watch came (or the units were given): ready to serve."""
     loads: collections.Counter[str] = field(default_factory=collections.Counter)
+    balance: float | None = None
+    """The most a unit may hold, over the mean of requests in flight; None: epd_client's 1.25."""
     _turn: int = 0
 
     @classmethod
@@ -108,7 +110,8 @@ class UnitsView:
             raise NoReadyUnitError(f"model {self.model!r}: the gateway knows no unit yet")
         self._turn += 1
         loads = {name: n for name, n in self.loads.items() if n}
-        unit, choice = self.endpoints.choose(key, loads, start=self._turn)
+        bound = {} if self.balance is None else {"balance": self.balance}
+        unit, choice = self.endpoints.choose(key, loads, start=self._turn, **bound)
         if not unit.front_url:
             raise NoReadyUnitError(f"unit {unit.name} has no address yet")
         return unit, choice.preferred
