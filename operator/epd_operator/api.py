@@ -561,6 +561,17 @@ class Gateway(Schema):
         ),
     )
     replicas: int = Field(default=1, ge=1, le=100, description="Gateway pods per model.")
+    max_load_percent: int = Field(
+        default=125,
+        ge=100,
+        le=1000,
+        description=(
+            "The most requests in flight a unit takes, in percent of the mean over the ready units, before a "
+            "request goes to its key's next unit (where its pictures are primed again). Higher: fewer pictures "
+            "encoded twice, more load on the units that hold hot pictures (docs/proxy.md measures 125, 150 "
+            "and 200)."
+        ),
+    )
     resources: ResourceRequirements | None = Field(default=None, description="The gateway container's resources.")
     node_selector: dict[str, str] | None = Field(
         default=None, max_length=32, description="The gateway pods' nodeSelector; default: spec.nodeSelector."

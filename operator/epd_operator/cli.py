@@ -163,6 +163,7 @@ def _gateway(args: argparse.Namespace) -> None:
         namespace=args.namespace,
         deployment=args.deployment,
         units_service=args.units_service,
+        balance=args.max_load_percent / 100,
         request_timeout_seconds=args.request_timeout_seconds,
         limits=proxy_limits(args),
         shutdown_timeout_seconds=args.shutdown_timeout_seconds,
@@ -376,6 +377,13 @@ def _add_gateway_parser(sub: Any) -> None:
         help="instead of watching: a unit's name and its EPD proxy's URL (repeatable; tests and benchmarks)",
     )
     gateway.add_argument("--weights-version", help="with --unit: the version to send with requests that carry none")
+    gateway.add_argument(
+        "--max-load-percent",
+        type=_int_at_least(100),
+        default=125,
+        help="the most requests in flight a unit takes, in percent of the mean over the ready units, before a "
+        "request goes to its key's next unit (bounded-load hashing)",
+    )
     gateway.add_argument(
         "--request-timeout-seconds",
         type=_positive,

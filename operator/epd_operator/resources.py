@@ -745,6 +745,7 @@ def gateway_deployment(spec: api.EPDDeploymentSpec, deployment: str, plan: Model
             *("--namespace", "$(POD_NAMESPACE)", "--deployment", deployment, "--model", plan.name),
             *("--units-service", child_name(deployment, plan.name, "units", limit=63)),
             *("--request-timeout-seconds", str(timeout)),
+            *("--max-load-percent", str(gateway.max_load_percent)),
             *(
                 a
                 for flag, value in tuned.items()

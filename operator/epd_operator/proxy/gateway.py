@@ -328,6 +328,7 @@ def run_gateway(
     deployment: str | None,
     units_service: str | None,
     request_timeout_seconds: float,
+    balance: float | None = None,
     limits: Limits,
     shutdown_timeout_seconds: float,
     log_level: str,
@@ -337,6 +338,7 @@ def run_gateway(
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = ProxyConfig(_NO_UPSTREAM, request_timeout_seconds, limits=limits)
     view = UnitsView.fixed(model, units, weights_version) if units else UnitsView(model)
+    view.balance = balance
 
     async def main() -> None:
         metrics = ProxyMetrics()
