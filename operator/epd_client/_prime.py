@@ -9,7 +9,7 @@ from typing import Any, Self
 
 from ._errors import MediaFailure, PrimeError, RequestError
 from ._http import AttemptHook, Connection, Transport, Verify, json_body
-from ._media import MediaItem
+from ._media import MediaItem, prime_part
 from ._retry import RetryPolicy
 
 CHAT = "/v1/chat/completions"
@@ -17,11 +17,21 @@ CHAT = "/v1/chat/completions"
 # vLLM's ec_transfer_params: per item hash, where a consumer pulls that item's embedding.
 TransferParams = dict[str, Any]
 
+# A request's fields vLLM keys each media item's embedding by, besides the item (and its
+# uuid) and the model (vllm/multimodal/processing/inputs.py): a prime without them stores the
+# embedding under another key than the one the consumer looks up, and the consumer encodes.
+HASHED_FIELDS = ("mm_processor_kwargs", "media_io_kwargs")
 
-def prime_body(item: MediaItem, model: str | None) -> dict[str, Any]:
-    """Vime's prime request for one item: a user message holding only that part, one token."""
-    body: dict[str, Any] = {} if model is None else {"model": model}
-    body.update(messages=[{"role": "user", "content": [item.part]}], max_tokens=1, stream=False)
+
+def prime_body(item: MediaItem, model: str | None, extra_body: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Vime's prime request for one item: a user message holding only that part (prime_part),
+    one token.
+    ``extra_body``: more fields of the request, under those (e.g. the ``mm_processor_kwargs``
+    the item is rendered with afterwards, which vLLM hashes the item with)."""
+    body: dict[str, Any] = {**(extra_body or {})}
+    if model is not None:
+        body["model"] = model
+    body.update(messages=[{"role": "user", "content": [prime_part(item)]}], max_tokens=1, stream=False)
     return body
 
 
@@ -35,6 +45,7 @@ async def prime_items(
     unit: str,
     headers: Mapping[str, str] | None = None,
     first: int = 0,
+    extra_body: Mapping[str, Any] | None = None,
 ) -> TransferParams:
     """Prime every item at once, item i on ``encoders[(first + i) % n]`` (a retry moves to the
     next encoder); raise PrimeError naming every item that failed. For a pooled model, return
@@ -44,7 +55,7 @@ async def prime_items(
     async def prime_one(index: int, item: MediaItem) -> TransferParams | MediaFailure:
         try:
             response = await transport.post(
-                encoders, CHAT, prime_body(item, model), first=first + index, headers=headers
+                encoders, CHAT, prime_body(item, model, extra_body), first=first + index, headers=headers
             )
         except RequestError as exc:
             return MediaFailure(index, short(item.source), exc.urls, exc, item.kind)
@@ -145,6 +156,7 @@ class Primer:
         headers: Mapping[str, str] | None = None,
         first: int = 0,
         unit: str = "encoders",
+        extra_body: Mapping[str, Any] | None = None,
     ) -> TransferParams:
         """One single-part ``/v1/chat/completions`` request per item (``model`` its ``model``
         field, left out when None), all at once: item i goes to ``encoders[(first + i) % n]``
@@ -152,7 +164,8 @@ class Primer:
         becomes the prefix of each attempt's own). Raises PrimeError (``unit`` names where)
         listing every item that failed once retries ran out; ValueError when there are items
         but no encoders. ``pooled``: the encoders form a ``Pools`` model's pool, so each answer
-        must announce its ``ec_transfer_params``, which are returned merged."""
+        must announce its ``ec_transfer_params``, which are returned merged. ``extra_body``:
+        fields every prime request carries besides its own (prime_body)."""
         if not items:
             return {}
         if not encoders:
@@ -166,4 +179,5 @@ class Primer:
             unit=unit,
             headers=headers,
             first=first,
+            extra_body=extra_body,
         )
