@@ -212,6 +212,7 @@ class Proxy:
                 pooled=self.config.pooled,
                 headers=prime_headers(head.headers),
                 first=first,
+                extra_body=found.prime_fields,
             )
         except PrimeError as error:
             failure = prime_failure(error, found.parts)
