@@ -60,10 +60,12 @@ class VllmParser:
         """Every path this vLLM's API routers declare for POST."""
         return set(self._ask({"op": "post_routes"})["routes"])
 
-    def anthropic_images(self, requests: list[dict[str, Any]]) -> list[list[str]]:
-        """Per Anthropic Messages request, the image URLs of the chat request vLLM makes of it."""
-        images: list[list[str]] = self._ask({"op": "anthropic_images", "requests": requests})["images"]
-        return images
+    def media(self, requests: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+        """Per (route, body) of a primed route, the media items vLLM's own parsing hands its
+        multimodal processor, or its refusal (see parse_with_vllm.py)."""
+        asked = [{"route": route, "body": body} for route, body in requests]
+        results: list[dict[str, Any]] = self._ask({"op": "media", "requests": asked})["results"]
+        return results
 
     def close(self) -> None:
         # Nothing to flush: killing skips vLLM's slow interpreter shutdown.
