@@ -298,12 +298,12 @@ def test_no_encoder_is_a_503_naming_the_first_part():
     assert core.error_body(found)["error"]["type"] == "ServiceUnavailableError"
 
 
-def test_the_clients_own_transfer_params_win():
-    body = {"messages": [], "ec_transfer_params": {"h1": "client"}}
-    assert core.with_transfer_params(body, {"h1": "encoder", "h2": "encoder"})["ec_transfer_params"] == {
-        "h1": "client",
-        "h2": "encoder",
-    }
+@pytest.mark.parametrize("route", ["chat_completions", "responses", "messages", "chat_completions_batch"])
+def test_a_clients_own_transfer_params_are_refused(route):
+    body = {"messages": [], "input": "x", "ec_transfer_params": {"h1": {"peer_host": "10.0.0.9", "peer_port": 1}}}
+    with pytest.raises(BadRequest, match="EPD proxy's to set") as caught:
+        core.plan(route, raw(body))
+    assert caught.value.param == "ec_transfer_params"
     assert core.with_transfer_params({"messages": []}, {"h": 1}) == {"messages": [], "ec_transfer_params": {"h": 1}}
 
 

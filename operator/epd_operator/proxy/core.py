@@ -119,6 +119,13 @@ def plan(route_name: str, raw: bytes, *, pooled: bool = False) -> Plan:
         raise BadRequest(f"the request body is not JSON: {error}") from None
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
+    if "ec_transfer_params" in body:
+        raise BadRequest(
+            "ec_transfer_params is the EPD proxy's to set: it tells a consumer the address to pull each embedding "
+            "from, which the proxy takes from the encoders that computed them. Remove it (clients that prime "
+            "themselves send it to /v1/chat/completions/render and /inference/v1/generate)",
+            "ec_transfer_params",
+        )
     parts = tuple(_PLANNERS[route_name](body))
     if parts and pooled and route_name in WITHOUT_TRANSFER_PARAMS:
         raise BadRequest(
@@ -300,8 +307,8 @@ def _list_field(body: Mapping[str, Any], name: str, what: str) -> list[Any]:
 
 def with_transfer_params(body: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
     """The body a Pools model's consumer needs: the encoders' ``ec_transfer_params`` (where it
-    pulls each embedding), under any the client sent itself, which win."""
-    return {**body, "ec_transfer_params": {**params, **(body.get("ec_transfer_params") or {})}}
+    pulls each embedding); plan() refused a body with params of its own."""
+    return {**body, "ec_transfer_params": dict(params)}
 
 
 def forwarded(headers: Sequence[tuple[str, str]], drop: frozenset[str] = HOP_BY_HOP) -> list[tuple[str, str]]:
