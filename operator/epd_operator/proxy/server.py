@@ -18,7 +18,7 @@ import logging
 import signal
 import time
 from collections.abc import Coroutine, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Self
 
 from aiohttp import web
@@ -46,7 +46,7 @@ from .core import (
     route,
     with_transfer_params,
 )
-from .encoders import Ejection, Encoders
+from .encoders import Ejection, Encoders, Resolve, resolve_addresses
 from .http1 import (
     JSON_HEADERS,
     Answer,
@@ -59,6 +59,7 @@ from .http1 import (
     UpstreamError,
     close_idle,
 )
+from .media_urls import MediaURLPolicy, screen
 from .metrics import ProxyMetrics
 
 logger = logging.getLogger("epd_operator.proxy")
@@ -81,17 +82,27 @@ class ProxyConfig:
     """Largest body of a primed route (the proxy holds and parses it); others are streamed."""
     pooled: bool = False
     """Placement Pools: primes must announce ec_transfer_params, which the forwarded body carries."""
+    media: MediaURLPolicy = field(default_factory=MediaURLPolicy)
+    """Which media URLs may reach the encoders (spec.proxy.media)."""
 
 
 class Proxy:
     """One proxy: its upstream connections, encoders, primer and metrics. ``async with`` it, then
     ``serve`` it."""
 
-    def __init__(self, config: ProxyConfig, encoders: Encoders, primer: Primer, metrics: ProxyMetrics) -> None:
+    def __init__(
+        self,
+        config: ProxyConfig,
+        encoders: Encoders,
+        primer: Primer,
+        metrics: ProxyMetrics,
+        resolve: Resolve = resolve_addresses,
+    ) -> None:
         self.config = config
         self.encoders = encoders
         self.primer = primer
         self.metrics = metrics
+        self._resolve = resolve  # media URLs' host names (media_urls.screen)
         self._upstream = Upstream(config.upstream)
         # Round-robin across requests: each request's first part goes to the encoder after the
         # previous request's last, so single-image requests do not all land on encoders[0].
@@ -172,6 +183,9 @@ class Proxy:
         _error(exchange, ProxyError(413, f"the request body is larger than the proxy's limit of {limit} bytes"))
 
     async def _primed(self, exchange: Exchange, found: Plan, raw: bytes) -> None:
+        refused = await screen(found.parts, self.config.media, self._resolve)
+        if refused is not None:
+            return _error(exchange, refused)
         params = await self._prime(exchange, found)
         if params is None:
             return
@@ -456,12 +470,13 @@ def run_proxy(
     pooled: bool,
     shutdown_timeout_seconds: float,
     log_level: str,
+    media: MediaURLPolicy,
 ) -> None:
     """`epd-operator proxy`: build the proxy from its flags and serve until SIGTERM or SIGINT."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if log_level != "DEBUG":
         logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per prime at INFO
-    config = ProxyConfig(upstream, request_timeout_seconds, max_request_bytes, pooled)
+    config = ProxyConfig(upstream, request_timeout_seconds, max_request_bytes, pooled, media)
     retry = RetryPolicy(
         max_attempts=prime_max_attempts,
         deadline=prime_timeout_seconds,
