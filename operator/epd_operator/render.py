@@ -260,6 +260,7 @@ def _model_plan(spec: EPDDeploymentSpec, minor: str, model: ModelSpec, ec_path: 
                 ec_cpu_bytes=cpu_bytes(spec, model, group) if cpu_regions and worker_type.ec_role else None,
                 ec_side_channel_port=slot.ec_side_channel_port,
                 v2_model_runner=cpu_regions,
+                media=spec.proxy.media,
             )
         )
         args = _apply_overrides(defaults["args"], group.overrides)

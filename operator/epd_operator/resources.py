@@ -401,6 +401,10 @@ def proxy_container(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPla
         encoders = [a for e in plan.unit_encoders for a in ("--encoder", f"http://127.0.0.1:{e.port}")]
     timeout = spec.proxy.request_timeout_seconds or spec.router.request_timeout_seconds
     outliers = spec.proxy.outlier_detection
+    media = spec.proxy.media  # the engines get the same allowed domains (engine.yaml.j2)
+    media_args = [*(("--allowed-media-domains", *media.allowed_domains) if media.allowed_domains else ())]
+    if media.allow_private_networks:
+        media_args.append("--media-allow-private-networks")
     tuned = {
         "--prime-attempt-timeout-seconds": spec.proxy.prime_attempt_timeout_seconds,
         "--eject-after-failures": outliers.consecutive_failures,
@@ -417,6 +421,7 @@ def proxy_container(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPla
             *("--request-timeout-seconds", str(timeout)),
             *("--prime-timeout-seconds", str(spec.proxy.prime_timeout_seconds)),
             *(a for flag, value in tuned.items() if value is not None for a in (flag, str(value))),
+            *media_args,
             *("--metrics-port", str(PROXY_METRICS_PORT)),
         ],
         "ports": [
