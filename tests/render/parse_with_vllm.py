@@ -16,6 +16,11 @@ Protocol: one JSON request per stdin line, one JSON answer per stdout line.
   validated the body and parsed its messages: `{"ok": true, "items": [{"modality", "data",
   "uuid", "factors"}, ...]}` in order (factors: the request's fields vLLM hashes the item with),
   or `{"ok": false, "error": str}` when vLLM refuses the request.
+- `{"op": "media_urls", "cases": [{"argv", "env", "urls"}, ...]}` -> `{"results": [[...], ...]}`: per
+  rendered engine (its `vllm serve` argv and environment), what its media loading does with each
+  URL: `{"data": true}`, `{"fetch": url, "allow_redirects": bool}` (the request it would send),
+  or `{"refused": str}`. vLLM's own MediaConnector and HTTPConnection, built from the engine args
+  the argv parses to; only the HTTP client is a recorder that sends nothing.
 
 It builds the parser exactly as the `vllm` console script does for `serve` (a top-level
 FlexibleArgumentParser with the serve subcommand, so the model is the positional `model_tag`),
@@ -273,6 +278,64 @@ def _media(request: dict) -> dict:
         return {"ok": False, "error": f"{type(error).__name__}: {error}"[:500]}
 
 
+def _media_urls(top, serve, case: dict) -> list[dict]:
+    import asyncio
+
+    from vllm.connections import HTTPConnection
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.multimodal.media.base import MediaIO
+    from vllm.multimodal.media.connector import MediaConnector
+
+    class Sent(Exception):
+        pass
+
+    class Client:
+        """aiohttp's ClientSession.get, as far as vLLM calls it: records the request instead."""
+
+        def get(self, url, *, allow_redirects=True, **_):
+            raise Sent(json.dumps({"fetch": str(url), "allow_redirects": allow_redirects}))
+
+    class Connection(HTTPConnection):
+        async def get_async_client(self):
+            return Client()
+
+    class Loaded(MediaIO):
+        def load_bytes(self, data):
+            return "bytes"
+
+        def load_base64(self, media_type, data):
+            return "data"
+
+        def load_file(self, filepath):
+            return "file"
+
+    args = top.parse_args(case["argv"][1:])
+    if args.model_tag is not None:
+        args.model = args.model_tag
+    engine = AsyncEngineArgs.from_cli_args(args)
+    saved = dict(os.environ)
+    os.environ.update(case["env"])
+    try:
+        connector = MediaConnector(
+            connection=Connection(),
+            allowed_local_media_path=engine.allowed_local_media_path,
+            allowed_media_domains=engine.allowed_media_domains,
+        )
+        results = []
+        for url in case["urls"]:
+            try:
+                loaded = asyncio.run(connector.load_from_url_async(url, Loaded()))
+                results.append({"data": loaded == "data"} if loaded == "data" else {"loaded": loaded})
+            except Sent as sent:
+                results.append(json.loads(str(sent)))
+            except Exception as error:  # noqa: BLE001 - a refusal is an answer
+                results.append({"refused": f"{type(error).__name__}: {error}"})
+        return results
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def main() -> None:
     # vLLM logs to stdout: keep the protocol on a private copy of it, send everything else to stderr.
     out = os.fdopen(os.dup(1), "w")
@@ -289,6 +352,8 @@ def main() -> None:
             answer = {"envs": sorted(vllm.envs.environment_variables)}
         elif request["op"] == "post_routes":
             answer = {"routes": _post_routes()}
+        elif request["op"] == "media_urls":
+            answer = {"results": [_media_urls(top, serve, c) for c in request["cases"]]}
         elif request["op"] == "media":
             answer = {"results": [_media(r) for r in request["requests"]]}
         else:

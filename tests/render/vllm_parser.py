@@ -67,6 +67,12 @@ class VllmParser:
         results: list[dict[str, Any]] = self._ask({"op": "media", "requests": asked})["results"]
         return results
 
+    def media_urls(self, cases: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+        """Per rendered engine ({"argv", "env", "urls"}), what its media loading does with each URL
+        (see parse_with_vllm.py)."""
+        results: list[list[dict[str, Any]]] = self._ask({"op": "media_urls", "cases": cases})["results"]
+        return results
+
     def close(self) -> None:
         # Nothing to flush: killing skips vLLM's slow interpreter shutdown.
         self._proc.kill()
