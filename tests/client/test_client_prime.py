@@ -277,8 +277,10 @@ async def test_cancelling_a_prime_leaves_no_tasks_or_requests(server) -> None:
 def test_sync_wrapper(server) -> None:
     encoder = server()
     args = argparse.Namespace(vllm_model_encoder_endpoints={"default": ("m", [encoder.url])})
-    prime_encoder_sync(args, image_messages(3))
+    prime_encoder_sync(args, image_messages(3), extra_body={"mm_processor_kwargs": {"max_pixels": 1024}})
     assert len(encoder.records) == 3
+    # The fields vLLM keys an embedding by, as the render will carry them (Vime's own calls pass none).
+    assert {r.body["mm_processor_kwargs"]["max_pixels"] for r in encoder.records} == {1024}
 
 
 async def test_sync_wrapper_refuses_a_running_loop(server) -> None:
