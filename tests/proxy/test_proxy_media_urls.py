@@ -122,13 +122,21 @@ async def test_screen_resolves_each_name_once_and_names_the_first_refused_part()
     assert "https://in.example.com/" in refused.message and "resolves to 192.168.1.4" in refused.message
     assert sorted(asked) == ["cdn.example.com", "in.example.com"]
     assert await screen(parts[:2], DEFAULT, resolve) is None
+    # A part refused on sight costs no DNS query for the others.
+    asked.clear()
+    refused = await screen([*parts, part("http://10.0.0.1/", 3)], DEFAULT, resolve)
+    assert refused is not None and refused.param == "messages[0].content[3]" and asked == []
 
 
 async def test_a_name_that_does_not_resolve_is_a_400_and_a_resolver_failure_a_503():
     gone = socket.gaierror(socket.EAI_NONAME, "Name or service not known")
-    resolve, _ = resolver({"gone.example.com": gone, "flaky.example.com": socket.gaierror(socket.EAI_AGAIN, "again")})
+    resolve, _ = resolver(
+        {"gone.example.com": gone, "flaky.example.com": socket.gaierror(socket.EAI_AGAIN, "again"), "none.example": []}
+    )
     refused = await screen([part("https://gone.example.com/a")], DEFAULT, resolve)
     assert refused is not None and refused.status == 400 and "does not resolve" in refused.message
+    empty = await screen([part("https://none.example/a")], DEFAULT, resolve)
+    assert empty is not None and empty.status == 400 and "no address" in empty.message
     flaky = await screen([part("https://flaky.example.com/a")], DEFAULT, resolve)
     assert flaky is not None and flaky.status == 503 and "retry" in flaky.message
 

@@ -110,19 +110,25 @@ async def screen(
     timeout: float = RESOLVE_TIMEOUT_SECONDS,
 ) -> ProxyError | None:
     """The answer to a request whose media URLs the policy refuses (None: every URL may be
-    fetched): a 400 naming the first refused part, its URL, the rule and the field that allows
-    it; a 503 when a name could not be resolved for a reason that may pass."""
+    fetched): a 400 naming a refused part (one refused without DNS first), its URL, the rule and
+    the field that allows it; a 503 when a name could not be resolved for a reason that may pass.
+    Each name is resolved once, all at once."""
     verdicts = [check(part.item.source, policy) for part in parts]
+    for part, verdict in zip(parts, verdicts, strict=True):
+        if verdict.reason:  # refused without asking DNS about the others
+            return _refused(part, verdict.reason)
     names = sorted({v.resolve for v in verdicts if v.resolve})
     answers = await asyncio.gather(*(_resolved(name, resolve, timeout) for name in names))
     found = dict(zip(names, answers, strict=True))
     for part, verdict in zip(parts, verdicts, strict=True):
-        reason = verdict.reason
-        if verdict.resolve:
-            addresses, failure = found[verdict.resolve]
-            if failure is not None and addresses is None:
-                return _refused(part, failure, status=503)
-            reason = failure or check_addresses(verdict.resolve, addresses or ())
+        if not verdict.resolve:
+            continue
+        addresses, failure = found[verdict.resolve]
+        if addresses is None:
+            return _refused(part, failure or "", status=503)
+        reason = failure or check_addresses(verdict.resolve, addresses)
+        if not addresses and reason is None:
+            reason = f"its host {verdict.resolve} resolves to no address"
         if reason:
             return _refused(part, reason)
     return None
