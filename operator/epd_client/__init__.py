@@ -22,13 +22,14 @@ from ._errors import (
     RequestError,
 )
 from ._media import KINDS as MEDIA_KINDS
-from ._media import MediaItem, media_items
-from ._prime import Primer
+from ._media import MediaItem, MediaPartError, media_items
+from ._prime import HASHED_FIELDS, Primer, prime_body
 from ._retry import RetryPolicy
 from ._sync import generate_sync, prime_encoder_sync
 from ._vime import VimeRolloutArgs, vime_rollout_args
 
 __all__ = [
+    "HASHED_FIELDS",
     "MEDIA_KINDS",
     "DiscoveryError",
     "EPDClient",
@@ -40,6 +41,7 @@ __all__ = [
     "InvalidResponseError",
     "MediaFailure",
     "MediaItem",
+    "MediaPartError",
     "ModelEndpoints",
     "NoReadyUnitError",
     "PrimeError",
@@ -53,6 +55,7 @@ __all__ = [
     "discover",
     "generate_sync",
     "media_items",
+    "prime_body",
     "prime_encoder",
     "prime_encoder_sync",
     "vime_rollout_args",

@@ -14,7 +14,7 @@ from ._endpoints import Endpoints, Engine, ModelEndpoints, SupportsEncoderEndpoi
 from ._errors import EndpointsError, EngineError, InvalidResponseError, NoReadyUnitError, RequestError
 from ._http import Connection, Transport, Verify, json_body
 from ._media import MediaItem, Message, copy_messages, media_items, write_keys
-from ._prime import TransferParams, prime_items
+from ._prime import HASHED_FIELDS, TransferParams, prime_items
 from ._retry import RetryPolicy
 
 _RENDER = "/v1/chat/completions/render"
@@ -135,10 +135,12 @@ class EPDClient:
         if failures:
             raise EngineError(f"POST {path}", model, len(engines), failures)
 
-    async def _prime_on(self, model: ModelEndpoints, items: list[MediaItem]) -> TransferParams:
+    async def _prime_on(
+        self, model: ModelEndpoints, items: list[MediaItem], extra_body: Mapping[str, Any] | None = None
+    ) -> TransferParams:
         """Prime on the model's chosen unit, items keyed already."""
         async with self.session(model_name=model.name) as session:
-            return await _prime(self._transport, model, session.unit, items)
+            return await _prime(self._transport, model, session.unit, items, extra_body)
 
     def _choose(self, model: ModelEndpoints, key: str | None) -> Unit:
         if key is not None:
@@ -165,15 +167,17 @@ class Session:
         self.unit = unit
         self.weights_version = weights_version
 
-    async def prime(self, messages: Iterable[Message]) -> TransferParams:
+    async def prime(
+        self, messages: Iterable[Message], *, extra_body: Mapping[str, Any] | None = None
+    ) -> TransferParams:
         """Encode every media item of ``messages`` on this unit's encoders (see
         prime_encoder). With a weights version, writes each part's key into ``messages``:
         render them as they are afterwards. Returns the ``ec_transfer_params`` to send with
-        render (a ``Pools`` model's; empty otherwise)."""
+        render (a ``Pools`` model's; empty otherwise). ``extra_body``: as prime_encoder's."""
         items = media_items(messages)
         if self.weights_version is not None:
             write_keys(items, self.weights_version)
-        return await _prime(self._transport, self.model, self.unit, items)
+        return await _prime(self._transport, self.model, self.unit, items, extra_body)
 
     async def generate(self, request: Mapping[str, Any]) -> Any:
         """Prime, then ``/v1/chat/completions/render`` and ``/inference/v1/generate``
@@ -188,7 +192,8 @@ class Session:
             raise EndpointsError(f"unit {self.unit.name!r} has no router or consumer URL")
         if self.weights_version is not None and request.get("messages"):
             request = {**request, "messages": copy_messages(request["messages"])}
-        params = await self.prime(request.get("messages") or ())
+        hashed = {name: request[name] for name in HASHED_FIELDS if request.get(name)}
+        params = await self.prime(request.get("messages") or (), extra_body=hashed)
         body = {"model": self.model.served_name, **request}
         if params:
             body["ec_transfer_params"] = {**params, **(request.get("ec_transfer_params") or {})}
@@ -216,14 +221,22 @@ async def prime_encoder(
     api_key: str | None = None,
     headers: Mapping[str, str] | None = None,
     verify: Verify = True,
+    extra_body: Mapping[str, Any] | None = None,
 ) -> TransferParams:
     """Encode every media item of ``messages`` on the encoders before render/generate.
 
-    Media items are the content parts of type ``image_url``, ``video_url``, ``audio_url``
-    (with a string ``url``) and ``input_audio`` (string ``data`` and ``format``). One
-    single-part ``/v1/chat/completions`` request per item, all at once, spread round-robin
-    over the unit's encoders by item index (a retry moves to the next encoder). Raises
-    PrimeError naming the failed items and encoders once retries run out.
+    Media items are the content parts vLLM would load as an image, a video or audio
+    (``media_items``): those of type ``image_url`` (Vime's rule: a string ``image_url.url``),
+    ``input_image``, ``video_url``, ``audio_url`` and ``input_audio``, and the same media
+    spelled without ``type`` (``{"image_url": "https://..."}``) or read by key because the
+    part has a ``uuid``. One single-part ``/v1/chat/completions`` request per item, all at
+    once, spread round-robin over the unit's encoders by item index (a retry moves to the
+    next encoder). Raises PrimeError naming the failed items and encoders once retries run
+    out, and MediaPartError, before sending anything, for a part vLLM would read as media that
+    no prime can stand for (a ``uuid`` without data, an empty URL, ``image_pil``).
+
+    ``extra_body``: fields every prime request carries too. Pass the ``mm_processor_kwargs``
+    and ``media_io_kwargs`` you render with: vLLM keys an item's embedding by them too.
 
     The model is chosen as Vime's ``prime_encoder`` chooses it, among the models that have
     encoders: the one named ``model_name``; else, for ``"default"``, the only one. With a
@@ -276,9 +289,9 @@ async def prime_encoder(
             "`async with client.session(key) as s` so both use the same unit"
         )
     if isinstance(target, EPDClient):
-        return await target._prime_on(model, items)
+        return await target._prime_on(model, items, extra_body)
     async with EPDClient(Endpoints((model,)), **connection.options()) as client:
-        return await client._prime_on(model, items)
+        return await client._prime_on(model, items, extra_body)
 
 
 def _vime_model(args: SupportsEncoderEndpoints, model_name: str) -> ModelEndpoints | None:
@@ -307,15 +320,23 @@ def _primed_model(endpoints: Endpoints, model_name: str) -> ModelEndpoints | Non
     return None
 
 
-async def _prime(transport: Transport, model: ModelEndpoints, unit: Unit, items: list[MediaItem]) -> TransferParams:
-    """Prime the items on the unit's encoders; for a Pools model, return every item's
-    ``ec_transfer_params`` entries merged into one dict."""
+async def _prime(
+    transport: Transport,
+    model: ModelEndpoints,
+    unit: Unit,
+    items: list[MediaItem],
+    extra_body: Mapping[str, Any] | None = None,
+) -> TransferParams:
+    """Prime the items on the unit's encoders (``extra_body``: fields every prime carries);
+    for a Pools model, return every item's ``ec_transfer_params`` entries merged into one dict."""
     encoders = unit.encoder_urls
     if items and not encoders and model.pooled:
         raise NoReadyUnitError(f"model {model.name!r}: its encoder pool has no ready encoder to prime on")
     if not items or not encoders:
         return {}
-    return await prime_items(transport, items, encoders, model=model.served_name, pooled=model.pooled, unit=unit.name)
+    return await prime_items(
+        transport, items, encoders, model=model.served_name, pooled=model.pooled, unit=unit.name, extra_body=extra_body
+    )
 
 
 def _carry_transfer_params(rendered: Any, params: TransferParams) -> Any:

@@ -11,7 +11,7 @@ from typing import Any, Self
 
 from ._errors import MediaFailure, PrimeError, RequestError
 from ._http import AttemptHook, Connection, Transport, Verify, json_body
-from ._media import MediaItem
+from ._media import MediaItem, prime_part
 from ._retry import RetryPolicy
 
 CHAT = "/v1/chat/completions"
@@ -19,11 +19,21 @@ CHAT = "/v1/chat/completions"
 # vLLM's ec_transfer_params: per item hash, where a consumer pulls that item's embedding.
 TransferParams = dict[str, Any]
 
+# A request's fields vLLM keys each media item's embedding by, besides the item (and its
+# uuid) and the model (vllm/multimodal/processing/inputs.py): a prime without them stores the
+# embedding under another key than the one the consumer looks up, and the consumer encodes.
+HASHED_FIELDS = ("mm_processor_kwargs", "media_io_kwargs")
 
-def prime_body(item: MediaItem, model: str | None) -> dict[str, Any]:
-    """Vime's prime request for one item: a user message holding only that part, one token."""
-    body: dict[str, Any] = {} if model is None else {"model": model}
-    body.update(messages=[{"role": "user", "content": [item.part]}], max_tokens=1, stream=False)
+
+def prime_body(item: MediaItem, model: str | None, extra_body: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Vime's prime request for one item: a user message holding only that part (prime_part),
+    one token.
+    ``extra_body``: more fields of the request, under those (e.g. the ``mm_processor_kwargs``
+    the item is rendered with afterwards, which vLLM hashes the item with)."""
+    body: dict[str, Any] = {**(extra_body or {})}
+    if model is not None:
+        body["model"] = model
+    body.update(messages=[{"role": "user", "content": [prime_part(item)]}], max_tokens=1, stream=False)
     return body
 
 
@@ -38,6 +48,7 @@ async def prime_items(
     headers: Mapping[str, str] | None = None,
     first: int = 0,
     max_concurrency: int | None = None,
+    extra_body: Mapping[str, Any] | None = None,
 ) -> TransferParams:
     """Prime every item at once (at most ``max_concurrency`` of them in flight, when given),
     item i on ``encoders[(first + i) % n]`` (a retry moves to the next encoder); raise
@@ -52,7 +63,7 @@ async def prime_items(
         try:
             async with own_slots:
                 response = await transport.post(
-                    encoders, CHAT, prime_body(item, model), first=first + index, headers=headers
+                    encoders, CHAT, prime_body(item, model, extra_body), first=first + index, headers=headers
                 )
         except RequestError as exc:
             return MediaFailure(index, short(item.source), exc.urls, exc, item.kind)
@@ -154,6 +165,7 @@ class Primer:
         first: int = 0,
         unit: str = "encoders",
         max_concurrency: int | None = None,
+        extra_body: Mapping[str, Any] | None = None,
     ) -> TransferParams:
         """One single-part ``/v1/chat/completions`` request per item (``model`` its ``model``
         field, left out when None), all at once: item i goes to ``encoders[(first + i) % n]``
@@ -163,7 +175,8 @@ class Primer:
         but no encoders. ``pooled``: the encoders form a ``Pools`` model's pool, so each answer
         must announce its ``ec_transfer_params``, which are returned merged. ``max_concurrency``:
         at most that many of this call's requests in flight at once (the Primer's own limit
-        holds for all calls together), so one call with many items leaves room for others."""
+        holds for all calls together), so one call with many items leaves room for others.
+        ``extra_body``: fields every prime request carries besides its own (prime_body)."""
         if not items:
             return {}
         if not encoders:
@@ -178,4 +191,5 @@ class Primer:
             headers=headers,
             first=first,
             max_concurrency=max_concurrency,
+            extra_body=extra_body,
         )

@@ -114,6 +114,7 @@ def _janitor(args: argparse.Namespace) -> None:
 
 def _proxy(args: argparse.Namespace) -> None:
     from .proxy.encoders import Ejection
+    from .proxy.media_urls import MediaURLPolicy
     from .proxy.server import run_proxy
 
     limits = proxy_limits(args)
@@ -136,6 +137,7 @@ def _proxy(args: argparse.Namespace) -> None:
         pooled=args.placement == "Pools",
         shutdown_timeout_seconds=args.shutdown_timeout_seconds,
         log_level=args.log_level,
+        media=MediaURLPolicy(frozenset(args.allowed_media_domains), args.media_allow_private_networks),
     )
 
 
@@ -289,6 +291,20 @@ def _add_proxy_parser(sub: Any) -> None:
         default=25.0,
         help="on SIGTERM, how long requests in flight may take to finish (keep it under the pod's "
         "terminationGracePeriodSeconds)",
+    )
+    proxy.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        default=[],
+        type=str.lower,
+        metavar="HOST",
+        help="the only hosts http(s) media may come from, as vLLM's flag of the same name (an exact match of "
+        "the URL's host); listed hosts may be private. Default: any public host",
+    )
+    proxy.add_argument(
+        "--media-allow-private-networks",
+        action="store_true",
+        help="let media URLs name loopback, link-local, private and cluster-internal hosts (refused by default)",
     )
     proxy.add_argument(
         "--log-level",

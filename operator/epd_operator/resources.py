@@ -403,6 +403,10 @@ def proxy_container(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPla
     timeout = spec.proxy.request_timeout_seconds or spec.router.request_timeout_seconds
     outliers = spec.proxy.outlier_detection
     limits = spec.proxy.limits(spec.model(plan.name))
+    media = spec.proxy.media  # the engines get the same allowed domains (engine.yaml.j2)
+    media_args = [*(("--allowed-media-domains", *media.allowed_domains) if media.allowed_domains else ())]
+    if media.allow_private_networks:
+        media_args.append("--media-allow-private-networks")
     tuned: dict[str, object] = {
         "--prime-attempt-timeout-seconds": spec.proxy.prime_attempt_timeout_seconds,
         "--eject-after-failures": outliers.consecutive_failures,
@@ -430,6 +434,7 @@ def proxy_container(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPla
                 if value is not None
                 for a in (flag, f"{value:g}" if isinstance(value, float) else str(value))
             ),
+            *media_args,
             *("--metrics-port", str(PROXY_METRICS_PORT)),
         ],
         "ports": [

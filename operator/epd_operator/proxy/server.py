@@ -67,7 +67,8 @@ from .core import (
     route,
     with_transfer_params,
 )
-from .encoders import Ejection, Encoders
+from .encoders import Ejection, Encoders, Resolve, resolve_addresses
+from .media_urls import MediaURLPolicy, screen
 from .metrics import ProxyMetrics
 
 logger = logging.getLogger("epd_operator.proxy")
@@ -102,6 +103,8 @@ class ProxyConfig:
     pooled: bool = False
     """Placement Pools: primes must announce ec_transfer_params, which the forwarded body carries."""
     limits: Limits = field(default_factory=Limits)
+    media: MediaURLPolicy = field(default_factory=MediaURLPolicy)
+    """Which media URLs may reach the encoders (spec.proxy.media)."""
 
 
 class _CutShort(Exception):
@@ -116,7 +119,14 @@ class Proxy:
     """One proxy: its upstream connections, encoders, primer, memory budget and metrics.
     ``async with`` it, then ``serve`` it."""
 
-    def __init__(self, config: ProxyConfig, encoders: Encoders, primer: Primer, metrics: ProxyMetrics) -> None:
+    def __init__(
+        self,
+        config: ProxyConfig,
+        encoders: Encoders,
+        primer: Primer,
+        metrics: ProxyMetrics,
+        resolve: Resolve = resolve_addresses,
+    ) -> None:
         parts = urlsplit(config.upstream)
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"the upstream must be an http:// URL, not {config.upstream!r}")
@@ -125,6 +135,7 @@ class Proxy:
         self.encoders = encoders
         self.primer = primer
         self.metrics = metrics
+        self._resolve = resolve  # media URLs' host names (media_urls.screen)
         self.budget = Budget(config.limits.max_buffered_bytes)
         self._upstream = config.upstream.rstrip("/")
         self._session: ClientSession | None = None
@@ -266,6 +277,9 @@ class Proxy:
             cost = request_cost(raw, len(found.parts))
             if cost > reservation.size and not reservation.resize(cost):
                 return _error(request, self._busy(cost), True)
+            refused = await screen(found.parts, self.config.media, self._resolve)
+            if refused is not None:
+                return _error(request, refused)
             params = await self._prime(request, found)
             if isinstance(params, web.StreamResponse):
                 return params
@@ -333,6 +347,7 @@ class Proxy:
                 headers=prime_headers(_lowered(request.headers.items())),
                 first=first,
                 max_concurrency=self.limits.prime_concurrency_per_request,
+                extra_body=found.prime_fields,
             )
         except PrimeError as error:
             failure = prime_failure(error, found.parts)
@@ -625,13 +640,14 @@ def run_proxy(
     pooled: bool,
     shutdown_timeout_seconds: float,
     log_level: str,
+    media: MediaURLPolicy,
 ) -> None:
     """`epd-operator proxy`: build the proxy from its flags and serve until SIGTERM or SIGINT."""
     _give_large_blocks_back()
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if log_level != "DEBUG":
         logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per prime at INFO
-    config = ProxyConfig(upstream, request_timeout_seconds, pooled, limits)
+    config = ProxyConfig(upstream, request_timeout_seconds, pooled, limits, media)
     retry = RetryPolicy(
         max_attempts=prime_max_attempts,
         deadline=prime_timeout_seconds,
