@@ -24,13 +24,14 @@ from ._errors import (
     RequestError,
 )
 from ._media import KINDS as MEDIA_KINDS
-from ._media import MediaItem, is_key, key_generation, key_of, media_items, media_key, write_keys
-from ._prime import Primer, hash_factors
+from ._media import MediaItem, MediaPartError, is_key, key_generation, key_of, media_items, media_key, write_keys
+from ._prime import HASHED_FIELDS, Primer, prime_body
 from ._retry import RetryPolicy
 from ._sync import generate_sync, prime_encoder_sync
 from ._vime import VimeRolloutArgs, vime_rollout_args
 
 __all__ = [
+    "HASHED_FIELDS",
     "MEDIA_KINDS",
     "Choice",
     "DiscoveryError",
@@ -43,6 +44,7 @@ __all__ = [
     "InvalidResponseError",
     "MediaFailure",
     "MediaItem",
+    "MediaPartError",
     "ModelEndpoints",
     "NoReadyUnitError",
     "PrimeError",
@@ -57,12 +59,12 @@ __all__ = [
     "choose_unit",
     "discover",
     "generate_sync",
-    "hash_factors",
     "is_key",
     "key_generation",
     "key_of",
     "media_items",
     "media_key",
+    "prime_body",
     "prime_encoder",
     "prime_encoder_sync",
     "vime_rollout_args",

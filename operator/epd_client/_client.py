@@ -23,7 +23,7 @@ from ._errors import (
 )
 from ._http import Connection, Transport, Verify, json_body
 from ._media import MediaItem, Message, copy_messages, media_items, write_keys
-from ._prime import TransferParams, hash_factors, prime_items, short
+from ._prime import HASHED_FIELDS, TransferParams, prime_items, short
 from ._retry import RetryPolicy
 
 _RENDER = "/v1/chat/completions/render"
@@ -151,11 +151,13 @@ class EPDClient:
         if failures:
             raise EngineError(f"POST {path}", model, len(engines), failures)
 
-    async def _prime_on(self, model: ModelEndpoints, items: list[MediaItem]) -> TransferParams:
+    async def _prime_on(
+        self, model: ModelEndpoints, items: list[MediaItem], extra_body: Mapping[str, Any] | None = None
+    ) -> TransferParams:
         """Prime on the model's chosen unit, items keyed already (through its proxy, if any:
         the keys it answers are written into the parts)."""
         async with self.session(model_name=model.name) as session:
-            return await session._prime_items(items, {}, keyed=True)
+            return await session._prime_items(items, extra_body or {}, keyed=True)
 
     def _choose(self, model: ModelEndpoints, key: str | None) -> Unit:
         """The key's unit under this client's open sessions (bounded load: the EPD gateway's
@@ -188,38 +190,42 @@ class Session:
         as the ``X-EPD-Lease`` header with your render and generate (``generate`` does), and the
         unit's janitor evicts none of it until they are done."""
 
-    async def prime(self, messages: Iterable[Message]) -> TransferParams:
+    async def prime(
+        self, messages: Iterable[Message], *, extra_body: Mapping[str, Any] | None = None
+    ) -> TransferParams:
         """Encode every media item of ``messages`` on this unit's encoders (see
         prime_encoder). With a weights version, or through the unit's EPD proxy, writes each
         part's key into ``messages``: render them as they are afterwards. Returns the
-        ``ec_transfer_params`` to send with render (a ``Pools`` model's; empty otherwise)."""
-        return await self._prime_items(media_items(messages), {})
+        ``ec_transfer_params`` to send with render (a ``Pools`` model's; empty otherwise).
+        ``extra_body``: as prime_encoder's."""
+        return await self._prime_items(media_items(messages), extra_body or {})
 
     async def _prime_items(
-        self, items: list[MediaItem], extra: Mapping[str, Any], *, keyed: bool = False
+        self, items: list[MediaItem], extra_body: Mapping[str, Any], *, keyed: bool = False
     ) -> TransferParams:
         """Key the items (with a weights version, unless ``keyed`` already) and prime them:
         through the unit's proxy, which primes only what its EC store lacks and answers the
         keys (written into the items' parts; it keeps those they carry), else on the unit's
-        encoders directly. ``extra``: the request's hash factors, which go with every prime."""
+        encoders directly. ``extra_body``: fields every prime carries (the request's hashed
+        fields)."""
         if self.weights_version is not None and not keyed:
             write_keys(items, self.weights_version)
         proxy = _proxy_url(self.model, self.unit)
         if items and proxy is not None and proxy not in self._without_endpoint:
             try:
-                return await self._prime_through(proxy, items, extra)
+                return await self._prime_through(proxy, items, extra_body)
             except RequestError as exc:
                 if exc.status_code != 404:
                     raise PrimeError(
                         self.unit.name, len(items), [_failure(i, item, exc) for i, item in enumerate(items)]
                     ) from exc
                 self._without_endpoint.add(proxy)  # an older proxy: it passed the path on
-        return await _prime(self._transport, self.model, self.unit, items, extra)
+        return await _prime(self._transport, self.model, self.unit, items, extra_body)
 
-    async def _prime_through(self, proxy: str, items: list[MediaItem], extra: Mapping[str, Any]) -> TransferParams:
+    async def _prime_through(self, proxy: str, items: list[MediaItem], extra_body: Mapping[str, Any]) -> TransferParams:
         """POST /epd/v1/prime to the unit's proxy: one message holding every item, in order."""
-        body = {"model": self.model.served_name, "messages": [{"role": "user", "content": [i.part for i in items]}]}
-        body.update(extra)
+        body = {**extra_body, "model": self.model.served_name}
+        body["messages"] = [{"role": "user", "content": [i.part for i in items]}]
         # The proxy keeps the keys the parts carry, and keys the others by this version
         # (content-only without one, unless the model's weights are versioned: refused).
         headers = {_VERSION_HEADER: self.weights_version} if self.weights_version is not None else None
@@ -251,7 +257,8 @@ class Session:
         if request.get("messages"):  # keys are written into the copy, never into the caller's
             request = {**request, "messages": copy_messages(request["messages"])}
         self.lease = None
-        params = await self._prime_items(media_items(request.get("messages") or ()), hash_factors(request))
+        hashed = {name: request[name] for name in HASHED_FIELDS if request.get(name)}
+        params = await self._prime_items(media_items(request.get("messages") or ()), hashed)
         body = {"model": self.model.served_name, **request}
         if params:
             body["ec_transfer_params"] = {**params, **(request.get("ec_transfer_params") or {})}
@@ -282,14 +289,22 @@ async def prime_encoder(
     api_key: str | None = None,
     headers: Mapping[str, str] | None = None,
     verify: Verify = True,
+    extra_body: Mapping[str, Any] | None = None,
 ) -> TransferParams:
     """Encode every media item of ``messages`` on the encoders before render/generate.
 
-    Media items are the content parts of type ``image_url``, ``video_url``, ``audio_url``
-    (with a string ``url``) and ``input_audio`` (string ``data`` and ``format``). One
-    single-part ``/v1/chat/completions`` request per item, all at once, spread round-robin
-    over the unit's encoders by item index (a retry moves to the next encoder). Raises
-    PrimeError naming the failed items and encoders once retries run out.
+    Media items are the content parts vLLM would load as an image, a video or audio
+    (``media_items``): those of type ``image_url`` (Vime's rule: a string ``image_url.url``),
+    ``input_image``, ``video_url``, ``audio_url`` and ``input_audio``, and the same media
+    spelled without ``type`` (``{"image_url": "https://..."}``) or read by key because the
+    part has a ``uuid``. One single-part ``/v1/chat/completions`` request per item, all at
+    once, spread round-robin over the unit's encoders by item index (a retry moves to the
+    next encoder). Raises PrimeError naming the failed items and encoders once retries run
+    out, and MediaPartError, before sending anything, for a part vLLM would read as media that
+    no prime can stand for (a ``uuid`` without data, an empty URL, ``image_pil``).
+
+    ``extra_body``: fields every prime request carries too. Pass the ``mm_processor_kwargs``
+    and ``media_io_kwargs`` you render with: vLLM keys an item's embedding by them too.
 
     The model is chosen as Vime's ``prime_encoder`` chooses it, among the models that have
     encoders: the one named ``model_name``; else, for ``"default"``, the only one. With a
@@ -342,9 +357,9 @@ async def prime_encoder(
             "`async with client.session(key) as s` so both use the same unit"
         )
     if isinstance(target, EPDClient):
-        return await target._prime_on(model, items)
+        return await target._prime_on(model, items, extra_body)
     async with EPDClient(Endpoints((model,)), **connection.options()) as client:
-        return await client._prime_on(model, items)
+        return await client._prime_on(model, items, extra_body)
 
 
 def _vime_model(args: SupportsEncoderEndpoints, model_name: str) -> ModelEndpoints | None:
@@ -378,17 +393,17 @@ async def _prime(
     model: ModelEndpoints,
     unit: Unit,
     items: list[MediaItem],
-    extra: Mapping[str, Any] | None = None,
+    extra_body: Mapping[str, Any] | None = None,
 ) -> TransferParams:
-    """Prime the items on the unit's encoders; for a Pools model, return every item's
-    ``ec_transfer_params`` entries merged into one dict."""
+    """Prime the items on the unit's encoders (``extra_body``: fields every prime carries);
+    for a Pools model, return every item's ``ec_transfer_params`` entries merged into one dict."""
     encoders = unit.encoder_urls
     if items and not encoders and model.pooled:
         raise NoReadyUnitError(f"model {model.name!r}: its encoder pool has no ready encoder to prime on")
     if not items or not encoders:
         return {}
     return await prime_items(
-        transport, items, encoders, model=model.served_name, pooled=model.pooled, unit=unit.name, extra=extra
+        transport, items, encoders, model=model.served_name, pooled=model.pooled, unit=unit.name, extra_body=extra_body
     )
 
 

@@ -6,8 +6,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ._media import KINDS
-
 if TYPE_CHECKING:
     from ._endpoints import Engine
 
@@ -79,6 +77,8 @@ class PrimeError(EPDClientError):
     """
 
     def __init__(self, unit: str, total: int, failures: Sequence[MediaFailure]) -> None:
+        from ._media import KINDS  # here: _media's errors derive from this module's
+
         self.unit = unit
         self.failures = tuple(failures)
         details = "; ".join(

@@ -1,4 +1,11 @@
-"""The media parts of chat messages that encoders compute, and their weight-version keys."""
+"""The media parts of chat messages that encoders compute, and their weight-version keys.
+
+What a media part is follows vLLM's own reading of a chat content part (0.32 and 0.33:
+``_parse_chat_message_content_mm_part`` and its dispatch, vllm/renderers/chat_utils), so that
+every item a consumer would hand to its multimodal processor is primed on the encoders first.
+tests/render/test_media_parts_contract.py runs vLLM's parsing on a corpus of part shapes and
+holds this module to it.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +15,12 @@ from collections.abc import Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+from ._errors import EPDClientError
+
 Message = Mapping[str, Any]
 
 # Part type -> the noun error messages use. input_image is the Responses API's image part;
-# vLLM parses it as an image in chat messages too (MM_PARSER_MAP, vllm/renderers/chat_utils.py).
+# vLLM parses it as an image in chat messages too.
 KINDS = {
     "image_url": "image",
     "input_image": "image",
@@ -19,6 +28,42 @@ KINDS = {
     "audio_url": "audio",
     "input_audio": "audio",
 }
+
+# vLLM's content part types (its MM_PARSER_MAP) that carry no media for an encoder: text, and
+# embeddings the client computed (the consumer runs no encoder on those; vLLM takes them only
+# with --enable-mm-embeds or --enable-prompt-embeds).
+_NOT_ENCODED = frozenset(
+    {
+        "text",
+        "thinking",
+        "input_text",
+        "output_text",
+        "refusal",
+        "tool_reference",
+        "image_embeds",
+        "audio_embeds",
+        "video_embeds",
+        "prompt_embeds",
+    }
+)
+# vLLM also reads a PIL image (its offline LLM API's part): a JSON body cannot hold one, only
+# the key with a uuid, a reference to an image vLLM processed before.
+_PIL = "image_pil"
+_TYPES = frozenset(KINDS) | _NOT_ENCODED | {_PIL}
+# A part without a type, or with a uuid, is read by the first of these keys it holds, whatever
+# its type says (vLLM 0.33 skips audio_embeds in a video_embeds part: embeddings either way).
+_KEY_ORDER = (
+    "image_url",
+    _PIL,
+    "image_embeds",
+    "audio_embeds",
+    "video_embeds",
+    "prompt_embeds",
+    "audio_url",
+    "input_audio",
+    "video_url",
+    "tool_reference",
+)
 
 # Keys this library writes (and the EPD proxy's later generations of them, ``<key>-<n>``):
 # recognised so that a reused message gets the key of the current version, while a uuid the
@@ -30,7 +75,8 @@ _OWN_KEY = re.compile(r"(epd-[0-9a-f]{32})(?:-[1-9][0-9]*)?")
 class MediaItem:
     part: Message
     kind: str
-    """The part's type: image_url, input_image, video_url, audio_url or input_audio."""
+    """The part's type as vLLM reads it: image_url, input_image, video_url, audio_url or
+    input_audio (a part without ``type`` is read by the media key it holds)."""
     source: str
     """The URL, or for input_audio the data URL vLLM builds from it."""
     message: int = 0
@@ -39,39 +85,135 @@ class MediaItem:
     """Index of the part in that message's ``content``."""
 
 
+class MediaPartError(EPDClientError, ValueError):
+    """A content part vLLM would read as media, but which cannot be primed: a consumer given
+    it would encode it itself (or look it up in its own cache), so it is refused instead."""
+
+    def __init__(self, reason: str, *, message: int, position: int) -> None:
+        self.reason = reason
+        self.message = message
+        self.position = position
+        super().__init__(f"messages[{message}].content[{position}]: {reason}")
+
+
 def media_items(messages: Iterable[Message]) -> list[MediaItem]:
-    """Vime's image rule for every kind: a content part of that type whose ``<type>.url`` is a
-    string (input_audio: string ``data`` and ``format``; input_image: a string ``image_url``),
-    in message order. Messages are mappings with a ``content`` list; others are skipped, so the
-    items of a Responses API ``input`` list are found the same way."""
+    """The media parts of ``messages`` in order: every content part vLLM would load as an
+    image, a video or audio, spelled with or without ``type`` (``{"image_url": "https://..."}``
+    is an image to vLLM), read as vLLM reads it (a part with a ``uuid`` is read by the media
+    key it holds, whatever its type). Messages are mappings with a ``content`` list; others are
+    skipped, so the items of a Responses API ``input`` list are found the same way.
+
+    Raises MediaPartError for a part vLLM would read as media that no prime can stand for: a
+    reference without data (a ``uuid`` with no URL, an empty URL, ``image_pil``). Parts vLLM
+    refuses itself (a typed part whose URL is not a string, an unknown type) are left to it."""
     items: list[MediaItem] = []
     for m, message in enumerate(messages):
         content = message.get("content") if isinstance(message, Mapping) else None
         if not isinstance(content, list):
             continue
         for p, part in enumerate(content):
-            if isinstance(part, Mapping) and (source := _source(part)) is not None:
-                items.append(MediaItem(part, part["type"], source, m, p))
+            if not isinstance(part, Mapping):
+                continue
+            reading = read_part(part)
+            if reading is None:
+                continue
+            kind, source = reading
+            if kind == _PIL:
+                raise MediaPartError(
+                    "an image_pil part is a reference to an image vLLM processed before, which no encoder can be "
+                    "primed with: send the image itself as an image_url part",
+                    message=m,
+                    position=p,
+                )
+            if not source:
+                raise MediaPartError(
+                    f"this {KINDS[kind]} part has no data (no URL, or a uuid alone refers to an item vLLM "
+                    "processed before), so no encoder can be primed with it and a consumer would look it up or "
+                    f"encode it itself: send its {_data_field(kind)}",
+                    message=m,
+                    position=p,
+                )
+            items.append(MediaItem(part, kind, source, m, p))
     return items
 
 
-def _source(part: Message) -> str | None:
+def read_part(part: Message) -> tuple[str, str | None] | None:
+    """How vLLM reads a content part: (its media type, its source or None when it carries no
+    data), or None when vLLM loads no media from it (text, embeddings, a part it refuses)."""
     kind = part.get("type")
-    if kind not in KINDS:
+    if isinstance(kind, str) and kind in _TYPES and part.get("uuid") is None:
+        return _typed(part, kind)
+    if kind is not None and part.get("uuid") is None:
+        return None  # not a type vLLM knows: it refuses the part
+    key = next((key for key in _KEY_ORDER if key in part), None)
+    if key is None or key in _NOT_ENCODED:
         return None
+    if key == _PIL:
+        return _PIL, None
+    value = part[key]
+    if key == "input_audio":
+        return key, _audio_url(value)
+    if isinstance(value, Mapping):
+        value = value.get("url")
+    return key, _text(value)
+
+
+def _typed(part: Message, kind: str) -> tuple[str, str | None] | None:
+    """A part read by its type: vLLM checks the url objects of image_url, audio_url and
+    video_url (a part whose URL is not a string is refused, not loaded)."""
+    if kind in _NOT_ENCODED:
+        return None
+    if kind == _PIL:
+        return _PIL, None
     if kind == "input_image":
-        url = part.get("image_url")
-        return url if isinstance(url, str) else None
+        return kind, _text(part.get("image_url"))
     value = part.get(kind)
+    if kind == "input_audio":
+        return kind, _audio_url(value)
+    if not isinstance(value, Mapping) or not isinstance(value.get("url"), str):
+        return None
+    return kind, value["url"] or None
+
+
+def _audio_url(value: Any) -> str | None:
+    """The data URL vLLM builds of an input_audio object (None: no data)."""
     if not isinstance(value, Mapping):
         return None
-    if kind == "input_audio":
-        data, fmt = value.get("data"), value.get("format")
-        if isinstance(data, str) and isinstance(fmt, str):
-            return f"data:audio/{fmt};base64,{data}"
+    data, fmt = value.get("data"), value.get("format", "")
+    if not data or not isinstance(data, str) or not isinstance(fmt, str):
         return None
-    url = value.get("url")
-    return url if isinstance(url, str) else None
+    return f"data:audio/{fmt};base64,{data}"
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def _data_field(kind: str) -> str:
+    if kind == "input_audio":
+        return "input_audio.data and input_audio.format"
+    if kind == "input_image":
+        return "image_url"
+    return f"{kind}.url"
+
+
+def prime_part(item: MediaItem) -> dict[str, Any]:
+    """The content part a prime request carries for ``item``: the part itself when vLLM reads it
+    as its type says (Vime's prime body), else the typed part vLLM reads as the same item (same
+    media and uuid, so the same key): vLLM's validation of a lone untyped part (or input_audio
+    without a format) differs from that of one among other parts, and with a uuid vLLM reads a
+    part by the media key it holds, not by its type."""
+    audio = item.part.get("input_audio")
+    formatless = item.kind == "input_audio" and not (
+        isinstance(audio, Mapping) and isinstance(audio.get("format"), str)
+    )
+    if item.part.get("type") == item.kind and not formatless:
+        return dict(item.part)
+    kind = "audio_url" if item.kind == "input_audio" else "image_url" if item.kind == "input_image" else item.kind
+    part: dict[str, Any] = {"type": kind, kind: {"url": item.source}}
+    if item.part.get("uuid") is not None:
+        part["uuid"] = item.part["uuid"]
+    return part
 
 
 def media_key(item: MediaItem, weights_version: str) -> str:
@@ -108,7 +250,9 @@ def key_of(name: str) -> str:
 
 def write_keys(items: Iterable[MediaItem], weights_version: str) -> None:
     """Set each part's ``uuid`` in place to its key for ``weights_version``; a uuid that is
-    not one of ours (the caller's own) is kept."""
+    not one of ours (the caller's own) is kept. Raises MediaPartError for a part that vLLM
+    would read differently once it has a uuid (with a uuid, vLLM reads a part by the first
+    media key it holds, not by its type)."""
     for item in items:
         current = item.part.get("uuid")
         if current is not None and not _OWN_KEY.fullmatch(str(current)):
@@ -118,7 +262,16 @@ def write_keys(items: Iterable[MediaItem], weights_version: str) -> None:
                 f"cannot write the weights-version key into a {type(item.part).__name__} "
                 "content part: pass the messages as plain dicts"
             )
-        item.part["uuid"] = media_key(item, weights_version)
+        key = media_key(item, weights_version)
+        kind, source = read_part({**item.part, "uuid": key}) or (None, None)
+        if (KINDS.get(kind or ""), source) != (KINDS[item.kind], item.source):
+            raise MediaPartError(
+                f"this {item.kind} part holds several media fields, and vLLM reads a keyed part by the first of "
+                "them, not by its type: keep one media field per part",
+                message=item.message,
+                position=item.position,
+            )
+        item.part["uuid"] = key
 
 
 def copy_messages(messages: Iterable[Message]) -> list[dict[str, Any]]:

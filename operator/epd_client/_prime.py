@@ -11,7 +11,7 @@ from typing import Any, Self
 
 from ._errors import MediaFailure, PrimeError, RequestError
 from ._http import AttemptHook, Connection, Transport, Verify, json_body
-from ._media import MediaItem
+from ._media import MediaItem, prime_part
 from ._retry import RetryPolicy
 
 CHAT = "/v1/chat/completions"
@@ -19,25 +19,21 @@ CHAT = "/v1/chat/completions"
 # vLLM's ec_transfer_params: per item hash, where a consumer pulls that item's embedding.
 TransferParams = dict[str, Any]
 
-
-# Request fields vLLM hashes into an item's key with its content or uuid (``get_mm_hashes``):
-# a prime must carry them, or the encoder stores the item under another key (and processes it
-# otherwise) than the consumer reads.
-HASH_FACTORS = ("mm_processor_kwargs", "media_io_kwargs")
-
-
-def hash_factors(request: Mapping[str, Any]) -> dict[str, Any]:
-    """The request's fields of HASH_FACTORS that are set: what its primes carry with them."""
-    return {name: request[name] for name in HASH_FACTORS if request.get(name)}
+# A request's fields vLLM keys each media item's embedding by, besides the item (and its
+# uuid) and the model (vllm/multimodal/processing/inputs.py): a prime without them stores the
+# embedding under another key than the one the consumer looks up, and the consumer encodes.
+HASHED_FIELDS = ("mm_processor_kwargs", "media_io_kwargs")
 
 
-def prime_body(item: MediaItem, model: str | None, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Vime's prime request for one item: a user message holding only that part, one token;
-    with ``extra``, the request's hash factors (``hash_factors``)."""
-    body: dict[str, Any] = {} if model is None else {"model": model}
-    body.update(messages=[{"role": "user", "content": [item.part]}], max_tokens=1, stream=False)
-    if extra:
-        body.update(extra)
+def prime_body(item: MediaItem, model: str | None, extra_body: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Vime's prime request for one item: a user message holding only that part (prime_part),
+    one token.
+    ``extra_body``: more fields of the request, under those (e.g. the ``mm_processor_kwargs``
+    the item is rendered with afterwards, which vLLM hashes the item with)."""
+    body: dict[str, Any] = {**(extra_body or {})}
+    if model is not None:
+        body["model"] = model
+    body.update(messages=[{"role": "user", "content": [prime_part(item)]}], max_tokens=1, stream=False)
     return body
 
 
@@ -52,7 +48,7 @@ async def prime_items(
     headers: Mapping[str, str] | None = None,
     first: int = 0,
     max_concurrency: int | None = None,
-    extra: Mapping[str, Any] | None = None,
+    extra_body: Mapping[str, Any] | None = None,
 ) -> TransferParams:
     """Prime every item at once (at most ``max_concurrency`` of them in flight, when given),
     item i on ``encoders[(first + i) % n]`` (a retry moves to the next encoder); raise
@@ -67,7 +63,7 @@ async def prime_items(
         try:
             async with own_slots:
                 response = await transport.post(
-                    encoders, CHAT, prime_body(item, model, extra), first=first + index, headers=headers
+                    encoders, CHAT, prime_body(item, model, extra_body), first=first + index, headers=headers
                 )
         except RequestError as exc:
             return MediaFailure(index, short(item.source), exc.urls, exc, item.kind)
@@ -169,7 +165,7 @@ class Primer:
         first: int = 0,
         unit: str = "encoders",
         max_concurrency: int | None = None,
-        extra: Mapping[str, Any] | None = None,
+        extra_body: Mapping[str, Any] | None = None,
     ) -> TransferParams:
         """One single-part ``/v1/chat/completions`` request per item (``model`` its ``model``
         field, left out when None), all at once: item i goes to ``encoders[(first + i) % n]``
@@ -180,7 +176,7 @@ class Primer:
         must announce its ``ec_transfer_params``, which are returned merged. ``max_concurrency``:
         at most that many of this call's requests in flight at once (the Primer's own limit
         holds for all calls together), so one call with many items leaves room for others.
-        ``extra``: fields every prime request carries besides (``hash_factors`` of the request)."""
+        ``extra_body``: fields every prime request carries besides its own (prime_body)."""
         if not items:
             return {}
         if not encoders:
@@ -195,5 +191,5 @@ class Primer:
             headers=headers,
             first=first,
             max_concurrency=max_concurrency,
-            extra=extra,
+            extra_body=extra_body,
         )

@@ -25,6 +25,7 @@ def prime_encoder_sync(
     api_key: str | None = None,
     headers: Mapping[str, str] | None = None,
     verify: Verify = True,
+    extra_body: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Blocking ``prime_encoder``."""
     return _run(
@@ -36,6 +37,7 @@ def prime_encoder_sync(
             api_key=api_key,
             headers=headers,
             verify=verify,
+            extra_body=extra_body,
         )
     )
 

@@ -421,6 +421,42 @@ class OutlierDetection(Schema):
     )
 
 
+# A media host as vLLM compares it with --allowed-media-domains: the URL's host as urllib3 reads
+# it, lower case and punycode (an IPv4 address is one too).
+MEDIA_HOST = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?(\.[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?)*$"
+
+
+class MediaURLs(Schema):
+    """Where media URLs may point, for the EPD proxy and every engine alike (docs/security.md):
+    http(s) and data: URLs only, never file:."""
+
+    allowed_domains: list[Annotated[str, Field(pattern=MEDIA_HOST, max_length=253)]] = Field(
+        default_factory=list,
+        max_length=256,
+        description=(
+            "When set, the only hosts http(s) media may come from: an exact match of the URL's host (lower case, "
+            "punycode; no wildcards, a subdomain is another host), rendered into every engine as vLLM's "
+            "--allowed-media-domains and checked by the proxy before priming. Listed hosts may be private. Default: "
+            "any public host."
+        ),
+    )
+    allow_private_networks: bool = Field(
+        default=False,
+        description=(
+            "Let media URLs name loopback, link-local (cloud metadata), private and cluster-internal hosts, or "
+            "names resolving to them. The proxy refuses them by default; engines cannot tell them apart, so a "
+            "client reaching an engine directly is held only by allowedDomains and the NetworkPolicy."
+        ),
+    )
+    allow_redirects: bool = Field(
+        default=False,
+        description=(
+            "Let engines follow an HTTP redirect when fetching media (vLLM's VLLM_MEDIA_URL_ALLOW_REDIRECTS). A "
+            "redirect's target is checked by neither the proxy nor vLLM's allowed domains."
+        ),
+    )
+
+
 class Proxy(Schema):
     """The EPD proxy in every unit (`epd-operator proxy`, the operator's image, docs/proxy.md): on
     the front port, it primes the media of any OpenAI client's request on the encoders before
@@ -536,6 +572,10 @@ class Proxy(Schema):
         ),
     )
     resources: ResourceRequirements | None = Field(default=None, description="The proxy container's resources.")
+    media: MediaURLs = Field(
+        default_factory=MediaURLs,
+        description="Where media URLs may point: enforced by the proxy and, where vLLM can, by every engine.",
+    )
 
     def limits(self, model: ModelSpec) -> Limits:
         """The bounds the proxy of ``model``'s units runs with: the fields set, the proxy's own

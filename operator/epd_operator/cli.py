@@ -138,6 +138,7 @@ def _proxy(args: argparse.Namespace) -> None:
         require_weights_version=args.require_weights_version,
         shutdown_timeout_seconds=args.shutdown_timeout_seconds,
         log_level=args.log_level,
+        media=media_policy(args),
     )
 
 
@@ -168,6 +169,7 @@ def _gateway(args: argparse.Namespace) -> None:
         limits=proxy_limits(args),
         shutdown_timeout_seconds=args.shutdown_timeout_seconds,
         log_level=args.log_level,
+        media=media_policy(args),
     )
 
 
@@ -335,6 +337,7 @@ def _add_proxy_parser(sub: Any) -> None:
         help="on SIGTERM, how long requests in flight may take to finish (keep it under the pod's "
         "terminationGracePeriodSeconds)",
     )
+    _add_media(proxy)
     proxy.add_argument(
         "--log-level",
         default="INFO",
@@ -391,6 +394,7 @@ def _add_gateway_parser(sub: Any) -> None:
         help="limit of one forwarded request, streaming included (vllm-router's default)",
     )
     _add_limits(gateway)
+    _add_media(gateway)
     gateway.add_argument(
         "--shutdown-timeout-seconds",
         type=_positive,
@@ -401,6 +405,30 @@ def _add_gateway_parser(sub: Any) -> None:
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="how much it logs"
     )
     gateway.set_defaults(func=_gateway)
+
+
+def _add_media(parser: argparse.ArgumentParser) -> None:
+    """The media URL policy (spec.proxy.media): the proxy's and the gateway's."""
+    parser.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        default=[],
+        type=str.lower,
+        metavar="HOST",
+        help="the only hosts http(s) media may come from, as vLLM's flag of the same name (an exact match of "
+        "the URL's host); listed hosts may be private. Default: any public host",
+    )
+    parser.add_argument(
+        "--media-allow-private-networks",
+        action="store_true",
+        help="let media URLs name loopback, link-local, private and cluster-internal hosts (refused by default)",
+    )
+
+
+def media_policy(args: argparse.Namespace) -> Any:
+    from .proxy.media_urls import MediaURLPolicy
+
+    return MediaURLPolicy(frozenset(args.allowed_media_domains), args.media_allow_private_networks)
 
 
 def _add_limits(proxy: argparse.ArgumentParser) -> None:

@@ -262,6 +262,7 @@ def _model_plan(spec: EPDDeploymentSpec, minor: str, model: ModelSpec, ec_path: 
                 ec_cpu_bytes=cpu_bytes(spec, model, group) if cpu_regions and worker_type.ec_role else None,
                 ec_side_channel_port=slot.ec_side_channel_port,
                 v2_model_runner=cpu_regions and V2_MODEL_RUNNER_ENV in known_env_vars(minor),
+                media=spec.proxy.media,
             )
         )
         args = _apply_overrides(defaults["args"], group.overrides)

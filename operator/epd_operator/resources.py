@@ -420,6 +420,7 @@ def proxy_container(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPla
     timeout = spec.proxy.request_timeout_seconds or spec.router.request_timeout_seconds
     outliers = spec.proxy.outlier_detection
     limits = spec.proxy.limits(spec.model(plan.name))
+    media_args = _media_args(spec)
     tuned: dict[str, object] = {
         "--prime-attempt-timeout-seconds": spec.proxy.prime_attempt_timeout_seconds,
         "--eject-after-failures": outliers.consecutive_failures,
@@ -447,6 +448,7 @@ def proxy_container(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPla
                 if value is not None
                 for a in (flag, f"{value:g}" if isinstance(value, float) else str(value))
             ),
+            *media_args,
             *("--metrics-port", str(PROXY_METRICS_PORT)),
         ],
         "ports": [
@@ -461,6 +463,16 @@ def proxy_container(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPla
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": security_context(spec),
     }
+
+
+def _media_args(spec: api.EPDDeploymentSpec) -> list[str]:
+    """spec.proxy.media as the proxy's and the gateway's flags (the engines get the same allowed
+    domains: engine.yaml.j2)."""
+    media = spec.proxy.media
+    args = [*(("--allowed-media-domains", *media.allowed_domains) if media.allowed_domains else ())]
+    if media.allow_private_networks:
+        args.append("--media-allow-private-networks")
+    return args
 
 
 def _proxy_probes(port: int, probes: api.Probes) -> dict[str, Any]:
@@ -746,6 +758,7 @@ def gateway_deployment(spec: api.EPDDeploymentSpec, deployment: str, plan: Model
             *("--units-service", child_name(deployment, plan.name, "units", limit=63)),
             *("--request-timeout-seconds", str(timeout)),
             *("--max-load-percent", str(gateway.max_load_percent)),
+            *_media_args(spec),
             *(
                 a
                 for flag, value in tuned.items()

@@ -32,6 +32,7 @@ OWNED_ARGS = {
     "served_model_name": "models[].servedModelName",
     "port": "ports.engineBase",
     "tensor_parallel_size": "serverGroups[].numGpusPerEngine",
+    "allowed_media_domains": "proxy.media.allowedDomains",
 }
 
 # Wiring no spec field moves, which the operator sets all the same.
@@ -46,6 +47,14 @@ OWNED_WIRING = {
 OWNED_TRANSFER_KEYS = {
     ("ec_transfer_config", "ec_connector_extra_config", "shared_storage_path"): (
         "ecConnector.storageRoot and .pathPrefix (every model has a store of its own)"
+    ),
+}
+
+# Arguments no EPDDeployment may give an engine, and why.
+REFUSED_ARGS = {
+    "allowed_local_media_path": (
+        "it lets any client that reaches the engine read its files through file: media URLs; media come over "
+        "http(s) or as data: URLs (docs/security.md)"
     ),
 }
 
@@ -297,6 +306,8 @@ def owned_arg_errors(group: ServerGroup, where: str) -> list[str]:
             errors.append(f"{where}.{name}: set by the operator from spec.{OWNED_ARGS[name]}; change that instead")
         elif name in OWNED_WIRING:
             errors.append(f"{where}.{name}: set by the operator ({OWNED_WIRING[name]}): remove it")
+        elif name in REFUSED_ARGS:
+            errors.append(f"{where}.{name}: refused: {REFUSED_ARGS[name]}")
         elif name in SECRET_ARGS:
             errors.append(
                 f"{where}.{name}: a secret must not be an argument (it would show in the pod spec and in logs): "

@@ -387,6 +387,8 @@ def test_a_pod_with_more_gpus_than_the_operator_allows_is_refused():
         ({"host": "0.0.0.0"}, ".host: set by the operator"),
         ({"api_key": "sk-1"}, ".api_key: a secret must not be an argument"),
         ({"hf_token": "hf_x"}, ".hf_token: a secret must not be an argument"),
+        ({"allowed_media_domains": ["a.example"]}, ".allowed_media_domains: set by the operator from spec.proxy.media"),
+        ({"allowed-local-media-path": "/data"}, ".allowed_local_media_path: refused: it lets any client"),
         ({"allowed_origins": ["*", "--port", "9999"]}, ".allowed_origins: '--port' starts with '-'"),
         ({"chat_template": "-x"}, ".chat_template: '-x' starts with '-'"),
         ({"runner": "pooling"}, ".runner: 'pooling' would make a pooling engine"),
@@ -470,3 +472,13 @@ def test_a_weights_version_needs_the_gateway_and_the_gateway_needs_the_proxy():
     with pytest.raises(SpecError) as error:
         validate({**versioned, "gateway": {"enabled": True}})
     assert any("weightsVersion" in m for m in error.value.errors)
+
+
+def test_media_allowed_domains_are_hosts_as_vllm_compares_them():
+    spec = spec_with("encoder", "regular")
+    spec["proxy"] = {"media": {"allowedDomains": ["images.example.com", "10.0.0.5", "xn--bcher-kva.example"]}}
+    assert refusals(spec) == []
+    for bad in ("Images.example.com", "*.example.com", "https://images.example.com", "[::1]", "a..b"):
+        spec["proxy"] = {"media": {"allowedDomains": [bad]}}
+        (message,) = refusals(spec)
+        assert "proxy.media.allowedDomains" in message, message

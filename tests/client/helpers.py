@@ -14,7 +14,8 @@ FAST = RetryPolicy(max_attempts=4, backoff=0.01, max_backoff=0.05, attempt_timeo
 
 def image_messages(count: int) -> list[dict[str, Any]]:
     """A system text, then ``count`` images spread over two user messages, with parts the
-    client must ignore (text, embeddings given inline, media without a string URL)."""
+    client must ignore (text, embeddings given inline, typed media whose URL is not a string,
+    which vLLM refuses)."""
     images = [{"type": "image_url", "image_url": {"url": f"https://images.test/{i}.png"}} for i in range(count)]
     half = count // 2
     return [
@@ -26,7 +27,7 @@ def image_messages(count: int) -> list[dict[str, Any]]:
                 {"type": "image_embeds", "image_embeds": "AAAA"},
                 {"type": "image_url", "image_url": {"url": None}},
                 {"type": "video_url", "video_url": {"url": 7}},
-                {"type": "input_audio", "input_audio": {"data": "AAAA"}},
+                {"type": "prompt_embeds", "data": "AAAA"},
                 *images[half:],
             ],
         },

@@ -9,7 +9,7 @@ from types import MappingProxyType
 
 import pytest
 
-from epd_client import Endpoints, EPDClient, ModelEndpoints, Unit, prime_encoder
+from epd_client import Endpoints, EPDClient, MediaPartError, ModelEndpoints, Unit, prime_encoder
 
 from .helpers import FAST
 
@@ -147,3 +147,26 @@ async def test_read_only_parts_cannot_take_a_key(server) -> None:
         await prime_encoder(
             Endpoints.from_urls([server().url]), [{"role": "user", "content": [part]}], weights_version="v1"
         )
+
+
+async def test_primes_carry_the_fields_vllm_keys_embeddings_by(make_unit) -> None:
+    """vLLM keys an item's embedding by the request's mm_processor_kwargs and media_io_kwargs
+    too: a prime without them would store it under a key the render does not look up."""
+    unit = make_unit("a", encoders=1)
+    fields = {"mm_processor_kwargs": {"max_pixels": 1024}, "media_io_kwargs": {"image": {"image_mode": "L"}}}
+    async with EPDClient(endpoints_of(unit), retry=FAST) as client:
+        await client.generate({**request("https://i.test/x.png"), **fields, "max_tokens": 3})
+    (prime,) = [r for e in unit.encoders for r in e.requests("/v1/chat/completions")]
+    assert {k: prime.body.get(k) for k in fields} == fields
+    assert prime.body["max_tokens"] == 1  # the prime's own fields, not the request's
+
+
+async def test_a_part_that_reads_otherwise_once_keyed_is_refused(server) -> None:
+    """With a uuid vLLM reads a part by the first media key it holds, not by its type: keying
+    this part would make the consumer read another item than the one primed."""
+    encoder = server()
+    args = argparse.Namespace(vllm_model_encoder_endpoints={"actor": ("m", [encoder.url])})
+    part = {"type": "video_url", "video_url": {"url": "https://i.test/v.mp4"}, "image_url": {"url": "https://i.test/x"}}
+    with pytest.raises(MediaPartError, match="several media fields"):
+        await prime_encoder(args, [{"role": "user", "content": [part]}], weights_version="v1")
+    assert encoder.records == [] and "uuid" not in part

@@ -11,6 +11,7 @@ import pytest
 from epd_client import (
     Endpoints,
     EPDClient,
+    MediaPartError,
     ModelEndpoints,
     PrimeError,
     RetryPolicy,
@@ -100,6 +101,35 @@ async def test_vime_args_object_works_unchanged(server) -> None:
     await prime_encoder(args, image_messages(4), model_name="actor")
     assert [len(image_urls(e)) for e in encoders] == [2, 2]
     assert {r.body["model"] for e in encoders for r in e.records} == {"Qwen/Qwen2-VL"}
+
+
+async def test_vime_args_prime_every_part_vllm_reads_as_media(server) -> None:
+    """Vime primes typed image_url parts only; vLLM also loads an image spelled without a type,
+    so a consumer would encode it: it is primed too, as a typed part vLLM reads as the same."""
+    encoder = server()
+    args = argparse.Namespace(vllm_model_encoder_endpoints={"actor": ("m", [encoder.url])})
+    typed = {"type": "image_url", "image_url": {"url": "https://images.test/0.png"}}
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "compare"}, typed, {"image_url": "https://images.test/1.png"}],
+        }
+    ]
+    await prime_encoder(args, messages, model_name="actor")
+    assert sorted(r.body["messages"][0]["content"][0]["image_url"]["url"] for r in encoder.records) == [
+        "https://images.test/0.png",
+        "https://images.test/1.png",
+    ]
+    assert [typed] in [r.body["messages"][0]["content"] for r in encoder.records]  # Vime's body, part as given
+
+
+async def test_a_reference_without_data_is_refused_before_any_prime(server) -> None:
+    encoder = server()
+    args = argparse.Namespace(vllm_model_encoder_endpoints={"actor": ("m", [encoder.url])})
+    messages = image_messages(2) + [{"role": "user", "content": [{"image_url": None, "uuid": "seen-before"}]}]
+    with pytest.raises(MediaPartError, match=r"messages\[3\]\.content\[0\]: this image part has no data"):
+        await prime_encoder(args, messages, model_name="actor")
+    assert encoder.records == []
 
 
 @pytest.mark.parametrize("status", [500, 502, 503, 408, 429])
@@ -247,8 +277,10 @@ async def test_cancelling_a_prime_leaves_no_tasks_or_requests(server) -> None:
 def test_sync_wrapper(server) -> None:
     encoder = server()
     args = argparse.Namespace(vllm_model_encoder_endpoints={"default": ("m", [encoder.url])})
-    prime_encoder_sync(args, image_messages(3))
+    prime_encoder_sync(args, image_messages(3), extra_body={"mm_processor_kwargs": {"max_pixels": 1024}})
     assert len(encoder.records) == 3
+    # The fields vLLM keys an embedding by, as the render will carry them (Vime's own calls pass none).
+    assert {r.body["mm_processor_kwargs"]["max_pixels"] for r in encoder.records} == {1024}
 
 
 async def test_sync_wrapper_refuses_a_running_loop(server) -> None:

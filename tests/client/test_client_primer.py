@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from epd_client import MediaItem, PrimeError, Primer, media_items
+from epd_client import MediaItem, MediaPartError, PrimeError, Primer, media_items, prime_body
 from epd_dev.standins.fault_proxy import cut_off, delay, http_status, reset
 
 from .helpers import FAST
@@ -17,12 +17,110 @@ def test_media_items_say_where_each_part_is() -> None:
         {"role": "system", "content": "be brief"},
         "not a message",  # what a malformed Responses input may hold: skipped, not an error
         {"role": "user", "content": [{"type": "text", "text": "look"}, image]},
-        {"type": "message", "role": "user", "content": [responses_image, {"type": "input_image", "image_url": None}]},
+        {
+            "type": "message",
+            "role": "user",
+            "content": [responses_image, {"type": "image_embeds", "image_embeds": "A"}],
+        },
     ]
     assert media_items(conversation) == [  # type: ignore[arg-type]
         MediaItem(image, "image_url", "https://i.test/a.png", message=2, position=1),
         MediaItem(responses_image, "input_image", "https://i.test/b.png", message=3, position=0),
     ]
+
+
+@pytest.mark.parametrize(
+    ("part", "kind", "source", "primed"),
+    [
+        # Untyped: vLLM reads the media key.
+        (
+            {"image_url": "https://i.test/a"},
+            "image_url",
+            "https://i.test/a",
+            {"type": "image_url", "image_url": {"url": "https://i.test/a"}},
+        ),
+        (
+            {"video_url": "https://i.test/v"},
+            "video_url",
+            "https://i.test/v",
+            {"type": "video_url", "video_url": {"url": "https://i.test/v"}},
+        ),
+        # With a uuid, vLLM reads the first media key in its order, whatever the type says.
+        (
+            {"type": "text", "text": "x", "uuid": "k", "audio_url": {"url": "https://i.test/s"}},
+            "audio_url",
+            "https://i.test/s",
+            {"type": "audio_url", "audio_url": {"url": "https://i.test/s"}, "uuid": "k"},
+        ),
+        (
+            {
+                "type": "video_url",
+                "video_url": {"url": "https://i.test/v"},
+                "image_url": {"url": "https://i.test/i"},
+                "uuid": "k",
+            },
+            "image_url",
+            "https://i.test/i",
+            {"type": "image_url", "image_url": {"url": "https://i.test/i"}, "uuid": "k"},
+        ),
+        # Without one, the type decides, and Vime's prime carries the part as it is.
+        (
+            {"type": "video_url", "video_url": {"url": "https://i.test/v"}, "image_url": {"url": "https://i.test/i"}},
+            "video_url",
+            "https://i.test/v",
+            None,
+        ),
+        (
+            {"type": "image_url", "image_url": {"url": "https://i.test/a", "detail": "low"}, "uuid": "k"},
+            "image_url",
+            "https://i.test/a",
+            None,
+        ),
+        # vLLM builds a data URL of input_audio, format or not.
+        (
+            {"type": "input_audio", "input_audio": {"data": "AAAA"}},
+            "input_audio",
+            "data:audio/;base64,AAAA",
+            {"type": "audio_url", "audio_url": {"url": "data:audio/;base64,AAAA"}},
+        ),
+    ],
+)
+def test_media_parts_are_read_as_vllm_reads_them(part, kind, source, primed) -> None:
+    (item,) = media_items([{"role": "user", "content": [{"type": "text", "text": "look"}, part]}])
+    assert (item.kind, item.source, item.position) == (kind, source, 1)
+    assert prime_body(item, "m")["messages"] == [{"role": "user", "content": [primed or part]}]
+
+
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"type": "image_url", "image_url": {"url": 7}},  # vLLM refuses the request itself
+        {"type": "image_url", "image_url": "https://i.test/a"},  # a typed url must be an object: refused too
+        {"type": "image_embeds", "image_embeds": "AAAA"},  # embeddings: no encoder runs on them
+        {"type": "prompt_embeds", "data": "AAAA"},
+        {"type": "bogus", "image_url": {"url": "https://i.test/a"}},  # an unknown type: refused by vLLM
+        {"type": "text", "text": "x", "image_url": {"url": "https://i.test/a"}},  # no uuid: read as text
+    ],
+)
+def test_parts_vllm_loads_no_media_from_are_not_items(part) -> None:
+    assert media_items([{"role": "user", "content": [part]}]) == []
+
+
+@pytest.mark.parametrize(
+    ("part", "reason"),
+    [
+        ({"image_url": None, "uuid": "k"}, "no data"),  # a reference to what vLLM processed before
+        ({"type": "image_url", "image_url": {"url": ""}}, "no data"),
+        ({"type": "input_image", "file_id": "file-1", "detail": "auto"}, "no data"),
+        ({"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}, "no data"),
+        ({"image_pil": None, "uuid": "k"}, "image_pil"),
+    ],
+)
+def test_media_no_prime_can_stand_for_are_refused(part, reason) -> None:
+    with pytest.raises(MediaPartError, match=reason) as caught:
+        media_items([{"role": "user", "content": "hi"}, {"role": "user", "content": ["x", part]}])
+    assert (caught.value.message, caught.value.position) == (1, 1)
+    assert str(caught.value).startswith("messages[1].content[1]: ")
 
 
 def parts(count: int) -> list[MediaItem]:

@@ -6,6 +6,7 @@ Nothing is skipped: a missing image or node fails with the command that provides
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -43,14 +44,33 @@ def node_images(real_node, node_images_imported) -> None:
     builder.import_cached(real_node)  # nothing left to do, unless one was built meanwhile
 
 
+# A container's securityContext that Pod Security "restricted" admits (the tests' own pods).
+RESTRICTED_CONTAINER = {
+    "runAsNonRoot": True,
+    "runAsUser": 65532,
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+
+
+@contextlib.contextmanager
+def restricted_namespace(cluster, prefix: str) -> Iterator[str]:
+    """A fresh namespace enforcing Pod Security "restricted", deleted afterwards."""
+    name = f"{prefix}-{uuid.uuid4().hex[:5]}"
+    cluster.kubectl("create", "namespace", name)
+    cluster.kubectl("label", "namespace", name, "pod-security.kubernetes.io/enforce=restricted")
+    try:
+        yield name
+    finally:
+        cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
 @pytest.fixture(scope="session")
 def node_namespace(cluster) -> Iterator[str]:
     """One namespace for every node test: the operator and the units, under restricted."""
-    name = f"epd-node-{uuid.uuid4().hex[:5]}"
-    cluster.kubectl("create", "namespace", name)
-    cluster.kubectl("label", "namespace", name, "pod-security.kubernetes.io/enforce=restricted")
-    yield name
-    cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+    with restricted_namespace(cluster, "epd-node") as name:
+        yield name
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,7 @@ from epd_dev.localcluster import dns, node
 from epd_dev.localcluster.cluster import CLUSTER_DNS_IP
 from epd_dev.operator_process import OperatorProcess, wait_for
 from epd_dev.vllm.real_node import node_manifest
-from tests.node.conftest import get
+from tests.node.conftest import RESTRICTED_CONTAINER, get, restricted_namespace
 
 pytestmark = [pytest.mark.node, pytest.mark.cluster]
 
@@ -41,22 +41,12 @@ for name in sys.argv[1:]:
         found[name] = f"error: {error}"
 print(json.dumps(found))
 """
-RESTRICTED = {
-    "runAsNonRoot": True,
-    "runAsUser": 65532,
-    "allowPrivilegeEscalation": False,
-    "capabilities": {"drop": ["ALL"]},
-    "seccompProfile": {"type": "RuntimeDefault"},
-}
 
 
 @pytest.fixture(scope="module")
-def restricted_namespace(cluster) -> Iterator[str]:
-    name = f"epd-dns-{uuid.uuid4().hex[:5]}"
-    cluster.kubectl("create", "namespace", name)
-    cluster.kubectl("label", "namespace", name, "pod-security.kubernetes.io/enforce=restricted")
-    yield name
-    cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+def dns_namespace(cluster) -> Iterator[str]:
+    with restricted_namespace(cluster, "epd-dns") as name:
+        yield name
 
 
 def resolved_in_a_pod(cluster, namespace: str, names: list[str]) -> dict[str, str]:
@@ -72,7 +62,7 @@ def resolved_in_a_pod(cluster, namespace: str, names: list[str]) -> dict[str, st
                     "name": pod,
                     "image": recipes.OPERATOR_REF,
                     "command": ["python3", "-c", RESOLVE, *names],
-                    "securityContext": RESTRICTED,
+                    "securityContext": RESTRICTED_CONTAINER,
                 }
             ],
         },
@@ -101,9 +91,9 @@ def test_coredns_runs_as_the_clusters_dns_on_the_real_node(cluster, real_node):
     assert (kubelet["clusterDNS"], kubelet["clusterDomain"]) == ([CLUSTER_DNS_IP], dns.DOMAIN)
 
 
-def test_a_restricted_pod_resolves_the_clusters_names_and_nothing_outside(cluster, node_images, restricted_namespace):
-    missing = ["no-such-service", f"no-such-service.{restricted_namespace}.svc", "pypi.org"]
-    found = resolved_in_a_pod(cluster, restricted_namespace, [*NAMES, *missing])
+def test_a_restricted_pod_resolves_the_clusters_names_and_nothing_outside(cluster, node_images, dns_namespace):
+    missing = ["no-such-service", f"no-such-service.{dns_namespace}.svc", "pypi.org"]
+    found = resolved_in_a_pod(cluster, dns_namespace, [*NAMES, *missing])
     assert {name: found[name] for name in NAMES} == NAMES
     # "No such name" (EAI_NONAME), as a real cluster answers, never "try again": a resolver that
     # searched a short name's domains and met a SERVFAIL would say that. Nothing leaves the
@@ -113,7 +103,7 @@ def test_a_restricted_pod_resolves_the_clusters_names_and_nothing_outside(cluste
 
 
 @pytest.fixture(scope="module")
-def default_install(cluster, node_images, restricted_namespace) -> Iterator[dict[str, Any]]:
+def default_install(cluster, node_images, dns_namespace) -> Iterator[dict[str, Any]]:
     """The chart with only the values a user gives on this cluster: image, node selector,
     toleration. It then watches every namespace, so the session's other operators are paused
     meanwhile (two operators would reconcile the same objects)."""
@@ -130,9 +120,9 @@ def default_install(cluster, node_images, restricted_namespace) -> Iterator[dict
     given = operator_chart.values()
     assert set(given) == {"image.repository", "image.tag", "nodeSelector", "tolerations"}
     try:
-        yield operator_chart.install(cluster, restricted_namespace, given)
+        yield operator_chart.install(cluster, dns_namespace, given)
     finally:
-        operator_chart.uninstall(cluster, restricted_namespace)
+        operator_chart.uninstall(cluster, dns_namespace)
         for deployment in others:
             meta = deployment["metadata"]
             cluster.kubectl("scale", "deployment", meta["name"], "-n", meta["namespace"], f"--replicas={deployment['spec']['replicas']}")  # fmt: skip
@@ -141,13 +131,13 @@ def default_install(cluster, node_images, restricted_namespace) -> Iterator[dict
 
 
 def test_the_chart_installed_with_only_image_node_selector_and_toleration_is_ready_and_reconciles(
-    cluster, default_install, restricted_namespace, tiny_model_claim, node_namespace
+    cluster, default_install, dns_namespace, tiny_model_claim, node_namespace
 ):
     pod = default_install
     assert pod["spec"]["nodeName"] == node.NAME
     assert not pod["spec"].get("hostAliases")
     cluster.kubectl(
-        "wait", "--for=condition=Ready", f"pod/{pod['metadata']['name']}", "-n", restricted_namespace, "--timeout=120s",
+        "wait", "--for=condition=Ready", f"pod/{pod['metadata']['name']}", "-n", dns_namespace, "--timeout=120s",
         timeout=150,
     )  # fmt: skip
     # kopf logged in at https://kubernetes.default.svc, a name only the cluster's DNS answers.
@@ -165,7 +155,7 @@ def test_the_chart_installed_with_only_image_node_selector_and_toleration_is_rea
 
         status = wait_for(reconciled, 120, "the default install's operator to write the EPDDeployment's status")
         assert {c["type"] for c in status["conditions"]} >= {"Ready", "Progressing"}
-        logs = cluster.kubectl("logs", pod["metadata"]["name"], "-n", restricted_namespace).stdout
+        logs = cluster.kubectl("logs", pod["metadata"]["name"], "-n", dns_namespace).stdout
         assert "ClientConnectorDNSError" not in logs and "Temporary failure in name resolution" not in logs
     finally:
         cluster.kubectl("delete", "epd", "dns-check", "-n", node_namespace, "--wait=false", check=False)

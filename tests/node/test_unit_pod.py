@@ -45,6 +45,7 @@ from epd_operator.ec.janitor import GRACE_SECONDS
 from epd_operator.ec.quantity import parse_quantity
 from epd_operator.resources import UNIT_UID
 from tests.node.conftest import (
+    RESTRICTED_CONTAINER,
     Deployed,
     chat_request,
     container_spec,
@@ -457,13 +458,6 @@ def reachable_from(cluster, namespace: str, targets: list[str]) -> dict[str, boo
     """Which `targets` a pod of `namespace` on the real node can connect to (a restricted pod of
     the operator's image, which has python3)."""
     name = f"probe-{uuid.uuid4().hex[:6]}"
-    restricted = {
-        "runAsNonRoot": True,
-        "runAsUser": 65532,
-        "allowPrivilegeEscalation": False,
-        "capabilities": {"drop": ["ALL"]},
-        "seccompProfile": {"type": "RuntimeDefault"},
-    }
     pod = {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -478,7 +472,7 @@ def reachable_from(cluster, namespace: str, targets: list[str]) -> dict[str, boo
                     "image": recipes.OPERATOR_REF,
                     "imagePullPolicy": "Never",
                     "command": ["python3", "-c", CONNECT, *targets],
-                    "securityContext": restricted,
+                    "securityContext": RESTRICTED_CONTAINER,
                     "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "64Mi"}},
                 }
             ],

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import yaml
 
+from epd_operator.cli import build_parser
 from epd_operator.render import render
 from epd_operator.resources import (
     ENGINE_LIVENESS_SOURCE,
@@ -576,3 +577,33 @@ def test_a_units_proxy_looks_in_its_ec_store_which_it_mounts_and_a_pools_proxy_h
     for child in pools:
         for container in child["spec"]["template"]["spec"]["containers"]:
             assert "--ec-store" not in container.get("args", [])
+
+
+def test_the_media_url_policy_reaches_every_engine_and_the_proxy():
+    default = unit_pod()
+    listed = unit_pod(proxy={"media": {"allowedDomains": ["images.example.com", "10.0.0.5"], "allowRedirects": True}})
+    private = unit_pod(proxy={"media": {"allowPrivateNetworks": True}})
+
+    def engines(pod: dict) -> list[dict]:
+        return [c for c in containers(pod) if c["name"] not in ("router", "proxy", "janitor")]
+
+    def proxy_args(pod: dict) -> list[str]:
+        return next(c for c in pod["containers"] if c["name"] == "proxy")["args"]
+
+    for engine in engines(default):
+        assert {"name": "VLLM_MEDIA_URL_ALLOW_REDIRECTS", "value": "0"} in engine["env"]  # no redirect is followed
+        assert not any(a.startswith(("--allowed-media-domains", "--allowed-local-media-path")) for a in engine["args"])
+    for engine in engines(listed):
+        at = engine["args"].index("--allowed-media-domains")
+        assert engine["args"][at + 1 : at + 3] == ["images.example.com", "10.0.0.5"]
+        assert "VLLM_MEDIA_URL_ALLOW_REDIRECTS" not in str(engine["env"])
+    assert not any(a.startswith("--allowed-media") or "private" in a for a in proxy_args(default))
+    at = proxy_args(listed).index("--allowed-media-domains")
+    assert proxy_args(listed)[at + 1 : at + 3] == ["images.example.com", "10.0.0.5"]
+    assert "--media-allow-private-networks" in proxy_args(private)
+    # The proxy reads what it is given: its own parser takes the rendered arguments.
+    args = build_parser().parse_args(["proxy", *proxy_args(listed)])
+    assert (args.allowed_media_domains, args.media_allow_private_networks) == (
+        ["images.example.com", "10.0.0.5"],
+        False,
+    )

@@ -25,6 +25,14 @@ from epd_operator.proxy_limits import Limits
 
 # Quick retries so failure paths take milliseconds.
 FAST = RetryPolicy(max_attempts=3, backoff=0.01, max_backoff=0.05, attempt_timeout=5, deadline=10)
+# A public address (example.com's), never connected to: the tests' media hosts (images.test, ...)
+# are in no DNS here, and the stand-in encoders fetch nothing.
+PUBLIC = "93.184.216.34"
+
+
+async def public_media_hosts(host: str) -> list[str]:
+    """A stand-in for DNS, for the proxy's media URL check: every name is a public host."""
+    return [PUBLIC]
 
 
 @dataclass
@@ -78,7 +86,8 @@ def faulty(stack: ExitStack) -> Callable[[str], FaultProxy]:
 @pytest.fixture
 async def start_proxy() -> AsyncIterator[Callable[..., Any]]:
     """``await start_proxy(upstream_url, encoder_urls, **config)``: a proxy serving on free ports
-    (``config``: ProxyConfig's fields and Limits' fields)."""
+    (``config``: ProxyConfig's fields and Limits' fields; ``media_resolve``: what media URLs' hosts
+    resolve to, by default public addresses)."""
     async with contextlib.AsyncExitStack() as stack:
 
         async def start(
@@ -87,6 +96,7 @@ async def start_proxy() -> AsyncIterator[Callable[..., Any]]:
             *,
             dns: str | None = None,
             resolve: Resolve = resolve_addresses,
+            media_resolve: Resolve = public_media_hosts,
             retry: RetryPolicy = FAST,
             **config: Any,
         ) -> RunningProxy:
@@ -96,7 +106,7 @@ async def start_proxy() -> AsyncIterator[Callable[..., Any]]:
             found = Encoders(metrics, encoders, target, refresh_seconds=0.05, resolve=resolve)
             primer = await stack.enter_async_context(Primer(retry=retry))
             proxy = await stack.enter_async_context(
-                Proxy(ProxyConfig(upstream, limits=limits, **config), found, primer, metrics)
+                Proxy(ProxyConfig(upstream, limits=limits, **config), found, primer, metrics, media_resolve)
             )
             stop, ready = asyncio.Event(), asyncio.get_running_loop().create_future()
             task = asyncio.create_task(
@@ -127,7 +137,7 @@ def keyed(value: Any, version: str = "") -> Any:
     if isinstance(value, list):  # a message list
         write_keys(media_items(value), version)
         return value
-    for field in ("messages", "input", "previous_input_messages"):
+    for field in ("messages", "input"):  # previous_input_messages: gpt-oss's only, never primed
         found = value.get(field) if isinstance(value, dict) else None
         if isinstance(found, list):
             conversations = found if found and all(isinstance(c, list) for c in found) else [found]
@@ -155,6 +165,7 @@ async def start_gateway() -> AsyncIterator[Callable[..., Any]]:
                     Encoders(metrics),
                     primer,
                     metrics,
+                    public_media_hosts,
                     units=view,
                 )
             )

@@ -56,17 +56,53 @@ def test_a_chat_plan_locates_each_media_part():
     ]
 
 
-def test_a_responses_plan_reads_previous_messages_then_input():
-    before = {"type": "image_url", "image_url": {"url": "https://i.test/a.png"}}
+def test_a_responses_plan_reads_the_input_as_vllm_makes_messages_of_it():
     now = {"type": "input_image", "image_url": "https://i.test/b.png"}
+    seen = {"type": "input_image", "image_url": "https://i.test/c.png", "detail": "low"}
     body = {
-        "input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "x"}, now]}],
-        "previous_input_messages": [{"role": "user", "content": [before]}],
+        "input": [
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "x"}, now]},
+            {"role": "assistant", "content": [{"type": "output_text", "text": "a"}, seen]},  # vLLM keeps its text
+            {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "y"}, seen]},
+        ],
+        # Read for gpt-oss only, which takes no media.
+        "previous_input_messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
     }
     found = core.plan("responses", raw(body))
-    assert [p.param for p in found.parts] == ["previous_input_messages[0].content[0]", "input[0].content[1]"]
+    assert [p.param for p in found.parts] == ["input[0].content[1]", "input[2].output[1]"]
+    # vLLM gives an input_image without detail "auto": the prime says so, or the encoder refuses it.
+    assert [p.item.part for p in found.parts] == [{**now, "detail": "auto"}, seen]
     assert found.model is None  # vLLM's default model, for the primes too
     assert core.plan("responses", raw({"model": "m", "input": "text only"})).parts == ()
+
+
+def test_untyped_and_keyed_parts_are_primed_and_references_refused():
+    untyped = {"image_url": "https://i.test/a.png"}
+    keyed = {"type": "text", "text": "x", "uuid": "k", "video_url": {"url": "https://i.test/v.mp4"}}
+    body = {"messages": [{"role": "system", "content": [untyped]}, {"role": "user", "content": ["hi", keyed]}]}
+    found = core.plan("chat_completions", raw(body))
+    assert [(p.item.kind, p.item.source, p.param) for p in found.parts] == [
+        ("image_url", "https://i.test/a.png", "messages[0].content[0]"),
+        ("video_url", "https://i.test/v.mp4", "messages[1].content[1]"),
+    ]
+    reference = {"messages": [{"role": "user", "content": ["hi", {"image_url": None, "uuid": "k"}]}]}
+    with pytest.raises(BadRequest, match="no data") as caught:
+        core.plan("chat_completions", raw(reference))
+    assert caught.value.param == "messages[0].content[1]"
+    with pytest.raises(BadRequest, match="image_pil") as caught:
+        core.plan("responses", raw({"input": [{"role": "user", "content": [{"image_pil": None, "uuid": "k"}]}]}))
+    assert caught.value.param == "input[0].content[0]"
+
+
+def test_primes_carry_the_fields_vllm_hashes_media_with():
+    fields = {"mm_processor_kwargs": {"max_pixels": 1024}, "media_io_kwargs": {"video": {"num_frames": 8}}}
+    body = {"messages": [{"role": "user", "content": [{"image_url": "https://i.test/a.png"}]}], **fields}
+    assert core.plan("chat_completions", raw(body)).prime_fields == fields
+    assert core.plan("chat_completions", raw({**body, "mm_processor_kwargs": None})).prime_fields == {
+        "media_io_kwargs": fields["media_io_kwargs"]
+    }
+    anthropic = {"messages": [{"role": "user", "content": "hi"}], **fields}
+    assert core.plan("messages", raw(anthropic)).prime_fields == {}  # vLLM's Anthropic requests have neither
 
 
 IMAGE = {"type": "image_url", "image_url": {"url": "https://i.test/a.png"}}
@@ -84,6 +120,11 @@ def test_invocations_with_messages_are_chat_completions_and_others_pass():
     assert [p.param for p in core.plan("invocations", raw(chat)).parts] == ["messages[0].content[0]"]
     assert core.plan("invocations", raw({"prompt": "a completion"})).parts == ()
     assert core.plan("cohere_chat", raw(chat)).parts == core.plan("chat_completions", raw(chat)).parts
+    # Cohere: only a user message's image_url blocks, as vLLM converts them (url and detail).
+    cohere = {"messages": [{"role": "assistant", "content": [IMAGE]}, {"role": "user", "content": [{**IMAGE, "x": 1}]}]}
+    assert [(p.item.part, p.param) for p in core.plan("cohere_chat", raw(cohere)).parts] == [
+        (IMAGE, "messages[1].content[0]")
+    ]
 
 
 def test_an_anthropic_plan_primes_image_blocks_as_vllm_converts_them():
@@ -139,7 +180,6 @@ def test_structured_decisions_without_media_pass():
         ("chat_completions", b'"a string"', None),
         ("chat_completions", raw({"messages": {"role": "user"}}), "messages"),
         ("responses", raw({"input": 3}), "input"),
-        ("responses", raw({"input": "x", "previous_input_messages": {}}), "previous_input_messages"),
         ("messages", raw({"messages": "hi"}), "messages"),
         ("chat_completions_batch", raw({"messages": [[], {"role": "user"}]}), "messages[1]"),
         ("structured_decisions", raw({"state": "s", "questions": {}, "images": ["https://i.test/a.png"]}), "images"),
@@ -258,12 +298,12 @@ def test_no_encoder_is_a_503_naming_the_first_part():
     assert core.error_body(found)["error"]["type"] == "ServiceUnavailableError"
 
 
-def test_the_clients_own_transfer_params_win():
-    body = {"messages": [], "ec_transfer_params": {"h1": "client"}}
-    assert core.with_transfer_params(body, {"h1": "encoder", "h2": "encoder"})["ec_transfer_params"] == {
-        "h1": "client",
-        "h2": "encoder",
-    }
+@pytest.mark.parametrize("route", ["chat_completions", "responses", "messages", "chat_completions_batch"])
+def test_a_clients_own_transfer_params_are_refused(route):
+    body = {"messages": [], "input": "x", "ec_transfer_params": {"h1": {"peer_host": "10.0.0.9", "peer_port": 1}}}
+    with pytest.raises(BadRequest, match="EPD proxy's to set") as caught:
+        core.plan(route, raw(body))
+    assert caught.value.param == "ec_transfer_params"
     assert core.with_transfer_params({"messages": []}, {"h": 1}) == {"messages": [], "ec_transfer_params": {"h": 1}}
 
 

@@ -97,3 +97,28 @@ async def test_a_failed_prime_is_an_api_error_naming_the_part(server, faulty, st
     assert caught.value.status_code == 502
     assert "messages[0].content[1]" in caught.value.message and IMAGE in caught.value.message
     assert upstream.records == []
+
+
+async def test_an_image_without_a_type_is_primed_too(unit):
+    """vLLM loads ``{"image_url": "<url>"}`` as an image: unprimed, the consumer would encode it."""
+    encoder, upstream, proxy = unit
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, {"image_url": IMAGE}]}]
+    async with openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="sk-test", max_retries=0) as client:
+        await client.chat.completions.create(model="served", messages=messages)  # type: ignore[arg-type]
+    (prime,) = encoder.records
+    # Primed as the typed part vLLM reads it as, under the key the forwarded part carries.
+    forwarded = upstream.records[0].body["messages"]
+    assert forwarded == keyed(messages)
+    key = forwarded[0]["content"][1]["uuid"]
+    assert prime.body["messages"][0]["content"] == [{"type": "image_url", "image_url": {"url": IMAGE}, "uuid": key}]
+
+
+async def test_a_media_reference_without_data_is_a_400_naming_the_part(unit):
+    encoder, upstream, proxy = unit
+    messages = [{"role": "user", "content": [{"type": "text", "text": "again?"}, {"image_url": None, "uuid": "seen"}]}]
+    async with openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="sk-test", max_retries=0) as client:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(model="served", messages=messages)  # type: ignore[arg-type]
+    assert caught.value.body["param"] == "messages[0].content[1]"  # type: ignore[index]
+    assert "no data" in caught.value.message
+    assert encoder.records == [] and upstream.records == []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import urllib.error
 import urllib.request
 
 import pytest
@@ -12,6 +13,10 @@ import pytest
 from epd_dev.proxy_process import ProxyProcess
 from epd_operator.cli import build_parser
 from epd_operator.proxy.encoders import Ejection
+
+# Media on a public address, which the proxy's media URL check lets through without asking DNS
+# (the stand-in encoders fetch nothing).
+MEDIA = "https://93.184.216.34/x.png"
 
 
 def test_flags_and_their_defaults():
@@ -30,6 +35,7 @@ def test_flags_and_their_defaults():
         ["proxy", "--upstream", "u", "--encoders-dns", "pool.ns.svc:8100,8101", "--max-request-bytes", "1.5Mi"]
     )
     assert (args.encoders_dns, args.max_request_bytes) == ("pool.ns.svc:8100,8101", 1572864)
+    assert (args.allowed_media_domains, args.media_allow_private_networks) == ([], False)  # any public host
 
 
 @pytest.mark.parametrize(
@@ -54,7 +60,7 @@ def test_the_process_primes_serves_and_drains_on_sigterm(server, tmp_path):
     encoder, upstream = server(), server(delay=1.0)
     request = {
         "model": "m",
-        "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://i.test/x"}}]}],
+        "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": MEDIA}}]}],
     }
     with ProxyProcess(upstream.url, [encoder.url], tmp_path, args=["--prime-max-attempts", "2"]) as proxy:
         answers = []
@@ -79,8 +85,11 @@ def test_the_process_primes_serves_and_drains_on_sigterm(server, tmp_path):
 
 def test_a_hung_encoder_costs_one_prime_attempt_and_the_retry_reaches_the_next_encoder(server, tmp_path):
     hung, healthy, upstream = server(delay=60.0), server(), server()
-    image = {"type": "image_url", "image_url": {"url": "https://i.test/x"}}
-    request = {"model": "m", "messages": [{"role": "user", "content": [image, image | {"image_url": {"url": "y"}}]}]}
+    image = {"type": "image_url", "image_url": {"url": MEDIA}}
+    request = {
+        "model": "m",
+        "messages": [{"role": "user", "content": [image, image | {"image_url": {"url": MEDIA + "?2"}}]}],
+    }
     attempts = ["--prime-attempt-timeout-seconds", "0.5", "--prime-timeout-seconds", "60"]
     with ProxyProcess(upstream.url, [hung.url, healthy.url], tmp_path, args=attempts) as proxy:
         post = urllib.request.Request(proxy.url + "/v1/chat/completions", data=json.dumps(request).encode())
@@ -92,7 +101,7 @@ def test_a_hung_encoder_costs_one_prime_attempt_and_the_retry_reaches_the_next_e
 
 def test_an_encoder_failing_in_a_row_is_left_out_of_the_next_primes(server, tmp_path):
     hung, healthy, upstream = server(delay=60.0), server(), server()
-    image = {"type": "image_url", "image_url": {"url": "https://i.test/x"}}
+    image = {"type": "image_url", "image_url": {"url": MEDIA}}
     request = json.dumps({"model": "m", "messages": [{"role": "user", "content": [image]}]}).encode()
     flags = ["--prime-attempt-timeout-seconds", "0.5", "--eject-after-failures", "1", "--ejection-base-seconds", "60"]
     with ProxyProcess(upstream.url, [hung.url, healthy.url], tmp_path, args=flags) as proxy:
@@ -105,3 +114,29 @@ def test_an_encoder_failing_in_a_row_is_left_out_of_the_next_primes(server, tmp_
     assert "epd_proxy_encoder_ejections_total 1.0" in metrics
     assert "epd_proxy_encoders_ejected 1.0" in metrics
     assert f"encoder {hung.url} left out for 60 s" in proxy.tail()
+
+
+def test_media_urls_the_flags_refuse_are_a_400_and_nothing_is_primed(server, tmp_path):
+    encoder, upstream = server(), server()
+    flags = ["--allowed-media-domains", "Images.Example.com", "cdn.example.com"]
+    refused = {"type": "image_url", "image_url": {"url": MEDIA}}
+    allowed = {"type": "image_url", "image_url": {"url": "https://images.example.com/a.png"}}
+    answers = []
+    with ProxyProcess(upstream.url, [encoder.url], tmp_path, args=flags) as proxy:
+        for part in (refused, allowed):
+            body = json.dumps({"model": "m", "messages": [{"role": "user", "content": ["hi", part]}]}).encode()
+            post = urllib.request.Request(proxy.url + "/v1/chat/completions", data=body)
+            try:
+                with urllib.request.urlopen(post, timeout=30) as response:
+                    answers.append((response.status, json.load(response)))
+            except urllib.error.HTTPError as error:
+                answers.append((error.code, json.load(error)))
+    (status, refusal), (ok, answer) = answers
+    assert (status, refusal["error"]["param"], ok, answer["object"]) == (
+        400,
+        "messages[0].content[1]",
+        200,
+        "chat.completion",
+    )
+    assert "spec.proxy.media.allowedDomains (cdn.example.com, images.example.com)" in refusal["error"]["message"]
+    assert len(encoder.records) == len(upstream.records) == 1  # only the allowed part was primed and sent on

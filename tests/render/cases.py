@@ -81,6 +81,7 @@ CASES: dict[str, dict[str, Any]] = {
     },
     "overrides-prefill-decode": {
         "kvConnector": {"extraConfig": {"backends": ["UCX"]}},
+        "proxy": {"media": {"allowRedirects": True}},
         "models": [
             {
                 "name": "default",
@@ -109,6 +110,8 @@ CASES: dict[str, dict[str, Any]] = {
     # each pod's regions share 80% of its /dev/shm, the pool's own size here.
     "pools-regular": {
         "shm": {"sizeLimit": "8Gi"},
+        # Media from these hosts only, in every engine (the pool's encoders too) and the proxy.
+        "proxy": {"media": {"allowedDomains": ["images.example.com", "10.0.0.5"]}},
         "models": [
             {
                 "name": "default",

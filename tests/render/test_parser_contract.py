@@ -41,6 +41,8 @@ OVERRIDDEN: dict[tuple[str, int], dict[str, Any]] = {
     ("overrides-prefill-decode", 2): {"kv_connector_extra_config": {"backends": ["UCX"]}},
     ("overrides-prefill-decode", 3): {"kv_connector_extra_config": {"backends": ["UCX"]}},
 }
+# spec.proxy.media.allowedDomains, by case: vLLM's allowed_media_domains (None: any host).
+MEDIA_DOMAINS = {"pools-regular": ["images.example.com", "10.0.0.5"]}
 EC_EXTRA = {"overrides-regular": {"flush_interval_s": 5}}
 EC_EXTRA_OVERRIDDEN = {("overrides-regular", 1): {"shm_budget": "4Gi"}}
 # Placement Pools: ECCPUConnector's extra config of each group, worked out by hand. pools-regular:
@@ -83,6 +85,8 @@ def _expected(case: str, plan, cmd) -> dict[str, Any]:
         "enable_scale_out": not encoder,
         "ec_role": ec_role,
         "kv_role": KV_ROLE[cmd.worker_type],
+        "allowed_media_domains": MEDIA_DOMAINS.get(case),
+        "allowed_local_media_path": "",  # never: no file: URL is served
     }
     if ec_role and plan.pooled:
         want["ec_connector"] = want["connector_class"] = "ECCPUConnector"
@@ -133,7 +137,7 @@ def test_every_rendered_environment_variable_is_one_vllm_reads(vllm_parser: Vllm
         for cmd in plan.engines
         for name in [*cmd.env, *cmd.field_env]
     }
-    assert {"VLLM_EC_SIDE_CHANNEL_HOST", "VLLM_EC_SIDE_CHANNEL_PORT"} <= rendered
+    assert {"VLLM_EC_SIDE_CHANNEL_HOST", "VLLM_EC_SIDE_CHANNEL_PORT", "VLLM_MEDIA_URL_ALLOW_REDIRECTS"} <= rendered
     # The V2 model runner is chosen where vLLM still has another (0.32, 0.33), and only there.
     assert ("VLLM_USE_V2_MODEL_RUNNER" in rendered) == ("VLLM_USE_V2_MODEL_RUNNER" in known)
     assert rendered - known == set(), f"vLLM {vllm_parser.version} reads no such variables"

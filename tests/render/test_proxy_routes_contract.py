@@ -1,10 +1,8 @@
 """The EPD proxy's reading of vLLM's API, checked against the real vLLM 0.32, 0.33 and 0.34: every POST
 route either has its media primed, is refused, or is known to run no encoder on a consumer's
-media; and Anthropic image blocks are primed as the very URLs vLLM makes of them."""
+media (which media of a primed route's request are primed: test_media_parts_contract.py)."""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 
@@ -88,52 +86,6 @@ def test_every_post_route_of_vllm_is_primed_refused_or_runs_no_encoder(vllm_pars
         "generation? Prime them (core.PRIMED_ROUTES), refuse them (core.REFUSED_ROUTES) or list them here"
     )
     assert {"/v1/chat/completions", "/v1/responses", "/v1/messages", "/invocations"} <= routes  # it reads them
-
-
-def anthropic(*messages: dict) -> dict:
-    return {"model": "m", "max_tokens": 8, "messages": list(messages)}
-
-
-def image(source: dict) -> dict:
-    return {"type": "image", "source": source}
-
-
-ANTHROPIC_REQUESTS = [
-    anthropic(
-        {"role": "user", "content": [{"type": "text", "text": "x"}, image({"type": "url", "url": "https://i.test/a"})]}
-    ),
-    anthropic({"role": "user", "content": [image({"type": "base64", "media_type": "image/png", "data": "AAAA"})]}),
-    anthropic({"role": "user", "content": [image({"type": "base64", "data": "BBBB"})]}),  # vLLM's default type
-    anthropic(
-        {"role": "user", "content": "look"},
-        {
-            "role": "assistant",
-            "content": [{"type": "text", "text": "ok"}, image({"type": "url", "url": "https://i.test/b"})],
-        },
-        {
-            "role": "user",
-            "content": [
-                {
-                    "type": "tool_result",
-                    "tool_use_id": "t1",
-                    "content": [
-                        {"type": "text", "text": "seen"},
-                        image({"type": "url", "url": "https://i.test/c"}),
-                        image({"type": "url", "url": ""}),  # vLLM drops an empty URL here
-                    ],
-                }
-            ],
-        },
-    ),
-    anthropic({"role": "system", "content": [{"type": "text", "text": "be brief"}]}, {"role": "user", "content": "hi"}),
-]
-
-
-def test_anthropic_images_are_primed_as_the_urls_vllm_serves(vllm_parser: VllmParser):
-    plans = [core.plan("messages", json.dumps(r).encode()) for r in ANTHROPIC_REQUESTS]
-    primed = [[p.item.part["image_url"]["url"] for p in found.parts] for found in plans]
-    assert primed == vllm_parser.anthropic_images(ANTHROPIC_REQUESTS)
-    assert primed[3] == ["https://i.test/b", "https://i.test/c"]  # the check has something to compare
 
 
 @pytest.mark.parametrize("path", sorted(core.REFUSED_ROUTES))

@@ -124,13 +124,14 @@ def test_encoders_first_ports_and_names_per_type_across_groups() -> None:
 def test_prefill_and_decode_get_their_own_nixl_side_channel() -> None:
     plan = plan_of(spec(ENC_PD))
     for cmd in plan.engines:
+        nixl = {k: v for k, v in cmd.env.items() if k.startswith("VLLM_NIXL_")}
         if cmd.worker_type in ("prefill", "decode"):
-            assert cmd.env == {
+            assert nixl == {
                 "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
                 "VLLM_NIXL_SIDE_CHANNEL_PORT": str(cmd.nixl_port),
             }
         else:
-            assert cmd.env == {} and cmd.nixl_port is None
+            assert nixl == {} and cmd.nixl_port is None
     assert len({c.nixl_port for c in plan.engines if c.nixl_port}) == 2
 
 
@@ -479,14 +480,17 @@ def test_format_commands_one_shell_line_per_command() -> None:
     plan = plan_of(spec(ENC_PD))
     lines = format_commands([plan]).splitlines()
     assert len(lines) == 4
-    assert lines[0].startswith("[default group=0 engine=0 encoder-0] vllm serve org/vlm ")
+    assert lines[0].startswith(
+        "[default group=0 engine=0 encoder-0] VLLM_MEDIA_URL_ALLOW_REDIRECTS=0 vllm serve org/vlm "
+    )
     assert lines[1].startswith(
-        "[default group=1 engine=1 prefill-0] VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1 VLLM_NIXL_SIDE_CHANNEL_PORT=5601 vllm serve"
+        "[default group=1 engine=1 prefill-0] VLLM_MEDIA_URL_ALLOW_REDIRECTS=0 VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1 "
+        "VLLM_NIXL_SIDE_CHANNEL_PORT=5601 vllm serve"
     )
     assert lines[3].startswith("[default router] vllm-router ")
     # The part after the prefix is a shell command line: it splits back into env and argv.
-    assert shlex.split(lines[0].split("] ", 1)[1]) == plan.engines[0].args
-    assert shlex.split(lines[1].split("] ", 1)[1])[2:] == plan.engines[1].args
+    assert shlex.split(lines[0].split("] ", 1)[1])[1:] == plan.engines[0].args
+    assert shlex.split(lines[1].split("] ", 1)[1])[3:] == plan.engines[1].args
 
 
 def test_commands_json() -> None:

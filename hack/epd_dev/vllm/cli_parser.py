@@ -62,10 +62,18 @@ class VllmParser:
         """Every path this vLLM's API routers declare for POST."""
         return set(self._ask({"op": "post_routes"})["routes"])
 
-    def anthropic_images(self, requests: list[dict[str, Any]]) -> list[list[str]]:
-        """Per Anthropic Messages request, the image URLs of the chat request vLLM makes of it."""
-        images: list[list[str]] = self._ask({"op": "anthropic_images", "requests": requests})["images"]
-        return images
+    def media(self, requests: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+        """Per (route, body) of a primed route, the media items vLLM's own parsing hands its
+        multimodal processor, or its refusal (see parse_with_vllm.py)."""
+        asked = [{"route": route, "body": body} for route, body in requests]
+        results: list[dict[str, Any]] = self._ask({"op": "media", "requests": asked})["results"]
+        return results
+
+    def media_urls(self, cases: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+        """Per rendered engine ({"argv", "env", "urls"}), what its media loading does with each URL
+        (see parse_with_vllm.py)."""
+        results: list[list[dict[str, Any]]] = self._ask({"op": "media_urls", "cases": cases})["results"]
+        return results
 
     def ec_connector(self, argv: list[str], env: dict[str, str]) -> dict[str, Any]:
         """What the command's EC connector makes of its config as the engine starts (no GPU):

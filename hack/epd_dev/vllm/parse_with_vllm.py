@@ -11,8 +11,6 @@ Protocol: one JSON request per stdin line, one JSON answer per stdout line.
   `{"ok": false, "exit_code": int | None, "error": str}`.
 - `{"op": "post_routes"}` -> `{"routes": [...]}`: every path vLLM's API routers declare for POST
   (read from the source of vllm/entrypoints: importing every router needs optional packages).
-- `{"op": "anthropic_images", "requests": [...]}` -> `{"images": [[url, ...], ...]}`: per Anthropic
-  Messages request, the image URLs of the chat request vLLM serves it as, in order.
 - `{"op": "ec_connector", "argv": [...], "env": {...}}` -> `{"ok": bool, "checked": str, "error": str}`:
   what a `vllm serve` command's EC connector makes of its config as the engine starts, without a
   GPU: the command is parsed and its ECTransferConfig built as `vllm serve` does; then
@@ -37,6 +35,16 @@ Protocol: one JSON request per stdin line, one JSON answer per stdout line.
   "ec_connectors": {name: [extra config key, ...]}, "kv_connectors": [name, ...]}`: the fields of
   vLLM's transfer config classes, its registered connectors, and the `*_connector_extra_config`
   keys each EC connector's sources read (`make vllm-minor` compares minors with it).
+- `{"op": "media", "requests": [{"route", "body"}, ...]}` -> `{"results": [...]}`: per request of a
+  primed route (the proxy's route labels), what vLLM hands its multimodal processor once it has
+  validated the body and parsed its messages: `{"ok": true, "items": [{"modality", "data",
+  "uuid", "factors"}, ...]}` in order (factors: the request's fields vLLM hashes the item with),
+  or `{"ok": false, "error": str}` when vLLM refuses the request.
+- `{"op": "media_urls", "cases": [{"argv", "env", "urls"}, ...]}` -> `{"results": [[...], ...]}`: per
+  rendered engine (its `vllm serve` argv and environment), what its media loading does with each
+  URL: `{"data": true}`, `{"fetch": url, "allow_redirects": bool}` (the request it would send),
+  or `{"refused": str}`. vLLM's own MediaConnector and HTTPConnection, built from the engine args
+  the argv parses to; only the HTTP client is a recorder that sends nothing.
 
 It builds the parser exactly as the `vllm` console script does for `serve` (a top-level
 FlexibleArgumentParser with the serve subcommand, so the model is the positional `model_tag`),
@@ -380,18 +388,192 @@ def _media_keys(items: list[list], processor_kwargs: dict) -> list[str]:
     return keys
 
 
-def _anthropic_images(request: dict) -> list[str]:
-    from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
-    from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
+def _chat_parsing():
+    """vLLM's message parser, its post-processing and its media parser (0.33 made a package of
+    chat_utils and dropped the underscores)."""
+    try:
+        from vllm.renderers.chat_utils import parse_chat_message_content as parse_message
+        from vllm.renderers.chat_utils.chat_message import _postprocess_messages as postprocess
+        from vllm.renderers.chat_utils.content_parser import MultiModalContentParser
+    except ImportError:
+        from vllm.renderers.chat_utils import MultiModalContentParser
+        from vllm.renderers.chat_utils import _parse_chat_message_content as parse_message
+        from vllm.renderers.chat_utils import _postprocess_messages as postprocess
+    return parse_message, postprocess, MultiModalContentParser
 
-    chat = AnthropicServingMessages.to_chat_completion_request(AnthropicMessagesRequest(**request))
-    return [
-        part["image_url"]["url"]
-        for message in chat.messages
-        if isinstance(message.get("content"), list)
-        for part in message["content"]
-        if part.get("type") == "image_url"
-    ]
+
+def _recorder():
+    """A stand-in for vLLM's media loading only: vLLM's own chat parsing calls these hooks with
+    every item it would load and hand to its multimodal processor; they record the item instead
+    of fetching it. parse_input_audio stays vLLM's (it builds the data URL)."""
+    from types import SimpleNamespace
+
+    _, _, content_parser = _chat_parsing()
+    items: list[dict] = []
+
+    def record(modality, data, uuid):
+        items.append({"modality": modality, "data": data, "uuid": uuid})
+
+    class Parser(content_parser):
+        def parse_image(self, image_url, uuid=None):
+            record("image", image_url, uuid)
+
+        def parse_image_pil(self, image_pil, uuid=None):
+            record("image_pil", None if image_pil is None else repr(image_pil), uuid)
+
+        def parse_image_embeds(self, image_embeds, uuid=None):
+            record("image_embeds", image_embeds, uuid)
+
+        def parse_audio(self, audio_url, uuid=None):
+            record("audio", audio_url, uuid)
+
+        def parse_audio_embeds(self, audio_embeds, uuid=None):
+            record("audio_embeds", audio_embeds, uuid)
+
+        def parse_video(self, video_url, uuid=None):
+            record("video", video_url, uuid)
+            # vLLM also loads the video's audio track as an audio item then.
+            if video_url and (self._mm_processor_kwargs or {}).get("use_audio_in_video", False):
+                record("audio", video_url, uuid)
+
+        def parse_video_embeds(self, video_embeds, uuid=None, *audio_embeds):
+            record("video_embeds", video_embeds, uuid)
+
+        def parse_prompt_embeds(self, data):
+            record("prompt_embeds", data, None)
+
+    tracker = SimpleNamespace(model_config=SimpleNamespace(enable_prompt_embeds=True), items=items)
+    tracker.create_parser = lambda mm_processor_kwargs=None: Parser(tracker, mm_processor_kwargs)
+    tracker.get_num_items = lambda modality: sum(item["modality"] == modality for item in items)
+    return tracker
+
+
+def _conversations(route: str, body: dict) -> list[tuple[list, Any]]:
+    """The conversations vLLM parses for a request of the route, as its serving code builds them,
+    each with the request vLLM reads it from."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    def chat(request):
+        return [(request.messages, request)]
+
+    if route == "chat_completions":
+        return chat(ChatCompletionRequest.model_validate(body))
+    if route == "cohere_chat":
+        from vllm.entrypoints.cohere.protocol import CohereChatV2Request
+        from vllm.entrypoints.cohere.serving import ServingCohere
+
+        return chat(ServingCohere._convert_v2_to_chat_completion(CohereChatV2Request.model_validate(body)))
+    if route == "messages":
+        from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+        from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
+
+        return chat(AnthropicServingMessages.to_chat_completion_request(AnthropicMessagesRequest(**body)))
+    if route == "chat_completions_batch":
+        from vllm.entrypoints.openai.chat_completion.protocol import BatchChatCompletionRequest
+
+        batch = BatchChatCompletionRequest.model_validate(body)
+        return [c for messages in batch.messages for c in chat(batch.to_chat_completion_request(messages))]
+    if route == "invocations":
+        import pydantic
+        from vllm.entrypoints.generate.factories import get_generate_invocation_types
+
+        for request_type, _ in get_generate_invocation_types(("generate",)):
+            try:
+                request = pydantic.TypeAdapter(request_type).validate_python(body)
+            except pydantic.ValidationError:
+                continue
+            return chat(request) if isinstance(request, ChatCompletionRequest) else []
+        raise ValueError("no invocation type validates the body")
+    if route == "responses":
+        from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+        from vllm.entrypoints.openai.responses.utils import construct_input_messages
+
+        request = ResponsesRequest.model_validate(body)
+        messages = construct_input_messages(request_instructions=request.instructions, request_input=request.input)
+        return [(messages, request)]
+    raise ValueError(f"unknown route {route!r}")
+
+
+def _media(request: dict) -> dict:
+    parse_message, postprocess, _ = _chat_parsing()
+    try:
+        items = []
+        for messages, parsed in _conversations(request["route"], request["body"]):
+            recorder = _recorder()
+            conversation = []
+            for message in messages:
+                conversation += parse_message(
+                    message,
+                    recorder,
+                    "openai",
+                    interleave_strings=False,
+                    mm_processor_kwargs=parsed.mm_processor_kwargs,
+                )
+            postprocess(conversation)
+            # What vLLM hashes each item with besides the item (vllm/multimodal/processing/inputs.py).
+            factors = {"mm_processor_kwargs": parsed.mm_processor_kwargs, "media_io_kwargs": parsed.media_io_kwargs}
+            items += [{**item, "factors": {k: v for k, v in factors.items() if v}} for item in recorder.items]
+        return {"ok": True, "items": items}
+    except Exception as error:  # noqa: BLE001 - vLLM refusing the request is an answer
+        return {"ok": False, "error": f"{type(error).__name__}: {error}"[:500]}
+
+
+def _media_urls(top, serve, case: dict) -> list[dict]:
+    import asyncio
+
+    from vllm.connections import HTTPConnection
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.multimodal.media.base import MediaIO
+    from vllm.multimodal.media.connector import MediaConnector
+
+    class Sent(Exception):
+        pass
+
+    class Client:
+        """aiohttp's ClientSession.get, as far as vLLM calls it: records the request instead."""
+
+        def get(self, url, *, allow_redirects=True, **_):
+            raise Sent(json.dumps({"fetch": str(url), "allow_redirects": allow_redirects}))
+
+    class Connection(HTTPConnection):
+        async def get_async_client(self):
+            return Client()
+
+    class Loaded(MediaIO):
+        def load_bytes(self, data):
+            return "bytes"
+
+        def load_base64(self, media_type, data):
+            return "data"
+
+        def load_file(self, filepath):
+            return "file"
+
+    args = top.parse_args(case["argv"][1:])
+    if args.model_tag is not None:
+        args.model = args.model_tag
+    engine = AsyncEngineArgs.from_cli_args(args)
+    saved = dict(os.environ)
+    os.environ.update(case["env"])
+    try:
+        connector = MediaConnector(
+            connection=Connection(),
+            allowed_local_media_path=engine.allowed_local_media_path,
+            allowed_media_domains=engine.allowed_media_domains,
+        )
+        results = []
+        for url in case["urls"]:
+            try:
+                loaded = asyncio.run(connector.load_from_url_async(url, Loaded()))
+                results.append({"data": loaded == "data"} if loaded == "data" else {"loaded": loaded})
+            except Sent as sent:
+                results.append(json.loads(str(sent)))
+            except Exception as error:  # noqa: BLE001 - a refusal is an answer
+                results.append({"refused": f"{type(error).__name__}: {error}"})
+        return results
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def _route_uuids(request: dict) -> dict:
@@ -436,8 +618,6 @@ def main() -> None:
             answer = {"envs": sorted(vllm.envs.environment_variables)}
         elif request["op"] == "post_routes":
             answer = {"routes": _post_routes()}
-        elif request["op"] == "anthropic_images":
-            answer = {"images": [_anthropic_images(r) for r in request["requests"]]}
         elif request["op"] == "config":
             answer = _config()
         elif request["op"] == "ec_connector":
@@ -455,6 +635,10 @@ def main() -> None:
             answer = _route_uuids(request)
         elif request["op"] == "media_keys":
             answer = {"keys": _media_keys(request["items"], request.get("processor_kwargs", {}))}
+        elif request["op"] == "media_urls":
+            answer = {"results": [_media_urls(top, serve, c) for c in request["cases"]]}
+        elif request["op"] == "media":
+            answer = {"results": [_media(r) for r in request["requests"]]}
         else:
             answer = {"results": {c["id"]: _parse(top, serve, c) for c in request["commands"]}}
         out.write(json.dumps(answer, default=repr) + "\n")

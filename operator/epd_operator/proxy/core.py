@@ -9,11 +9,11 @@ from __future__ import annotations
 import ipaddress
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
-from epd_client import MEDIA_KINDS, MediaItem, PrimeError, media_items
+from epd_client import HASHED_FIELDS, MEDIA_KINDS, MediaItem, MediaPartError, PrimeError, media_items
 
 # Paths whose media the proxy primes, by the route label metrics use: every route of vLLM 0.32
 # and 0.33 that takes media into a generation. Only POSTs: a GET of /v1/responses/{id} or
@@ -102,6 +102,9 @@ class Plan:
     parts: tuple[MediaPart, ...]
     model: str | None
     """The request's ``model``: the primes name the same (None: the engines' default)."""
+    prime_fields: dict[str, Any] = field(default_factory=dict)
+    """The request's fields every prime carries too: those vLLM keys a media item's embedding
+    by (epd_client.HASHED_FIELDS), so the encoder stores it under the key the consumer looks up."""
 
 
 # Primed routes whose request vLLM reads without ``ec_transfer_params`` (its Cohere model has
@@ -120,6 +123,13 @@ def plan(route_name: str, raw: bytes, *, pooled: bool = False) -> Plan:
         raise BadRequest(f"the request body is not JSON: {error}") from None
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
+    if "ec_transfer_params" in body:
+        raise BadRequest(
+            "ec_transfer_params is the EPD proxy's to set: it tells a consumer the address to pull each embedding "
+            "from, which the proxy takes from the encoders that computed them. Remove it (clients that prime "
+            "themselves send it to /v1/chat/completions/render and /inference/v1/generate)",
+            "ec_transfer_params",
+        )
     parts = tuple(_PLANNERS[route_name](body))
     if parts and pooled and route_name in WITHOUT_TRANSFER_PARAMS:
         raise BadRequest(
@@ -129,7 +139,13 @@ def plan(route_name: str, raw: bytes, *, pooled: bool = False) -> Plan:
             parts[0].param,
         )
     model = body.get("model")
-    return Plan(body, parts, model if isinstance(model, str) else None)
+    fields = {name: body[name] for name in HASHED_FIELDS if body.get(name) and route_name in HASHED_ROUTES}
+    return Plan(body, parts, model if isinstance(model, str) else None, fields)
+
+
+# The routes whose requests carry epd_client.HASHED_FIELDS to vLLM's parsing (its Anthropic and
+# Cohere requests have neither).
+HASHED_ROUTES = frozenset({"chat_completions", "chat_completions_batch", "invocations", "responses"})
 
 
 def _chat_parts(body: Mapping[str, Any]) -> list[MediaPart]:
@@ -137,17 +153,34 @@ def _chat_parts(body: Mapping[str, Any]) -> list[MediaPart]:
 
 
 def _responses_parts(body: Mapping[str, Any]) -> list[MediaPart]:
-    """The ``input`` items (a string input has none) and vLLM's ``previous_input_messages``,
-    which it renders before them."""
+    """The ``input`` items as vLLM turns them into chat messages (construct_input_messages, for
+    every model but gpt-oss, which takes no media): an item with a role other than assistant is
+    a message whose content vLLM parses (its input_image parts get ``detail: auto`` when they
+    have none), an assistant's keeps its text only, and a function or custom tool call's output
+    list is a tool message's content. A string input has no media; ``previous_input_messages``
+    are read for gpt-oss only."""
     given = body.get("input")
-    if not isinstance(given, str):
-        given = _list_field(body, "input", "a string or a list of input items")
-    previous = body.get("previous_input_messages")
-    if previous is not None and not isinstance(previous, list):
-        raise BadRequest("'previous_input_messages' must be a list of messages", "previous_input_messages")
-    return _parts_of("previous_input_messages", previous or []) + _parts_of(
-        "input", given if isinstance(given, list) else []
-    )
+    if isinstance(given, str):
+        return []
+    parts: list[MediaPart] = []
+    for i, item in enumerate(_list_field(body, "input", "a string or a list of input items")):
+        if not isinstance(item, Mapping):
+            continue
+        if item.get("type") in ("function_call_output", "custom_tool_call_output"):
+            output = item.get("output")
+            if isinstance(output, list):
+                parts += _content_parts(f"input[{i}].output", output)
+        elif "role" in item and item.get("role") != "assistant" and isinstance(item.get("content"), list):
+            parts += _content_parts(f"input[{i}].content", [_with_detail(part) for part in item["content"]])
+    return parts
+
+
+def _with_detail(part: Any) -> Any:
+    """vLLM's default for a Responses message's input_image without ``detail``, which its chat
+    parser (the encoders') otherwise refuses."""
+    if isinstance(part, Mapping) and part.get("type") == "input_image" and "detail" not in part:
+        return {**part, "detail": "auto"}
+    return part
 
 
 def _batch_parts(body: Mapping[str, Any]) -> list[MediaPart]:
@@ -206,28 +239,61 @@ def _anthropic_image(url: str, param: str, message: int, position: int) -> Media
     return MediaPart(MediaItem(part, "image_url", url, message, position), param)
 
 
+def _cohere_parts(body: Mapping[str, Any]) -> list[MediaPart]:
+    """Cohere image_url blocks, as vLLM turns them into chat parts (ServingCohere's
+    ``_convert_user_message``): those of user messages only, with their url and detail."""
+    parts: list[MediaPart] = []
+    for m, message in enumerate(_list_field(body, "messages", "a list of messages")):
+        if not isinstance(message, Mapping) or message.get("role") != "user":
+            continue
+        content = message.get("content")
+        for b, block in enumerate(content if isinstance(content, list) else []):
+            image = block.get("image_url") if isinstance(block, Mapping) and block.get("type") == "image_url" else None
+            if isinstance(image, Mapping):
+                url: dict[str, Any] = {"url": image.get("url")}
+                if image.get("detail") is not None:
+                    url["detail"] = image["detail"]
+                parts += _content_parts(f"messages[{m}].content", [{"type": "image_url", "image_url": url}], b)
+    return parts
+
+
 def _refuse_media(body: Mapping[str, Any]) -> list[MediaPart]:
     """/v1/systemone fetches its ``images``, ``audio`` and ``videos`` and resizes them for the
     model's reads: a chat prime of the same URL is another embedding, so the consumer would
     encode them itself. Text-only requests go through."""
-    for field in ("images", "audio", "videos"):
-        if body.get(field):
+    for name in ("images", "audio", "videos"):
+        if body.get(name):
             raise BadRequest(
-                f"the EPD proxy does not forward /v1/systemone requests with '{field}': vLLM resizes them for "
+                f"the EPD proxy does not forward /v1/systemone requests with '{name}': vLLM resizes them for "
                 "this route, so no prime on the encoders can stand for them and the consumer would encode them "
                 "itself. Ask about the media through /v1/chat/completions instead.",
-                field,
+                name,
             )
     return []
 
 
 def _parts_of(field: str, messages: list[Any]) -> list[MediaPart]:
-    return [MediaPart(item, f"{field}[{item.message}].content[{item.position}]") for item in media_items(messages)]
+    """The media parts of a list of chat messages at ``field``."""
+    return _located(messages, lambda message, position: f"{field}[{message}].content[{position}]")
+
+
+def _content_parts(field: str, content: list[Any], first: int = 0) -> list[MediaPart]:
+    """The media parts of one content list at ``field`` (``first``: the index of its first part)."""
+    return _located([{"content": content}], lambda _, position: f"{field}[{position + first}]")
+
+
+def _located(messages: list[Any], param: Callable[[int, int], str]) -> list[MediaPart]:
+    """epd_client's media parts (what vLLM loads), each with its place in the request."""
+    try:
+        items = media_items(messages)
+    except MediaPartError as error:
+        raise BadRequest(f"media part not primed: {error.reason}", param(error.message, error.position)) from None
+    return [MediaPart(item, param(item.message, item.position)) for item in items]
 
 
 _PLANNERS: dict[str, Callable[[Mapping[str, Any]], list[MediaPart]]] = {
     "chat_completions": _chat_parts,
-    "cohere_chat": _chat_parts,  # Cohere's image_url parts are OpenAI's
+    "cohere_chat": _cohere_parts,
     "responses": _responses_parts,
     "chat_completions_batch": _batch_parts,
     "invocations": _invocation_parts,
@@ -246,8 +312,8 @@ def _list_field(body: Mapping[str, Any], name: str, what: str) -> list[Any]:
 
 def with_transfer_params(body: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
     """The body a Pools model's consumer needs: the encoders' ``ec_transfer_params`` (where it
-    pulls each embedding), under any the client sent itself, which win."""
-    return {**body, "ec_transfer_params": {**params, **(body.get("ec_transfer_params") or {})}}
+    pulls each embedding); plan() refused a body with params of its own."""
+    return {**body, "ec_transfer_params": dict(params)}
 
 
 def forwarded(headers: Sequence[tuple[str, str]], drop: frozenset[str] = HOP_BY_HOP) -> list[tuple[str, str]]:

@@ -44,6 +44,7 @@ from ..proxy_limits import Limits
 from .core import Plan, ProxyError, error_body
 from .encoders import Encoders
 from .keys import SESSION_HEADER, WEIGHTS_VERSION_HEADER, requested_version
+from .media_urls import MediaURLPolicy
 from .metrics import ProxyMetrics
 from .server import Primed, Proxy, ProxyConfig, serve
 from .watch import Api, follow
@@ -332,11 +333,13 @@ def run_gateway(
     limits: Limits,
     shutdown_timeout_seconds: float,
     log_level: str,
+    media: MediaURLPolicy | None = None,
 ) -> None:
     """`epd-operator gateway`: watch the model's units (or take ``units``) and serve until
     SIGTERM or SIGINT."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = ProxyConfig(_NO_UPSTREAM, request_timeout_seconds, limits=limits)
+    # The units' media URL policy: a media URL they would refuse is refused here, a hop earlier.
+    config = ProxyConfig(_NO_UPSTREAM, request_timeout_seconds, limits=limits, media=media or MediaURLPolicy())
     view = UnitsView.fixed(model, units, weights_version) if units else UnitsView(model)
     view.balance = balance
 

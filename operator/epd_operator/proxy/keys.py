@@ -15,7 +15,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from epd_client import MediaItem, is_key, write_keys
+from epd_client import MediaItem, MediaPartError, is_key, write_keys
 
 from .core import EPD_PRIME, BadRequest
 
@@ -86,7 +86,10 @@ def key_parts(route: str, items: Sequence[MediaItem], version: str | None, *, re
             "version: send them through the model's front Service (its EPD gateway stamps it), or send the "
             "X-EPD-Weights-Version header"
         )
-    write_keys(unkeyed, version or "")
+    try:
+        write_keys(unkeyed, version or "")
+    except MediaPartError as error:  # a part vLLM would read otherwise once it has a uuid
+        raise BadRequest(f"media part not keyed: {error.reason}") from None
     return True
 
 

@@ -45,7 +45,7 @@ from multidict import CIMultiDict
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from yarl import URL
 
-from epd_client import MEDIA_KINDS, MediaFailure, MediaItem, PrimeError, Primer, RetryPolicy, hash_factors
+from epd_client import MEDIA_KINDS, MediaFailure, MediaItem, PrimeError, Primer, RetryPolicy
 
 from ..ec.leases import RENEW_SECONDS, Leases
 from ..loop import event_loop
@@ -71,8 +71,9 @@ from .core import (
     route,
     with_transfer_params,
 )
-from .encoders import Ejection, Encoders
+from .encoders import Ejection, Encoders, Resolve, resolve_addresses
 from .keys import in_body, key_parts, own_key, requested_lease, requested_version
+from .media_urls import MediaURLPolicy, screen
 from .metrics import ProxyMetrics
 from .store import Flights, Grants, StoreView
 
@@ -113,6 +114,8 @@ class ProxyConfig:
     pooled: bool = False
     """Placement Pools: primes must announce ec_transfer_params, which the forwarded body carries."""
     limits: Limits = field(default_factory=Limits)
+    media: MediaURLPolicy = field(default_factory=MediaURLPolicy)
+    """Which media URLs may reach the encoders (spec.proxy.media)."""
     ec_store: str | None = None
     """Placement Unit with ECExampleConnector: the unit's EC store, where the proxy looks before
     priming (a part the store holds is not primed again) and leases what it relies on."""
@@ -144,7 +147,14 @@ class Proxy:
     """One proxy: its upstream connections, encoders, primer, memory budget and metrics.
     ``async with`` it, then ``serve`` it."""
 
-    def __init__(self, config: ProxyConfig, encoders: Encoders, primer: Primer, metrics: ProxyMetrics) -> None:
+    def __init__(
+        self,
+        config: ProxyConfig,
+        encoders: Encoders,
+        primer: Primer,
+        metrics: ProxyMetrics,
+        resolve: Resolve = resolve_addresses,
+    ) -> None:
         parts = urlsplit(config.upstream)
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"the upstream must be an http:// URL, not {config.upstream!r}")
@@ -153,6 +163,7 @@ class Proxy:
         self.encoders = encoders
         self.primer = primer
         self.metrics = metrics
+        self._resolve = resolve  # media URLs' host names (media_urls.screen)
         self.budget = Budget(config.limits.max_buffered_bytes)
         self._upstream = config.upstream.rstrip("/")
         self._session: ClientSession | None = None
@@ -309,6 +320,9 @@ class Proxy:
             cost = request_cost(raw, len(found.parts))
             if cost > reservation.size and not reservation.resize(cost):
                 return _error(request, self._busy(cost), True)
+            refused = await screen(found.parts, self.config.media, self._resolve)
+            if refused is not None:
+                return _error(request, refused)
             primed = await self._prime(request, found)
             if isinstance(primed, web.StreamResponse):
                 return primed
@@ -389,7 +403,7 @@ class Proxy:
         if not encoders:
             self.metrics.observe_prime_failure("no_encoder")
             return _error(request, no_encoder(found.parts))
-        extra = hash_factors(found.body)
+        extra = found.prime_fields
         # Looked up in the store: parts keyed by us, of a request without hash factors (vLLM then
         # names the entry by the key itself). The others are primed as they are, every time.
         flights = self.flights if keyed and not extra else None
@@ -406,7 +420,7 @@ class Proxy:
             async with slots:
                 first, self._rotation = self._rotation, self._rotation + 1
                 await self.primer.prime(
-                    [item], encoders, model=found.model, headers=with_primes, first=first, extra=extra
+                    [item], encoders, model=found.model, headers=with_primes, first=first, extra_body=extra
                 )
 
         async def prime_plain() -> dict[str, Any]:
@@ -421,7 +435,7 @@ class Proxy:
                 headers=with_primes,
                 first=first,
                 max_concurrency=self.limits.prime_concurrency_per_request,
-                extra=extra,
+                extra_body=extra,
             )
             self.metrics.observe_primed([MEDIA_KINDS[items[i].kind] for i in plain])
             return params
@@ -817,6 +831,7 @@ def run_proxy(
     pooled: bool,
     shutdown_timeout_seconds: float,
     log_level: str,
+    media: MediaURLPolicy,
     ec_store: str | None = None,
     require_weights_version: bool = False,
 ) -> None:
@@ -825,7 +840,15 @@ def run_proxy(
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if log_level != "DEBUG":
         logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per prime at INFO
-    config = ProxyConfig(upstream, request_timeout_seconds, pooled, limits, ec_store, require_weights_version)
+    config = ProxyConfig(
+        upstream,
+        request_timeout_seconds,
+        pooled,
+        limits,
+        media=media,
+        ec_store=ec_store,
+        require_weights_version=require_weights_version,
+    )
     retry = RetryPolicy(
         max_attempts=prime_max_attempts,
         deadline=prime_timeout_seconds,
