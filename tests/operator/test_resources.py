@@ -527,10 +527,15 @@ def test_the_gateway_fronts_each_proxied_model_and_reads_only_what_it_watches():
     assert binding["roleRef"]["name"] == "rl-rollout-gateway"
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "rl-rollout-gateway"}]
     assert children[("ServiceAccount", "rl-rollout-gateway")]["automountServiceAccountToken"] is False
-    tuned = children_of("encoder-regular.yaml", gateway={"enabled": True, "maxLoadPercent": 200})
+    tuned = children_of(
+        "encoder-regular.yaml",
+        gateway={"enabled": True, "maxLoadPercent": 200},
+        proxy={"media": {"allowPrivateNetworks": True}},
+    )
     (gateway,) = [c for c in tuned if c["kind"] == "Deployment"]
     args = gateway["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--max-load-percent") + 1] == "200"
+    assert "--media-allow-private-networks" in args  # the units' media URL policy, a hop earlier
     # Off by default: none of it, and the front Service selects the units.
     plain = _by_ref(children_of("multi-model-overrides.yaml"))
     assert not any(kind in ("Deployment", "Role", "RoleBinding", "ServiceAccount") for kind, _ in plain)

@@ -143,3 +143,12 @@ async def test_without_a_ready_unit_a_503_and_the_prime_endpoint_is_the_units(st
     assert status == 503 and "no unit" in answer["error"]["message"]
     status, answer = await post(http, gateway.url + "/epd/v1/prime", {"messages": chat(picture(1))["messages"]})
     assert status == 400 and "unit's proxy" in answer["error"]["message"]
+
+
+async def test_the_gateway_refuses_a_media_url_the_units_would_refuse(units, start_gateway, http):
+    u = await units(2)
+    gateway = await start_gateway(u.proxies)
+    private = {"type": "image_url", "image_url": {"url": "http://10.0.0.9/cat.png"}}
+    status, answer = await post(http, gateway.url + CHAT, chat(private))
+    assert status == 400 and "messages[0].content[0]" == answer["error"]["param"]
+    assert not any(u.served(name) or u.primes(name) for name in u.proxies)
