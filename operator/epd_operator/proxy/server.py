@@ -98,8 +98,9 @@ READ_BUFFER_BYTES = 64 * 1024
 LINGER_SECONDS = 5.0
 # The headers aiohttp's client would add: the proxy adds none the client did not send.
 _NOT_ADDED = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
-# POST /epd/v1/prime: how long its keys stay leased for the client's render and generate.
-GRANT_SECONDS = 120.0
+# POST /epd/v1/prime: how long its keys stay leased for the client's render and generate (a
+# request that names the lease keeps it while it runs: a queued generate is covered anyway).
+GRANT_SECONDS = 30.0
 MAX_GRANT_SECONDS = 600.0
 # Keys leased to clients at once (Grants): each keeps the janitor from evicting an entry.
 MAX_GRANTED_KEYS = 10_000
