@@ -23,9 +23,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Self
 
+import openai
 import yaml
 
-from epd_client import Endpoints, EPDClient
+from epd_client import Endpoints, EPDClient, media_items, media_key
 
 from .operator_process import get_json, wait_for
 from .vllm import payloads, real_node, serving, tiny_model
@@ -165,6 +166,11 @@ PICTURES = (
 )
 # The second request printed for the reader: small enough to paste.
 SECOND = Picture("a green square", 56, 56, lambda x, y: GREEN)
+# Sent REPEATS times through the front door, as a GRPO group sends one prompt, then once more
+# under a new weights version.
+REPEATED = Picture("a yellow triangle on white", 56, 56, lambda x, y: YELLOW if y > x else WHITE)
+REPEATS = 8
+NEW_VERSION = "step-2"
 
 
 def demo_request() -> dict[str, Any]:
@@ -195,11 +201,12 @@ class Answer:
     reference_logprobs: list[float]
     seconds: float  # EPDClient.generate, end to end
     served: dict[str, dict[str, tuple[int, float]]]  # engine -> path -> (requests, seconds)
-    image_hashes: list[str]  # vLLM's mm_hash of each picture: its folder in the EC store
+    image_hashes: list[str]  # each picture's key (content-only: no weights version), its folder in the EC store
     ec_store: str  # in the pod's /dev/shm
-    ec_files: dict[str, list[tuple[str, int]]]  # mm_hash -> (file, bytes), written by the prime
+    ec_files: dict[str, list[tuple[str, int]]]  # folder (a picture's key) -> (file, bytes), written by the prime
     kv_files: list[tuple[str, int]]  # what prefill wrote for decode
     pod: dict[str, Any]  # the unit's pod, as the API server has it after the request
+    repeats: Repeats | None = None  # the same picture through the front door, again and again
 
     @property
     def max_logprob_difference(self) -> float:
@@ -210,14 +217,30 @@ class Answer:
         return self.token_ids == self.reference_token_ids and self.max_logprob_difference <= 1e-3
 
 
+@dataclasses.dataclass(frozen=True)
+class Repeats:
+    """REPEATED sent REPEATS times through the front door with the openai SDK, then once with a
+    new X-EPD-Weights-Version: the encoder's requests (vLLM's own /metrics) after each."""
+
+    primes: int  # encoder requests for the REPEATS sends
+    primes_new_version: int  # encoder requests for the one send under NEW_VERSION
+    seconds: list[float]  # each send, end to end
+    answers: list[list[int]]  # token ids of each send, the new version's last
+
+
 def manifests(claim: str) -> list[dict[str, Any]]:
     """The tiny model's two EPDDeployments for the real node: the unit (encoder + prefill + decode
     behind vllm-router; prefill hands its KV cache to decode through KV_STORE, a folder of the
     pod's /dev/shm) and the aggregated reference (one engine, no EC config)."""
     # A picture its encoder cannot prime is refused within PRIME_TIMEOUT_SECONDS (the default,
     # 600 s, waits as long as epd_client's deadline): the demo's failure recipe shows it.
+    # The EPD gateway is the front door: it sends each request to the unit that holds its media.
     unit = real_node.node_manifest(
-        NAME, claim, serving.prefill_decode_groups(Path(KV_STORE)), proxy={"primeTimeoutSeconds": PRIME_TIMEOUT_SECONDS}
+        NAME,
+        claim,
+        serving.prefill_decode_groups(Path(KV_STORE)),
+        proxy={"primeTimeoutSeconds": PRIME_TIMEOUT_SECONDS},
+        gateway={"enabled": True},
     )
     reference = real_node.node_manifest(REFERENCE, claim, [{"workerType": "regular", "numGpus": 1}])
     return [unit, reference]
@@ -269,8 +292,45 @@ def serve(cluster: Any, namespace: str, *, timeout: float = 1500) -> Answer:
     status = get_json(cluster, "epd", NAME, "-n", namespace)["status"]
     found = {name: serving.discover_ready(cluster.kubeconfig, name, namespace) for name in (NAME, REFERENCE)}
     answer = asyncio.run(_ask(cluster, namespace, status["models"][0]["ecStoragePath"], found[NAME], found[REFERENCE]))
+    wait_for(lambda: _gateway_ready(cluster, namespace), 300, f"the gateway of epd/{NAME} Ready")
+    answer.repeats = repeat(answer.front_url, answer.engine_urls["encoder-0"])
     print_answer(answer)
     return answer
+
+
+def _gateway_ready(cluster: Any, namespace: str) -> bool:
+    deployment = get_json(cluster, "deployment", f"{NAME}-{serving.MODEL}-gateway", "-n", namespace) or {}
+    return bool(deployment.get("status", {}).get("readyReplicas"))
+
+
+def repeat(front_url: str, encoder_url: str) -> Repeats:
+    """REPEATED through the front door REPEATS times, as any OpenAI client sends it, then once
+    under NEW_VERSION; the encoder's requests counted by its own /metrics."""
+    client = openai.OpenAI(base_url=front_url + "/v1", api_key="none", max_retries=0, timeout=300)
+    content: list[Any] = [REPEATED.part, {"type": "text", "text": "what is this?"}]
+
+    def primes() -> int:
+        return payloads.served_requests(encoder_url).get("/v1/chat/completions", 0)
+
+    def send(headers: dict[str, str] | None = None) -> list[int]:
+        started = time.monotonic()
+        answer = client.chat.completions.create(
+            model=tiny_model.SERVED_NAME,
+            messages=[{"role": "user", "content": content}],
+            max_tokens=8,
+            temperature=0,
+            extra_body={"return_token_ids": True, "ignore_eos": True},
+            extra_headers=headers,
+        )
+        seconds.append(time.monotonic() - started)
+        return list(getattr(answer.choices[0], "token_ids", None) or [])
+
+    seconds: list[float] = []
+    before = primes()
+    answers = [send() for _ in range(REPEATS)]
+    after = primes()
+    answers.append(send({"X-EPD-Weights-Version": NEW_VERSION}))
+    return Repeats(after - before, primes() - after, seconds, answers)
 
 
 def _unit_pod(cluster: Any, namespace: str) -> dict[str, Any] | None:
@@ -314,7 +374,7 @@ async def _ask(
     (reference,) = reference_endpoints.model(serving.MODEL).units
     reference_url = reference.entry_url
     assert reference_url is not None, "the reference's status names no entry"
-    # The reference renders the same request: its mm_hashes name each picture's EC folder.
+    # The reference renders the same request (unkeyed there: its engine names items by content).
     rendered = post(reference_url, "/v1/chat/completions/render", request)
     ref_ids, ref_logprobs = payloads.output(post(reference_url, "/inference/v1/generate", rendered))
     decode = next(url for name, url in engine_urls.items() if name.startswith("decode"))
@@ -337,7 +397,7 @@ async def _ask(
         ref_logprobs,
         seconds,
         served,
-        payloads.image_hashes(rendered),
+        [media_key(item, "") for item in media_items(request["messages"])],
         ec_store,
         ec_files,
         kv_files,
@@ -431,7 +491,7 @@ def print_answer(answer: Answer) -> None:
         "http_request_duration_seconds; the encoder never renders or generates)"
     )
 
-    _section(f"what the prime wrote: the EC store {answer.ec_store}")
+    _section(f"what the prime wrote: the EC store {answer.ec_store}, a folder per picture named by its key")
     for i, mm_hash in enumerate(answer.image_hashes, 1):
         files = answer.ec_files.get(mm_hash, [])
         listing = ", ".join(f"{mm_hash}/{name} ({_size(size)})" for name, size in files) or "(nothing new)"
@@ -447,6 +507,9 @@ def print_answer(answer: Answer) -> None:
     _section("the answer")
     print(f"  text       {answer.text!r}")
     print(f"  token ids  {answer.token_ids}")
+
+    if answer.repeats is not None:
+        _print_repeats(answer.repeats, answer.front_url)
 
     _section("the same request on an aggregated engine (one vLLM engine, no disaggregation)")
     print(f"  token ids  {answer.reference_token_ids}")
@@ -473,6 +536,24 @@ def print_answer(answer: Answer) -> None:
             )
         )
     _table(kubelet)
+
+
+def _print_repeats(repeats: Repeats, front_url: str) -> None:
+    _section(f"the same picture {REPEATS} times through the front door, as a GRPO group sends one prompt")
+    print(f"  picture   {REPEATED.describe()}")
+    print(f"  client    the official openai SDK, base URL {front_url}/v1 (the model's EPD gateway)")
+    times = ", ".join(f"{s:.2f}s" for s in repeats.seconds[:REPEATS])
+    print(
+        f"  sends 1-{REPEATS}  encoder requests: {repeats.primes} (the first send primed it; the others found its "
+        "embedding in the unit's EC store and were not primed)"
+    )
+    print(f"            each send end to end: {times}")
+    print(
+        f"  send {REPEATS + 1}    with X-EPD-Weights-Version: {NEW_VERSION}: encoder requests: "
+        f"{repeats.primes_new_version} (a new weights version names the picture anew: never the old embedding)"
+    )
+    same = all(a == repeats.answers[0] for a in repeats.answers)
+    print(f"  answers   identical token ids across the {REPEATS + 1} sends: {'yes' if same else 'NO'}")
 
 
 def _table(rows: list[tuple[str, ...]]) -> None:
@@ -503,7 +584,10 @@ def print_explore(answer: Answer, cluster: Any, namespace: str) -> None:
     print(f"  operator   kubectl -n {namespace} logs deploy/{OPERATOR_DEPLOYMENT}")
     encoder = answer.engine_urls["encoder-0"]
     entry = answer.engine_urls.get("proxy") or answer.engine_urls["router"]
-    print(f"  openai     OpenAI base URL: {answer.front_url}/v1 (the front Service: any OpenAI client gets EPD)")
+    print(
+        f"  openai     OpenAI base URL: {answer.front_url}/v1 (the front Service, the model's EPD gateway: any "
+        "OpenAI client gets EPD)"
+    )
     image = payloads.data_url(SECOND.png)
     ask = {
         "model": tiny_model.SERVED_NAME,
@@ -562,10 +646,12 @@ def print_explore(answer: Answer, cluster: Any, namespace: str) -> None:
     engine_core = f"kubectl -n {namespace} exec {pod} -c encoder-0 -- pkill -{{}} -f EngineCore"
     print(
         f"\n  {FAILURE_HEADING}: its engine stopped (SIGSTOP: it hangs, its /health still answers), the\n"
-        f"  picture is refused after the unit's proxy.primeTimeoutSeconds ({PRIME_TIMEOUT_SECONDS} s here), never\n"
+        f"  picture under a weights version of its own (its unit holds no embedding of it for that version)\n"
+        f"  is refused after the unit's proxy.primeTimeoutSeconds ({PRIME_TIMEOUT_SECONDS} s here), never\n"
         "  encoded on a consumer (the SDK raises openai.InternalServerError: Error code: 502); then it serves again:\n"
     )
     print(f"    {engine_core.format('STOP')}")
-    print(f'    {sys.executable} -c {shlex.quote(sdk(", max_retries=0"))} "$IMG"')
+    fresh = ", max_retries=0, default_headers={'X-EPD-Weights-Version': 'encoder-stopped'}"
+    print(f'    {sys.executable} -c {shlex.quote(sdk(fresh))} "$IMG"')
     print(f"    {engine_core.format('CONT')}")
     print()

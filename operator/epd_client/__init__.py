@@ -7,6 +7,8 @@ arguments. ``media_items`` says which content parts are media (what every prime 
 kopf nor kubernetes (``discover`` loads the latter when called).
 """
 
+from ._affinity import Choice, affinity_key
+from ._affinity import choose as choose_unit
 from ._client import EPDClient, Session, prime_encoder
 from ._discovery import discover
 from ._endpoints import Endpoints, Engine, ModelEndpoints, SupportsEncoderEndpoints, Unit
@@ -22,7 +24,7 @@ from ._errors import (
     RequestError,
 )
 from ._media import KINDS as MEDIA_KINDS
-from ._media import MediaItem, MediaPartError, media_items
+from ._media import MediaItem, MediaPartError, is_key, key_generation, key_of, media_items, media_key, write_keys
 from ._prime import HASHED_FIELDS, Primer, prime_body
 from ._retry import RetryPolicy
 from ._sync import generate_sync, prime_encoder_sync
@@ -31,6 +33,7 @@ from ._vime import VimeRolloutArgs, vime_rollout_args
 __all__ = [
     "HASHED_FIELDS",
     "MEDIA_KINDS",
+    "Choice",
     "DiscoveryError",
     "EPDClient",
     "EPDClientError",
@@ -52,11 +55,18 @@ __all__ = [
     "SupportsEncoderEndpoints",
     "Unit",
     "VimeRolloutArgs",
+    "affinity_key",
+    "choose_unit",
     "discover",
     "generate_sync",
+    "is_key",
+    "key_generation",
+    "key_of",
     "media_items",
+    "media_key",
     "prime_body",
     "prime_encoder",
     "prime_encoder_sync",
     "vime_rollout_args",
+    "write_keys",
 ]

@@ -10,11 +10,20 @@ from contextlib import asynccontextmanager
 from typing import Any, Literal, Self
 from urllib.parse import urlencode
 
+from ._affinity import affinity_key
 from ._endpoints import Endpoints, Engine, ModelEndpoints, SupportsEncoderEndpoints, Unit
-from ._errors import EndpointsError, EngineError, InvalidResponseError, NoReadyUnitError, RequestError
+from ._errors import (
+    EndpointsError,
+    EngineError,
+    InvalidResponseError,
+    MediaFailure,
+    NoReadyUnitError,
+    PrimeError,
+    RequestError,
+)
 from ._http import Connection, Transport, Verify, json_body
 from ._media import MediaItem, Message, copy_messages, media_items, write_keys
-from ._prime import HASHED_FIELDS, TransferParams, prime_items
+from ._prime import HASHED_FIELDS, TransferParams, prime_items, short
 from ._retry import RetryPolicy
 
 _RENDER = "/v1/chat/completions/render"
@@ -52,6 +61,7 @@ class EPDClient:
         self.weights_version = weights_version
         self._transport = Transport(retry or RetryPolicy(), max_concurrency, Connection(api_key, headers, verify))
         self._outstanding: Counter[tuple[str, str]] = Counter()
+        self._without_endpoint: set[str] = set()
         self._rotation = itertools.count()
 
     async def __aenter__(self) -> Self:
@@ -78,13 +88,19 @@ class EPDClient:
         slot = (model.name, unit.name)
         self._outstanding[slot] += 1
         try:
-            yield Session(self._transport, model, unit, self.weights_version)
+            yield Session(self._transport, model, unit, self.weights_version, self._without_endpoint)
         finally:
             self._outstanding[slot] -= 1
 
     async def generate(self, request: Mapping[str, Any], *, key: str | None = None, model_name: str = "default") -> Any:
         """Prime the request's images, render, generate, all on one unit; returns the
-        generate response JSON."""
+        generate response JSON. Without a ``key`` the request is placed as the EPD gateway
+        places it (``affinity_key``: its ``user`` field, else its first media part's key), so
+        repeats of a picture go back to the unit that holds its embedding."""
+        if key is None:
+            messages = request.get("messages")
+            items = media_items(messages) if isinstance(messages, list) else []
+            key = affinity_key(items, user=request.get("user"), weights_version=self.weights_version)
         async with self.session(key, model_name=model_name) as session:
             return await session.generate(request)
 
@@ -138,18 +154,17 @@ class EPDClient:
     async def _prime_on(
         self, model: ModelEndpoints, items: list[MediaItem], extra_body: Mapping[str, Any] | None = None
     ) -> TransferParams:
-        """Prime on the model's chosen unit, items keyed already."""
+        """Prime on the model's chosen unit, items keyed already (through its proxy, if any:
+        the keys it answers are written into the parts)."""
         async with self.session(model_name=model.name) as session:
-            return await _prime(self._transport, model, session.unit, items, extra_body)
+            return await session._prime_items(items, extra_body or {}, keyed=True)
 
     def _choose(self, model: ModelEndpoints, key: str | None) -> Unit:
-        if key is not None:
-            return model.unit_for(key)
-        ready = model.ready_units()
-        # Least open sessions; the rotating start breaks ties so idle units take turns.
-        start = next(self._rotation) % len(ready)
-        order = ready[start:] + ready[:start]
-        return min(order, key=lambda u: self._outstanding[(model.name, u.name)])
+        """The key's unit under this client's open sessions (bounded load: the EPD gateway's
+        function); without a key the unit with the fewest, idle units taking turns."""
+        loads = {unit: n for (name, unit), n in self._outstanding.items() if name == model.name and n}
+        unit, _ = model.choose(key, loads, start=next(self._rotation))
+        return unit
 
 
 class Session:
@@ -161,23 +176,72 @@ class Session:
         model: ModelEndpoints,
         unit: Unit,
         weights_version: str | None = None,
+        without_endpoint: set[str] | None = None,
     ) -> None:
         self._transport = transport
         self.model = model
         self.unit = unit
         self.weights_version = weights_version
+        # Proxies of operators before POST /epd/v1/prime pass it on (a 404): the client's own
+        # record of them, whose units' encoders it primes itself.
+        self._without_endpoint = without_endpoint if without_endpoint is not None else set()
+        self.lease: str | None = None
+        """The lease the unit's proxy granted on what the last ``prime`` primed or found: send it
+        as the ``X-EPD-Lease`` header with your render and generate (``generate`` does), and the
+        unit's janitor evicts none of it until they are done."""
 
     async def prime(
         self, messages: Iterable[Message], *, extra_body: Mapping[str, Any] | None = None
     ) -> TransferParams:
         """Encode every media item of ``messages`` on this unit's encoders (see
-        prime_encoder). With a weights version, writes each part's key into ``messages``:
-        render them as they are afterwards. Returns the ``ec_transfer_params`` to send with
-        render (a ``Pools`` model's; empty otherwise). ``extra_body``: as prime_encoder's."""
-        items = media_items(messages)
-        if self.weights_version is not None:
+        prime_encoder). With a weights version, or through the unit's EPD proxy, writes each
+        part's key into ``messages``: render them as they are afterwards. Returns the
+        ``ec_transfer_params`` to send with render (a ``Pools`` model's; empty otherwise).
+        ``extra_body``: as prime_encoder's."""
+        return await self._prime_items(media_items(messages), extra_body or {})
+
+    async def _prime_items(
+        self, items: list[MediaItem], extra_body: Mapping[str, Any], *, keyed: bool = False
+    ) -> TransferParams:
+        """Key the items (with a weights version, unless ``keyed`` already) and prime them:
+        through the unit's proxy, which primes only what its EC store lacks and answers the
+        keys (written into the items' parts; it keeps those they carry), else on the unit's
+        encoders directly. ``extra_body``: fields every prime carries (the request's hashed
+        fields)."""
+        if self.weights_version is not None and not keyed:
             write_keys(items, self.weights_version)
+        proxy = _proxy_url(self.model, self.unit)
+        if items and proxy is not None and proxy not in self._without_endpoint:
+            try:
+                return await self._prime_through(proxy, items, extra_body)
+            except RequestError as exc:
+                if exc.status_code != 404:
+                    raise PrimeError(
+                        self.unit.name, len(items), [_failure(i, item, exc) for i, item in enumerate(items)]
+                    ) from exc
+                self._without_endpoint.add(proxy)  # an older proxy: it passed the path on
         return await _prime(self._transport, self.model, self.unit, items, extra_body)
+
+    async def _prime_through(self, proxy: str, items: list[MediaItem], extra_body: Mapping[str, Any]) -> TransferParams:
+        """POST /epd/v1/prime to the unit's proxy: one message holding every item, in order."""
+        body = {**extra_body, "model": self.model.served_name}
+        body["messages"] = [{"role": "user", "content": [i.part for i in items]}]
+        # The proxy keeps the keys the parts carry, and keys the others by this version
+        # (content-only without one, unless the model's weights are versioned: refused).
+        headers = {_VERSION_HEADER: self.weights_version} if self.weights_version is not None else None
+        answer = json_body(await self._transport.post((proxy,), _PRIME_THROUGH, body, headers=headers), _PRIME_THROUGH)
+        keys = answer.get("keys") if isinstance(answer, dict) else None
+        if not isinstance(keys, list) or len(keys) != len(items):
+            raise InvalidResponseError(
+                _PRIME_THROUGH, (proxy,), attempts=1, reason=f"answered no key for each of the {len(items)} part(s)"
+            )
+        for item, key in zip(items, keys, strict=True):
+            if isinstance(key, str):
+                item.part["uuid"] = key  # type: ignore[index]  # the name its embedding is stored under
+        lease = answer.get("lease")
+        self.lease = lease if isinstance(lease, str) else None
+        params = answer.get("ec_transfer_params")
+        return dict(params) if isinstance(params, Mapping) else {}
 
     async def generate(self, request: Mapping[str, Any]) -> Any:
         """Prime, then ``/v1/chat/completions/render`` and ``/inference/v1/generate``
@@ -190,23 +254,27 @@ class Session:
         entry = self.unit.entry
         if entry is None:
             raise EndpointsError(f"unit {self.unit.name!r} has no router or consumer URL")
-        if self.weights_version is not None and request.get("messages"):
+        if request.get("messages"):  # keys are written into the copy, never into the caller's
             request = {**request, "messages": copy_messages(request["messages"])}
+        self.lease = None
         hashed = {name: request[name] for name in HASHED_FIELDS if request.get(name)}
-        params = await self.prime(request.get("messages") or (), extra_body=hashed)
+        params = await self._prime_items(media_items(request.get("messages") or ()), hashed)
         body = {"model": self.model.served_name, **request}
         if params:
             body["ec_transfer_params"] = {**params, **(request.get("ec_transfer_params") or {})}
-        rendered = await self._call(entry, _RENDER, body, idempotent=True)
+        headers = {_LEASE_HEADER: self.lease} if self.lease else None
+        rendered = await self._call(entry, _RENDER, body, idempotent=True, headers=headers)
         if params:
             rendered = _carry_transfer_params(rendered, body["ec_transfer_params"])
         # Not idempotent: a generate that reached the entry may run though its answer was lost.
-        return await self._call(entry, _GENERATE, rendered, idempotent=False)
+        return await self._call(entry, _GENERATE, rendered, idempotent=False, headers=headers)
 
-    async def _call(self, entry: Engine, path: str, body: Any, *, idempotent: bool) -> Any:
+    async def _call(
+        self, entry: Engine, path: str, body: Any, *, idempotent: bool, headers: Mapping[str, str] | None = None
+    ) -> Any:
         assert entry.url is not None
         try:
-            response = await self._transport.post((entry.url,), path, body, idempotent=idempotent)
+            response = await self._transport.post((entry.url,), path, body, idempotent=idempotent, headers=headers)
             return json_body(response, path)
         except InvalidResponseError as exc:
             raise EngineError(f"POST {path}", self.model.name, 1, [(entry, exc)]) from exc
@@ -337,6 +405,24 @@ async def _prime(
     return await prime_items(
         transport, items, encoders, model=model.served_name, pooled=model.pooled, unit=unit.name, extra_body=extra_body
     )
+
+
+_PRIME_THROUGH = "/epd/v1/prime"
+_VERSION_HEADER = "X-EPD-Weights-Version"
+_LEASE_HEADER = "X-EPD-Lease"
+
+
+def _proxy_url(model: ModelEndpoints, unit: Unit) -> str | None:
+    """The unit's EPD proxy, if it has one: its front door when that is neither its router nor a
+    consumer. A Pools model's units are primed on the pool directly (as before)."""
+    front = unit.front_url
+    if model.pooled or not unit.encoder_urls or front is None:
+        return None
+    return None if front == unit.router_url or front in unit.consumer_urls else front
+
+
+def _failure(index: int, item: MediaItem, error: RequestError) -> MediaFailure:
+    return MediaFailure(index, short(item.source), error.urls, error, item.kind)
 
 
 def _carry_transfer_params(rendered: Any, params: TransferParams) -> Any:

@@ -3,11 +3,11 @@ URLs, a Vime args object, or an EPDDeployment status and the EndpointSlices it n
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, overload
 
+from ._affinity import BALANCE, Choice, choose
 from ._errors import EndpointsError, NoReadyUnitError
 
 ENCODER = "encoder"
@@ -149,18 +149,30 @@ class ModelEndpoints:
             raise NoReadyUnitError(f"model {self.name!r} has no ready unit (of {len(self.units)})")
         return ready
 
-    def unit_for(self, key: str) -> Unit:
-        """The ready unit that serves ``key`` (a sample, session or conversation id), as
-        ``EPDClient.generate`` and ``session`` choose it: stable for a key while its unit stays
-        ready (rendezvous hashing)."""
-        if not isinstance(self.units, UnitTable):
-            return rendezvous(self.ready_units(), key)
-        names = self.units.ready_names()
+    def unit_for(self, key: str, loads: Mapping[str, int] | None = None) -> Unit:
+        """The ready unit that serves ``key`` (a sample, session or conversation id, or a media
+        key), as ``EPDClient`` and the EPD gateway choose it: stable for a key while its unit
+        stays ready (rendezvous hashing); with ``loads`` (requests in flight by unit name), the
+        next unit in the key's order while its own holds more than its share (bounded load,
+        ``epd_client._affinity``)."""
+        return self.choose(key, loads)[0]
+
+    def choose(
+        self, key: str | None, loads: Mapping[str, int] | None = None, *, start: int = 0, balance: float = BALANCE
+    ) -> tuple[Unit, Choice]:
+        """``unit_for``, and whether the unit is the key's own (``Choice``); without a key the
+        least loaded ready unit, ties broken from ``start`` on. ``balance``: the most a unit
+        may hold, over the mean of requests in flight."""
+        if isinstance(self.units, UnitTable):
+            names = self.units.ready_names()
+        else:
+            names = [u.name for u in self.units if u.ready]
         if not names:
             raise NoReadyUnitError(f"model {self.name!r} has no ready unit (of {len(self.units)})")
-        chosen = self.units.named(max(names, key=_weigher(key)))
-        assert chosen is not None  # one of its own names
-        return chosen
+        choice = choose(key, names, loads, start=start, balance=balance)
+        unit = self.unit(choice.unit)
+        assert unit is not None  # one of its own names
+        return unit, choice
 
     def engines(self, role: str | None = None) -> tuple[Engine, ...]:
         """Every engine of every unit (ready or not), or only those of ``role``; with
@@ -374,23 +386,3 @@ def _model_from_status(model: Mapping[str, Any], found: Mapping[str, Mapping[str
     return ModelEndpoints(
         model["name"], units, model.get("servedModelName"), model.get("placement") or "Unit", pool_engines
     )
-
-
-def rendezvous(units: Sequence[Unit], key: str) -> Unit:
-    """Highest-random-weight choice: stable for a key, and when a unit leaves only its own
-    keys move (a modulo hash would reshuffle almost all of them)."""
-    weight = _weigher(key)
-    return max(units, key=lambda u: weight(u.name))
-
-
-def _weigher(key: str) -> Callable[[str], bytes]:
-    """A unit's weight for ``key``: blake2b of ``key NUL unit``. The key's prefix is hashed once
-    and copied for each unit, which halves the cost over thousands of units."""
-    prefix = hashlib.blake2b(f"{key}\0".encode(), digest_size=8)
-
-    def weight(unit: str) -> bytes:
-        hashed = prefix.copy()
-        hashed.update(unit.encode())
-        return hashed.digest()
-
-    return weight

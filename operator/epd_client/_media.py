@@ -65,9 +65,10 @@ _KEY_ORDER = (
     "tool_reference",
 )
 
-# Keys this library writes: recognised so that a reused message gets the key of the current
-# version, while a uuid the caller chose is left alone.
-_OWN_KEY = re.compile(r"epd-[0-9a-f]{32}")
+# Keys this library writes (and the EPD proxy's later generations of them, ``<key>-<n>``):
+# recognised so that a reused message gets the key of the current version, while a uuid the
+# caller chose is left alone.
+_OWN_KEY = re.compile(r"(epd-[0-9a-f]{32})(?:-[1-9][0-9]*)?")
 
 
 @dataclass(frozen=True)
@@ -224,6 +225,27 @@ def media_key(item: MediaItem, weights_version: str) -> str:
         data = field.encode()
         digest.update(len(data).to_bytes(8, "little") + data)  # unambiguous concatenation
     return f"epd-{digest.hexdigest()}"
+
+
+def key_generation(key: str, generation: int) -> str:
+    """The store name of a key's ``generation``: the key itself, then ``<key>-1``, ``<key>-2``...
+    The EPD proxy moves a part to its next generation when its encoder answered a prime of the
+    key but wrote no embedding (it still held the key's embedding in memory after the janitor
+    evicted the file: vLLM's encoder cache is asked before the EC store)."""
+    return key if generation == 0 else f"{key}-{generation}"
+
+
+def is_key(name: object) -> bool:
+    """Whether ``name`` is a key of ours, first generation (what ``write_keys`` writes)."""
+    found = _OWN_KEY.fullmatch(name) if isinstance(name, str) else None
+    return found is not None and found.group(1) == name
+
+
+def key_of(name: str) -> str:
+    """The key a store name belongs to: ``<key>`` for any generation of one of our keys, else
+    the name itself (a caller's own uuid, or vLLM's content hash)."""
+    found = _OWN_KEY.fullmatch(name)
+    return found.group(1) if found else name
 
 
 def write_keys(items: Iterable[MediaItem], weights_version: str) -> None:

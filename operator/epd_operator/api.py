@@ -257,6 +257,18 @@ class ModelSpec(Schema):
     encoder_pool: EncoderPool | None = Field(
         default=None, description="The encoder pool's pods (placement Pools): /dev/shm and scheduling."
     )
+    weights_version: str | None = Field(
+        default=None,
+        max_length=128,
+        pattern=r"^[\x21-\x7e]+$",
+        description=(
+            "The version of the model's weights (e.g. step-42), bumped by an RL trainer after each weight sync: "
+            "the model's EPD gateway sends it with every request that carries none (X-EPD-Weights-Version), and "
+            "the units' proxies key each media part by it, so no request is served an embedding of older weights. "
+            "Changing it restarts nothing; setting or unsetting it rolls the units once (their proxies then refuse "
+            "media requests without a version). Needs spec.gateway.enabled."
+        ),
+    )
 
     @property
     def served_name(self) -> str:
@@ -574,6 +586,41 @@ class Proxy(Schema):
         return Limits(**{name: value for name, value in given.items() if value is not None})
 
 
+class Gateway(Schema):
+    """The EPD gateway in front of each model's units (`epd-operator gateway`, the operator's
+    image, docs/proxy.md): the model's front Service targets it, and it sends each request to the
+    unit that holds its media, with the model's weights version."""
+
+    enabled: bool = Field(
+        default=False,
+        description=(
+            "A Deployment of the gateway per model with an EPD proxy; its front Service targets the gateway, "
+            "which sends each request to the ready unit its conversation or first picture prefers (bounded load), "
+            "so a repeated picture is primed once per weights version and not once per unit. It reads the "
+            "EPDDeployment and the units' EndpointSlices with a Role of its own (list and watch: nothing else)."
+        ),
+    )
+    replicas: int = Field(default=1, ge=1, le=100, description="Gateway pods per model.")
+    max_load_percent: int = Field(
+        default=125,
+        ge=100,
+        le=1000,
+        description=(
+            "The most requests in flight a unit takes, in percent of the mean over the ready units, before a "
+            "request goes to its key's next unit (where its pictures are primed again). Higher: fewer pictures "
+            "encoded twice, more load on the units that hold hot pictures (docs/proxy.md measures 125, 150 "
+            "and 200)."
+        ),
+    )
+    resources: ResourceRequirements | None = Field(default=None, description="The gateway container's resources.")
+    node_selector: dict[str, str] | None = Field(
+        default=None, max_length=32, description="The gateway pods' nodeSelector; default: spec.nodeSelector."
+    )
+    tolerations: list[OpenObject] | None = Field(
+        default=None, max_length=32, description="The gateway pods' tolerations; default: spec.tolerations."
+    )
+
+
 class NetworkPolicySpec(Schema):
     """Who reaches the pods of the EPDDeployment (a NetworkPolicy the operator owns). Each pod is
     always reachable by the EPDDeployment's own pods (units and encoder pools), on every port."""
@@ -776,6 +823,7 @@ class EPDDeploymentSpec(Schema):
     router: Router = Field(default_factory=Router, description="vllm-router settings.")
     service: FrontService = Field(default_factory=FrontService, description="Each model's front Service.")
     proxy: Proxy = Field(default_factory=Proxy, description="The EPD proxy in front of each unit.")
+    gateway: Gateway = Field(default_factory=Gateway, description="The EPD gateway in front of each model's units.")
     network_policy: NetworkPolicySpec = Field(
         default_factory=NetworkPolicySpec, description="Who reaches the pods (a NetworkPolicy the operator owns)."
     )

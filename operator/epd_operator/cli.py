@@ -114,7 +114,6 @@ def _janitor(args: argparse.Namespace) -> None:
 
 def _proxy(args: argparse.Namespace) -> None:
     from .proxy.encoders import Ejection
-    from .proxy.media_urls import MediaURLPolicy
     from .proxy.server import run_proxy
 
     limits = proxy_limits(args)
@@ -135,9 +134,42 @@ def _proxy(args: argparse.Namespace) -> None:
         ejection=Ejection.given(args.eject_after_failures, args.ejection_base_seconds, args.ejection_max_seconds),
         limits=limits,
         pooled=args.placement == "Pools",
+        ec_store=args.ec_store,
+        require_weights_version=args.require_weights_version,
         shutdown_timeout_seconds=args.shutdown_timeout_seconds,
         log_level=args.log_level,
-        media=MediaURLPolicy(frozenset(args.allowed_media_domains), args.media_allow_private_networks),
+        media=media_policy(args),
+    )
+
+
+def _gateway(args: argparse.Namespace) -> None:
+    from .proxy.gateway import parse_units, run_gateway
+
+    try:
+        units = parse_units(args.unit)
+    except ValueError as error:
+        raise SystemExit(f"epd-operator gateway: {error}") from None
+    if not units and not (args.namespace and args.deployment and args.units_service):
+        raise SystemExit(
+            "epd-operator gateway: give --namespace, --deployment and --units-service (the gateway watches them), "
+            "or --unit NAME=URL for fixed units"
+        )
+    run_gateway(
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        model=args.model,
+        units=units,
+        weights_version=args.weights_version,
+        namespace=args.namespace,
+        deployment=args.deployment,
+        units_service=args.units_service,
+        balance=args.max_load_percent / 100,
+        request_timeout_seconds=args.request_timeout_seconds,
+        limits=proxy_limits(args),
+        shutdown_timeout_seconds=args.shutdown_timeout_seconds,
+        log_level=args.log_level,
+        media=media_policy(args),
     )
 
 
@@ -243,6 +275,19 @@ def _add_proxy_parser(sub: Any) -> None:
         "forwarded request carries so the consumer pulls each embedding from its encoder",
     )
     proxy.add_argument(
+        "--ec-store",
+        metavar="PATH",
+        help="placement Unit with ECExampleConnector: the unit's EC store (its shared_storage_path, mounted here). "
+        "A media part the store holds already is not primed again, and what requests rely on is leased against "
+        "the janitor's evictions",
+    )
+    proxy.add_argument(
+        "--require-weights-version",
+        action="store_true",
+        help="refuse media requests without an X-EPD-Weights-Version header (the model's weights are versioned: "
+        "its EPD gateway stamps the version on what it forwards)",
+    )
+    proxy.add_argument(
         "--metrics-port", type=_port, default=PROXY_METRICS_PORT, help="port of the proxy's own /metrics and /health"
     )
     proxy.add_argument(
@@ -292,7 +337,79 @@ def _add_proxy_parser(sub: Any) -> None:
         help="on SIGTERM, how long requests in flight may take to finish (keep it under the pod's "
         "terminationGracePeriodSeconds)",
     )
+    _add_media(proxy)
     proxy.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="a prime failure is a WARNING line",
+    )
+    proxy.set_defaults(func=_proxy)
+
+
+def _add_gateway_parser(sub: Any) -> None:
+    gateway = sub.add_parser(
+        "gateway",
+        help="the EPD gateway: sends each request to the unit that holds its media, with the weights version",
+        description="Serve in front of a model's units (its front Service targets the gateway): each request goes "
+        "to a ready unit's EPD proxy, the one its conversation or its first picture prefers (rendezvous hashing "
+        "with bounded load, epd_client's), so repeats find their embeddings stored; the model's "
+        "spec.models[].weightsVersion goes with it as X-EPD-Weights-Version unless the client sent one. The "
+        "units and the version come from watching the EPDDeployment and its units' EndpointSlices. "
+        "Example: epd-operator gateway --namespace team-a --deployment demo --model actor "
+        "--units-service demo-actor-units. docs/proxy.md.",
+    )
+    gateway.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    gateway.add_argument(
+        "--port", type=_port, default=8000, help="port to listen on: the one the front Service targets"
+    )
+    gateway.add_argument(
+        "--metrics-port", type=_port, default=PROXY_METRICS_PORT, help="port of the gateway's /metrics, /health, /ready"
+    )
+    gateway.add_argument("--model", required=True, help="the model of the EPDDeployment whose units it fronts")
+    gateway.add_argument("--namespace", help="the EPDDeployment's namespace")
+    gateway.add_argument("--deployment", help="the EPDDeployment's name")
+    gateway.add_argument(
+        "--units-service", help="the units' headless Service, whose EndpointSlices say where each unit is"
+    )
+    gateway.add_argument(
+        "--unit",
+        action="append",
+        default=[],
+        metavar="NAME=URL",
+        help="instead of watching: a unit's name and its EPD proxy's URL (repeatable; tests and benchmarks)",
+    )
+    gateway.add_argument("--weights-version", help="with --unit: the version to send with requests that carry none")
+    gateway.add_argument(
+        "--max-load-percent",
+        type=_int_at_least(100),
+        default=125,
+        help="the most requests in flight a unit takes, in percent of the mean over the ready units, before a "
+        "request goes to its key's next unit (bounded-load hashing)",
+    )
+    gateway.add_argument(
+        "--request-timeout-seconds",
+        type=_positive,
+        default=1800.0,
+        help="limit of one forwarded request, streaming included (vllm-router's default)",
+    )
+    _add_limits(gateway)
+    _add_media(gateway)
+    gateway.add_argument(
+        "--shutdown-timeout-seconds",
+        type=_positive,
+        default=25.0,
+        help="on SIGTERM, how long requests in flight may take to finish",
+    )
+    gateway.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="how much it logs"
+    )
+    gateway.set_defaults(func=_gateway)
+
+
+def _add_media(parser: argparse.ArgumentParser) -> None:
+    """The media URL policy (spec.proxy.media): the proxy's and the gateway's."""
+    parser.add_argument(
         "--allowed-media-domains",
         nargs="+",
         default=[],
@@ -301,18 +418,17 @@ def _add_proxy_parser(sub: Any) -> None:
         help="the only hosts http(s) media may come from, as vLLM's flag of the same name (an exact match of "
         "the URL's host); listed hosts may be private. Default: any public host",
     )
-    proxy.add_argument(
+    parser.add_argument(
         "--media-allow-private-networks",
         action="store_true",
         help="let media URLs name loopback, link-local, private and cluster-internal hosts (refused by default)",
     )
-    proxy.add_argument(
-        "--log-level",
-        default="INFO",
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="a prime failure is a WARNING line",
-    )
-    proxy.set_defaults(func=_proxy)
+
+
+def media_policy(args: argparse.Namespace) -> Any:
+    from .proxy.media_urls import MediaURLPolicy
+
+    return MediaURLPolicy(frozenset(args.allowed_media_domains), args.media_allow_private_networks)
 
 
 def _add_limits(proxy: argparse.ArgumentParser) -> None:
@@ -559,6 +675,7 @@ def build_parser() -> argparse.ArgumentParser:
     janitor.set_defaults(func=_janitor)
 
     _add_proxy_parser(sub)
+    _add_gateway_parser(sub)
     return parser
 
 

@@ -14,8 +14,10 @@ import kopf
 
 from . import api
 from .indexes import (
+    AccessSummary,
     BudgetSummary,
     DeploymentSummary,
+    GatewaySummary,
     Indexes,
     Key,
     NetworkPolicySummary,
@@ -36,8 +38,24 @@ STATEFUL_SETS = ("apps", "v1", "statefulsets")
 SERVICES = ("v1", "services")
 BUDGETS = ("policy", "v1", "poddisruptionbudgets")
 NETWORK_POLICIES = ("networking.k8s.io", "v1", "networkpolicies")
+# The EPD gateway (spec.gateway): its Deployments, and the ServiceAccount, Role and RoleBinding
+# they share.
+DEPLOYMENTS = ("apps", "v1", "deployments")
+SERVICE_ACCOUNTS = ("v1", "serviceaccounts")
+ROLES = ("rbac.authorization.k8s.io", "v1", "roles")
+ROLE_BINDINGS = ("rbac.authorization.k8s.io", "v1", "rolebindings")
 PODS = ("v1", "pods")
-OWN_KINDS = (STATEFUL_SETS, SERVICES, BUDGETS, NETWORK_POLICIES, PODS)
+OWN_KINDS = (
+    STATEFUL_SETS,
+    SERVICES,
+    BUDGETS,
+    NETWORK_POLICIES,
+    DEPLOYMENTS,
+    SERVICE_ACCOUNTS,
+    ROLES,
+    ROLE_BINDINGS,
+    PODS,
+)
 
 
 # ---------------------------------------------------------------------------- event filters
@@ -110,6 +128,10 @@ async def keep_indexes(memo: kopf.Memo, **indexes: Any) -> None:
             budgets=indexes["budgets"],
             pods=indexes["pods"],
             network_policies=indexes["network_policies"],
+            gateways=indexes["gateways"],
+            service_accounts=indexes["service_accounts"],
+            roles=indexes["roles"],
+            role_bindings=indexes["role_bindings"],
         )
     )
 
@@ -153,6 +175,34 @@ async def network_policies(
     return {owner_key(namespace, labels): NetworkPolicySummary.of(body)}
 
 
+@kopf.index(*DEPLOYMENTS, labels=OURS)
+async def gateways(
+    namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any
+) -> dict[Key, GatewaySummary]:
+    return {owner_key(namespace, labels): GatewaySummary.of(body)}
+
+
+@kopf.index(*SERVICE_ACCOUNTS, labels=OURS)
+async def service_accounts(
+    namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any
+) -> dict[Key, AccessSummary]:
+    return {owner_key(namespace, labels): AccessSummary.of(body)}
+
+
+@kopf.index(*ROLES, labels=OURS)
+async def roles(
+    namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any
+) -> dict[Key, AccessSummary]:
+    return {owner_key(namespace, labels): AccessSummary.of(body)}
+
+
+@kopf.index(*ROLE_BINDINGS, labels=OURS)
+async def role_bindings(
+    namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any
+) -> dict[Key, AccessSummary]:
+    return {owner_key(namespace, labels): AccessSummary.of(body)}
+
+
 @kopf.index(*PODS, labels=OURS)
 async def pods(namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any) -> dict[Key, PodSummary]:
     return {owner_key(namespace, labels): PodSummary.of(body)}
@@ -193,6 +243,10 @@ async def set_changed(
 @kopf.on.event(*SERVICES, labels=OURS)
 @kopf.on.event(*BUDGETS, labels=OURS)
 @kopf.on.event(*NETWORK_POLICIES, labels=OURS)
+@kopf.on.event(*DEPLOYMENTS, labels=OURS)
+@kopf.on.event(*SERVICE_ACCOUNTS, labels=OURS)
+@kopf.on.event(*ROLES, labels=OURS)
+@kopf.on.event(*ROLE_BINDINGS, labels=OURS)
 async def child_changed(
     memo: kopf.Memo,
     type: str,

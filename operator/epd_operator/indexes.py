@@ -177,6 +177,33 @@ class NetworkPolicySummary(ChildSummary):
         return cls(**cls._common(body))
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GatewaySummary(ChildSummary):
+    """A model's EPD gateway (a Deployment)."""
+
+    KIND: ClassVar[str] = "Deployment"
+
+    @classmethod
+    def of(cls, body: Mapping[str, Any]) -> GatewaySummary:
+        return cls(**cls._common(body))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AccessSummary(ChildSummary):
+    """The gateways' ServiceAccount, Role or RoleBinding (one summary class: `kind` says which)."""
+
+    KIND: ClassVar[str] = "ServiceAccount"
+    kind: str = "ServiceAccount"
+
+    @property
+    def ref(self) -> Ref:
+        return self.kind, self.name
+
+    @classmethod
+    def of(cls, body: Mapping[str, Any]) -> AccessSummary:
+        return cls(**cls._common(body), kind=body["kind"])
+
+
 @dataclass(frozen=True, slots=True)
 class PodSummary:
     """What status, the readiness gates and the janitor scrape read of a unit or encoder pod,
@@ -231,6 +258,10 @@ class Indexes:
     budgets: Mapping[Key, Collection[BudgetSummary]]
     pods: Mapping[Key, Collection[PodSummary]]
     network_policies: Mapping[Key, Collection[NetworkPolicySummary]] = dataclasses.field(default_factory=dict)
+    gateways: Mapping[Key, Collection[GatewaySummary]] = dataclasses.field(default_factory=dict)
+    service_accounts: Mapping[Key, Collection[AccessSummary]] = dataclasses.field(default_factory=dict)
+    roles: Mapping[Key, Collection[AccessSummary]] = dataclasses.field(default_factory=dict)
+    role_bindings: Mapping[Key, Collection[AccessSummary]] = dataclasses.field(default_factory=dict)
 
     def deployment(self, key: Key) -> DeploymentSummary | None:
         """The EPDDeployment as last seen; None once deleted."""
@@ -243,6 +274,10 @@ class Indexes:
             *self.services.get(key, ()),
             *self.budgets.get(key, ()),
             *self.network_policies.get(key, ()),
+            *self.gateways.get(key, ()),
+            *self.service_accounts.get(key, ()),
+            *self.roles.get(key, ()),
+            *self.role_bindings.get(key, ()),
         ]
 
     def owned_pods(self, key: Key) -> list[PodSummary]:

@@ -46,6 +46,9 @@ ANNOTATION_EC_STORAGE_PATH = f"{api.GROUP}/ec-storage-path"
 # Placement Pools: the encoder pool's pods carry this label (the model's name) instead of
 # LABEL_MODEL, so no Service or StatefulSet of the model's units ever selects them.
 LABEL_ENCODER_POOL = f"{api.GROUP}/encoder-pool"
+# The EPD gateway's pods carry this label (the model's name) instead of LABEL_MODEL, so no
+# Service or StatefulSet of the model's units selects them; the front Service selects them.
+LABEL_GATEWAY = f"{api.GROUP}/gateway"
 # The readiness gate of a Pools model's units: True while its encoder pool has a ready encoder.
 ENCODERS_READY_GATE = f"{api.GROUP}/encoders-ready"
 JANITOR_METRICS_PORT = api.JANITOR_METRICS_PORT
@@ -315,12 +318,7 @@ def janitor_container(spec: api.EPDDeploymentSpec, plan: ModelPlan, image: str) 
     args = ["--path", plan.ec_storage_path, "--max-bytes", str(effective_max_bytes(spec))]
     if spec.ec_storage.ttl_seconds is not None:
         args += ["--ttl-seconds", str(spec.ec_storage.ttl_seconds)]
-    # The store is under /dev/shm unless ecConnector.storageRoot names one of the user's volumes.
-    mounts = [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}] + [
-        m
-        for m in spec.volume_mounts
-        if m.get("mountPath") and plan.ec_storage_path.startswith(str(m["mountPath"]).rstrip("/") + "/")
-    ]
+    mounts = _store_mounts(spec, plan.ec_storage_path)
     return {
         "name": "janitor",
         "image": image,
@@ -337,6 +335,20 @@ def janitor_container(spec: api.EPDDeploymentSpec, plan: ModelPlan, image: str) 
         # nothing else.
         "securityContext": security_context(spec),
     }
+
+
+def _store_mounts(spec: api.EPDDeploymentSpec, store: str) -> list[dict[str, Any]]:
+    """What a container needs mounted to reach the EC store: /dev/shm, and the user's volume that
+    holds it when ecConnector.storageRoot names one."""
+    return [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}] + [
+        m for m in spec.volume_mounts if m.get("mountPath") and store.startswith(str(m["mountPath"]).rstrip("/") + "/")
+    ]
+
+
+def looks_up_store(spec: api.EPDDeploymentSpec, plan: ModelPlan) -> bool:
+    """Whether the unit's proxy looks in the unit's EC store before priming: placement Unit with
+    ECExampleConnector (its files are named by the parts' uuids, which the proxy writes)."""
+    return bool(plan.ec_storage_path) and not plan.pooled and spec.ec_connector.name == "ECExampleConnector"
 
 
 def _pod_spec(
@@ -400,13 +412,15 @@ def proxy_container(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPla
         encoders = ["--encoders-dns", f"{pool_name(deployment, plan.name)}:{ports}", "--placement", "Pools"]
     else:
         encoders = [a for e in plan.unit_encoders for a in ("--encoder", f"http://127.0.0.1:{e.port}")]
+    store = plan.ec_storage_path if looks_up_store(spec, plan) else None
+    if store:
+        encoders += ["--ec-store", store]
+    if spec.model(plan.name).weights_version is not None:  # only whether: a new version restarts nothing
+        encoders.append("--require-weights-version")
     timeout = spec.proxy.request_timeout_seconds or spec.router.request_timeout_seconds
     outliers = spec.proxy.outlier_detection
     limits = spec.proxy.limits(spec.model(plan.name))
-    media = spec.proxy.media  # the engines get the same allowed domains (engine.yaml.j2)
-    media_args = [*(("--allowed-media-domains", *media.allowed_domains) if media.allowed_domains else ())]
-    if media.allow_private_networks:
-        media_args.append("--media-allow-private-networks")
+    media_args = _media_args(spec)
     tuned: dict[str, object] = {
         "--prime-attempt-timeout-seconds": spec.proxy.prime_attempt_timeout_seconds,
         "--eject-after-failures": outliers.consecutive_failures,
@@ -442,11 +456,23 @@ def proxy_container(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPla
             {"name": "proxy-metrics", "containerPort": PROXY_METRICS_PORT},
         ],
         "resources": _resources(0, spec.proxy.resources, PROXY_RESOURCES),
+        # The EC store it looks in and leases entries of (read and write: its lease files).
+        **({"volumeMounts": _store_mounts(spec, store)} if store else {}),
         **_proxy_probes(plan.proxy.port, spec.probes),
         **_lifecycle(spec),
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": security_context(spec),
     }
+
+
+def _media_args(spec: api.EPDDeploymentSpec) -> list[str]:
+    """spec.proxy.media as the proxy's and the gateway's flags (the engines get the same allowed
+    domains: engine.yaml.j2)."""
+    media = spec.proxy.media
+    args = [*(("--allowed-media-domains", *media.allowed_domains) if media.allowed_domains else ())]
+    if media.allow_private_networks:
+        args.append("--media-allow-private-networks")
+    return args
 
 
 def _proxy_probes(port: int, probes: api.Probes) -> dict[str, Any]:
@@ -564,6 +590,8 @@ def services(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPlan) -> l
             "ports": [_service_port(plan, spec)],
         },
     }
+    # With a gateway, the front Service is the gateway's: it sends each request to a unit.
+    front_selector = gateway_selector_labels(deployment, plan.name) if has_gateway(spec, plan) else selector
     front: dict[str, Any] = {
         "apiVersion": "v1",
         "kind": "Service",
@@ -571,7 +599,7 @@ def services(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPlan) -> l
             "name": child_name(deployment, plan.name, limit=63),
             "labels": common_labels(deployment, plan.name, "router" if plan.router else "consumer"),
         },
-        "spec": {"type": spec.service.type, "selector": selector, "ports": [_service_port(plan, spec)]},
+        "spec": {"type": spec.service.type, "selector": front_selector, "ports": [_service_port(plan, spec)]},
     }
     if spec.service.annotations:
         front["metadata"]["annotations"] = dict(spec.service.annotations)
@@ -662,6 +690,162 @@ def pool_service(deployment: str, plan: ModelPlan) -> dict[str, Any]:
     }
 
 
+# --------------------------------------------------------------------------- the gateway
+
+# Measured: about 70 MiB idle, like a unit's proxy; the limit leaves room for bodies it reads.
+GATEWAY_RESOURCES = {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "1Gi"}}
+GATEWAY_CONTAINER = "gateway"
+
+
+def has_gateway(spec: api.EPDDeploymentSpec, plan: ModelPlan) -> bool:
+    """A model has a gateway when spec.gateway is on and its units have an EPD proxy to send to."""
+    return spec.gateway.enabled and plan.proxy is not None
+
+
+def gateway_name(deployment: str, model: str) -> str:
+    return child_name(deployment, model, "gateway")
+
+
+def gateway_account_name(deployment: str) -> str:
+    """The ServiceAccount, Role and RoleBinding every gateway of the deployment shares."""
+    return child_name(deployment, "", "gateway", limit=63)
+
+
+def gateway_selector_labels(deployment: str, model: str) -> dict[str, str]:
+    return {LABEL_DEPLOYMENT: deployment, LABEL_GATEWAY: model}
+
+
+def gateway_labels(deployment: str, model: str) -> dict[str, str]:
+    return {
+        LABEL_NAME: "epd",
+        LABEL_INSTANCE: deployment,
+        LABEL_COMPONENT: "gateway",
+        LABEL_MANAGED_BY: FIELD_MANAGER,
+        LABEL_ROLE: "gateway",
+        **gateway_selector_labels(deployment, model),
+    }
+
+
+def _account_labels(deployment: str) -> dict[str, str]:
+    return {
+        LABEL_NAME: "epd",
+        LABEL_INSTANCE: deployment,
+        LABEL_COMPONENT: "gateway",
+        LABEL_MANAGED_BY: FIELD_MANAGER,
+        LABEL_DEPLOYMENT: deployment,
+    }
+
+
+def gateway_deployment(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPlan, image: str) -> dict[str, Any]:
+    """The model's EPD gateway: `epd-operator gateway` from the operator's `image`, on the front
+    port (named `http`, which the front Service targets), watching the EPDDeployment and the
+    units' EndpointSlices with its own ServiceAccount. Its flags never carry the weights
+    version (it reads it from the EPDDeployment): a new version rolls nothing."""
+    assert plan.proxy is not None, "a gateway fronts the units' proxies"
+    gateway = spec.gateway
+    limits = spec.proxy.limits(spec.model(plan.name))
+    default = Limits()
+    tuned = {SPELLINGS[n][1]: v for n in SPELLINGS if (v := getattr(limits, n)) != getattr(default, n)}
+    timeout = spec.proxy.request_timeout_seconds or spec.router.request_timeout_seconds
+    port = plan.proxy.port
+    container = {
+        "name": GATEWAY_CONTAINER,
+        "image": image,
+        "command": ["epd-operator", "gateway"],
+        "args": [
+            *("--port", str(port), "--metrics-port", str(PROXY_METRICS_PORT)),
+            *("--namespace", "$(POD_NAMESPACE)", "--deployment", deployment, "--model", plan.name),
+            *("--units-service", child_name(deployment, plan.name, "units", limit=63)),
+            *("--request-timeout-seconds", str(timeout)),
+            *("--max-load-percent", str(gateway.max_load_percent)),
+            *_media_args(spec),
+            *(
+                a
+                for flag, value in tuned.items()
+                for a in (flag, f"{value:g}" if isinstance(value, float) else str(value))
+            ),
+        ],
+        "env": [{"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}],
+        "ports": [
+            {"name": FRONT_PORT_NAME, "containerPort": port},
+            {"name": "gateway-metrics", "containerPort": PROXY_METRICS_PORT},
+        ],
+        "resources": _resources(0, gateway.resources, GATEWAY_RESOURCES),
+        # Ready once it knows the units (its watches answered); alive while it serves.
+        "readinessProbe": _probes(PROXY_METRICS_PORT, spec.probes, startup=False, path="/ready")["readinessProbe"],
+        "livenessProbe": _probes(PROXY_METRICS_PORT, spec.probes, startup=False)["livenessProbe"],
+        **_lifecycle(spec),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": security_context(spec),
+    }
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": gateway_account_name(deployment),
+        # The only pod of the EPDDeployment that reads the API: its Role's get, list and watch.
+        "automountServiceAccountToken": True,
+        "enableServiceLinks": False,
+        "containers": [container],
+        "securityContext": copy.deepcopy({**POD_SECURITY_CONTEXT, **(spec.pod_security_context or {})}),
+        "terminationGracePeriodSeconds": spec.termination.grace_period_seconds,
+    }
+    scheduling = {
+        "nodeSelector": spec.node_selector if gateway.node_selector is None else gateway.node_selector,
+        "tolerations": spec.tolerations if gateway.tolerations is None else gateway.tolerations,
+        "priorityClassName": spec.priority_class_name,
+        "imagePullSecrets": spec.image_pull_secrets or None,
+    }
+    pod_spec.update({k: copy.deepcopy(v) for k, v in scheduling.items() if v})
+    labels = gateway_labels(deployment, plan.name)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": gateway_name(deployment, plan.name), "labels": labels},
+        "spec": {
+            "replicas": gateway.replicas,
+            "selector": {"matchLabels": gateway_selector_labels(deployment, plan.name)},
+            "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+            # A new gateway is Ready (its watches answered) before an old one goes.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+        },
+    }
+
+
+def gateway_access(deployment: str) -> list[dict[str, Any]]:
+    """The gateways' ServiceAccount, and a Role (bound to it) that reads just what they watch: this
+    EPDDeployment (list and watch by name) and the EndpointSlices of its namespace (list and
+    watch: their names are generated, so no narrower rule exists). Nothing else, no write."""
+    name = gateway_account_name(deployment)
+    labels = _account_labels(deployment)
+    account = {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": {"name": name, "labels": labels},
+        # Only the gateway's pods mount its token (their own spec says so).
+        "automountServiceAccountToken": False,
+    }
+    role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": {"name": name, "labels": labels},
+        "rules": [
+            {
+                "apiGroups": [api.GROUP],
+                "resources": [api.PLURAL],
+                "resourceNames": [deployment],
+                "verbs": ["list", "watch"],
+            },
+            {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]},
+        ],
+    }
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": {"name": name, "labels": labels},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name}],
+    }
+    return [account, role, binding]
+
+
 # --------------------------------------------------------------------------- network policy
 
 
@@ -737,6 +921,10 @@ def desired_children(
         if plan.pooled:
             pool = pool_statefulset(spec, deployment, plan)
             children += [pool, pool_service(deployment, plan), pod_disruption_budget(spec, pool)]
+        if has_gateway(spec, plan):
+            children.append(gateway_deployment(spec, deployment, plan, operator_image))
+    if any(has_gateway(spec, plan) for plan in plans):
+        children += gateway_access(deployment)
     if spec.network_policy.enabled:
         children.append(network_policy(spec, deployment, plans, operator_namespace))
     return children

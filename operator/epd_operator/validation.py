@@ -430,6 +430,25 @@ def proxy_errors(spec: EPDDeploymentSpec) -> list[str]:
     return errors
 
 
+def gateway_errors(spec: EPDDeploymentSpec) -> list[str]:
+    """The weights version reaches requests through the gateway, and the gateway fronts the
+    units' proxies: neither works without the other."""
+    errors = []
+    if spec.gateway.enabled and not spec.proxy.enabled:
+        errors.append(
+            "spec.gateway.enabled: the gateway sends requests to the units' EPD proxies, which key and prime their "
+            "media: set spec.proxy.enabled to true, or spec.gateway.enabled to false"
+        )
+    for index, model in enumerate(spec.models):
+        if model.weights_version is not None and not spec.gateway.enabled:
+            errors.append(
+                f"spec.models[{index}].weightsVersion: the model's EPD gateway sends it with each request, and the "
+                "gateway is off: set spec.gateway.enabled to true (or leave weightsVersion unset and send the "
+                "X-EPD-Weights-Version header with each request)"
+            )
+    return errors
+
+
 HEADLESS_NEEDS_CLUSTER_IP = (
     "a headless Service has no virtual IP, which a NodePort or LoadBalancer Service needs: "
     "set spec.service.type to ClusterIP, or headless to false"
@@ -551,6 +570,7 @@ def validate(raw: dict[str, Any], *, name: str | None = None, limits: Limits | N
     errors += service_errors(spec)
     errors += termination_errors(spec)
     errors += proxy_errors(spec)
+    errors += gateway_errors(spec)
     for volume in spec.volumes:
         if "hostPath" in volume:
             errors.append(

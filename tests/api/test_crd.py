@@ -64,6 +64,7 @@ def test_open_maps_are_only_where_intended():
         "$.models[].ecConnector.extraConfig",
         "$.models[].encoderPool.tolerations[]",
         "$.models[].encoderPool.affinity",
+        "$.gateway.tolerations[]",
         "$.podSecurityContext",  # core types: the API server checks them in the pod
         "$.securityContext",
         "$.networkPolicy.clients[]",

@@ -457,6 +457,23 @@ def test_the_drain_must_end_within_the_grace_period():
     assert refusals(spec_with("encoder", "regular", termination={"gracePeriodSeconds": 31, "drainSeconds": 30})) == []
 
 
+def test_a_weights_version_needs_the_gateway_and_the_gateway_needs_the_proxy():
+    versioned = spec_with("encoder", "regular")
+    versioned["models"][0]["weightsVersion"] = "step-42"
+    with pytest.raises(SpecError) as error:
+        validate(versioned)
+    (message,) = error.value.errors
+    assert message.startswith("spec.models[0].weightsVersion:") and "spec.gateway.enabled" in message
+    validate({**versioned, "gateway": {"enabled": True}})
+    with pytest.raises(SpecError) as error:
+        validate({**versioned, "gateway": {"enabled": True}, "proxy": {"enabled": False}})
+    assert any(m.startswith("spec.gateway.enabled:") for m in error.value.errors)
+    versioned["models"][0]["weightsVersion"] = "step 42"  # a name, not text
+    with pytest.raises(SpecError) as error:
+        validate({**versioned, "gateway": {"enabled": True}})
+    assert any("weightsVersion" in m for m in error.value.errors)
+
+
 def test_media_allowed_domains_are_hosts_as_vllm_compares_them():
     spec = spec_with("encoder", "regular")
     spec["proxy"] = {"media": {"allowedDomains": ["images.example.com", "10.0.0.5", "xn--bcher-kva.example"]}}

@@ -20,6 +20,7 @@ from epd_operator.validation import (
     GENERATION_ONLY,
     OWNED_ARGS,
     OWNED_WIRING,
+    REFUSED_ARGS,
     ROUTER_KV_CONNECTORS,
     ROUTER_OWNED_FLAGS,
     ROUTER_SECRET_FLAGS,
@@ -85,6 +86,7 @@ arg_keys = st.sampled_from(
         - OWNED_ARGS.keys()
         - OWNED_WIRING.keys()
         - SECRET_ARGS.keys()
+        - REFUSED_ARGS.keys()
         - GENERATION_ONLY.keys()  # valid with some values only (pooling_override)
     )
 )

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from epd_operator.ec.janitor import StoreMetrics
 from epd_operator.metrics import OperatorMetrics
+from epd_operator.proxy.gateway import GatewayMetrics, UnitsView
 from epd_operator.proxy.metrics import ProxyMetrics
 
 # Sample names a real vLLM 0.32 CPU engine (an encoder and a consumer) exports after serving.
@@ -38,9 +39,14 @@ def janitor_metric_names() -> set[str]:
 
 
 def proxy_metric_names() -> set[str]:
+    """A unit's proxy's and a gateway's (a gateway is a proxy with metrics of its own)."""
     metrics = ProxyMetrics()
     metrics.observe_request("chat_completions", 200)  # labelled series exist once observed
-    metrics.observe_primed(["image"], 0.1)
+    metrics.observe_primed(["image"])
+    metrics.observe_found(["image"], 1)
+    metrics.observe_prime_seconds(0.1)
+    metrics.watch_store(lambda: 0, lambda: True)
+    GatewayMetrics(metrics, UnitsView("m")).observe("unit-0", "key", own=False)
     return sample_names(metrics.registry)
 
 

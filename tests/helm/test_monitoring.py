@@ -177,7 +177,8 @@ def test_the_podmonitor_scrapes_every_engine_proxy_and_janitor_of_a_unit_with_it
             "spec": sts["spec"]["template"]["spec"],
             "status": {"podIP": "10.1.2.3"},
         }
-        engines_endpoint, proxy_endpoint, janitor_endpoint = monitor["spec"]["podMetricsEndpoints"]
+        engines_endpoint, proxy_endpoint, gateway_endpoint, janitor_endpoint = monitor["spec"]["podMetricsEndpoints"]
+        assert scrape_targets(monitor, gateway_endpoint, pod) == []  # a unit has no gateway
 
         engines = scrape_targets(monitor, engines_endpoint, pod)
         assert sorted((t["container"], t["worker_type"], t["__address__"]) for t in engines) == sorted(
@@ -200,6 +201,29 @@ def test_the_podmonitor_scrapes_every_engine_proxy_and_janitor_of_a_unit_with_it
         assert (janitor["container"], janitor["__address__"]) == ("janitor", f"10.1.2.3:{JANITOR_METRICS_PORT}")
         assert (janitor["role"], janitor["deployment"], janitor["model"]) == ("unit", name, plan.name)
         assert "worker_type" not in janitor
+
+
+def test_the_podmonitor_scrapes_each_gateway_under_its_model(rendered):
+    (monitor,) = find(rendered, "PodMonitor")
+    manifest = yaml.safe_load((EXAMPLES / "encoder-regular.yaml").read_text())
+    manifest["spec"]["gateway"] = {"enabled": True}
+    name = manifest["metadata"]["name"]
+    checked = validate(manifest["spec"])
+    plans = render(checked, namespace="team-a", name=name, uid="uid-1")
+    (deployment,) = [
+        c for c in desired_children(checked.spec, name, plans, "epd-operator:test") if c["kind"] == "Deployment"
+    ]
+    pod = {
+        "metadata": {**deployment["spec"]["template"]["metadata"], "name": "gw-abc", "namespace": "team-a"},
+        "spec": deployment["spec"]["template"]["spec"],
+        "status": {"podIP": "10.1.2.4"},
+    }
+    engines_endpoint, proxy_endpoint, gateway_endpoint, janitor_endpoint = monitor["spec"]["podMetricsEndpoints"]
+    (gateway,) = scrape_targets(monitor, gateway_endpoint, pod)
+    assert (gateway["container"], gateway["__address__"]) == ("gateway", f"10.1.2.4:{PROXY_METRICS_PORT}")
+    assert (gateway["role"], gateway["deployment"], gateway["model"]) == ("gateway", name, plans[0].name)
+    for other in (engines_endpoint, proxy_endpoint, janitor_endpoint):
+        assert scrape_targets(monitor, other, pod) == []
 
 
 def test_with_watched_namespaces_the_podmonitor_looks_only_there():

@@ -51,6 +51,25 @@ NAMESPACED_RULES = [
         "resources": ["networkpolicies"],
         "verbs": ["get", "list", "watch", "create", "patch", "delete"],
     },
+    # spec.gateway: each model's EPD gateway (a Deployment) and the ServiceAccount, Role and
+    # RoleBinding its pods share, written as the other children.
+    {
+        "apiGroups": ["apps"],
+        "resources": ["deployments"],
+        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
+    },
+    {
+        "apiGroups": [""],
+        "resources": ["serviceaccounts"],
+        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
+    },
+    {
+        "apiGroups": ["rbac.authorization.k8s.io"],
+        "resources": ["roles", "rolebindings"],
+        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
+    },
+    # Granted to the gateways' Role, so held (an account grants only what it holds); never read.
+    {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]},
     # Unit pods: read for the status.
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
     # A Pools model's unit pods: the encoders-ready readiness gate's condition, nothing else.

@@ -67,6 +67,8 @@ def pod_manifest() -> dict:
         "metadata": {"name": NAME},
         "spec": {
             "containers": [proxy, silent],
+            # The unit's /dev/shm, where the proxy looks up (and leases) EC store entries.
+            "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "64Mi"}}],
             "nodeSelector": dict(node.NODE_SELECTOR),
             "tolerations": list(node.TOLERATIONS),
             "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},

@@ -17,8 +17,12 @@ pytestmark = pytest.mark.cluster
 @pytest.mark.parametrize("example", ["encoder-regular.yaml", "encoder-prefill-decode.yaml", "encoder-pools.yaml"])
 def test_pods_pass_restricted(cluster, namespace, example):
     cluster.kubectl("label", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted")
-    templates = [c for c in children_of(example) if c["kind"] == "StatefulSet"]
-    assert templates
+    # The units', the pools' and the EPD gateway's pods (whose ServiceAccount must exist).
+    children = children_of(example, gateway={"enabled": True})
+    (account,) = [c for c in children if c["kind"] == "ServiceAccount"]
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(account))
+    templates = [c for c in children if c["kind"] in ("StatefulSet", "Deployment")]
+    assert templates and any(c["kind"] == "Deployment" for c in templates)
     for sts in templates:
         template = sts["spec"]["template"]
         pod = {

@@ -480,6 +480,110 @@ def test_the_api_key_reaches_every_engine_from_its_secret_never_as_an_argument()
     assert all("VLLM_API_KEY" not in str(c.get("env")) for c in containers(pod) if c["name"] in ("router", "janitor"))
 
 
+def _by_ref(children):
+    return {(c["kind"], c["metadata"]["name"]): c for c in children}
+
+
+def test_the_gateway_fronts_each_proxied_model_and_reads_only_what_it_watches():
+    children = _by_ref(children_of("multi-model-overrides.yaml", gateway={"enabled": True, "replicas": 2}))
+    gateways = {name: c for (kind, name), c in children.items() if kind == "Deployment"}
+    proxied = {
+        name.removeprefix("rl-rollout-")
+        for (kind, name), c in children.items()
+        if kind == "StatefulSet" and any(x["name"] == "proxy" for x in c["spec"]["template"]["spec"]["containers"])
+    }
+    assert set(gateways) == {f"rl-rollout-{m}-gateway" for m in proxied} and proxied
+    for name, gateway in gateways.items():
+        model = name.removeprefix("rl-rollout-").removesuffix("-gateway")
+        pod = gateway["spec"]["template"]
+        assert gateway["spec"]["replicas"] == 2
+        # The front Service is the gateway's; the units' Services never select a gateway pod.
+        front = children[("Service", f"rl-rollout-{model}")]
+        units = children[("Service", f"rl-rollout-{model}-units")]
+        assert front["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+        assert not units["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+        (container,) = pod["spec"]["containers"]
+        assert container["command"] == ["epd-operator", "gateway"] and container["image"] == IMAGE
+        assert front["spec"]["ports"][0]["targetPort"] == "http"
+        assert "http" in {p["name"] for p in container["ports"]}
+        args = container["args"]
+        assert args[args.index("--units-service") + 1] == f"rl-rollout-{model}-units"
+        assert args[args.index("--namespace") + 1] == "$(POD_NAMESPACE)"
+        assert args[args.index("--max-load-percent") + 1] == "125"
+        assert pod["spec"]["serviceAccountName"] == "rl-rollout-gateway"
+        assert pod["spec"]["automountServiceAccountToken"] is True
+        assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": PROXY_METRICS_PORT}
+    role = children[("Role", "rl-rollout-gateway")]
+    assert role["rules"] == [
+        {
+            "apiGroups": ["epd.vime.dev"],
+            "resources": ["epddeployments"],
+            "resourceNames": ["rl-rollout"],
+            "verbs": ["list", "watch"],
+        },
+        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]},
+    ]
+    binding = children[("RoleBinding", "rl-rollout-gateway")]
+    assert binding["roleRef"]["name"] == "rl-rollout-gateway"
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "rl-rollout-gateway"}]
+    assert children[("ServiceAccount", "rl-rollout-gateway")]["automountServiceAccountToken"] is False
+    tuned = children_of(
+        "encoder-regular.yaml",
+        gateway={"enabled": True, "maxLoadPercent": 200},
+        proxy={"media": {"allowPrivateNetworks": True}},
+    )
+    (gateway,) = [c for c in tuned if c["kind"] == "Deployment"]
+    args = gateway["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--max-load-percent") + 1] == "200"
+    assert "--media-allow-private-networks" in args  # the units' media URL policy, a hop earlier
+    # Off by default: none of it, and the front Service selects the units.
+    plain = _by_ref(children_of("multi-model-overrides.yaml"))
+    assert not any(kind in ("Deployment", "Role", "RoleBinding", "ServiceAccount") for kind, _ in plain)
+
+
+def test_a_new_weights_version_changes_no_child_and_a_versioned_models_proxies_require_one():
+    def with_version(version):
+        manifest = yaml.safe_load((EXAMPLES / "encoder-regular.yaml").read_text())
+        manifest["spec"]["gateway"] = {"enabled": True}
+        if version is not None:
+            manifest["spec"]["models"][0]["weightsVersion"] = version
+        checked = validate(manifest["spec"])
+        name = manifest["metadata"]["name"]
+        return desired_children(checked.spec, name, render(checked, namespace="ns", name=name, uid="u"), IMAGE)
+
+    step_1, step_2, unversioned = with_version("step-1"), with_version("step-2"), with_version(None)
+    assert step_1 == step_2  # a bump rolls nothing: no pod template, no flag carries the value
+    assert "step-1" not in yaml.safe_dump(step_1)
+    proxy_args = [
+        c["args"]
+        for child in step_1
+        if child["kind"] == "StatefulSet"
+        for c in child["spec"]["template"]["spec"]["containers"]
+        if c["name"] == "proxy"
+    ]
+    assert proxy_args and all("--require-weights-version" in a for a in proxy_args)
+    assert all(
+        "--require-weights-version" not in c["args"]
+        for child in unversioned
+        if child["kind"] == "StatefulSet"
+        for c in child["spec"]["template"]["spec"]["containers"]
+        if c["name"] == "proxy"
+    )
+
+
+def test_a_units_proxy_looks_in_its_ec_store_which_it_mounts_and_a_pools_proxy_has_none():
+    (sts,) = [c for c in children_of("encoder-regular.yaml") if c["kind"] == "StatefulSet"]
+    pod = sts["spec"]["template"]
+    (proxy,) = [c for c in pod["spec"]["containers"] if c["name"] == "proxy"]
+    store = proxy["args"][proxy["args"].index("--ec-store") + 1]
+    assert store == pod["metadata"]["annotations"]["epd.vime.dev/ec-storage-path"] and store.startswith("/dev/shm/")
+    assert proxy["volumeMounts"] == [{"name": "dshm", "mountPath": "/dev/shm"}]
+    pools = [c for c in children_of("encoder-pools.yaml") if c["kind"] == "StatefulSet"]
+    for child in pools:
+        for container in child["spec"]["template"]["spec"]["containers"]:
+            assert "--ec-store" not in container.get("args", [])
+
+
 def test_the_media_url_policy_reaches_every_engine_and_the_proxy():
     default = unit_pod()
     listed = unit_pod(proxy={"media": {"allowedDomains": ["images.example.com", "10.0.0.5"], "allowRedirects": True}})

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -13,10 +14,11 @@ from typing import Any
 import aiohttp
 import pytest
 
-from epd_client import Primer, RetryPolicy
+from epd_client import MEDIA_KINDS, Primer, RetryPolicy, media_items, write_keys
 from epd_dev.standins.fault_proxy import FaultProxy
 from epd_operator.proxy.core import DNSTarget
 from epd_operator.proxy.encoders import Encoders, Resolve, resolve_addresses
+from epd_operator.proxy.gateway import Gateway, UnitsView
 from epd_operator.proxy.metrics import ProxyMetrics
 from epd_operator.proxy.server import Proxy, ProxyConfig, serve
 from epd_operator.proxy_limits import Limits
@@ -122,3 +124,58 @@ async def start_proxy() -> AsyncIterator[Callable[..., Any]]:
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession() as session:
         yield session
+
+
+def keyed(value: Any, version: str = "") -> Any:
+    """``value`` (a request body, a message list or one media part) as the proxy forwards and
+    primes it: a copy whose every media part carries its key for ``version`` as its uuid (a
+    uuid the client set is kept)."""
+    value = copy.deepcopy(value)
+    if isinstance(value, dict) and value.get("type") in MEDIA_KINDS:
+        write_keys(media_items([{"content": [value]}]), version)
+        return value
+    if isinstance(value, list):  # a message list
+        write_keys(media_items(value), version)
+        return value
+    for field in ("messages", "input"):  # previous_input_messages: gpt-oss's only, never primed
+        found = value.get(field) if isinstance(value, dict) else None
+        if isinstance(found, list):
+            conversations = found if found and all(isinstance(c, list) for c in found) else [found]
+            for conversation in conversations:
+                write_keys(media_items(conversation), version)
+    return value
+
+
+@pytest.fixture
+async def start_gateway() -> AsyncIterator[Callable[..., Any]]:
+    """``await start_gateway(units, **config)``: a gateway on free ports in front of fixed units
+    (``{name: proxy URL}``, or a UnitsView), with ProxyConfig's and Limits' fields as config."""
+    async with contextlib.AsyncExitStack() as stack:
+
+        async def start(
+            units: dict[str, str] | UnitsView, *, weights_version: str | None = None, **config: Any
+        ) -> RunningProxy:
+            limits = Limits(**{k: config.pop(k) for k in list(config) if k in Limits.__dataclass_fields__})
+            metrics = ProxyMetrics()
+            view = units if isinstance(units, UnitsView) else UnitsView.fixed("actor", units, weights_version)
+            primer = await stack.enter_async_context(Primer(retry=FAST))
+            gateway = await stack.enter_async_context(
+                Gateway(
+                    ProxyConfig("http://gateway.invalid", limits=limits, **config),
+                    Encoders(metrics),
+                    primer,
+                    metrics,
+                    public_media_hosts,
+                    units=view,
+                )
+            )
+            stop, ready = asyncio.Event(), asyncio.get_running_loop().create_future()
+            task = asyncio.create_task(
+                serve(gateway, host="127.0.0.1", port=0, metrics_port=0, shutdown_timeout=5, stop=stop, ready=ready)
+            )
+            stack.push_async_callback(lambda: task)
+            stack.callback(stop.set)
+            port, admin = await asyncio.wait_for(ready, 10)
+            return RunningProxy(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}", gateway)
+
+        yield start

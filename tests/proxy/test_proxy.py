@@ -19,7 +19,7 @@ from epd_dev.standins.vllm_server import STREAM_TOKENS
 from epd_operator.proxy import core
 from epd_operator.proxy import server as server_module
 
-from .conftest import FAST, answer_models, raw_upstream
+from .conftest import FAST, answer_models, keyed, raw_upstream
 
 CHAT = "/v1/chat/completions"
 
@@ -65,16 +65,17 @@ async def test_every_media_part_is_primed_concurrently_round_robin_then_forwarde
 
     assert status == 200 and answer["object"] == "chat.completion"
     # One image-only prime per media part (not the inline embedding), part i on encoder i % 2.
-    assert unordered(primed_parts(encoders[0])) == unordered([image(0), video])
-    assert unordered(primed_parts(encoders[1])) == unordered([image(1), image(3)])
+    # Each carries its key (no weights version: content-only), the uuid the consumer reads it by.
+    assert unordered(primed_parts(encoders[0])) == unordered([keyed(image(0)), keyed(video)])
+    assert unordered(primed_parts(encoders[1])) == unordered([keyed(image(1)), keyed(image(3))])
     primes = encoders[0].records + encoders[1].records
     assert all(
         r.body == {"model": "served", "messages": r.body["messages"], "max_tokens": 1, "stream": False} for r in primes
     )
     assert max(r.started for r in primes) < min(r.finished for r in primes)  # all in flight at once
-    # Then the request itself, unchanged, once every prime was answered.
+    # Then the request itself, unchanged but for the keys, once every prime was answered.
     (forwarded,) = upstream.records
-    assert (forwarded.method, forwarded.path, forwarded.body) == ("POST", CHAT, request)
+    assert (forwarded.method, forwarded.path, forwarded.body) == ("POST", CHAT, keyed(request))
     assert forwarded.started > max(r.finished for r in primes)
 
 
@@ -83,7 +84,10 @@ async def test_round_robin_goes_on_across_requests(server, start_proxy, http):
     proxy = await start_proxy(upstream.url, [e.url for e in encoders])
     for i in range(4):
         assert (await post(http, proxy.url + CHAT, chat(image(i))))[0] == 200
-    assert [primed_parts(e) for e in encoders] == [[image(0), image(2)], [image(1), image(3)]]
+    assert [primed_parts(e) for e in encoders] == [
+        [keyed(image(0)), keyed(image(2))],
+        [keyed(image(1)), keyed(image(3))],
+    ]
 
 
 async def test_a_stream_is_passed_on_event_by_event(server, start_proxy, http, warm):
@@ -104,7 +108,7 @@ async def test_a_stream_is_passed_on_event_by_event(server, start_proxy, http, w
         assert await response.content.read() == b"\n"
     assert [json.loads(e)["choices"][0]["delta"]["content"] for e in events[:-1]] == list(STREAM_TOKENS)
     assert events[-1] == b"[DONE]"
-    assert primed_parts(encoder) == [image(0)]
+    assert primed_parts(encoder) == [keyed(image(0))]
 
 
 @pytest.mark.parametrize(
@@ -162,8 +166,8 @@ async def test_responses_input_images_are_primed(server, start_proxy, http):
     }
     status, answer, _ = await post(http, proxy.url + "/v1/responses", request)
     assert status == 200 and answer["object"] == "response"
-    assert primed_parts(encoder) == [responses_image]
-    assert [r.body for r in upstream.records] == [request]
+    assert primed_parts(encoder) == [keyed(responses_image)]
+    assert [r.body for r in upstream.records] == [keyed(request)]
 
 
 async def test_anthropic_messages_images_are_primed_as_vllm_converts_them(server, start_proxy, http):
@@ -191,7 +195,8 @@ async def test_anthropic_messages_images_are_primed_as_vllm_converts_them(server
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
         ]
     )
-    assert [(r.path, r.body) for r in upstream.records] == [("/v1/messages", request)]  # unchanged
+    # Unchanged: vLLM drops the uuid of Anthropic image blocks, so they carry no key.
+    assert [(r.path, r.body) for r in upstream.records] == [("/v1/messages", request)]
 
 
 async def test_an_anthropic_request_whose_prime_fails_gets_an_anthropic_error(server, faulty, start_proxy, http):
@@ -215,8 +220,9 @@ async def test_batches_and_sagemaker_invocations_are_primed(server, start_proxy,
     await post(http, proxy.url + "/v1/chat/completions/batch", batch)
     await post(http, proxy.url + "/invocations", chat(image(3)))
     await post(http, proxy.url + "/invocations", {"model": "served", "prompt": "a completion"})
-    assert unordered(primed_parts(encoder)) == unordered([image(1), image(2), image(3)])
+    assert unordered(primed_parts(encoder)) == unordered([keyed(image(1)), keyed(image(2)), keyed(image(3))])
     assert [r.path for r in upstream.records] == ["/v1/chat/completions/batch", "/invocations", "/invocations"]
+    assert upstream.records[0].body == keyed(batch)
 
 
 @pytest.mark.parametrize("path", ["/v1/audio/transcriptions", "/v1/audio/translations"])
@@ -374,7 +380,7 @@ async def test_a_pools_model_gets_the_encoders_transfer_params(server, start_pro
     assert (await post(http, proxy.url + CHAT, request))[0] == 200
     (forwarded,) = upstream.records
     params = forwarded.body.pop("ec_transfer_params")
-    assert forwarded.body == request
+    assert forwarded.body == keyed(request)
     assert len(params) == 2 and {v["peer_port"] for v in params.values()} == {
         int(e.url.rsplit(":", 1)[1]) for e in pool
     }

@@ -26,6 +26,8 @@ import pytest
 from epd_dev.proxy_process import ProxyProcess
 from epd_dev.standins.vllm_server import StandinServer
 
+from .conftest import keyed
+
 CHAT = "/v1/chat/completions"
 MiB = 1024 * 1024
 # What a well-behaved client alongside may wait for one answer at most, on this shared machine
@@ -138,7 +140,7 @@ async def exchange(port: int, raw: bytes, *, timeout: float = 10) -> bytes:
 
 def others(records: list) -> list:
     """What reached the upstream besides the alongside client's requests."""
-    return [(r.method, r.path) for r in records if (r.path, r.body) != (CHAT, chat(image(0)))]
+    return [(r.method, r.path) for r in records if (r.path, r.body) != (CHAT, keyed(chat(image(0))))]
 
 
 def status_of(answer: bytes) -> int:

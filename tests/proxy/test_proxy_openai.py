@@ -12,6 +12,8 @@ import pytest
 from epd_dev.standins.fault_proxy import http_status
 from epd_dev.standins.vllm_server import STREAM_TOKENS
 
+from .conftest import keyed
+
 IMAGE = "https://images.test/cat.png"
 MESSAGES = [
     {
@@ -40,7 +42,7 @@ async def test_sync_chat_completion(unit):
     assert answer.choices[0].message.content == "x"
     assert primed_urls(encoder) == [IMAGE]
     (forwarded,) = upstream.records
-    assert forwarded.body["messages"] == MESSAGES
+    assert forwarded.body["messages"] == keyed(MESSAGES)
     assert forwarded.headers["authorization"] == "Bearer sk-test"
     assert encoder.records[0].headers["authorization"] == "Bearer sk-test"
 
@@ -72,7 +74,9 @@ async def test_responses_with_an_input_image(unit):
         )
     assert response.output_text == "x"
     (prime,) = encoder.records
-    assert prime.body["messages"][0]["content"] == [{"type": "input_image", "image_url": IMAGE, "detail": "auto"}]
+    assert prime.body["messages"][0]["content"] == [
+        keyed({"type": "input_image", "image_url": IMAGE, "detail": "auto"})
+    ]
     assert [r.path for r in upstream.records] == ["/v1/responses"]
 
 
@@ -102,8 +106,11 @@ async def test_an_image_without_a_type_is_primed_too(unit):
     async with openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="sk-test", max_retries=0) as client:
         await client.chat.completions.create(model="served", messages=messages)  # type: ignore[arg-type]
     (prime,) = encoder.records
-    assert prime.body["messages"][0]["content"] == [{"type": "image_url", "image_url": {"url": IMAGE}}]
-    assert upstream.records[0].body["messages"] == messages  # forwarded as sent
+    # Primed as the typed part vLLM reads it as, under the key the forwarded part carries.
+    forwarded = upstream.records[0].body["messages"]
+    assert forwarded == keyed(messages)
+    key = forwarded[0]["content"][1]["uuid"]
+    assert prime.body["messages"][0]["content"] == [{"type": "image_url", "image_url": {"url": IMAGE}, "uuid": key}]
 
 
 async def test_a_media_reference_without_data_is_a_400_naming_the_part(unit):

@@ -54,7 +54,7 @@ def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.Argument
 def test_every_subcommand_says_what_it_does_and_every_option_what_it_means():
     parser = build_parser()
     subcommands = _subcommands(parser)
-    assert set(subcommands) == {"run", "render", "convert", "crds", "janitor", "proxy"}
+    assert set(subcommands) == {"run", "render", "convert", "crds", "janitor", "proxy", "gateway"}
     for name, subparser in subcommands.items():
         assert subparser.description and len(subparser.description) > 80, f"`epd-operator {name}` has no description"
         undocumented = [

@@ -90,3 +90,33 @@ def test_a_new_weights_version_is_a_new_key_whatever_the_content(vllm_parser: Vl
         assert step_1 == step_1_again, "within a version, the key alone decides"
         assert step_1 != step_2, "a new version must never read the old one's embeddings"
         assert unkeyed_a == unkeyed_b and unkeyed_a not in (step_1, step_2), "unkeyed: the content's hash"
+
+
+def test_responses_parts_keep_their_key_and_anthropic_blocks_lose_it(vllm_parser: VllmParser) -> None:
+    """What the EPD proxy keys: a Responses input_image keeps the uuid it writes (so the proxy keys
+    it); vLLM makes parts of its own of Anthropic image blocks, without any uuid (so the proxy
+    cannot key them, and refuses them under a weights version: proxy/keys.py UNKEYED_ROUTES)."""
+    found = vllm_parser.route_uuids(
+        {
+            "model": "m",
+            "input": [
+                {
+                    "role": "user",
+                    "content": [{"type": "input_image", "image_url": "https://i.test/a.png", "uuid": "epd-1"}],
+                }
+            ],
+        },
+        {
+            "model": "m",
+            "max_tokens": 1,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image", "source": {"type": "url", "url": "https://i.test/a.png"}, "uuid": "epd-1"}
+                    ],
+                }
+            ],
+        },
+    )
+    assert found == {"responses": ["epd-1"], "anthropic": [None]}

@@ -109,4 +109,7 @@ peers that share the top priority). */}}
   targetLabel: deployment
 - sourceLabels: [__meta_kubernetes_pod_label_epd_vime_dev_model]
   targetLabel: model
+- sourceLabels: [__meta_kubernetes_pod_label_epd_vime_dev_gateway]
+  regex: (.+)
+  targetLabel: model
 {{- end }}

@@ -30,6 +30,8 @@ need vLLM's real behaviour belong with the real engines (tests/vllm).
 - ``POST /v1/completions`` and ``POST /v1/responses``: a completion and a response object in
   OpenAI's shapes (the image of an ``input_image`` part counts as primed like an ``image_url``).
 - ``GET /v1/models``: the one model; ``GET /health``: 200; anything else: 404.
+- ``files`` (an ``ec_files.FileStore``) with ``ec_role`` "producer" or "consumer": chat
+  completions and responses write or read that store as vLLM's ECExampleConnector does.
 - ``response_headers`` are added to every answer (for tests of what a proxy passes back).
 - ``tls`` (a server-side SSLContext): serve HTTPS, for tests of the client's TLS verification.
 
@@ -53,6 +55,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from .ec_files import FileStore, item_names
 from .httpkit import BackgroundServer, Served, chunk_bytes, head_bytes, read_request, response_bytes
 
 STREAM_TOKENS = ("Hello", " from", " the", " stand-in")
@@ -90,8 +93,14 @@ class StandinServer(Served):
         chunk_gate: threading.Semaphore | None = None,
         response_headers: list[tuple[str, str]] | None = None,
         tls: ssl.SSLContext | None = None,
+        files: FileStore | None = None,
+        ec_role: str | None = None,
     ) -> None:
         self.delay = delay
+        # With ``files``: an encoder (ec_role "producer") or a consumer ("consumer") of that EC
+        # store, with ECExampleConnector's file semantics (ec_files.py).
+        self.files = files
+        self.ec_role = ec_role
         self.ec_store = ec_store if ec_store is not None else set()
         self.ec_transfer = ec_transfer
         self.mm_metadata = mm_metadata
@@ -147,6 +156,8 @@ class StandinServer(Served):
 
     async def _stream(self, record: Record, writer: asyncio.StreamWriter) -> None:
         record.status = 200
+        if self.files is not None and self.ec_role == "consumer":
+            self.files.consume(item_names(record.body))
         self.ec_store.update(mm_hash(u) for u in _image_urls(record.body))
         writer.write(head_bytes(200, "text/event-stream", self.response_headers, length=None))
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -170,6 +181,11 @@ class StandinServer(Served):
             return 404, {"error": "not found"}
         if not isinstance(body, dict):
             return 400, {"error": "body must be a JSON object"}
+        if path in ("/v1/chat/completions", "/v1/responses") and self.files is not None:
+            if self.ec_role == "producer":
+                self.files.produce(item_names(body))
+            elif self.ec_role == "consumer":
+                self.files.consume(item_names(body))
         if path == "/v1/chat/completions":
             self.ec_store.update(mm_hash(u) for u in _image_urls(body))
             answer = _chat_completion(body)

@@ -93,6 +93,12 @@ class VllmParser:
         calls: list[list[Any]] = self._ask({"op": "media_uuids", "parts": parts})["calls"]
         return calls
 
+    def route_uuids(self, responses: dict[str, Any], anthropic: dict[str, Any]) -> dict[str, list[Any]]:
+        """The uuids of the media parts vLLM's chat messages keep from a Responses request and an
+        Anthropic Messages request."""
+        found: dict[str, list[Any]] = self._ask({"op": "route_uuids", "responses": responses, "anthropic": anthropic})
+        return found
+
     def media_keys(self, items: list[tuple[str, str | None, str]], processor_kwargs: dict[str, Any]) -> list[str]:
         """Each (modality, uuid, content) item's key (mm hash) as vLLM computes it."""
         keys: list[str] = self._ask(

@@ -26,6 +26,8 @@ Protocol: one JSON request per stdin line, one JSON answer per stdout line.
 - `{"op": "media_uuids", "parts": [...]}` -> `{"calls": [[method, uuid], ...]}`: what vLLM's chat
   content-part parser hands its media parser for each part (a recording one): the media kind's
   method and the part's `uuid`.
+- `{"op": "route_uuids", "responses": {...}, "anthropic": {...}}` -> `{"responses": [...], "anthropic":
+  [...]}`: the uuid of each media part of the chat messages vLLM makes of each request.
 - `{"op": "media_keys", "items": [[modality, uuid, content], ...], "processor_kwargs": {...}}` ->
   `{"keys": [...]}`: each item's cache and EC store key (mm hash) as vLLM's processor inputs
   compute it from the uuid and the content.
@@ -574,6 +576,31 @@ def _media_urls(top, serve, case: dict) -> list[dict]:
         os.environ.update(saved)
 
 
+def _route_uuids(request: dict) -> dict:
+    """The uuids of the media parts of the chat messages vLLM makes of a Responses request's
+    ``input`` and of an Anthropic Messages request (each the order of its parts)."""
+    from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+    from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+    from vllm.entrypoints.openai.responses.utils import construct_input_messages
+
+    def uuids(messages) -> list:
+        return [
+            part.get("uuid")
+            for message in messages
+            if isinstance(message, dict) and isinstance(message.get("content"), list)
+            for part in message["content"]
+            if isinstance(part, dict) and part.get("type") in ("image_url", "input_image")
+        ]
+
+    responses = ResponsesRequest(**request["responses"])
+    chat = AnthropicServingMessages.to_chat_completion_request(AnthropicMessagesRequest(**request["anthropic"]))
+    return {
+        "responses": uuids(construct_input_messages(request_instructions=None, request_input=responses.input)),
+        "anthropic": uuids(chat.messages),
+    }
+
+
 def main() -> None:
     # vLLM logs to stdout: keep the protocol on a private copy of it, send everything else to stderr.
     out = os.fdopen(os.dup(1), "w")
@@ -604,6 +631,8 @@ def main() -> None:
             answer = {"fields": sorted(getattr(importlib.import_module(module), name).model_fields)}
         elif request["op"] == "media_uuids":
             answer = {"calls": _media_uuids(request["parts"])}
+        elif request["op"] == "route_uuids":
+            answer = _route_uuids(request)
         elif request["op"] == "media_keys":
             answer = {"keys": _media_keys(request["items"], request.get("processor_kwargs", {}))}
         elif request["op"] == "media_urls":

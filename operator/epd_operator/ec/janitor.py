@@ -24,12 +24,15 @@ import sys
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-EMBEDDING_FILE = "encoder_cache.safetensors"
+from . import leases
+from .leases import EMBEDDING_FILE
+
 # A folder changed this recently is never touched: a write may be in progress (safetensors
 # writes a `.tmpXXXXXX` file beside the embedding, then renames it; older releases wrote the
 # file in place), or a consumer is about to read what was just primed.
@@ -64,16 +67,19 @@ def select_evictions(
     max_bytes: int,
     ttl_seconds: float | None = None,
     grace_seconds: float = GRACE_SECONDS,
+    leased: AbstractSet[str] = frozenset(),
 ) -> list[Eviction]:
     """Which whole folders to remove, oldest first.
 
-    Nothing changed within `grace_seconds` is ever chosen, even over budget. Of the rest:
+    Nothing changed within `grace_seconds` is ever chosen, even over budget, nor any folder of
+    `leased` (an EPD proxy relies on it until its request is done: leases.py). Of the rest:
     `empty`: no embedding (the folder a 0.32 consumer's cache miss leaves, or a writer's
     abandoned temp file); `ttl`: an embedding older than `ttl_seconds`; `budget`: then the
     oldest embeddings until everything left fits in `max_bytes`.
     """
     settled = sorted(
-        (e for e in entries if now - e.newest_mtime >= grace_seconds), key=lambda e: (e.newest_mtime, e.name)
+        (e for e in entries if now - e.newest_mtime >= grace_seconds and e.name not in leased),
+        key=lambda e: (e.newest_mtime, e.name),
     )
     evictions = []
     for entry in settled:
@@ -186,6 +192,12 @@ class StoreMetrics:
             "epd_ec_store_entries", "<mm_hash> folders in the EC store.", labels, registry=self.registry
         )
         self.budget = Gauge("epd_ec_store_budget_bytes", "The EC store's byte budget.", labels, registry=self.registry)
+        self.leased = Gauge(
+            "epd_ec_store_leased_entries",
+            "Entries the last sweep left alone because an EPD proxy leases them (its request is not done).",
+            labels,
+            registry=self.registry,
+        )
         self.evictions = Counter(
             "epd_ec_evictions", "Folders evicted, by reason.", [*labels, "reason"], registry=self.registry
         )
@@ -202,6 +214,7 @@ class StoreMetrics:
             self.budget.labels(path).set(max_bytes)
             self.bytes.labels(path)
             self.entries.labels(path)
+            self.leased.labels(path)
             self.failures.labels(path)
             self.fallbacks.labels(path)
             for reason in REASONS:
@@ -239,18 +252,23 @@ def sweep(
     evicted: dict[str, list[Entry]] = {}
     failed: list[tuple[str, str]] = []
     misses: list[str] = []
-    for entry, reason in select_evictions(
-        entries, now=now, max_bytes=max_bytes, ttl_seconds=ttl_seconds, grace_seconds=grace_seconds
-    ):
-        # Counted when judged, not when removed: the consumer encoded the image either way.
-        if is_cache_miss(entry) and entry.name not in state.counted_misses:
-            misses.append(entry.name)
-            state.counted_misses.add(entry.name)
-        try:
-            if evict(path, entry):
-                evicted.setdefault(reason, []).append(entry)
-        except OSError as error:
-            failed.append((entry.name, str(error)))
+    # The leases are read, and the evictions done, under the store's lock: no proxy checks an
+    # entry in between (leases.py).
+    with leases.exclusive(path):
+        leased = leases.leased_entries((e.name for e in entries), leases.fresh_keys(path, now))
+        for entry, reason in select_evictions(
+            entries, now=now, max_bytes=max_bytes, ttl_seconds=ttl_seconds, grace_seconds=grace_seconds, leased=leased
+        ):
+            # Counted when judged, not when removed: the consumer encoded the image either way.
+            if is_cache_miss(entry) and entry.name not in state.counted_misses:
+                misses.append(entry.name)
+                state.counted_misses.add(entry.name)
+            try:
+                if evict(path, entry):
+                    evicted.setdefault(reason, []).append(entry)
+            except OSError as error:
+                failed.append((entry.name, str(error)))
+    metrics.leased.labels(path).set(len(leased))
     gone = {e.name for group in evicted.values() for e in group}
     kept = [e for e in entries if e.name not in gone]
     state.known = {e.name: e for e in kept}
@@ -306,6 +324,11 @@ def run_janitor(
         interval_seconds=interval_seconds,
     )
     states = {path: StoreState() for path in paths}
+    for path in paths:
+        try:  # before the first sweep: from here on no proxy's lease can go unseen
+            leases.prepare(path)
+        except OSError as error:
+            _log("leases_unavailable", "warning", path=path, error=str(error))
     try:
         while True:
             for path in paths:

@@ -28,7 +28,11 @@ PRIMED_ROUTES = {
     "/invocations": "invocations",  # SageMaker's: a body with messages is served as a chat completion
     "/cohere/v2/chat": "cohere_chat",
     "/v1/systemone": "structured_decisions",  # its media are refused (plan)
+    # The proxy's own, not vLLM's: prime a chat request's media and answer their keys, without
+    # forwarding (epd_client primes through it, then renders and generates itself).
+    "/epd/v1/prime": "epd_prime",
 }
+EPD_PRIME = "epd_prime"
 # Routes whose media no prime can stand for, refused unread: their audio is uploaded as a file,
 # cut and resampled for the model's feature extractor, not as a chat part.
 REFUSED_ROUTES = {"/v1/audio/transcriptions": "transcriptions", "/v1/audio/translations": "translations"}
@@ -295,6 +299,7 @@ _PLANNERS: dict[str, Callable[[Mapping[str, Any]], list[MediaPart]]] = {
     "invocations": _invocation_parts,
     "messages": _anthropic_parts,
     "structured_decisions": _refuse_media,
+    EPD_PRIME: _chat_parts,
 }
 
 

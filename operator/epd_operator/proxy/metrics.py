@@ -7,6 +7,8 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, PlatformCollector, ProcessCollector
 
+from epd_client import MEDIA_KINDS
+
 FAILURE_REASONS = ("client_error", "encoder_error", "no_encoder")
 
 
@@ -32,6 +34,35 @@ class ProxyMetrics:
             "epd_proxy_media_primed_total",
             "Media parts primed on the encoders, by kind (image, video, audio).",
             ["kind"],
+            registry=self.registry,
+        )
+        self._stored = Counter(
+            "epd_proxy_media_stored_total",
+            "Media parts not primed because the unit's EC store held their embedding already (primes "
+            "skipped), by kind. With epd_proxy_media_primed_total: the unit's hit ratio.",
+            ["kind"],
+            registry=self.registry,
+        )
+        self._shared = Counter(
+            "epd_proxy_prime_shared_total",
+            "Media parts that waited for another request's prime of the same key instead of priming it again.",
+            registry=self.registry,
+        )
+        self._regenerated = Counter(
+            "epd_proxy_prime_regenerated_total",
+            "Primes an encoder answered without storing the embedding (it still held the key in its memory "
+            "after the janitor evicted the file): the part was primed again under the key's next generation.",
+            registry=self.registry,
+        )
+        self._leased = Gauge(
+            "epd_proxy_leased_keys",
+            "Keys the proxy leases now (the janitor evicts none of their entries): its requests' and its clients'.",
+            registry=self.registry,
+        )
+        self._verified = Gauge(
+            "epd_proxy_store_verified",
+            "1 while the proxy trusts that the unit's EC store names entries by its keys (it looks before "
+            "priming); 0 once a primed key was stored under another name (it primes every part).",
             registry=self.registry,
         )
         self._prime_seconds = Histogram(
@@ -78,10 +109,28 @@ class ProxyMetrics:
             child = self._request_children[(route, code)] = self._requests.labels(route, str(code))
         child.inc()
 
-    def observe_primed(self, kinds: list[str], seconds: float) -> None:
+    def observe_primed(self, kinds: list[str]) -> None:
         for kind in kinds:
             self._media.labels(kind).inc()
+
+    def observe_prime(self, part_type: str, regenerated: bool) -> None:
+        """One prime of a part looked up in the store (``regenerated``: it stored nothing)."""
+        self._media.labels(MEDIA_KINDS[part_type]).inc()
+        if regenerated:
+            self._regenerated.inc()
+
+    def observe_found(self, kinds: list[str], shared: int) -> None:
+        for kind in kinds:
+            self._stored.labels(kind).inc()
+        self._shared.inc(shared)
+
+    def observe_prime_seconds(self, seconds: float) -> None:
         self._prime_seconds.observe(seconds)
+
+    def watch_store(self, leased: Callable[[], float], verified: Callable[[], bool]) -> None:
+        """The store gauges read ``leased()`` and ``verified()`` at each scrape."""
+        self._leased.set_function(leased)
+        self._verified.set_function(lambda: float(verified()))
 
     def observe_prime_failure(self, reason: str) -> None:
         self._prime_failures.labels(reason).inc()

@@ -18,9 +18,11 @@ import ctypes
 import gc
 import json
 import logging
+import os
 import signal
+import socket
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
 from urllib.parse import urlsplit
@@ -43,13 +45,15 @@ from multidict import CIMultiDict
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from yarl import URL
 
-from epd_client import MEDIA_KINDS, PrimeError, Primer, RetryPolicy
+from epd_client import MEDIA_KINDS, MediaFailure, MediaItem, PrimeError, Primer, RetryPolicy
 
+from ..ec.leases import RENEW_SECONDS, Leases
 from ..loop import event_loop
 from ..proxy_limits import Limits, nested_deeper, raise_it, request_cost, reservation
 from .budget import Budget, Reservation
 from .core import (
     ANSWER_DROPPED,
+    EPD_PRIME,
     PASSED_THROUGH,
     REFUSED,
     REQUEST_DROPPED,
@@ -68,8 +72,10 @@ from .core import (
     with_transfer_params,
 )
 from .encoders import Ejection, Encoders, Resolve, resolve_addresses
+from .keys import in_body, key_parts, own_key, requested_lease, requested_version
 from .media_urls import MediaURLPolicy, screen
 from .metrics import ProxyMetrics
+from .store import Flights, Grants, StoreView
 
 logger = logging.getLogger("epd_operator.proxy")
 
@@ -92,6 +98,12 @@ READ_BUFFER_BYTES = 64 * 1024
 LINGER_SECONDS = 5.0
 # The headers aiohttp's client would add: the proxy adds none the client did not send.
 _NOT_ADDED = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
+# POST /epd/v1/prime: how long its keys stay leased for the client's render and generate (a
+# request that names the lease keeps it while it runs: a queued generate is covered anyway).
+GRANT_SECONDS = 30.0
+MAX_GRANT_SECONDS = 600.0
+# Keys leased to clients at once (Grants): each keeps the janitor from evicting an entry.
+MAX_GRANTED_KEYS = 10_000
 
 
 @dataclass(frozen=True)
@@ -105,6 +117,23 @@ class ProxyConfig:
     limits: Limits = field(default_factory=Limits)
     media: MediaURLPolicy = field(default_factory=MediaURLPolicy)
     """Which media URLs may reach the encoders (spec.proxy.media)."""
+    ec_store: str | None = None
+    """Placement Unit with ECExampleConnector: the unit's EC store, where the proxy looks before
+    priming (a part the store holds is not primed again) and leases what it relies on."""
+    require_weights_version: bool = False
+    """The model's weights are versioned: a media request without X-EPD-Weights-Version is refused."""
+
+
+@dataclass(frozen=True)
+class Primed:
+    params: dict[str, Any]
+    """A Pools model's ec_transfer_params."""
+    leased: list[str]
+    """Keys leased until the request is done."""
+    keyed: bool
+    """Keys were written into the body's parts: it is serialised again."""
+    stored: int = 0
+    """Parts the store held: not primed."""
 
 
 class _CutShort(Exception):
@@ -142,6 +171,9 @@ class Proxy:
         # Round-robin across requests: each request's first part goes to the encoder after the
         # previous request's last, so single-image requests do not all land on encoders[0].
         self._rotation = 0
+        self.store: StoreView | None = None
+        self.flights: Flights | None = None
+        self.grants: Grants | None = None
 
     async def __aenter__(self) -> Self:
         # No pool limit: each client request holds one connection, so the clients' own
@@ -154,9 +186,19 @@ class Proxy:
             skip_auto_headers=_NOT_ADDED,
             timeout=ClientTimeout(total=None),
         )
+        if self.config.ec_store and not self.config.pooled:
+            holder = f"{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
+            self.store = StoreView(self.config.ec_store, Leases(self.config.ec_store, holder))
+            self.flights = Flights(self.store, self.metrics.observe_prime)
+            self.grants = Grants(self.store, MAX_GRANTED_KEYS)
+            self.metrics.watch_store(self.store.leases.held, lambda: self.store is not None and self.store.verified)
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
+        if self.grants is not None:
+            self.grants.close()
+        if self.store is not None:
+            self.store.leases.close()
         if self._session is not None:
             await self._session.close()
 
@@ -273,6 +315,8 @@ class Proxy:
             found = self._plan(request, raw)
         except BadRequest as error:
             return _error(request, ProxyError(400, str(error), error.param))
+        name = route(request.method, request.path)
+        leased: list[str] = []
         if found.parts:
             cost = request_cost(raw, len(found.parts))
             if cost > reservation.size and not reservation.resize(cost):
@@ -280,14 +324,25 @@ class Proxy:
             refused = await screen(found.parts, self.config.media, self._resolve)
             if refused is not None:
                 return _error(request, refused)
-            params = await self._prime(request, found)
-            if isinstance(params, web.StreamResponse):
-                return params
+            primed = await self._prime(request, found)
+            if isinstance(primed, web.StreamResponse):
+                return primed
+            leased = primed.leased
+            if name == EPD_PRIME:
+                return self._granted(request, found, primed)
             if self.config.pooled:
-                raw = json.dumps(with_transfer_params(found.body, params)).encode()
+                raw = json.dumps(with_transfer_params(found.body, primed.params)).encode()
+            elif primed.keyed:
+                raw = json.dumps(found.body).encode()
+        elif name == EPD_PRIME:
+            return web.json_response({"keys": [], "stored": 0, "primed": 0, "lease": None})
         del found  # only the bytes are forwarded: the parsed body is not held while it is
         reservation.resize(len(raw))
-        return await self.forward(request, raw, reservation)
+        try:
+            return await self.forward(request, raw, reservation)
+        finally:
+            if leased and self.store is not None:
+                self.store.release(leased)
 
     def _plan(self, request: web.BaseRequest, raw: bytes) -> Plan:
         """What to prime; BadRequest for a body the proxy will not forward."""
@@ -330,32 +385,131 @@ class Proxy:
         )
         return ProxyError(503, message)
 
-    async def _prime(self, request: web.BaseRequest, found: Plan) -> dict[str, Any] | web.StreamResponse:
-        """Prime the request's parts: the encoders' transfer params, or the error answer."""
+    async def _prime(self, request: web.BaseRequest, found: Plan) -> Primed | web.StreamResponse:
+        """Key the request's parts and prime what its unit does not hold: the outcome (transfer
+        params, the keys leased until the request is done), or the error answer."""
+        headers = _lowered(request.headers.items())
+        # Only parts of the body itself can carry a key to the engines; any other is primed as it is.
+        body_parts = in_body(found.body)
+        items = [part.item for part in found.parts]
+        keyable = [item for item in items if id(item.part) in body_parts]
+        try:
+            version = requested_version(headers)
+            keyed = key_parts(
+                route(request.method, request.path), keyable, version, required=self.config.require_weights_version
+            )
+        except BadRequest as error:
+            return _error(request, ProxyError(400, str(error), error.param))
         encoders = self.encoders.usable()
         if not encoders:
             self.metrics.observe_prime_failure("no_encoder")
             return _error(request, no_encoder(found.parts))
-        first, self._rotation = self._rotation, self._rotation + len(found.parts)
-        started = time.monotonic()
-        try:
+        extra = found.prime_fields
+        # Looked up in the store: parts keyed by us, of a request without hash factors (vLLM then
+        # names the entry by the key itself). The others are primed as they are, every time.
+        flights = self.flights if keyed and not extra else None
+        looked_up = {
+            i: key
+            for i, item in enumerate(items)
+            if flights is not None and id(item.part) in body_parts and (key := own_key(item))
+        }
+        plain = [i for i in range(len(items)) if i not in looked_up]
+        with_primes = prime_headers(headers)
+        slots = asyncio.Semaphore(self.limits.prime_concurrency_per_request)
+
+        async def prime_one(item: MediaItem) -> None:
+            async with slots:
+                first, self._rotation = self._rotation, self._rotation + 1
+                await self.primer.prime(
+                    [item], encoders, model=found.model, headers=with_primes, first=first, extra_body=extra
+                )
+
+        async def prime_plain() -> dict[str, Any]:
+            if not plain:
+                return {}
+            first, self._rotation = self._rotation, self._rotation + len(plain)
             params = await self.primer.prime(
-                [part.item for part in found.parts],
+                [items[i] for i in plain],
                 encoders,
                 model=found.model,
                 pooled=self.config.pooled,
-                headers=prime_headers(_lowered(request.headers.items())),
+                headers=with_primes,
                 first=first,
                 max_concurrency=self.limits.prime_concurrency_per_request,
-                extra_body=found.prime_fields,
+                extra_body=extra,
             )
-        except PrimeError as error:
-            failure = prime_failure(error, found.parts)
+            self.metrics.observe_primed([MEDIA_KINDS[items[i].kind] for i in plain])
+            return params
+
+        async def look_up() -> Any:
+            if flights is None or not looked_up:
+                return None
+            return await flights.resolve([(key, items[i]) for i, key in looked_up.items()], prime_one, "encoders")
+
+        started = time.monotonic()
+        outcome, params = await asyncio.gather(look_up(), prime_plain(), return_exceptions=True)
+        failures = [
+            MediaFailure(order[f.index], f.url, f.encoders, f.error, f.kind)
+            for result, order in ((outcome, list(looked_up)), (params, plain))
+            if isinstance(result, PrimeError)
+            for f in result.failures
+        ]
+        leased = [] if outcome is None or isinstance(outcome, BaseException) else outcome.leased
+        for result in (outcome, params):
+            if isinstance(result, BaseException) and not isinstance(result, PrimeError):
+                if leased and self.store is not None:
+                    self.store.release(leased)
+                raise result
+        if failures:
+            if leased and self.store is not None:
+                self.store.release(leased)
+            failed = PrimeError("encoders", len(items), sorted(failures, key=lambda f: f.index))
+            failure = prime_failure(failed, found.parts)
             self.metrics.observe_prime_failure("client_error" if failure.status < 500 else "encoder_error")
-            logger.warning("%s %s answered %d, not forwarded: %s", request.method, request.path, failure.status, error)
+            logger.warning("%s %s answered %d, not forwarded: %s", request.method, request.path, failure.status, failed)
             return _error(request, failure)
-        self.metrics.observe_primed([MEDIA_KINDS[p.item.kind] for p in found.parts], time.monotonic() - started)
-        return params
+        stored = 0
+        if outcome is not None:
+            for index, name in zip(looked_up, outcome.names, strict=True):
+                items[index].part["uuid"] = name  # type: ignore[index]  # the store name it is read under
+            stored = len(outcome.stored)
+            self.metrics.observe_found([MEDIA_KINDS[kind] for kind in outcome.stored], outcome.waited)
+        self.metrics.observe_prime_seconds(time.monotonic() - started)
+        assert isinstance(params, dict)
+        return Primed(params, leased, keyed, stored)
+
+    def _granted(self, request: web.BaseRequest, found: Plan, primed: Primed) -> web.StreamResponse:
+        """POST /epd/v1/prime's answer: each part's key (its uuid to render with), what was
+        primed, and a grant of the leases for the client's render and generate."""
+        lease = None
+        seconds = found.body.get("lease_seconds", GRANT_SECONDS)
+        if not isinstance(seconds, int | float) or isinstance(seconds, bool) or not 0 < seconds <= MAX_GRANT_SECONDS:
+            if primed.leased and self.store is not None:
+                self.store.release(primed.leased)
+            message = f"'lease_seconds' must be a number of seconds above 0 and at most {MAX_GRANT_SECONDS:g}"
+            return _error(request, ProxyError(400, message, "lease_seconds"))
+        if primed.leased:
+            assert self.grants is not None
+            if not self.grants.room(len(primed.leased)):
+                assert self.store is not None
+                self.store.release(primed.leased)
+                message = (
+                    f"the proxy already leases {MAX_GRANTED_KEYS} keys to clients that prime through it (each keeps "
+                    "the janitor from evicting an entry); retry later"
+                )
+                return _error(request, ProxyError(503, message))
+            lease = self.grants.grant(primed.leased, float(seconds))
+        keys = [part.item.part.get("uuid") for part in found.parts]
+        answer: dict[str, Any] = {
+            "keys": keys,
+            "stored": primed.stored,
+            "primed": len(keys) - primed.stored,
+            "lease": lease,
+            "lease_seconds": seconds if lease else None,
+        }
+        if self.config.pooled:
+            answer["ec_transfer_params"] = primed.params
+        return web.json_response(answer)
 
     async def forward(
         self, request: web.BaseRequest, body: bytes | None, reservation: Reservation | None = None
@@ -374,18 +528,42 @@ class Proxy:
             data = request.content.iter_any()
             if request.content_length is not None:  # else aiohttp sends it on chunked
                 headers.append(("content-length", str(request.content_length)))
-        url = URL(self._upstream + request.raw_path, encoded=True)
+        headers += self.added_headers(request, headers)
+        upstream = self.upstream_for(request)
+        url = URL(upstream + request.raw_path, encoded=True)
         deadline = asyncio.get_running_loop().time() + self.config.request_timeout_seconds
+        if self.grants is not None and (lease := requested_lease(headers)) is not None:
+            with self.grants.carry(lease):  # what it primed stays leased while this runs
+                return await self._forward(request, session, upstream, url, headers, data, deadline, reservation)
+        return await self._forward(request, session, upstream, url, headers, data, deadline, reservation)
+
+    def upstream_for(self, request: web.BaseRequest) -> str:
+        """Where ``request`` goes: the unit's router or consumer (the gateway's: a unit)."""
+        return self._upstream
+
+    def added_headers(self, request: web.BaseRequest, headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """Headers the proxy adds to what it forwards (the gateway's: the weights version)."""
+        return []
+
+    async def _forward(
+        self,
+        request: web.BaseRequest,
+        session: ClientSession,
+        upstream: str,
+        url: URL,
+        headers: list[tuple[str, str]],
+        data: bytes | AsyncIterator[bytes] | None,
+        deadline: float,
+        reservation: Reservation | None,
+    ) -> web.StreamResponse:
         try:
             async with asyncio.timeout_at(deadline):
                 answer = await self._send(session, request.method, url, headers, data)
         except TimeoutError:
             seconds = self.config.request_timeout_seconds
-            return _error(
-                request, ProxyError(504, f"the upstream {self._upstream} did not answer within {seconds:g} s")
-            )
+            return _error(request, ProxyError(504, f"the upstream {upstream} did not answer within {seconds:g} s"))
         except ClientConnectorError as error:
-            return _error(request, ProxyError(502, f"the upstream {self._upstream} is unreachable: {error}"))
+            return _error(request, ProxyError(502, f"the upstream {upstream} is unreachable: {error}"))
         except ClientError as error:
             return _error(request, ProxyError(502, f"the upstream's answer broke off: {error}"))
         finally:
@@ -395,7 +573,7 @@ class Proxy:
         # the pool; aiohttp closes it otherwise: an upstream that answered early, before it
         # read the whole body, never gets the next request on the rest of this one's.
         try:
-            return await self._relay(request, answer, deadline)
+            return await self._relay(request, answer, deadline, upstream)
         finally:
             answer.release()
 
@@ -420,7 +598,9 @@ class Proxy:
                     raise
         raise AssertionError("unreachable")
 
-    async def _relay(self, request: web.BaseRequest, answer: ClientResponse, deadline: float) -> web.StreamResponse:
+    async def _relay(
+        self, request: web.BaseRequest, answer: ClientResponse, deadline: float, upstream: str
+    ) -> web.StreamResponse:
         """Pass the upstream's answer on: whole when small, else chunk by chunk as it comes
         (pausing the upstream while the client reads slower)."""
         headers = CIMultiDict(forwarded(_decoded(answer.raw_headers), ANSWER_DROPPED))
@@ -432,9 +612,7 @@ class Proxy:
                     body = await answer.read()
             except TimeoutError:
                 seconds = self.config.request_timeout_seconds
-                return _error(
-                    request, ProxyError(504, f"the upstream {self._upstream} did not answer within {seconds:g} s")
-                )
+                return _error(request, ProxyError(504, f"the upstream {upstream} did not answer within {seconds:g} s"))
             except ClientError as error:
                 return _error(request, ProxyError(502, f"the upstream's answer broke off: {error}"))
             return web.Response(status=answer.status, reason=answer.reason, body=body, headers=headers)
@@ -571,16 +749,20 @@ async def serve(
     shutdown_timeout: float,
     stop: asyncio.Event,
     ready: asyncio.Future[tuple[int, int]] | None = None,
+    tasks: Sequence[Coroutine[Any, Any, None]] = (),
 ) -> None:
     """Serve until ``stop`` is set, then finish the requests in flight (up to
     ``shutdown_timeout`` seconds) before closing. ``ready`` gets the ports listened on (the
-    bound ones for port 0) once both listen."""
+    bound ones for port 0) once both listen. ``tasks`` run meanwhile (the gateway's watches)."""
     main = web.ServerRunner(proxy.server(), shutdown_timeout=shutdown_timeout)
     admin = web.AppRunner(proxy.admin_app(), access_log=None)
-    refresh = None
+    background = []
     if proxy.encoders.dns:
         await proxy.encoders.refresh()  # the first requests must not find the list empty
-        refresh = asyncio.create_task(proxy.encoders.run())
+        background.append(asyncio.create_task(proxy.encoders.run()))
+    if proxy.store is not None:
+        background.append(asyncio.create_task(_renew(proxy.store.leases)))
+    background += [asyncio.create_task(task) for task in tasks]
     try:
         await main.setup()
         await web.TCPSite(main, host, port, backlog=LISTEN_BACKLOG).start()
@@ -598,11 +780,21 @@ async def serve(
             ready.set_result(ports)
         await stop.wait()
     finally:
-        if refresh is not None:
-            refresh.cancel()
+        for task in background:
+            task.cancel()
         # Stops listening, closes idle connections, waits for the requests in flight.
         await main.cleanup()
         await admin.cleanup()
+
+
+async def _renew(leases: Leases) -> None:
+    """Touch the leases held every RENEW_SECONDS (the janitor trusts fresh ones only), forever."""
+    while True:
+        await asyncio.sleep(RENEW_SECONDS)
+        try:
+            leases.renew()
+        except OSError as error:
+            logger.warning("renewing the EC store leases failed: %s", error)
 
 
 # glibc's M_MMAP_THRESHOLD: blocks from this size up are mapped apart and unmapped when freed.
@@ -641,13 +833,23 @@ def run_proxy(
     shutdown_timeout_seconds: float,
     log_level: str,
     media: MediaURLPolicy,
+    ec_store: str | None = None,
+    require_weights_version: bool = False,
 ) -> None:
     """`epd-operator proxy`: build the proxy from its flags and serve until SIGTERM or SIGINT."""
     _give_large_blocks_back()
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if log_level != "DEBUG":
         logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per prime at INFO
-    config = ProxyConfig(upstream, request_timeout_seconds, pooled, limits, media)
+    config = ProxyConfig(
+        upstream,
+        request_timeout_seconds,
+        pooled,
+        limits,
+        media=media,
+        ec_store=ec_store,
+        require_weights_version=require_weights_version,
+    )
     retry = RetryPolicy(
         max_attempts=prime_max_attempts,
         deadline=prime_timeout_seconds,
