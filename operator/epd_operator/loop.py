@@ -1,8 +1,9 @@
-"""The event loop of the operator's long-running commands (`run`, `proxy`)."""
+"""The event loop of the operator's long-running commands (`run`, `proxy`, `gateway`)."""
 
 from __future__ import annotations
 
 import asyncio
+import signal
 
 
 def event_loop() -> asyncio.Runner:
@@ -13,3 +14,12 @@ def event_loop() -> asyncio.Runner:
     except ImportError:
         return asyncio.Runner()
     return asyncio.Runner(loop_factory=uvloop.new_event_loop)
+
+
+def stop_on_signals() -> asyncio.Event:
+    """An event set by SIGTERM (the kubelet stopping the pod) or SIGINT: serve until it is set."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop

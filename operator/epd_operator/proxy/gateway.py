@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import signal
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +38,7 @@ from prometheus_client.registry import Collector
 from epd_client import Endpoints, EndpointsError, ModelEndpoints, NoReadyUnitError, Primer, Unit, affinity_key
 
 from .. import api as api_group
-from ..loop import event_loop
+from ..loop import event_loop, stop_on_signals
 from ..proxy_limits import Limits
 from .core import Plan, ProxyError, error_body
 from .encoders import Encoders
@@ -345,10 +344,7 @@ def run_gateway(
 
     async def main() -> None:
         metrics = ProxyMetrics()
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+        stop = stop_on_signals()
         api = Api()
         watches = []
         if not units:

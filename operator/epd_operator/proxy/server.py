@@ -19,7 +19,6 @@ import gc
 import json
 import logging
 import os
-import signal
 import socket
 import time
 from collections.abc import AsyncIterator, Coroutine, Sequence
@@ -48,7 +47,7 @@ from yarl import URL
 from epd_client import MEDIA_KINDS, MediaFailure, MediaItem, PrimeError, Primer, RetryPolicy
 
 from ..ec.leases import RENEW_SECONDS, Leases
-from ..loop import event_loop
+from ..loop import event_loop, stop_on_signals
 from ..proxy_limits import Limits, nested_deeper, raise_it, request_cost, reservation
 from .budget import Budget, Reservation
 from .core import (
@@ -859,10 +858,7 @@ def run_proxy(
 
     async def main() -> None:
         metrics = ProxyMetrics()
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+        stop = stop_on_signals()
         encoders = Encoders(metrics, encoder_urls, dns, refresh_seconds=dns_refresh_seconds, ejection=ejection)
         primer = Primer(retry=retry, max_concurrency=prime_concurrency, on_attempt=encoders.outliers.observe)
         async with primer, Proxy(config, encoders, primer, metrics) as proxy:
