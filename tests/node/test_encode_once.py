@@ -4,8 +4,9 @@ front Service targets, with `weightsVersion: step-1`.
 
 Through the official openai SDK (the front Service: the gateway) and through epd_client (the
 units' own proxies): a GRPO-shaped load (one prompt with two pictures, eight samples) costs one
-encoder request per picture and stays on one unit; a four-turn conversation (Geo3K's shape: the
-pictures in the first turn, every turn resending them) answers turns 2 to 4 faster than turn 1;
+encoder request per picture and stays on one unit; four-turn conversations (Geo3K's shape: the
+pictures in the first turn, every turn resending them) answer turns 2 to 4 faster than turn 1 (the
+median of three);
 every answer equals the aggregated engine's; after the trainer patches a new weights version the
 same pictures are primed again, under new keys. Encoder requests are counted by vLLM's own
 /metrics on each unit's encoder.
@@ -36,7 +37,10 @@ NAME, MODEL = "tiny-once", serving.MODEL
 CHAT = "/v1/chat/completions"
 # Pictures the tiny model answers differently about; each test uses pictures of its own.
 GRPO = (image_part((250, 250, 20)), image_part((20, 120, 250)))
-TALK = (image_part((200, 40, 40)), image_part((40, 200, 40)))
+TALKS = tuple(
+    (image_part(a), image_part(b))
+    for a, b in (((200, 40, 40), (40, 200, 40)), ((40, 40, 200), (200, 200, 40)), ((200, 120, 40), (40, 200, 200)))
+)
 CLIENT = (image_part((90, 90, 90)), image_part((180, 60, 180)))
 RESULTS: dict[str, object] = {}
 
@@ -150,34 +154,38 @@ def test_a_grpo_group_through_the_front_service_costs_one_encoder_request_a_pict
 
 def test_a_conversation_answers_turns_two_to_four_faster_than_turn_one(cluster, deployed, reference, node_namespace):
     client = sdk(front_service_url(cluster, node_namespace, NAME))
-    history = [{"role": "user", "content": [*TALK, {"type": "text", "text": "what are these two pictures?"}]}]
-    before = counts(deployed)
-    ttft, answers = [], []
-    for turn in range(4):
-        started = time.monotonic()
-        stream = client.chat.completions.create(**chat_request(history), stream=True)
-        first, tokens = None, []
-        for chunk in stream:
-            if first is None and chunk.choices and chunk.choices[0].delta.content:
-                first = time.monotonic() - started
-            if chunk.choices:
-                tokens += getattr(chunk.choices[0], "token_ids", None) or []
-        assert first is not None
-        ttft.append(first)
-        answers.append(tokens)
-        assert tokens == reference_answer(reference, history), f"turn {turn + 1} differs from the aggregated engine"
-        history += [
-            {"role": "assistant", "content": tiny_model_text(tokens)},
-            {"role": "user", "content": f"no, look again (try {turn + 2})"},
-        ]
-    moved = delta(before, counts(deployed))
-    print(
-        f"\n4-turn conversation: TTFT per turn {[f'{t * 1000:.0f} ms' for t in ttft]}; per unit (primes, served) {moved}"
-    )
-    assert sum(p for p, _ in moved.values()) == 2  # its two pictures, once
-    assert [s for _, s in moved.values() if s] == [4]  # all turns on one unit
-    assert max(ttft[1:]) < ttft[0], ttft
-    RESULTS["ttft_ms"] = [round(t * 1000) for t in ttft]
+    ttft: list[list[float]] = []  # per conversation, per turn
+    for pictures in TALKS:
+        history = [{"role": "user", "content": [*pictures, {"type": "text", "text": "what are these two pictures?"}]}]
+        before, turns = counts(deployed), []
+        for turn in range(4):
+            started = time.monotonic()
+            stream = client.chat.completions.create(**chat_request(history), stream=True)
+            first, tokens = None, []
+            for chunk in stream:
+                if first is None and chunk.choices and chunk.choices[0].delta.content:
+                    first = time.monotonic() - started
+                if chunk.choices:
+                    tokens += getattr(chunk.choices[0], "token_ids", None) or []
+            assert first is not None
+            turns.append(first)
+            assert tokens == reference_answer(reference, history), f"turn {turn + 1} differs from the aggregated engine"
+            history += [
+                {"role": "assistant", "content": tiny_model_text(tokens)},
+                {"role": "user", "content": f"no, look again (try {turn + 2})"},
+            ]
+        moved = delta(before, counts(deployed))
+        print(
+            f"\n4-turn conversation: TTFT per turn {[f'{t * 1000:.0f} ms' for t in turns]}; per unit (primes, served) {moved}"
+        )
+        assert sum(p for p, _ in moved.values()) == 2  # its two pictures, once
+        assert [s for _, s in moved.values() if s] == [4]  # all turns on one unit
+        ttft.append(turns)
+    # Each turn's median over the conversations: one turn's TTFT on two busy cores varies by more than
+    # what a prime and a cold prefix cost the tiny model, a median of three does not.
+    per_turn = [statistics.median(c[turn] for c in ttft) for turn in range(4)]
+    assert max(per_turn[1:]) < per_turn[0], ttft
+    RESULTS["ttft_ms"] = [round(t * 1000) for t in per_turn]
 
 
 def tiny_model_text(tokens: list[int]) -> str:
@@ -252,4 +260,4 @@ def test_summary():
     if "ttft_ms" in RESULTS:
         ttft = RESULTS["ttft_ms"]
         assert isinstance(ttft, list)
-        print(f"TTFT turn 1 {ttft[0]} ms, turns 2-4 mean {statistics.fmean(ttft[1:]):.0f} ms")
+        print(f"TTFT (median of 3 conversations) turn 1 {ttft[0]} ms, turns 2-4 {ttft[1:]} ms")
