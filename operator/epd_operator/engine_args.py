@@ -18,6 +18,9 @@ from collections.abc import Iterable, Mapping
 from importlib import resources
 from typing import Any
 
+# Selects vLLM's V2 model runner, which ECCPUConnector and Mooncake's cross_encoder_cache need;
+# from 0.34 on there is no other, and vLLM no longer reads the variable.
+V2_MODEL_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 # What an override key may look like: snake_case as Vime writes it, dashes tolerated.
 OVERRIDE_KEY = re.compile(r"^[a-z][a-z0-9_-]*$")
 
@@ -68,8 +71,10 @@ SUPPORTED_MINORS = _shipped_minors()
 
 
 def _listed(minor: str, file: str) -> frozenset[str]:
-    text = (resources.files(__package__) / "templates" / f"vllm-{minor}" / file).read_text()
-    return frozenset(line for line in text.splitlines() if line and not line.startswith("#"))
+    path = resources.files(__package__) / "templates" / f"vllm-{minor}" / file
+    if not path.is_file():
+        return frozenset()
+    return frozenset(line for line in path.read_text().splitlines() if line and not line.startswith("#"))
 
 
 @functools.cache
@@ -82,6 +87,38 @@ def known_engine_args(minor: str) -> frozenset[str]:
 def known_env_vars(minor: str) -> frozenset[str]:
     """The environment variables vLLM `minor` reads (a VLLM_* name it does not, it warns about)."""
     return _listed(minor, "env_vars.txt")
+
+
+@functools.cache
+def removed_env_vars(minor: str) -> frozenset[str]:
+    """The environment variables vLLM `minor` names as removed: it refuses to start with one set."""
+    return _listed(minor, "removed_env_vars.txt")
+
+
+def environ_errors(minor: str, env: Iterable[tuple[str, str, str | None]], *, fail_on_unknown: bool) -> list[str]:
+    """What vLLM `minor`'s check of an engine's environment at start would refuse, for each
+    (field path, name, literal value or None) of the variables the engine gets.
+    `fail_on_unknown`: the group's `fail_on_environ_validation`, which makes a VLLM_* variable
+    vLLM does not read fatal instead of a warning."""
+    known, errors = known_env_vars(minor), []
+    for where, name, value in env:
+        if name == V2_MODEL_RUNNER_ENV and name not in known:
+            # From 0.34, which has only the V2 runner: "1" is redundant, anything else refused.
+            if value is not None and value != "1":
+                errors.append(
+                    f"{where}: vLLM {minor} has only its V2 model runner and refuses to start with "
+                    f"{name}={value}: remove the variable"
+                )
+        elif name in removed_env_vars(minor):
+            errors.append(f"{where}: vLLM {minor} removed {name} and refuses to start with it set: remove it")
+        elif fail_on_unknown and name.startswith("VLLM_") and name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.8)
+            hint = f"did you mean {close[0]}? Else remove it" if close else "remove it"
+            errors.append(
+                f"{where}: vLLM {minor} does not read {name}, and the group's overrides.fail_on_environ_validation "
+                f"makes that fatal at start: {hint}, or drop fail_on_environ_validation"
+            )
+    return errors
 
 
 def closest_engine_args(minor: str, key: Any) -> list[str]:

@@ -27,9 +27,8 @@ import jinja2
 import yaml
 
 from .api import EPDDeploymentSpec, ModelSpec, Placement, WorkerType
-from .ec.connectors import V2_MODEL_RUNNER_ENV
 from .ec.regions import cpu_bytes, uses_cpu_regions
-from .engine_args import known_env_vars, merge_patch
+from .engine_args import V2_MODEL_RUNNER_ENV, known_env_vars, merge_patch
 from .layout import proxied, slots
 from .validation import ROUTER_KV_CONNECTORS, CheckedSpec
 

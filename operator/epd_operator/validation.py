@@ -20,7 +20,7 @@ from .api import DNS1123_LABEL, EPDDeploymentSpec, ModelSpec, ServerGroup
 from .ec.connectors import MOONCAKE_CONNECTOR, ec_config_errors
 from .ec.quantity import BYTE_QUANTITY, MAX_BYTES, parse_quantity
 from .ec.regions import region_errors, uses_cpu_regions
-from .engine_args import SUPPORTED_MINORS, override_errors
+from .engine_args import SUPPORTED_MINORS, engine_arg_name, environ_errors, override_errors
 from .layout import Block, pod_gpus, pool_ports, unit_ports
 
 SUPPORTED_VLLM_VERSIONS = SUPPORTED_MINORS
@@ -472,6 +472,21 @@ def router_errors(spec: EPDDeploymentSpec, model: ModelSpec) -> list[str]:
     return []
 
 
+def engine_environ_errors(spec: EPDDeploymentSpec, minor: str) -> list[str]:
+    """What each group's engines would refuse at start in the environment the spec gives them
+    (spec.env, then the group's env, which wins for a name it sets too); each field once."""
+    errors: dict[str, None] = {}
+    for index, model in enumerate(spec.models):
+        for g_index, group in enumerate(model.server_groups):
+            env = {e.name: (f"spec.env[{i}]", e) for i, e in enumerate(spec.env)}
+            path = f"spec.models[{index}].serverGroups[{g_index}]"
+            env |= {e.name: (f"{path}.env[{i}]", e) for i, e in enumerate(group.env)}
+            strict = {engine_arg_name(k): v for k, v in group.overrides.items()}.get("fail_on_environ_validation")
+            found = [(where, name, e.value if e.value_from is None else None) for name, (where, e) in env.items()]
+            errors |= dict.fromkeys(environ_errors(minor, found, fail_on_unknown=strict is True))
+    return list(errors)
+
+
 def vllm_minor(spec: EPDDeploymentSpec) -> str:
     """The vLLM minor version ("0.33") from `vllmVersion`, else from the image tag."""
     if spec.vllm_version:
@@ -566,6 +581,8 @@ def validate(raw: dict[str, Any], *, name: str | None = None, limits: Limits | N
                     f"spec.models[{index}].serverGroups[{g_index}]: numGpus ({group.num_gpus}) must be "
                     f"a multiple of numGpusPerEngine ({group.num_gpus_per_engine})"
                 )
+    if minor:
+        errors += engine_environ_errors(spec, minor)
     errors += max_unavailable_errors(spec)
     errors += service_errors(spec)
     errors += termination_errors(spec)

@@ -130,3 +130,60 @@ def test_render_refuses_what_vllm_would(tmp_path) -> None:
         f"  - {WHERE}.mem_fraction_static: not an engine argument of vLLM 0.33 (SGLang's name): did you mean "
         "`gpu_memory_utilization`?"
     ) in out.stderr
+
+
+# --------------------------------------------------------------------------- the engines' environment
+
+
+def env_spec(version: str, spec_env: list[dict], group_env: list[dict] = (), **overrides: Any) -> dict[str, Any]:
+    spec = spec_with(overrides, version)
+    spec["env"] = spec_env
+    spec["models"][0]["serverGroups"][1]["env"] = list(group_env)
+    return spec
+
+
+def env_refusals(spec: dict[str, Any]) -> list[str]:
+    with pytest.raises(SpecError) as error:
+        validate(spec)
+    return error.value.errors
+
+
+def test_a_v1_runner_asked_of_034_is_refused_once_naming_the_field() -> None:
+    runner = [{"name": "VLLM_USE_V2_MODEL_RUNNER", "value": "0"}]
+    assert env_refusals(env_spec("0.34", runner)) == [
+        (
+            "spec.env[0]: vLLM 0.34 has only its V2 model runner and refuses to start with VLLM_USE_V2_MODEL_RUNNER=0: "
+            "remove the variable"
+        )
+    ]
+    validate(env_spec("0.33", runner))  # 0.33 still has the V1 runner
+    validate(env_spec("0.34", [{"name": "VLLM_USE_V2_MODEL_RUNNER", "value": "1"}]))  # redundant: vLLM warns
+    # A group's own value wins over the spec's, as in its pods: the encoder group keeps the spec's.
+    overridden = env_spec("0.34", runner, [{"name": "VLLM_USE_V2_MODEL_RUNNER", "value": "1"}])
+    assert len(env_refusals(overridden)) == 1
+    overridden["models"][0]["serverGroups"][0]["env"] = [{"name": "VLLM_USE_V2_MODEL_RUNNER", "value": "1"}]
+    validate(overridden)
+
+
+def test_a_variable_vllm_removed_is_refused_where_it_is_removed() -> None:
+    marlin = [{"name": "VLLM_MARLIN_INPUT_DTYPE", "value": "int8"}]
+    assert env_refusals(env_spec("0.34", [], marlin)) == [
+        (
+            "spec.models[0].serverGroups[1].env[0]: vLLM 0.34 removed VLLM_MARLIN_INPUT_DTYPE and refuses to start "
+            "with it set: remove it"
+        )
+    ]
+    validate(env_spec("0.33", [], marlin))
+
+
+@pytest.mark.parametrize("version", SUPPORTED_VLLM_VERSIONS)
+def test_an_unknown_vllm_variable_is_refused_only_where_the_group_makes_it_fatal(version: str) -> None:
+    typo = [{"name": "VLLM_LOGGIN_LEVEL", "value": "DEBUG"}, {"name": "HF_HOME", "value": "/cache"}]
+    validate(env_spec(version, typo))  # vLLM warns
+    assert env_refusals(env_spec(version, typo, **{"fail-on-environ-validation": True})) == [
+        (
+            f"spec.env[0]: vLLM {version} does not read VLLM_LOGGIN_LEVEL, and the group's "
+            "overrides.fail_on_environ_validation makes that fatal at start: did you mean VLLM_LOGGING_LEVEL? Else "
+            "remove it, or drop fail_on_environ_validation"
+        )
+    ]

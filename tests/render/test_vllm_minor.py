@@ -3,6 +3,7 @@ purpose; test_engine_args_contract.py runs them on the real parsers."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -81,8 +82,10 @@ def test_the_report_names_what_the_renders_use_and_the_new_minor_lacks():
         ec_transfer_config=["ec_role", "ec_new"],
         ec_connectors={"ECCPUConnector": ["ec_cpu_bytes"]},
     )
+    new = dataclasses.replace(new, removed_env_names=frozenset({"VLLM_SERVER_DEV_MODE"}))
     used = used_by_renders("0.33", [])
     used.flags["--max-model-len"] = {"my.yaml"}
+    used.env_names["VLLM_SERVER_DEV_MODE"] = {"my.yaml"}
     report = "\n".join(changes(old, new, used))
     assert "removed max_model_len (renamed to max_model_length?)" in report
     assert (
@@ -90,6 +93,8 @@ def test_the_report_names_what_the_renders_use_and_the_new_minor_lacks():
         in report
     )
     assert "! VLLM_USE_V2_MODEL_RUNNER is rendered for 0.98 (by docs/examples/encoder-pools.yaml)" in report
+    assert "refuses to start with (removed_env_vars.txt): new VLLM_SERVER_DEV_MODE" in report
+    assert "! VLLM_SERVER_DEV_MODE is rendered for 0.98 (by my.yaml) and 0.99 refuses to start with it set" in report
     assert "ec_transfer_config fields: added ec_new, removed none" in report
     assert "ECCPUConnector extra config keys: added none, removed ec_enable_nixl" in report
     assert "POST routes: added /v1/fault_tolerance/apply, removed /fault_tolerance/apply" in report

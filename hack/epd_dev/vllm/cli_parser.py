@@ -53,6 +53,17 @@ class VllmParser:
         """Every environment variable this vLLM reads (vllm.envs)."""
         return set(self._ask({"op": "envs"})["envs"])
 
+    def removed_envs(self) -> set[str]:
+        """The environment variables this vLLM names as removed: it refuses to start with one set."""
+        return set(self._ask({"op": "envs"})["removed"])
+
+    def environ(self, cases: list[tuple[dict[str, str], bool]]) -> list[dict[str, Any]]:
+        """Per (environment, hard_fail), what the engine's check of its environment at start makes
+        of it: `{"ok": true}` or `{"ok": false, "error"}` (see parse_with_vllm.py)."""
+        asked = [{"env": env, "hard_fail": hard_fail} for env, hard_fail in cases]
+        results: list[dict[str, Any]] = self._ask({"op": "environ", "cases": asked})["results"]
+        return results
+
     def parse(self, argvs: dict[str, list[str]], *, full: bool = True) -> dict[str, dict[str, Any]]:
         """Parse each argv (`["vllm", "serve", ...]`); see parse_with_vllm.py for the answer."""
         commands = [{"id": key, "argv": argv, "full": full} for key, argv in argvs.items()]

@@ -6,7 +6,8 @@
 1. installs the parser venv of vLLM <minor>.0 (envs.parser_env), and the previous minor's;
 2. writes operator/epd_operator/templates/vllm-<minor>/ from its real `vllm serve` parser:
    `engine_args.txt` (the argument names an override may use), `env_vars.txt` (the environment
-   variables it reads) and `flags.yaml` (how it spells booleans and lists). A minor is supported
+   variables it reads), `removed_env_vars.txt` (those it refuses to start with, when it names any)
+   and `flags.yaml` (how it spells booleans and lists). A minor is supported
    once its folder exists (engine_args.SUPPORTED_MINORS);
 3. regenerates the CRD, whose CEL rule lists the supported minors (`make crds`);
 4. writes the minor's golden renders (tests/render/golden/*.vllm-<minor>.yaml: review them);
@@ -143,6 +144,15 @@ def env_vars_text(minor: str, names: Iterable[str]) -> str:
     return header + "".join(f"{name}\n" for name in sorted(names))
 
 
+def removed_env_vars_text(minor: str, names: Iterable[str]) -> str:
+    header = (
+        f"# Environment variables that vLLM {minor} names as removed (vllm.envs.removed_environment_variables):\n"
+        "# it refuses to start with one set. Generated from the real package by `make vllm-minor`\n"
+        "# (hack/epd_dev/vllm/minor.py): do not edit; tests/render/test_engine_args_contract.py fails when it drifts.\n"
+    )
+    return header + "".join(f"{name}\n" for name in sorted(names))
+
+
 def flags_text(minor: str, tables: FlagTables) -> str:
     def block(names: list[str]) -> str:
         return "\n" + "".join(f"  - {name}\n" for name in names) if names else " []\n"
@@ -172,13 +182,18 @@ def template_dir(minor: str) -> Path:
     return TEMPLATES / f"vllm-{minor}"
 
 
-def generated_files(minor: str, actions: list[dict[str, Any]], env_names: Iterable[str]) -> dict[Path, str]:
-    """Every file `make vllm-minor` writes for `minor` from its parser's answers."""
+def generated_files(
+    minor: str, actions: list[dict[str, Any]], env_names: Iterable[str], removed_env_names: Iterable[str] = ()
+) -> dict[Path, str]:
+    """Every file `make vllm-minor` writes for `minor` from its parser's answers (the removed
+    variables' only when it names any)."""
     folder = template_dir(minor)
     files = {
         folder / "engine_args.txt": engine_args_text(minor, accepted_names(actions)),
         folder / "env_vars.txt": env_vars_text(minor, env_names),
     }
+    if removed := sorted(removed_env_names):
+        files[folder / "removed_env_vars.txt"] = removed_env_vars_text(minor, removed)
     if minor not in HAND_WRITTEN_FLAGS:
         files[folder / "flags.yaml"] = flags_text(minor, flag_tables(actions))
     return files
@@ -196,6 +211,7 @@ class Facts:
     env_names: set[str]
     config: dict[str, Any]
     post_routes: set[str]
+    removed_env_names: frozenset[str] = frozenset()
 
     @property
     def options(self) -> set[str]:
@@ -203,7 +219,14 @@ class Facts:
 
 
 def facts(parser: VllmParser) -> Facts:
-    return Facts(parser.version, parser.actions(), parser.envs(), parser.config(), parser.post_routes())
+    return Facts(
+        parser.version,
+        parser.actions(),
+        parser.envs(),
+        parser.config(),
+        parser.post_routes(),
+        frozenset(parser.removed_envs()),
+    )
 
 
 def documented_manifests(manifests: Iterable[Path] = ()) -> dict[str, dict[str, Any]]:
@@ -298,8 +321,15 @@ def changes(old: Facts, new: Facts, used: Used) -> list[str]:
         lines.append(f"  boolean and list spellings (flags.yaml): {before} -> {after}")
     env_added, env_removed = new.env_names - old.env_names, old.env_names - new.env_names
     lines.append(f"  environment variables: {len(env_added)} added, removed {_listed(env_removed)}")
+    refused = new.removed_env_names - old.removed_env_names
+    lines.append(f"  environment variables it refuses to start with (removed_env_vars.txt): new {_listed(refused)}")
     for name, where in sorted(used.env_names.items()):
-        if name not in new.env_names:
+        if name in new.removed_env_names:
+            lines.append(
+                f"  ! {name} is rendered for {old.minor} (by {_listed(where, 4)}) and {new.minor} refuses to start with "
+                f"it set: leave it out of {new.minor}'s renders"
+            )
+        elif name not in new.env_names:
             lines.append(
                 f"  ! {name} is rendered for {old.minor} (by {_listed(where, 4)}) and {new.minor} does not read it: "
                 f"check that {new.minor}'s goldens leave it out (vLLM warns about VLLM_* variables it does not know)"
@@ -371,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
             for started in parsers:
                 started.close()
     new = found[0]
-    for path, text in generated_files(minor, new.actions, new.env_names).items():
+    for path, text in generated_files(minor, new.actions, new.env_names, new.removed_env_names).items():
         path.parent.mkdir(parents=True, exist_ok=True)
         unchanged = path.exists() and path.read_text() == text
         path.write_text(text)

@@ -4,7 +4,12 @@ Protocol: one JSON request per stdin line, one JSON answer per stdout line.
 
 - `{"op": "actions"}` -> `{"actions": [{"dest", "options", "kind", "nargs", "type"}, ...]}`: every
   argument of the `vllm serve` parser (hidden spellings included).
-- `{"op": "envs"}` -> `{"envs": [...]}`: every environment variable vllm.envs reads.
+- `{"op": "envs"}` -> `{"envs": [...], "removed": [...]}`: every environment variable vllm.envs
+  reads, and those it names as removed (refused at start; from 0.34 on).
+- `{"op": "environ", "cases": [{"env": {...}, "hard_fail": bool}, ...]}` -> `{"results": [...]}`:
+  per case, what the engine's check of its environment at start (the platform's
+  `validate_environ`, as EngineArgs calls it with `fail_on_environ_validation`) makes of exactly
+  that environment: `{"ok": true}` or `{"ok": false, "error": str}`.
 - `{"op": "parse", "commands": [{"id", "argv", "full": bool}, ...]}` -> `{"results": {id: ...}}`:
   argv is the whole command (`["vllm", "serve", ...]`). Each result is `{"ok": true, "namespace":
   {...}}`, plus `"engine": {...}` when `full` (the EngineArgs `vllm serve` builds), or
@@ -576,6 +581,23 @@ def _media_urls(top, serve, case: dict) -> list[dict]:
         os.environ.update(saved)
 
 
+def _environ(case: dict) -> dict:
+    from vllm.platforms.interface import Platform
+
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(case["env"])
+    try:
+        # The base class's: no platform overrides it (0.32 to 0.34), and the parser venv has no GPU.
+        Platform.validate_environ(case["hard_fail"])
+        return {"ok": True}
+    except ValueError as error:
+        return {"ok": False, "error": str(error)}
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def _route_uuids(request: dict) -> dict:
     """The uuids of the media parts of the chat messages vLLM makes of a Responses request's
     ``input`` and of an Anthropic Messages request (each the order of its parts)."""
@@ -615,7 +637,10 @@ def main() -> None:
         elif request["op"] == "envs":
             import vllm.envs
 
-            answer = {"envs": sorted(vllm.envs.environment_variables)}
+            removed = getattr(vllm.envs, "removed_environment_variables", {})
+            answer = {"envs": sorted(vllm.envs.environment_variables), "removed": sorted(removed)}
+        elif request["op"] == "environ":
+            answer = {"results": [_environ(case) for case in request["cases"]]}
         elif request["op"] == "post_routes":
             answer = {"routes": _post_routes()}
         elif request["op"] == "config":

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..engine_args import known_env_vars, merge_patch
+from ..engine_args import V2_MODEL_RUNNER_ENV, known_env_vars, merge_patch
 from .regions import CPU_BYTES, CPU_CONNECTOR, cpu_bytes, uses_cpu_regions
 
 if TYPE_CHECKING:
@@ -30,9 +30,6 @@ CROSS_ENCODER_CACHE = "cross_encoder_cache"
 MOONCAKE_SECONDS = ("control_timeout_s", "push_wait_timeout_s")
 MOONCAKE_COUNTS = ("store_max_pending_items", "store_max_pending_bytes", "store_read_buffer_bytes")
 MOONCAKE_DEFAULT_PORT = 14579  # ECTransferConfig.ec_port
-# Selects vLLM's V2 model runner, which ECCPUConnector and Mooncake's cross_encoder_cache need;
-# from 0.34 on there is no other, and vLLM no longer reads the variable.
-V2_MODEL_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 MOONCAKE_PRODUCER_TP = "ECMooncakeConnector producers run tensor_parallel_size 1 (vLLM refuses more): use 1"
 
 
