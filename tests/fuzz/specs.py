@@ -88,6 +88,7 @@ arg_keys = st.sampled_from(
         - SECRET_ARGS.keys()
         - REFUSED_ARGS.keys()
         - GENERATION_ONLY.keys()  # valid with some values only (pooling_override)
+        - {"fail_on_environ_validation"}  # true refuses the VLLM_* names vLLM does not read
     )
 )
 # A text that cannot reach a command line looking like a flag (validation refuses those).
