@@ -135,21 +135,20 @@ def engine_args_text(minor: str, names: Iterable[str]) -> str:
     return header + "".join(f"{name}\n" for name in names)
 
 
-def env_vars_text(minor: str, names: Iterable[str]) -> str:
-    header = (
-        f"# Environment variables that vLLM {minor} reads (vllm.envs.environment_variables).\n"
-        "# Generated from the real package by `make vllm-minor` (hack/epd_dev/vllm/minor.py):\n"
-        "# do not edit; tests/render/test_engine_args_contract.py fails when it drifts.\n"
-    )
-    return header + "".join(f"{name}\n" for name in sorted(names))
-
-
-def removed_env_vars_text(minor: str, names: Iterable[str]) -> str:
-    header = (
-        f"# Environment variables that vLLM {minor} names as removed (vllm.envs.removed_environment_variables):\n"
-        "# it refuses to start with one set. Generated from the real package by `make vllm-minor`\n"
-        "# (hack/epd_dev/vllm/minor.py): do not edit; tests/render/test_engine_args_contract.py fails when it drifts.\n"
-    )
+def env_vars_text(minor: str, names: Iterable[str], *, removed: bool = False) -> str:
+    """`env_vars.txt`, or with `removed` `removed_env_vars.txt`."""
+    if removed:
+        header = (
+            f"# Environment variables that vLLM {minor} names as removed (vllm.envs.removed_environment_variables):\n"
+            "# it refuses to start with one set. Generated from the real package by `make vllm-minor`\n"
+            "# (hack/epd_dev/vllm/minor.py): do not edit; tests/render/test_engine_args_contract.py fails when it drifts.\n"
+        )
+    else:
+        header = (
+            f"# Environment variables that vLLM {minor} reads (vllm.envs.environment_variables).\n"
+            "# Generated from the real package by `make vllm-minor` (hack/epd_dev/vllm/minor.py):\n"
+            "# do not edit; tests/render/test_engine_args_contract.py fails when it drifts.\n"
+        )
     return header + "".join(f"{name}\n" for name in sorted(names))
 
 
@@ -193,7 +192,7 @@ def generated_files(
         folder / "env_vars.txt": env_vars_text(minor, env_names),
     }
     if removed := sorted(removed_env_names):
-        files[folder / "removed_env_vars.txt"] = removed_env_vars_text(minor, removed)
+        files[folder / "removed_env_vars.txt"] = env_vars_text(minor, removed, removed=True)
     if minor not in HAND_WRITTEN_FLAGS:
         files[folder / "flags.yaml"] = flags_text(minor, flag_tables(actions))
     return files
