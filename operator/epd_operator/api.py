@@ -884,6 +884,12 @@ class EPDDeploymentSpec(Schema):
         pool = model.encoder_pool
         return pool.shm if pool is not None and pool.shm is not None else self.shm
 
+    def engine_env(self, group: ServerGroup, group_path: str) -> dict[str, tuple[str, EnvVar]]:
+        """The variables a group's engines get from the spec, each with the field that sets it:
+        spec.env, then the group's env, which wins for a name both set (as in their pods)."""
+        env = {e.name: (f"spec.env[{i}]", e) for i, e in enumerate(self.env)}
+        return env | {e.name: (f"{group_path}.env[{i}]", e) for i, e in enumerate(group.env)}
+
 
 class Condition(Schema):
     """A Kubernetes-style condition."""

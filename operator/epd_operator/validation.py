@@ -20,7 +20,7 @@ from .api import DNS1123_LABEL, EPDDeploymentSpec, ModelSpec, ServerGroup
 from .ec.connectors import MOONCAKE_CONNECTOR, ec_config_errors
 from .ec.quantity import BYTE_QUANTITY, MAX_BYTES, parse_quantity
 from .ec.regions import region_errors, uses_cpu_regions
-from .engine_args import SUPPORTED_MINORS, engine_arg_name, environ_errors, override_errors
+from .engine_args import SUPPORTED_MINORS, environ_errors, override_errors
 from .layout import Block, pod_gpus, pool_ports, unit_ports
 
 SUPPORTED_VLLM_VERSIONS = SUPPORTED_MINORS
@@ -478,12 +478,10 @@ def engine_environ_errors(spec: EPDDeploymentSpec, minor: str) -> list[str]:
     errors: dict[str, None] = {}
     for index, model in enumerate(spec.models):
         for g_index, group in enumerate(model.server_groups):
-            env = {e.name: (f"spec.env[{i}]", e) for i, e in enumerate(spec.env)}
-            path = f"spec.models[{index}].serverGroups[{g_index}]"
-            env |= {e.name: (f"{path}.env[{i}]", e) for i, e in enumerate(group.env)}
-            strict = {engine_arg_name(k): v for k, v in group.overrides.items()}.get("fail_on_environ_validation")
+            env = spec.engine_env(group, f"spec.models[{index}].serverGroups[{g_index}]")
             found = [(where, name, e.value if e.value_from is None else None) for name, (where, e) in env.items()]
-            errors |= dict.fromkeys(environ_errors(minor, found, fail_on_unknown=strict is True))
+            strict = group.overrides.get("fail_on_environ_validation") is True
+            errors |= dict.fromkeys(environ_errors(minor, found, fail_on_unknown=strict))
     return list(errors)
 
 

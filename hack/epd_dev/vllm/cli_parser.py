@@ -32,6 +32,7 @@ class VllmParser:
             env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"},
         )
         self._actions: list[dict[str, Any]] | None = None
+        self._envs: dict[str, list[str]] | None = None
 
     def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
         assert self._proc.stdin and self._proc.stdout
@@ -49,13 +50,18 @@ class VllmParser:
             self._actions = self._ask({"op": "actions"})["actions"]
         return self._actions
 
+    def _env_names(self) -> dict[str, list[str]]:
+        if self._envs is None:
+            self._envs = self._ask({"op": "envs"})
+        return self._envs
+
     def envs(self) -> set[str]:
         """Every environment variable this vLLM reads (vllm.envs)."""
-        return set(self._ask({"op": "envs"})["envs"])
+        return set(self._env_names()["envs"])
 
     def removed_envs(self) -> set[str]:
         """The environment variables this vLLM names as removed: it refuses to start with one set."""
-        return set(self._ask({"op": "envs"})["removed"])
+        return set(self._env_names()["removed"])
 
     def environ(self, cases: list[tuple[dict[str, str], bool]]) -> list[dict[str, Any]]:
         """Per (environment, hard_fail), what the engine's check of its environment at start makes

@@ -175,14 +175,10 @@ def _cpu_errors(model: ModelSpec, ec: GroupEC) -> list[str]:
     return errors
 
 
-def _v2_model_runner(spec: EPDDeploymentSpec, group: ServerGroup) -> bool:
-    """Whether the group's engines get VLLM_USE_V2_MODEL_RUNNER=1 from the spec's env lists (the
-    group's wins)."""
-    value = None
-    for env in (*spec.env, *group.env):
-        if env.name == V2_MODEL_RUNNER_ENV:
-            value = env.value
-    return value == "1"
+def _v2_model_runner(spec: EPDDeploymentSpec, group: ServerGroup, group_path: str) -> bool:
+    """Whether the group's engines get VLLM_USE_V2_MODEL_RUNNER=1 from the spec's env lists."""
+    found = spec.engine_env(group, group_path).get(V2_MODEL_RUNNER_ENV)
+    return found is not None and found[1].value == "1"
 
 
 def _mooncake_errors(
@@ -229,7 +225,12 @@ def _mooncake_errors(
         )
     elif cache and group.overrides.get("enable_lora"):
         errors.append(f"{group_path}.overrides.enable_lora: vLLM's cross_encoder_cache does not support LoRA")
-    elif cache and minor and V2_MODEL_RUNNER_ENV in known_env_vars(minor) and not _v2_model_runner(spec, group):
+    elif (
+        cache
+        and minor
+        and V2_MODEL_RUNNER_ENV in known_env_vars(minor)
+        and not _v2_model_runner(spec, group, group_path)
+    ):
         # Before 0.34, which has no V1 runner.
         errors.append(
             f"{ec.where(CROSS_ENCODER_CACHE)}: vLLM {minor} reuses encoder outputs across encoders only with its V2 "
