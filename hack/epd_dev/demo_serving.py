@@ -171,6 +171,10 @@ SECOND = Picture("a green square", 56, 56, lambda x, y: GREEN)
 REPEATED = Picture("a yellow triangle on white", 56, 56, lambda x, y: YELLOW if y > x else WHITE)
 REPEATS = 8
 NEW_VERSION = "step-2"
+# Two different pictures sent through the front door under one uuid of the client's own (a
+# reused or colliding id): vLLM names a part by its uuid alone, the front door by its content.
+SHARED_UUID = "my-picture"
+SHARED_UUID_PICTURES = (REPEATED, SECOND)
 
 
 def demo_request() -> dict[str, Any]:
@@ -207,6 +211,7 @@ class Answer:
     kv_files: list[tuple[str, int]]  # what prefill wrote for decode
     pod: dict[str, Any]  # the unit's pod, as the API server has it after the request
     repeats: Repeats | None = None  # the same picture through the front door, again and again
+    shared_uuid: SharedUuid | None = None  # two pictures under one client uuid through the front door
 
     @property
     def max_logprob_difference(self) -> float:
@@ -226,6 +231,19 @@ class Repeats:
     primes_new_version: int  # encoder requests for the one send under NEW_VERSION
     seconds: list[float]  # each send, end to end
     answers: list[list[int]]  # token ids of each send, the new version's last
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedUuid:
+    """SHARED_UUID_PICTURES sent one after the other through the front door, each part with the
+    uuid SHARED_UUID, and each picture without a uuid on the aggregated engine."""
+
+    answers: list[list[int]]  # token ids through the front door, per picture
+    reference_answers: list[list[int]]  # the aggregated engine's, per picture
+
+    @property
+    def each_its_own(self) -> bool:
+        return self.answers == self.reference_answers and len({tuple(a) for a in self.answers}) == len(self.answers)
 
 
 def manifests(claim: str) -> list[dict[str, Any]]:
@@ -294,6 +312,7 @@ def serve(cluster: Any, namespace: str, *, timeout: float = 1500) -> Answer:
     answer = asyncio.run(_ask(cluster, namespace, status["models"][0]["ecStoragePath"], found[NAME], found[REFERENCE]))
     wait_for(lambda: _gateway_ready(cluster, namespace), 300, f"the gateway of epd/{NAME} Ready")
     answer.repeats = repeat(answer.front_url, answer.engine_urls["encoder-0"])
+    answer.shared_uuid = shared_uuid(answer.front_url, answer.reference_url)
     print_answer(answer)
     return answer
 
@@ -301,6 +320,29 @@ def serve(cluster: Any, namespace: str, *, timeout: float = 1500) -> Answer:
 def _gateway_ready(cluster: Any, namespace: str) -> bool:
     deployment = get_json(cluster, "deployment", f"{NAME}-{serving.MODEL}-gateway", "-n", namespace) or {}
     return bool(deployment.get("status", {}).get("readyReplicas"))
+
+
+def _short_answer(base_url: str, part: dict[str, Any]) -> list[int]:
+    """Eight greedy tokens about one picture, through the openai SDK."""
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=300)
+    content: list[Any] = [part, {"type": "text", "text": "what is this?"}]
+    answer = client.chat.completions.create(
+        model=tiny_model.SERVED_NAME,
+        messages=[{"role": "user", "content": content}],
+        max_tokens=8,
+        temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
+    return list(getattr(answer.choices[0], "token_ids", None) or [])
+
+
+def shared_uuid(front_url: str, reference_url: str) -> SharedUuid:
+    """SHARED_UUID_PICTURES through the front door under one client uuid, and on the aggregated
+    engine without one."""
+    return SharedUuid(
+        [_short_answer(front_url, {**p.part, "uuid": SHARED_UUID}) for p in SHARED_UUID_PICTURES],
+        [_short_answer(reference_url, p.part) for p in SHARED_UUID_PICTURES],
+    )
 
 
 def repeat(front_url: str, encoder_url: str) -> Repeats:
@@ -510,6 +552,8 @@ def print_answer(answer: Answer) -> None:
 
     if answer.repeats is not None:
         _print_repeats(answer.repeats, answer.front_url)
+    if answer.shared_uuid is not None:
+        _print_shared_uuid(answer.shared_uuid)
 
     _section("the same request on an aggregated engine (one vLLM engine, no disaggregation)")
     print(f"  token ids  {answer.reference_token_ids}")
@@ -554,6 +598,19 @@ def _print_repeats(repeats: Repeats, front_url: str) -> None:
     )
     same = all(a == repeats.answers[0] for a in repeats.answers)
     print(f"  answers   identical token ids across the {REPEATS + 1} sends: {'yes' if same else 'NO'}")
+
+
+def _print_shared_uuid(shared: SharedUuid) -> None:
+    _section(f"two different pictures under one client uuid ({SHARED_UUID!r}), through the front door")
+    for i, (picture, got, expected) in enumerate(
+        zip(SHARED_UUID_PICTURES, shared.answers, shared.reference_answers, strict=True), 1
+    ):
+        same = "yes" if got == expected else "NO"
+        print(f"  send {i}    {picture.title}: {got}  the aggregated engine's for this picture: {same}")
+    print(
+        f"  each its own: {'yes' if shared.each_its_own else 'NO'} (vLLM names a part by its uuid alone; the front "
+        "door replaces a client's uuid by the picture's key, so no picture is answered from another's embedding)"
+    )
 
 
 def _table(rows: list[tuple[str, ...]]) -> None:

@@ -23,14 +23,26 @@ from ._errors import (
     PrimeError,
     RequestError,
 )
+from ._media import (
+    EMBEDS_KINDS,
+    MediaItem,
+    MediaPartError,
+    is_key,
+    key_generation,
+    key_of,
+    keyed_items,
+    media_items,
+    media_key,
+    write_keys,
+)
 from ._media import KINDS as MEDIA_KINDS
-from ._media import MediaItem, MediaPartError, is_key, key_generation, key_of, media_items, media_key, write_keys
 from ._prime import HASHED_FIELDS, Primer, prime_body
 from ._retry import RetryPolicy
 from ._sync import generate_sync, prime_encoder_sync
 from ._vime import VimeRolloutArgs, vime_rollout_args
 
 __all__ = [
+    "EMBEDS_KINDS",
     "HASHED_FIELDS",
     "MEDIA_KINDS",
     "Choice",
@@ -62,6 +74,7 @@ __all__ = [
     "is_key",
     "key_generation",
     "key_of",
+    "keyed_items",
     "media_items",
     "media_key",
     "prime_body",

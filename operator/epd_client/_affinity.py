@@ -87,8 +87,8 @@ def affinity_key(
 ) -> str | None:
     """What a request is placed by: its conversation (``session``, the ``X-EPD-Session``
     header, else the OpenAI ``user`` field), else its first media part (of ``items``, the
-    request's media in order): that part's ``uuid`` if it has one, else its key for
-    ``weights_version`` (content-only without one), the key the EPD proxy gives it. A multi-turn
+    request's media in order): its key for ``weights_version`` (content-only without one), the
+    key the EPD proxy gives it whatever ``uuid`` the client set. A multi-turn
     conversation resends its first image at every turn, and a GRPO group sends one prompt n
     times. None for a text-only request without a conversation."""
     if session:
@@ -97,6 +97,4 @@ def affinity_key(
         return f"session:{user}"
     if not items:
         return None
-    first = items[0]
-    uuid = first.part.get("uuid")
-    return str(uuid) if uuid is not None else media_key(first, weights_version or "")
+    return media_key(items[0], weights_version or "")

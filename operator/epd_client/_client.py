@@ -22,7 +22,7 @@ from ._errors import (
     RequestError,
 )
 from ._http import Connection, Transport, Verify, json_body
-from ._media import MediaItem, Message, copy_messages, media_items, write_keys
+from ._media import KINDS, MediaItem, Message, copy_messages, keyed_items, media_items, write_keys
 from ._prime import HASHED_FIELDS, TransferParams, prime_items, short
 from ._retry import RetryPolicy
 
@@ -43,7 +43,9 @@ class EPDClient:
 
     ``weights_version`` (e.g. ``"step-42"``; set it again after each weight update) keys
     every media part by its content and that version, so embeddings computed under other
-    weights are never read; None keeps vLLM's content-only keys.
+    weights are never read; None keeps vLLM's content-only keys. Either way a ``uuid`` the
+    caller set is replaced by the part's key: vLLM names a part by its uuid alone, so a reused
+    uuid would be answered with another picture's embedding.
     """
 
     def __init__(
@@ -198,18 +200,19 @@ class Session:
         part's key into ``messages``: render them as they are afterwards. Returns the
         ``ec_transfer_params`` to send with render (a ``Pools`` model's; empty otherwise).
         ``extra_body``: as prime_encoder's."""
-        return await self._prime_items(media_items(messages), extra_body or {})
+        return await self._prime_items(keyed_items(messages), extra_body or {})
 
     async def _prime_items(
         self, items: list[MediaItem], extra_body: Mapping[str, Any], *, keyed: bool = False
     ) -> TransferParams:
-        """Key the items (with a weights version, unless ``keyed`` already) and prime them:
-        through the unit's proxy, which primes only what its EC store lacks and answers the
-        keys (written into the items' parts; it keeps those they carry), else on the unit's
-        encoders directly. ``extra_body``: fields every prime carries (the request's hashed
-        fields)."""
-        if self.weights_version is not None and not keyed:
+        """Key the items (``keyed_items``: bound to their content and the weights version, unless
+        ``keyed`` already) and prime the media among them: through the unit's proxy, which
+        primes only what its EC store lacks and answers the keys (written into the items'
+        parts), else on the unit's encoders directly. ``extra_body``: fields every prime carries
+        (the request's hashed fields)."""
+        if not keyed:
             write_keys(items, self.weights_version)
+        items = [item for item in items if item.kind in KINDS]
         proxy = _proxy_url(self.model, self.unit)
         if items and proxy is not None and proxy not in self._without_endpoint:
             try:
@@ -226,9 +229,9 @@ class Session:
         """POST /epd/v1/prime to the unit's proxy: one message holding every item, in order."""
         body = {**extra_body, "model": self.model.served_name}
         body["messages"] = [{"role": "user", "content": [i.part for i in items]}]
-        # The proxy keeps the keys the parts carry, and keys the others by this version
-        # (content-only without one, unless the model's weights are versioned: refused).
-        headers = {_VERSION_HEADER: self.weights_version} if self.weights_version is not None else None
+        # The proxy keys every part by its content and this version (content-only without one,
+        # unless the model's weights are versioned: refused).
+        headers = self._version_header()
         answer = json_body(await self._transport.post((proxy,), _PRIME_THROUGH, body, headers=headers), _PRIME_THROUGH)
         keys = answer.get("keys") if isinstance(answer, dict) else None
         if not isinstance(keys, list) or len(keys) != len(items):
@@ -258,16 +261,20 @@ class Session:
             request = {**request, "messages": copy_messages(request["messages"])}
         self.lease = None
         hashed = {name: request[name] for name in HASHED_FIELDS if request.get(name)}
-        params = await self._prime_items(media_items(request.get("messages") or ()), hashed)
+        params = await self._prime_items(keyed_items(request.get("messages") or ()), hashed)
         body = {"model": self.model.served_name, **request}
         if params:
             body["ec_transfer_params"] = {**params, **(request.get("ec_transfer_params") or {})}
-        headers = {_LEASE_HEADER: self.lease} if self.lease else None
+        # The unit's proxy binds render's keys to the parts' content under this version too.
+        headers = {**(self._version_header() or {}), **({_LEASE_HEADER: self.lease} if self.lease else {})} or None
         rendered = await self._call(entry, _RENDER, body, idempotent=True, headers=headers)
         if params:
             rendered = _carry_transfer_params(rendered, body["ec_transfer_params"])
         # Not idempotent: a generate that reached the entry may run though its answer was lost.
         return await self._call(entry, _GENERATE, rendered, idempotent=False, headers=headers)
+
+    def _version_header(self) -> dict[str, str] | None:
+        return {_VERSION_HEADER: self.weights_version} if self.weights_version is not None else None
 
     async def _call(
         self, entry: Engine, path: str, body: Any, *, idempotent: bool, headers: Mapping[str, str] | None = None
@@ -316,7 +323,10 @@ async def prime_encoder(
     With ``weights_version`` (for an EPDClient, default: its ``weights_version``) each
     media part gets a ``uuid`` derived from its content and the version, written into
     ``messages`` in place: render those same messages afterwards, so the consumers read the
-    embeddings of this version. A ``uuid`` the caller set is kept.
+    embeddings of this version. A ``uuid`` the caller set is replaced by the part's key (its
+    content's, content-only without a version), with or without a version: vLLM names a part
+    by its uuid alone, so a reused uuid would read another picture's embedding. The client's
+    own embeddings parts (image_embeds, ...) are keyed alike, and never primed.
 
     Endpoints and EPDClient must give the model exactly one unit, or priming and generation
     could land on different units: with several, use ``EPDClient.session`` or
@@ -334,7 +344,7 @@ async def prime_encoder(
     connection = Connection(api_key, headers, verify)
     if isinstance(target, EPDClient) and connection.options():
         raise TypeError("prime_encoder(client, ...) uses the client's api_key, headers and verify: set them there")
-    items = media_items(messages)
+    items = keyed_items(messages)
     if not items:
         return {}
     if isinstance(target, EPDClient):
@@ -347,9 +357,9 @@ async def prime_encoder(
         model = _vime_model(target, model_name)
     # Keys go on every media part, primed or not: a model without encoders caches
     # embeddings by the same key in its own engines.
-    if weights_version is not None:
-        write_keys(items, weights_version)
-    if model is None:
+    write_keys(items, weights_version)
+    items = [item for item in items if item.kind in KINDS]
+    if model is None or not items:
         return {}
     if len(model.units) > 1:
         raise EndpointsError(

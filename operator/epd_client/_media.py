@@ -10,6 +10,7 @@ holds this module to it.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from collections.abc import Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
@@ -29,9 +30,18 @@ KINDS = {
     "input_audio": "audio",
 }
 
-# vLLM's content part types (its MM_PARSER_MAP) that carry no media for an encoder: text, and
-# embeddings the client computed (the consumer runs no encoder on those; vLLM takes them only
-# with --enable-mm-embeds or --enable-prompt-embeds).
+# Embeddings the client computed (vLLM takes them only with --enable-mm-embeds): no encoder runs
+# on them, yet vLLM names each by its uuid, when it has one, in its caches and the EC store, as
+# any media item. So they are keyed as media are, and never primed.
+EMBEDS_KINDS = {
+    "image_embeds": "image embeddings",
+    "audio_embeds": "audio embeddings",
+    "video_embeds": "video embeddings",
+}
+_NOUNS = {**KINDS, **EMBEDS_KINDS}
+
+# vLLM's content part types (its MM_PARSER_MAP) that carry no media for an encoder: text, the
+# client's embeddings (EMBEDS_KINDS) and prompt embeddings (vLLM names those by no uuid).
 _NOT_ENCODED = frozenset(
     {
         "text",
@@ -66,8 +76,7 @@ _KEY_ORDER = (
 )
 
 # Keys this library writes (and the EPD proxy's later generations of them, ``<key>-<n>``):
-# recognised so that a reused message gets the key of the current version, while a uuid the
-# caller chose is left alone.
+# recognised so that a part whose key is its content's already keeps it (and its generation).
 _OWN_KEY = re.compile(r"(epd-[0-9a-f]{32})(?:-[1-9][0-9]*)?")
 
 
@@ -76,9 +85,11 @@ class MediaItem:
     part: Message
     kind: str
     """The part's type as vLLM reads it: image_url, input_image, video_url, audio_url or
-    input_audio (a part without ``type`` is read by the media key it holds)."""
+    input_audio (a part without ``type`` is read by the media key it holds); for the client's
+    own embeddings (``keyed_items`` only) image_embeds, audio_embeds or video_embeds."""
     source: str
-    """The URL, or for input_audio the data URL vLLM builds from it."""
+    """The URL, or for input_audio the data URL vLLM builds from it; for embeddings their data
+    (a dict of them as canonical JSON)."""
     message: int = 0
     """Index of the part's message in the messages given."""
     position: int = 0
@@ -106,6 +117,15 @@ def media_items(messages: Iterable[Message]) -> list[MediaItem]:
     Raises MediaPartError for a part vLLM would read as media that no prime can stand for: a
     reference without data (a ``uuid`` with no URL, an empty URL, ``image_pil``). Parts vLLM
     refuses itself (a typed part whose URL is not a string, an unknown type) are left to it."""
+    return [item for item in keyed_items(messages) if item.kind in KINDS]
+
+
+def keyed_items(messages: Iterable[Message]) -> list[MediaItem]:
+    """Every part of ``messages`` that vLLM names by its ``uuid`` when it has one, in order: the
+    media parts (``media_items``) and the client's own embeddings (image_embeds, audio_embeds,
+    video_embeds), which no encoder computes. ``write_keys`` binds each one's uuid to its
+    content. Raises MediaPartError as media_items does, and for embeddings without data (a
+    ``uuid`` alone asks vLLM for what it cached under that name)."""
     items: list[MediaItem] = []
     for m, message in enumerate(messages):
         content = message.get("content") if isinstance(message, Mapping) else None
@@ -125,11 +145,13 @@ def media_items(messages: Iterable[Message]) -> list[MediaItem]:
                     message=m,
                     position=p,
                 )
+            if not source and kind in EMBEDS_KINDS and part.get("uuid") is None:
+                continue  # names nothing: vLLM takes it as it is (and refuses it later)
             if not source:
                 raise MediaPartError(
-                    f"this {KINDS[kind]} part has no data (no URL, or a uuid alone refers to an item vLLM "
-                    "processed before), so no encoder can be primed with it and a consumer would look it up or "
-                    f"encode it itself: send its {_data_field(kind)}",
+                    f"this {_NOUNS[kind]} part has no data (no URL, or a uuid alone refers to an item vLLM "
+                    "processed before, which would answer with whatever vLLM holds under that name), so it is "
+                    f"refused: send its {_data_field(kind)}",
                     message=m,
                     position=p,
                 )
@@ -138,14 +160,17 @@ def media_items(messages: Iterable[Message]) -> list[MediaItem]:
 
 
 def read_part(part: Message) -> tuple[str, str | None] | None:
-    """How vLLM reads a content part: (its media type, its source or None when it carries no
-    data), or None when vLLM loads no media from it (text, embeddings, a part it refuses)."""
+    """How vLLM reads a content part: (its media type or embeddings kind, its source or None
+    when it carries no data), or None when vLLM names no item by it (text, prompt embeddings, a
+    part it refuses)."""
     kind = part.get("type")
     if isinstance(kind, str) and kind in _TYPES and part.get("uuid") is None:
         return _typed(part, kind)
     if kind is not None and part.get("uuid") is None:
         return None  # not a type vLLM knows: it refuses the part
     key = next((key for key in _KEY_ORDER if key in part), None)
+    if key in EMBEDS_KINDS:
+        return key, _embeds(part[key])
     if key is None or key in _NOT_ENCODED:
         return None
     if key == _PIL:
@@ -161,6 +186,8 @@ def read_part(part: Message) -> tuple[str, str | None] | None:
 def _typed(part: Message, kind: str) -> tuple[str, str | None] | None:
     """A part read by its type: vLLM checks the url objects of image_url, audio_url and
     video_url (a part whose URL is not a string is refused, not loaded)."""
+    if kind in EMBEDS_KINDS:
+        return kind, _embeds(part.get(kind))
     if kind in _NOT_ENCODED:
         return None
     if kind == _PIL:
@@ -189,7 +216,17 @@ def _text(value: Any) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
+def _embeds(value: Any) -> str | None:
+    """Embeddings' data as one string: vLLM takes a base64 tensor or a dict of them (canonical
+    JSON, so equal dicts give equal keys); None: no data."""
+    if isinstance(value, Mapping) and value:
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+    return _text(value)
+
+
 def _data_field(kind: str) -> str:
+    if kind in EMBEDS_KINDS:
+        return f"{kind} data"
     if kind == "input_audio":
         return "input_audio.data and input_audio.format"
     if kind == "input_image":
@@ -248,23 +285,34 @@ def key_of(name: str) -> str:
     return found.group(1) if found else name
 
 
-def write_keys(items: Iterable[MediaItem], weights_version: str) -> None:
-    """Set each part's ``uuid`` in place to its key for ``weights_version``; a uuid that is
-    not one of ours (the caller's own) is kept. Raises MediaPartError for a part that vLLM
-    would read differently once it has a uuid (with a uuid, vLLM reads a part by the first
-    media key it holds, not by its type)."""
+def write_keys(items: Iterable[MediaItem], weights_version: str | None) -> list[tuple[MediaItem, str]]:
+    """Bind each part's ``uuid`` to its content, in place: vLLM names a part that has a uuid by
+    the uuid alone in its caches and the EC store, so a uuid that is not the part's key would
+    answer the part with whatever embedding was stored under that name (another picture's, or
+    another weights version's). Each part gets its key for ``weights_version`` (``media_key``);
+    a uuid that is that key already is kept (with the EPD proxy's generation of it), and one
+    the caller chose is replaced, never trusted to name the content. With ``weights_version``
+    None, a part without a uuid is left to vLLM's own content hash.
+
+    Returns the parts whose uuid was replaced, each with the uuid it had (the caller's own id:
+    for logs and metrics). Raises MediaPartError for a part that vLLM would read differently
+    once it has a uuid (with a uuid, vLLM reads a part by the first media key it holds, not by
+    its type)."""
+    replaced = []
     for item in items:
         current = item.part.get("uuid")
-        if current is not None and not _OWN_KEY.fullmatch(str(current)):
+        if current is None and weights_version is None:
+            continue
+        key = media_key(item, weights_version or "")
+        if current is not None and key_of(str(current)) == key:
             continue
         if not isinstance(item.part, MutableMapping):
             raise TypeError(
                 f"cannot write the weights-version key into a {type(item.part).__name__} "
                 "content part: pass the messages as plain dicts"
             )
-        key = media_key(item, weights_version)
         kind, source = read_part({**item.part, "uuid": key}) or (None, None)
-        if (KINDS.get(kind or ""), source) != (KINDS[item.kind], item.source):
+        if (_NOUNS.get(kind or ""), source) != (_NOUNS[item.kind], item.source):
             raise MediaPartError(
                 f"this {item.kind} part holds several media fields, and vLLM reads a keyed part by the first of "
                 "them, not by its type: keep one media field per part",
@@ -272,6 +320,9 @@ def write_keys(items: Iterable[MediaItem], weights_version: str) -> None:
                 position=item.position,
             )
         item.part["uuid"] = key
+        if current is not None:
+            replaced.append((item, str(current)))
+    return replaced
 
 
 def copy_messages(messages: Iterable[Message]) -> list[dict[str, Any]]:

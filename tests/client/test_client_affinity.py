@@ -94,8 +94,11 @@ def test_a_request_is_placed_by_its_conversation_else_its_first_media_parts_key(
     assert affinity_key(media_items(turn_1), user="alice") == "session:alice"
     assert affinity_key(media_items(turn_1), user="alice", session="chat-9") == "session:chat-9"
     assert affinity_key([], user=None) is None
+    # A client's uuid places nothing: the part is its content (the unit's proxy keys it so).
     keyed = [{"role": "user", "content": [{**image, "uuid": "mine"}]}]
-    assert affinity_key(media_items(keyed), weights_version="step-1") == "mine"
+    assert affinity_key(media_items(keyed), weights_version="step-1") == media_key(first, "step-1")
+    other = [{"role": "user", "content": [{**later, "uuid": "mine"}]}]
+    assert affinity_key(media_items(other), weights_version="step-1") != media_key(first, "step-1")
 
 
 async def test_generate_without_a_key_sends_every_repeat_of_a_picture_to_one_unit(make_unit) -> None:

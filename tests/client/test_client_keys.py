@@ -5,11 +5,23 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 from types import MappingProxyType
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from epd_client import Endpoints, EPDClient, MediaPartError, ModelEndpoints, Unit, prime_encoder
+from epd_client import (
+    Endpoints,
+    EPDClient,
+    MediaPartError,
+    ModelEndpoints,
+    Unit,
+    keyed_items,
+    prime_encoder,
+    write_keys,
+)
 
 from .helpers import FAST
 
@@ -86,15 +98,37 @@ async def test_vime_path_writes_keys_into_the_callers_messages(server) -> None:
 
     await prime_encoder(args, messages, weights_version="v1")
     x, y = messages[0]["content"][1:]
-    assert x["uuid"].startswith("epd-") and y["uuid"] == "callers-own-id"  # the caller's is kept
-    assert sorted(prime_uuids_of(encoder)) == sorted([x["uuid"], "callers-own-id"])
+    # The caller's uuid is replaced by the part's key: vLLM would name the picture by it alone.
+    assert x["uuid"].startswith("epd-") and y["uuid"].startswith("epd-") and x["uuid"] != y["uuid"]
+    assert sorted(prime_uuids_of(encoder)) == sorted([x["uuid"], y["uuid"]])
 
     # The same message objects reused at the next step get the next version's key.
-    x_v1 = x["uuid"]
+    x_v1, y_v1 = x["uuid"], y["uuid"]
     await prime_encoder(args, messages, weights_version="v2")
-    assert x["uuid"] not in (x_v1, None) and y["uuid"] == "callers-own-id"
+    assert x["uuid"] not in (x_v1, None) and y["uuid"] not in (y_v1, None)
     await prime_encoder(args, messages, weights_version="v1")
-    assert x["uuid"] == x_v1
+    assert (x["uuid"], y["uuid"]) == (x_v1, y_v1)
+
+
+async def test_a_callers_uuid_never_names_another_picture(server) -> None:
+    """Two pictures under one uuid (a reused id, a collision) get a key each; without a version
+    the key is the content's alone, and a part without a uuid is left to vLLM's content hash."""
+    encoder = server()
+    args = argparse.Namespace(vllm_model_encoder_endpoints={"actor": ("m", [encoder.url])})
+    first = request("https://i.test/x.png")["messages"]
+    second = request("https://i.test/y.png", "https://i.test/z.png")["messages"]
+    first[0]["content"][1]["uuid"] = second[0]["content"][1]["uuid"] = "img-0"
+    await prime_encoder(args, first)
+    await prime_encoder(args, second)
+    x, (y, z) = first[0]["content"][1], second[0]["content"][1:]
+    assert x["uuid"] != y["uuid"] and x["uuid"].startswith("epd-") and y["uuid"].startswith("epd-")
+    assert "uuid" not in z
+    assert sorted(u for u in prime_uuids_of(encoder) if u) == sorted([x["uuid"], y["uuid"]])
+    # Its own key (any generation the EPD proxy gave it) is kept, another picture's is not.
+    z["uuid"] = f"{x['uuid']}-2"
+    y["uuid"] = f"{y['uuid']}-1"
+    await prime_encoder(args, second)
+    assert y["uuid"].endswith("-1") and z["uuid"].startswith("epd-") and not z["uuid"].startswith(x["uuid"])
 
 
 def prime_uuids_of(encoder) -> list[str | None]:
@@ -170,3 +204,60 @@ async def test_a_part_that_reads_otherwise_once_keyed_is_refused(server) -> None
     with pytest.raises(MediaPartError, match="several media fields"):
         await prime_encoder(args, [{"role": "user", "content": [part]}], weights_version="v1")
     assert encoder.records == [] and "uuid" not in part
+
+
+# Parts of every kind vLLM names by a uuid, with contents drawn small so that equal ones occur.
+_CONTENT = st.text(alphabet="ab/:.", min_size=1, max_size=4)
+_PARTS = st.one_of(
+    st.builds(lambda u: {"type": "image_url", "image_url": {"url": f"https://i.test/{u}"}}, _CONTENT),
+    st.builds(lambda u: {"image_url": f"https://i.test/{u}"}, _CONTENT),
+    st.builds(lambda u: {"type": "input_image", "image_url": f"https://i.test/{u}", "detail": "auto"}, _CONTENT),
+    st.builds(lambda u: {"type": "video_url", "video_url": {"url": f"https://i.test/{u}"}}, _CONTENT),
+    st.builds(lambda u: {"type": "audio_url", "audio_url": {"url": f"https://i.test/{u}"}}, _CONTENT),
+    st.builds(
+        lambda d, f: {"type": "input_audio", "input_audio": {"data": d, "format": f}},
+        _CONTENT,
+        st.sampled_from(["wav", "mp3"]),
+    ),
+    st.builds(lambda d: {"type": "image_embeds", "image_embeds": d}, _CONTENT),
+    st.builds(lambda d: {"type": "audio_embeds", "audio_embeds": {"audio_embeds": d}}, _CONTENT),
+    st.builds(lambda d: {"video_embeds": d}, _CONTENT),
+)
+_UUIDS = st.one_of(st.none(), st.sampled_from(["img-0", "epd-" + "0" * 32, "epd-" + "0" * 32 + "-1"]))
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(st.tuples(_PARTS, _UUIDS), min_size=2, max_size=8),
+    st.lists(st.sampled_from(["", "step-1", "step-2"]), min_size=8, max_size=8),
+)
+def test_no_two_different_contents_get_the_same_key(drawn, versions) -> None:
+    """Whatever uuids the parts came with (none, one shared by all, another content's key), once
+    keyed two parts share a name exactly when their kind, content and weights version are equal."""
+    messages, content = [], []
+    for (part, uuid), version in zip(drawn, versions, strict=False):
+        part = {**part, "uuid": uuid} if uuid is not None else dict(part)
+        (item,) = keyed_items([{"content": [part]}])
+        write_keys([item], version)
+        messages.append(part["uuid"])
+        content.append((item.kind, item.source, version))
+    for i, j in itertools.combinations(range(len(messages)), 2):
+        assert (messages[i] == messages[j]) == (content[i] == content[j]), (drawn[i], drawn[j])
+
+
+def test_a_uuid_alone_is_refused_whatever_it_names() -> None:
+    """A part with a uuid and no media refers to whatever vLLM cached under that name: refused,
+    with the part named, for every kind (a key of ours is no proof the client holds the content)."""
+    for part in (
+        {"type": "image_url", "image_url": None, "uuid": "img-0"},
+        {"image_url": None, "uuid": "epd-" + "1" * 32},
+        {"type": "video_url", "video_url": {"url": ""}, "uuid": "v"},
+        {"type": "input_audio", "input_audio": None, "uuid": "a"},
+        {"type": "image_embeds", "image_embeds": None, "uuid": "e"},
+        {"audio_embeds": None, "uuid": "e"},
+    ):
+        with pytest.raises(MediaPartError, match="no data") as refused:
+            keyed_items([{"content": [{"type": "text", "text": "hi"}, part]}])
+        assert (refused.value.message, refused.value.position) == (0, 1)
+    # Embeddings without data and without a uuid name nothing: left to vLLM (which refuses them).
+    assert keyed_items([{"content": [{"type": "image_embeds"}]}]) == []

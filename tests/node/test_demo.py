@@ -84,6 +84,24 @@ def test_the_same_picture_eight_times_through_the_front_door_costs_one_encoder_r
     assert f"X-EPD-Weights-Version: {demo_serving.NEW_VERSION}: encoder requests: 1" in printed
 
 
+def test_two_pictures_under_one_client_uuid_each_get_their_own_answer_through_the_front_door(served, reference):
+    answer, printed = served
+    shared = answer.shared_uuid
+    assert shared is not None
+    # Each the aggregated engine's answer for that picture (asked here, without a uuid), and the two
+    # differ: had the second been answered from the first's embedding, its answer would be the first's.
+    url = reference.unit.consumer_urls[0]
+    expected = []
+    for picture in demo_serving.SHARED_UUID_PICTURES:
+        request = payloads.greedy(
+            [{"role": "user", "content": [picture.part, {"type": "text", "text": "what is this?"}]}], max_tokens=8
+        )
+        rendered = demo_serving.post(url, "/v1/chat/completions/render", request)
+        expected.append(payloads.output(demo_serving.post(url, "/inference/v1/generate", rendered))[0])
+    assert shared.answers == expected and expected[0] != expected[1]
+    assert "each its own: yes" in printed
+
+
 def test_the_kubelet_started_the_encoder_first_and_the_router_after_the_consumers(served):
     answer, printed = served
     pod = answer.pod

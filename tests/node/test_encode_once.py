@@ -6,7 +6,7 @@ Through the official openai SDK (the front Service: the gateway) and through epd
 units' own proxies): a GRPO-shaped load (one prompt with two pictures, eight samples) costs one
 encoder request per picture and stays on one unit; four-turn conversations (Geo3K's shape: the
 pictures in the first turn, every turn resending them) answer turns 2 to 4 faster than turn 1 (the
-median of three);
+median of three); two pictures sent under one client uuid each get their own answer at every door;
 every answer equals the aggregated engine's; after the trainer patches a new weights version the
 same pictures are primed again, under new keys. Encoder requests are counted by vLLM's own
 /metrics on each unit's encoder.
@@ -42,6 +42,8 @@ TALKS = tuple(
     for a, b in (((200, 40, 40), (40, 200, 40)), ((40, 40, 200), (200, 200, 40)), ((200, 120, 40), (40, 200, 200)))
 )
 CLIENT = (image_part((90, 90, 90)), image_part((180, 60, 180)))
+# Two pictures sent under one client uuid, a fresh uuid for each door (vLLM's caches keep names).
+COLLIDING = (image_part((240, 240, 240)), image_part((10, 10, 10)))
 RESULTS: dict[str, object] = {}
 
 
@@ -218,6 +220,61 @@ def test_epd_client_primes_once_on_the_unit_the_gateway_would_choose(cluster, de
     sdk(front_service_url(cluster, node_namespace, NAME)).chat.completions.create(**chat_request(msgs))
     moved = delta(before, counts(deployed))
     assert sum(p for p, _ in moved.values()) == 0 and {n for n, (_, s) in moved.items() if s} == primed_on
+
+
+def _one_picture(part: dict) -> list[dict]:
+    return [{"role": "user", "content": [part, {"type": "text", "text": "what is this?"}]}]
+
+
+def test_two_pictures_under_one_client_uuid_each_get_their_own_answer_at_every_door(
+    cluster, deployed, reference, node_namespace
+):
+    """vLLM names a part by its uuid alone: the aggregated engine itself, sent two pictures under
+    one uuid, answers the second with the first's embedding. Through the front Service (the
+    gateway), a unit's own proxy and epd_client, each picture gets its own answer: the aggregated
+    engine's for that picture sent without a uuid."""
+    expected = [reference_answer(reference, _one_picture(p)) for p in COLLIDING]
+    assert expected[0] != expected[1], "the tiny model must answer the two pictures differently"
+    # The control: straight to the aggregated engine, the uuid decides.
+    engine = sdk(reference_url(reference))
+    control = [
+        list(
+            engine.chat.completions.create(**chat_request(_one_picture({**p, "uuid": "control-0"})))
+            .choices[0]
+            .token_ids
+        )
+        for p in COLLIDING
+    ]
+    assert control == [expected[0], expected[0]], "vLLM answers the second picture from the first's embedding"
+    doors = {
+        "front Service": front_service_url(cluster, node_namespace, NAME),
+        "a unit's proxy": next(u.front_url for u in deployed.endpoints.model(MODEL).units if u.front_url),
+    }
+    for door, url in doors.items():
+        client = sdk(url)
+        answers = [
+            list(
+                client.chat.completions.create(
+                    **chat_request(_one_picture({**p, "uuid": f"img-{door}"})),
+                    extra_headers={"X-EPD-Weights-Version": "step-1"},
+                )
+                .choices[0]
+                .token_ids
+            )
+            for p in COLLIDING
+        ]
+        assert answers == expected, door
+
+    async def through_epd_client() -> list[list[int]]:
+        async with EPDClient(deployed.endpoints, weights_version="step-1") as client:
+            answers = []
+            for part in COLLIDING:
+                request = {**payloads.greedy(_one_picture({**part, "uuid": "img-epd-client"}), max_tokens=8)}
+                answers.append(payloads.output(await client.generate(request, model_name=MODEL))[0])
+            return answers
+
+    assert asyncio.run(through_epd_client()) == expected
+    RESULTS["shared_uuid_answers_own"] = True
 
 
 def test_a_new_weights_version_primes_the_same_pictures_again_under_new_keys(

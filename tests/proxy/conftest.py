@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from epd_client import MEDIA_KINDS, Primer, RetryPolicy, media_items, write_keys
+from epd_client import EMBEDS_KINDS, MEDIA_KINDS, Primer, RetryPolicy, keyed_items, write_keys
 from epd_dev.standins.fault_proxy import FaultProxy
 from epd_operator.proxy.core import DNSTarget
 from epd_operator.proxy.encoders import Encoders, Resolve, resolve_addresses
@@ -128,21 +128,21 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
 
 def keyed(value: Any, version: str = "") -> Any:
     """``value`` (a request body, a message list or one media part) as the proxy forwards and
-    primes it: a copy whose every media part carries its key for ``version`` as its uuid (a
-    uuid the client set is kept)."""
+    primes it: a copy whose every media and embeddings part carries its key for ``version`` as its
+    uuid (a uuid the client set is replaced)."""
     value = copy.deepcopy(value)
-    if isinstance(value, dict) and value.get("type") in MEDIA_KINDS:
-        write_keys(media_items([{"content": [value]}]), version)
+    if isinstance(value, dict) and value.get("type") in {**MEDIA_KINDS, **EMBEDS_KINDS}:
+        write_keys(keyed_items([{"content": [value]}]), version)
         return value
     if isinstance(value, list):  # a message list
-        write_keys(media_items(value), version)
+        write_keys(keyed_items(value), version)
         return value
     for field in ("messages", "input"):  # previous_input_messages: gpt-oss's only, never primed
         found = value.get(field) if isinstance(value, dict) else None
         if isinstance(found, list):
             conversations = found if found and all(isinstance(c, list) for c in found) else [found]
             for conversation in conversations:
-                write_keys(media_items(conversation), version)
+                write_keys(keyed_items(conversation), version)
     return value
 
 

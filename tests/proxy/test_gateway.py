@@ -152,3 +152,24 @@ async def test_the_gateway_refuses_a_media_url_the_units_would_refuse(units, sta
     status, answer = await post(http, gateway.url + CHAT, chat(private))
     assert status == 400 and "messages[0].content[0]" == answer["error"]["param"]
     assert not any(u.served(name) or u.primes(name) for name in u.proxies)
+
+
+async def test_two_pictures_under_one_client_uuid_each_get_their_own_embedding(units, start_gateway, http):
+    """A client's uuid decides nothing: the gateway places a part by its content, the unit's proxy
+    keys it by its content, and a uuid alone (a part without media) is refused at the gateway."""
+    u = await units(3)
+    gateway = await start_gateway(u.proxies, weights_version="step-1")
+    for i in (1, 2, 1, 2):
+        assert (await post(http, gateway.url + CHAT, chat({**picture(i), "uuid": "img-0"})))[0] == 200
+    for i in (1, 2):
+        own = choose_unit(key(picture(i), "step-1"), list(u.proxies)).unit
+        primed = [p["messages"][0]["content"][0]["uuid"] for p in u.primes(own)]
+        served = [r.body["messages"][0]["content"][0]["uuid"] for r in u.served(own)]
+        assert primed.count(key(picture(i), "step-1")) == 1 and served.count(key(picture(i), "step-1")) == 2
+    assert all(u.files[name].misses == [] for name in u.proxies)
+    assert sum(len(u.primes(name)) for name in u.proxies) == 2
+    status, answer = await post(
+        http, gateway.url + CHAT, chat({"type": "image_url", "image_url": None, "uuid": "img-0"})
+    )
+    assert status == 400 and answer["error"]["param"] == "messages[0].content[0]"
+    assert "no data" in answer["error"]["message"]

@@ -27,7 +27,7 @@ from epd_operator.proxy.core import BadRequest, DNSTarget
         ("POST", "/tokenize", "other"),
         ("POST", "/v1/decisions", "other"),  # text only (vLLM 0.33 refuses images there itself)
         ("GET", "/v1/chat/completions", "other"),
-        ("POST", "/v1/chat/completions/render", "other"),
+        ("POST", "/v1/chat/completions/render", "chat_completions_render"),
         ("POST", "/inference/v1/generate", "other"),
         ("POST", "/v1/completions", "other"),
         ("POST", "/v1/responses/resp_1/cancel", "other"),
@@ -36,7 +36,7 @@ from epd_operator.proxy.core import BadRequest, DNSTarget
         ("POST", "/health", "other"),
     ],
 )
-def test_posts_of_routes_that_take_media_are_primed_or_refused(method, path, expected):
+def test_posts_of_routes_that_take_media_are_primed_keyed_or_refused(method, path, expected):
     assert core.route(method, path) == expected
 
 

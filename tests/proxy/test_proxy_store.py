@@ -130,13 +130,21 @@ async def test_a_new_weights_version_primes_again_under_a_new_key(unit, start_pr
     assert status == 400 and "X-EPD-Weights-Version" in answer["error"]["message"]
 
 
-async def test_a_uuid_the_client_chose_is_kept_and_primed_every_time(unit, start_proxy, http):
+async def test_a_uuid_the_client_chose_never_names_another_picture(unit, start_proxy, http):
+    """vLLM names a part by its uuid alone: two pictures sent with one client uuid would read one
+    embedding. The proxy replaces the client's uuid by each part's key, so each is its own, and a
+    repeat under the same uuid is found in the store like any other."""
     u = unit()
     proxy = await start_proxy(u.consumer.url, [u.encoder.url], ec_store=str(u.store))
-    mine = {**picture(1), "uuid": "my-own-id"}
-    for _ in range(2):
-        assert (await post(http, proxy.url + CHAT, chat(mine)))[0] == 200
-    assert u.forwarded_names() == [["my-own-id"]] * 2 and len(u.primes) == 2
+    for i in (1, 2, 1):
+        assert (await post(http, proxy.url + CHAT, chat({**picture(i), "uuid": "img-0"})))[0] == 200
+    assert u.forwarded_names() == [[key(picture(1))], [key(picture(2))], [key(picture(1))]]
+    assert u.files.encoded == [key(picture(1)), key(picture(2))] and len(u.primes) == 2
+    # Another picture's key is no better than a uuid of the client's own.
+    assert (await post(http, proxy.url + CHAT, chat({**picture(3), "uuid": key(picture(1))})))[0] == 200
+    assert u.forwarded_names()[-1] == [key(picture(3))] and u.files.misses == []
+    text = await proxy.metrics_text()
+    assert metric(text, "epd_proxy_client_uuids_replaced_total") == 4
 
 
 async def test_an_evicted_entry_the_encoder_still_remembers_is_primed_under_the_next_generation(
@@ -378,3 +386,45 @@ def test_only_parts_of_the_body_itself_are_keyed():
     anthropic_plan = core.plan("messages", json.dumps({"messages": [{"role": "user", "content": [block]}]}).encode())
     assert all(id(p.item.part) in keys.in_body(chat_plan.body) for p in chat_plan.parts)
     assert not any(id(p.item.part) in keys.in_body(anthropic_plan.body) for p in anthropic_plan.parts)
+
+
+async def test_a_render_carries_its_parts_keys_bound_to_their_content(unit, start_proxy, http):
+    """Renders are not primed (the client primed), but their uuids name what the generate reads:
+    a client's uuid, or another picture's key, is replaced by the part's own; a key the proxy gave
+    (any generation of it) is kept; a versioned model's render needs its version."""
+    u = unit()
+    proxy = await start_proxy(u.consumer.url, [u.encoder.url], ec_store=str(u.store), require_weights_version=True)
+    render = "/v1/chat/completions/render"
+    version = {"X-EPD-Weights-Version": "step-4"}
+    parts = [
+        {**picture(1), "uuid": "img-0"},
+        {**picture(2), "uuid": key(picture(1), "step-4")},
+        {**picture(3), "uuid": f"{key(picture(3), 'step-4')}-2"},
+        {"type": "image_embeds", "image_embeds": "AAAA", "uuid": "img-0"},
+    ]
+    assert (await post(http, proxy.url + render, chat(*parts), **version))[0] == 200
+    (sent,) = u.consumer.requests(render)
+    assert [p.get("uuid") for p in sent.body["messages"][0]["content"][:4]] == [
+        key(picture(1), "step-4"),
+        key(picture(2), "step-4"),
+        f"{key(picture(3), 'step-4')}-2",
+        keyed({"type": "image_embeds", "image_embeds": "AAAA"}, "step-4")["uuid"],
+    ]
+    assert u.primes == []
+    status, answer = await post(http, proxy.url + render, chat(*parts))
+    assert status == 400 and "X-EPD-Weights-Version" in answer["error"]["message"]
+    text = await proxy.metrics_text()
+    assert 'epd_proxy_client_uuids_replaced_total{route="chat_completions_render"} 3.0' in text
+
+
+async def test_epd_client_renders_and_generates_under_its_weights_version(unit, start_proxy):
+    u = unit()
+    proxy = await start_proxy(u.consumer.url, [u.encoder.url], ec_store=str(u.store), require_weights_version=True)
+    endpoint = Unit_(name="u", encoder_urls=(u.encoder.url,), consumer_urls=(u.consumer.url,), front_url=proxy.url)
+    request = {"messages": chat({**picture(1), "uuid": "img-0"})["messages"]}
+    async with EPDClient(Endpoints((ModelEndpoints("actor", (endpoint,)),)), weights_version="step-8") as client:
+        await client.generate(request, model_name="actor")
+    render, generate = u.consumer.records
+    assert render.headers.get("x-epd-weights-version") == generate.headers.get("x-epd-weights-version") == "step-8"
+    assert render.body["messages"][0]["content"][0]["uuid"] == key(picture(1), "step-8")
+    assert request["messages"][0]["content"][0]["uuid"] == "img-0"  # the caller's request as it was

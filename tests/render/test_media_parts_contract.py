@@ -16,9 +16,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from epd_client import prime_body
+from epd_client import is_key, key_of, prime_body
 from epd_dev.vllm.cli_parser import VllmParser
-from epd_operator.proxy import core
+from epd_operator.proxy import core, keys
 
 URL = "https://media.test/a.png"
 OTHER = "https://media.test/b.mp4"
@@ -41,6 +41,7 @@ ALL_KEYS = (
     "input_file",
 )
 ENCODED = {"image", "audio", "video"}
+EMBEDS = {"image_embeds", "audio_embeds", "video_embeds"}
 
 
 def values(key: str) -> list[Any]:
@@ -221,8 +222,15 @@ def unloadable(items: list[dict[str, Any]]) -> bool:
 
 
 def unprimeable(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Items vLLM would take that no prime can stand for: references (no data, or a PIL image)."""
-    return [i for i in items if i["modality"] == "image_pil" or (i["modality"] in ENCODED and not i["data"])]
+    """Items vLLM would take that no prime can stand for: references (no data, or a PIL image),
+    and embeddings without data named by a uuid (whatever vLLM cached under it)."""
+    return [
+        i
+        for i in items
+        if i["modality"] == "image_pil"
+        or (i["modality"] in ENCODED and not i["data"])
+        or (i["modality"] in EMBEDS and not i["data"] and i["uuid"] is not None)
+    ]
 
 
 def test_the_proxy_primes_exactly_what_vllm_loads(vllm_parser: VllmParser):
@@ -265,3 +273,52 @@ def _disagreement(outcome: Outcome, consumer: dict[str, Any], primed: list[dict[
     if from_primes != loaded(items):
         return f"the primes give vLLM {from_primes}, the consumer loads {loaded(items)}"
     return ""
+
+
+def forwarded(route: str, body: dict[str, Any]) -> dict[str, Any] | None:
+    """The body as the proxy forwards it (its parts keyed, no weights version), None if refused."""
+    try:
+        found = core.plan(route, json.dumps(body).encode())
+        in_body = keys.in_body(found.body)
+        keys.key_parts(
+            route, [p.item for p in (*found.parts, *found.embeds) if id(p.item.part) in in_body], None, required=False
+        )
+    except core.BadRequest:
+        return None
+    return found.body
+
+
+def test_every_item_vllm_names_by_a_uuid_is_named_by_its_content_once_forwarded(vllm_parser: VllmParser):
+    """vLLM names an item by its uuid alone (its caches, the EC store): in what the proxy forwards,
+    every item vLLM takes carries the proxy's key, or no uuid at all (routes whose uuids vLLM drops:
+    it hashes the content), and no key names two different contents. The corpus gives many parts
+    the same client uuid ("u-1"): vLLM reads them under it as sent."""
+    sent = [(route, body) for route, body in REQUESTS if forwarded(route, body) is not None]
+    as_sent = vllm_parser.media(sent)
+    as_forwarded = vllm_parser.media([(route, forwarded(route, body)) for route, body in sent])
+    named: dict[str, set[str]] = {}
+    problems = []
+    for (route, body), before, after in zip(sent, as_sent, as_forwarded, strict=True):
+        if not after["ok"]:
+            continue
+        for item in after["items"]:
+            if item["modality"] not in ENCODED | EMBEDS or not item["data"]:
+                continue
+            uuid = item["uuid"]
+            if uuid is None and route in ("messages", "cohere_chat"):
+                continue
+            if not (isinstance(uuid, str) and is_key(key_of(uuid))):
+                problems.append(f"{route} {json.dumps(body)}: vLLM names {item['modality']} by {uuid!r}")
+            else:
+                # A video's audio track (use_audio_in_video) is the same content: its uuid too.
+                named.setdefault(uuid, set()).add(json.dumps(item["data"], sort_keys=True))
+    assert not problems, "\n".join(problems[:20])
+    assert {uuid: data for uuid, data in named.items() if len(data) > 1} == {}
+    # Unkeyed, one client uuid does name several contents: what the proxy prevents.
+    client = {}
+    for before in as_sent:
+        for item in before.get("items", ()) if before["ok"] else ():
+            if item["uuid"] == "u-1" and item["data"]:
+                client.setdefault(item["uuid"], set()).add(json.dumps(item["data"], sort_keys=True))
+    assert len(client.get("u-1", ())) > 1
+    assert len(named) > 10  # keys of many contents and kinds were checked

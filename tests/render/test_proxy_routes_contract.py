@@ -16,9 +16,9 @@ NO_ENCODER_ROUTES = {
     "/tokenize": "tokenizes",
     "/detokenize": "tokens in, text out",
     "/v1/messages/count_tokens": "tokenizes",
-    "/v1/chat/completions/render": "renders (epd_client's rollouts prime, then generate)",
+    "/v1/chat/completions/render": "renders (epd_client's rollouts prime, then generate); keyed: core.KEYED_ROUTES",
     "/v1/completions/render": "renders",
-    "/v1/responses/render": "renders",
+    "/v1/responses/render": "renders; keyed: core.KEYED_ROUTES",
     "/v1/messages/render": "renders",
     "/cohere/v2/chat/render": "renders",
     "/v1/chat/completions/derender": "tokens in, text out",
@@ -91,3 +91,8 @@ def test_every_post_route_of_vllm_is_primed_refused_or_runs_no_encoder(vllm_pars
 @pytest.mark.parametrize("path", sorted(core.REFUSED_ROUTES))
 def test_refused_routes_are_vllms(vllm_parser: VllmParser, path: str):
     assert path in vllm_parser.post_routes()
+
+
+@pytest.mark.parametrize("path", sorted(core.KEYED_ROUTES))
+def test_keyed_routes_are_vllms_renders(vllm_parser: VllmParser, path: str):
+    assert path in vllm_parser.post_routes() and path in NO_ENCODER_ROUTES

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
-from epd_client import HASHED_FIELDS, MEDIA_KINDS, MediaItem, MediaPartError, PrimeError, media_items
+from epd_client import HASHED_FIELDS, MEDIA_KINDS, MediaItem, MediaPartError, PrimeError, keyed_items
 
 # Paths whose media the proxy primes, by the route label metrics use: every route of vLLM 0.32
 # and 0.33 that takes media into a generation. Only POSTs: a GET of /v1/responses/{id} or
@@ -33,6 +33,14 @@ PRIMED_ROUTES = {
     "/epd/v1/prime": "epd_prime",
 }
 EPD_PRIME = "epd_prime"
+# Renders of clients that prime themselves (epd_client): no encoder runs, so nothing is primed,
+# but the parts' uuids name what their generate reads from the EC store: bound to the parts'
+# content as on a primed route. (vLLM drops the uuids of the Anthropic and Cohere renders.)
+KEYED_ROUTES = {
+    "/v1/chat/completions/render": "chat_completions_render",
+    "/v1/responses/render": "responses_render",
+}
+KEYED = frozenset(KEYED_ROUTES.values())
 # Routes whose media no prime can stand for, refused unread: their audio is uploaded as a file,
 # cut and resampled for the model's feature extractor, not as a chat part.
 REFUSED_ROUTES = {"/v1/audio/transcriptions": "transcriptions", "/v1/audio/translations": "translations"}
@@ -63,10 +71,10 @@ PRIME_HEADERS = ("authorization", "x-request-id", "traceparent", "tracestate")
 
 
 def route(method: str, path: str) -> str:
-    """The request's route label: a primed or refused one, or ``health`` or ``other`` (passed
-    through untouched)."""
+    """The request's route label: a primed, keyed or refused one, or ``health`` or ``other``
+    (passed through untouched)."""
     if method == "POST":
-        return PRIMED_ROUTES.get(path) or REFUSED_ROUTES.get(path, OTHER)
+        return PRIMED_ROUTES.get(path) or KEYED_ROUTES.get(path) or REFUSED_ROUTES.get(path, OTHER)
     return HEALTH if path == "/health" else OTHER
 
 
@@ -100,11 +108,14 @@ class Plan:
 
     body: dict[str, Any]
     parts: tuple[MediaPart, ...]
+    """The media parts: primed (on a primed route) and keyed."""
     model: str | None
     """The request's ``model``: the primes name the same (None: the engines' default)."""
     prime_fields: dict[str, Any] = field(default_factory=dict)
     """The request's fields every prime carries too: those vLLM keys a media item's embedding
     by (epd_client.HASHED_FIELDS), so the encoder stores it under the key the consumer looks up."""
+    embeds: tuple[MediaPart, ...] = ()
+    """The client's own embeddings parts: keyed, never primed."""
 
 
 # Primed routes whose request vLLM reads without ``ec_transfer_params`` (its Cohere model has
@@ -114,23 +125,24 @@ WITHOUT_TRANSFER_PARAMS = frozenset({"cohere_chat"})
 
 
 def plan(route_name: str, raw: bytes, *, pooled: bool = False) -> Plan:
-    """Parse a request of a primed route and find its media parts (epd_client's definition, on
-    the messages vLLM makes of the request); ``pooled``: for a placement Pools model. Raises
-    BadRequest."""
+    """Parse a request of a primed or keyed route and find its media parts (epd_client's
+    definition, on the messages vLLM makes of the request) and embeddings parts; ``pooled``: for
+    a placement Pools model. Raises BadRequest."""
     try:
         body = json.loads(raw)
     except ValueError as error:  # UnicodeDecodeError is one
         raise BadRequest(f"the request body is not JSON: {error}") from None
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
-    if "ec_transfer_params" in body:
+    if "ec_transfer_params" in body and route_name not in KEYED:  # a render's are its client's prime's
         raise BadRequest(
             "ec_transfer_params is the EPD proxy's to set: it tells a consumer the address to pull each embedding "
             "from, which the proxy takes from the encoders that computed them. Remove it (clients that prime "
             "themselves send it to /v1/chat/completions/render and /inference/v1/generate)",
             "ec_transfer_params",
         )
-    parts = tuple(_PLANNERS[route_name](body))
+    found = _PLANNERS[route_name](body)
+    parts = tuple(p for p in found if p.item.kind in MEDIA_KINDS)
     if parts and pooled and route_name in WITHOUT_TRANSFER_PARAMS:
         raise BadRequest(
             f"this model's encoders are a pool on other nodes, and vLLM reads {route_name} requests without the "
@@ -140,7 +152,8 @@ def plan(route_name: str, raw: bytes, *, pooled: bool = False) -> Plan:
         )
     model = body.get("model")
     fields = {name: body[name] for name in HASHED_FIELDS if body.get(name) and route_name in HASHED_ROUTES}
-    return Plan(body, parts, model if isinstance(model, str) else None, fields)
+    embeds = tuple(p for p in found if p.item.kind not in MEDIA_KINDS)
+    return Plan(body, parts, model if isinstance(model, str) else None, fields, embeds)
 
 
 # The routes whose requests carry epd_client.HASHED_FIELDS to vLLM's parsing (its Anthropic and
@@ -171,16 +184,18 @@ def _responses_parts(body: Mapping[str, Any]) -> list[MediaPart]:
             if isinstance(output, list):
                 parts += _content_parts(f"input[{i}].output", output)
         elif "role" in item and item.get("role") != "assistant" and isinstance(item.get("content"), list):
-            parts += _content_parts(f"input[{i}].content", [_with_detail(part) for part in item["content"]])
+            for part in item["content"]:
+                _set_detail(part)
+            parts += _content_parts(f"input[{i}].content", item["content"])
     return parts
 
 
-def _with_detail(part: Any) -> Any:
+def _set_detail(part: Any) -> None:
     """vLLM's default for a Responses message's input_image without ``detail``, which its chat
-    parser (the encoders') otherwise refuses."""
-    if isinstance(part, Mapping) and part.get("type") == "input_image" and "detail" not in part:
-        return {**part, "detail": "auto"}
-    return part
+    parser (the encoders') otherwise refuses: set in the body's own part (vLLM reads it alike),
+    so the part primed is the part forwarded, keyed."""
+    if isinstance(part, dict) and part.get("type") == "input_image" and "detail" not in part:
+        part["detail"] = "auto"
 
 
 def _batch_parts(body: Mapping[str, Any]) -> list[MediaPart]:
@@ -283,11 +298,12 @@ def _content_parts(field: str, content: list[Any], first: int = 0) -> list[Media
 
 
 def _located(messages: list[Any], param: Callable[[int, int], str]) -> list[MediaPart]:
-    """epd_client's media parts (what vLLM loads), each with its place in the request."""
+    """epd_client's keyed parts (the media vLLM loads and the client's embeddings), each with
+    its place in the request."""
     try:
-        items = media_items(messages)
+        items = keyed_items(messages)
     except MediaPartError as error:
-        raise BadRequest(f"media part not primed: {error.reason}", param(error.message, error.position)) from None
+        raise BadRequest(f"media part refused: {error.reason}", param(error.message, error.position)) from None
     return [MediaPart(item, param(item.message, item.position)) for item in items]
 
 
@@ -300,6 +316,8 @@ _PLANNERS: dict[str, Callable[[Mapping[str, Any]], list[MediaPart]]] = {
     "messages": _anthropic_parts,
     "structured_decisions": _refuse_media,
     EPD_PRIME: _chat_parts,
+    "chat_completions_render": _chat_parts,
+    "responses_render": _responses_parts,
 }
 
 

@@ -1,12 +1,14 @@
-"""The weights-version keys the proxy writes into the media parts it forwards (pure).
+"""The keys the proxy writes into the media parts it forwards (pure).
 
 A part's key is ``epd_client``'s (``media_key``: the weights version, the part's kind and its
 content), written as the part's ``uuid``, which vLLM uses as the item's name in its caches and
-in the EC store: after a weight update, a new version makes new names, so no request is served
-an embedding of the old weights (vLLM 0.32 to 0.34 never clear the EC store themselves). The
-version is the request's ``X-EPD-Weights-Version`` header: the EPD gateway stamps the
-EPDDeployment's (``spec.models[].weightsVersion``) on what it forwards, unless the client sent
-one; without either, keys are content-only.
+in the EC store, whatever the content (vLLM #55547). So every part that reaches an engine is
+named by its own content: a uuid the client chose is replaced (two pictures sent with one uuid
+get one embedding each), and after a weight update a new version makes new names, so no request
+is served an embedding of the old weights (vLLM 0.32 to 0.34 never clear the EC store
+themselves). The version is the request's ``X-EPD-Weights-Version`` header: the EPD gateway
+stamps the EPDDeployment's (``spec.models[].weightsVersion``) on what it forwards, unless the
+client sent one; without either, keys are content-only.
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from epd_client import MediaItem, MediaPartError, is_key, write_keys
+from epd_client import MediaItem, MediaPartError, is_key, key_of, write_keys
 
-from .core import EPD_PRIME, BadRequest
+from .core import BadRequest
 
 WEIGHTS_VERSION_HEADER = "x-epd-weights-version"
 # Names a conversation for the gateway's placement (else the OpenAI ``user`` field).
@@ -66,10 +68,13 @@ def in_body(body: object) -> set[int]:
     return found
 
 
-def key_parts(route: str, items: Sequence[MediaItem], version: str | None, *, required: bool) -> bool:
-    """Write each part's key for ``version`` (content-only when None) into the parts, in place;
-    a uuid the client chose is kept, and on POST /epd/v1/prime every uuid (epd_client keyed
-    them). False (nothing written) for a route whose keys vLLM drops; BadRequest where a
+def key_parts(
+    route: str, items: Sequence[MediaItem], version: str | None, *, required: bool
+) -> list[tuple[MediaItem, str]] | None:
+    """Bind each part's uuid to its content and ``version`` (content-only when None), in place
+    (``write_keys``: a uuid that is the part's key already is kept, any other replaced). Returns
+    the parts whose client-chosen uuid was replaced, each with that uuid (for the log and the
+    metrics); None (nothing written) for a route whose uuids vLLM drops. BadRequest where a
     version is wanted there, or required and not given."""
     if route in UNKEYED_ROUTES:
         if version is not None or required:
@@ -78,26 +83,24 @@ def key_parts(route: str, items: Sequence[MediaItem], version: str | None, *, re
                 "version: send the images to /v1/chat/completions instead"
                 + ("" if version is not None else " (this model's weights are versioned: spec.models[].weightsVersion)")
             )
-        return False
-    unkeyed = [i for i in items if route != EPD_PRIME or i.part.get("uuid") is None]
-    if not version and required and unkeyed:
+        return None
+    if not version and required and items:
         raise BadRequest(
             "this model's weights are versioned (spec.models[].weightsVersion), so media requests carry their "
             "version: send them through the model's front Service (its EPD gateway stamps it), or send the "
             "X-EPD-Weights-Version header"
         )
     try:
-        write_keys(unkeyed, version or "")
+        return write_keys(items, version or "")
     except MediaPartError as error:  # a part vLLM would read otherwise once it has a uuid
         raise BadRequest(f"media part not keyed: {error.reason}") from None
-    return True
 
 
 def own_key(item: MediaItem) -> str | None:
-    """The part's key when it is one of ours, else None (a uuid the client chose: primed as it
-    is, never looked up in the store)."""
+    """The key the part's uuid belongs to (any generation of it), None when it has none of ours."""
     uuid = item.part.get("uuid")
-    return uuid if is_key(uuid) else None
+    key = key_of(uuid) if isinstance(uuid, str) else None
+    return key if is_key(key) else None
 
 
 def set_names(items: Sequence[MediaItem], names: Mapping[int, str]) -> None:

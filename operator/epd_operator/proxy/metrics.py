@@ -48,6 +48,14 @@ class ProxyMetrics:
             "Media parts that waited for another request's prime of the same key instead of priming it again.",
             registry=self.registry,
         )
+        self._replaced = Counter(
+            "epd_proxy_client_uuids_replaced_total",
+            "Media and embeddings parts whose client-chosen uuid the proxy replaced by the part's key (its "
+            "content's and weights version's), by route: vLLM names a part by its uuid alone, so a uuid must never "
+            "decide which embedding a part gets.",
+            ["route"],
+            registry=self.registry,
+        )
         self._regenerated = Counter(
             "epd_proxy_prime_regenerated_total",
             "Primes an encoder answered without storing the embedding (it still held the key in its memory "
@@ -118,6 +126,9 @@ class ProxyMetrics:
         self._media.labels(MEDIA_KINDS[part_type]).inc()
         if regenerated:
             self._regenerated.inc()
+
+    def observe_replaced_uuids(self, route: str, count: int) -> None:
+        self._replaced.labels(route).inc(count)
 
     def observe_found(self, kinds: list[str], shared: int) -> None:
         for kind in kinds:

@@ -53,6 +53,7 @@ from .budget import Budget, Reservation
 from .core import (
     ANSWER_DROPPED,
     EPD_PRIME,
+    KEYED,
     PASSED_THROUGH,
     REFUSED,
     REQUEST_DROPPED,
@@ -316,7 +317,7 @@ class Proxy:
             return _error(request, ProxyError(400, str(error), error.param))
         name = route(request.method, request.path)
         leased: list[str] = []
-        if found.parts:
+        if found.parts or found.embeds:
             cost = request_cost(raw, len(found.parts))
             if cost > reservation.size and not reservation.resize(cost):
                 return _error(request, self._busy(cost), True)
@@ -385,20 +386,32 @@ class Proxy:
         return ProxyError(503, message)
 
     async def _prime(self, request: web.BaseRequest, found: Plan) -> Primed | web.StreamResponse:
-        """Key the request's parts and prime what its unit does not hold: the outcome (transfer
-        params, the keys leased until the request is done), or the error answer."""
+        """Key the request's parts and prime what its unit does not hold (a keyed route's: none):
+        the outcome (transfer params, the keys leased until the request is done), or the error
+        answer."""
         headers = _lowered(request.headers.items())
+        name = route(request.method, request.path)
         # Only parts of the body itself can carry a key to the engines; any other is primed as it is.
         body_parts = in_body(found.body)
         items = [part.item for part in found.parts]
-        keyable = [item for item in items if id(item.part) in body_parts]
+        keyable = [p.item for p in (*found.parts, *found.embeds) if id(p.item.part) in body_parts]
         try:
             version = requested_version(headers)
-            keyed = key_parts(
-                route(request.method, request.path), keyable, version, required=self.config.require_weights_version
-            )
+            replaced = key_parts(name, keyable, version, required=self.config.require_weights_version)
         except BadRequest as error:
             return _error(request, ProxyError(400, str(error), error.param))
+        keyed = replaced is not None
+        if replaced:
+            self.metrics.observe_replaced_uuids(name, len(replaced))
+            if logger.isEnabledFor(logging.DEBUG):
+                logger.debug(
+                    "%s %s: the client's uuids replaced by their parts' keys: %s",
+                    request.method,
+                    request.path,
+                    ", ".join(f"{uuid[:128]!r} -> {item.part['uuid']}" for item, uuid in replaced),
+                )
+        if name in KEYED or not items:
+            return Primed({}, [], keyed)
         encoders = self.encoders.usable()
         if not encoders:
             self.metrics.observe_prime_failure("no_encoder")
