@@ -1,4 +1,4 @@
-"""The EPD proxy as a real process (`epd-operator proxy`), as a unit's container runs it: the
+"""The EPD proxy as a real process (`epd-dataplane proxy`), as a unit's container runs it: the
 tests with real vLLM and the proxy benchmark start it this way."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from .operator_process import free_port, wait_for
 
 
 class ProxyProcess:
-    """``epd-operator proxy --upstream U --encoder E ... [args]`` on free ports (``url``,
+    """``epd-dataplane proxy --upstream U --encoder E ... [args]`` on free ports (``url``,
     ``metrics_url``); its log goes to ``log_path``. Use as a context manager."""
 
     def __init__(
@@ -49,7 +49,7 @@ class ProxyProcess:
     def command(self) -> list[str]:
         encoders = [a for url in self.encoders for a in ("--encoder", url)]
         return [
-            *(self.python, "-m", "epd_operator.cli", "proxy", "--host", "127.0.0.1"),
+            *(self.python, "-m", "epd_dataplane.cli", "proxy", "--host", "127.0.0.1"),
             *("--port", str(self.port), "--metrics-port", str(self.metrics_port)),
             *("--upstream", self.upstream, *encoders, *self.args),
         ]

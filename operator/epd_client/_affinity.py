@@ -1,5 +1,5 @@
 """Which unit serves a request: rendezvous hashing with bounded load, the one implementation
-behind ``EPDClient`` and the EPD gateway (``epd-operator gateway``), so that the client and the
+behind ``EPDClient`` and the EPD gateway (``epd-dataplane gateway``), so that the client and the
 gateway send a key to the same unit.
 
 A key (a conversation, a session, or the weights-version key of a request's first media part)

@@ -458,7 +458,7 @@ class MediaURLs(Schema):
 
 
 class Proxy(Schema):
-    """The EPD proxy in every unit (`epd-operator proxy`, the operator's image, docs/proxy.md): on
+    """The EPD proxy in every unit (`epd-dataplane proxy`, the operator's image, docs/proxy.md): on
     the front port, it primes the media of any OpenAI client's request on the encoders before
     forwarding it to vllm-router (or the unit's only consumer) on the pod's loopback."""
 
@@ -587,7 +587,7 @@ class Proxy(Schema):
 
 
 class Gateway(Schema):
-    """The EPD gateway in front of each model's units (`epd-operator gateway`, the operator's
+    """The EPD gateway in front of each model's units (`epd-dataplane gateway`, the operator's
     image, docs/proxy.md): the model's front Service targets it, and it sends each request to the
     unit that holds its media, with the model's weights version."""
 

@@ -28,7 +28,7 @@ BYTES_PER_PART = 16 * KiB
 
 @dataclass(frozen=True)
 class Limits:
-    """Every bound of the proxy, with its default. Each is a flag of `epd-operator proxy` and a
+    """Every bound of the proxy, with its default. Each is a flag of `epd-dataplane proxy` and a
     field of `spec.proxy` (SPELLINGS)."""
 
     max_request_bytes: int = 64 * MiB

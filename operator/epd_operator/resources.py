@@ -396,7 +396,7 @@ PROXY_RESOURCES = {"requests": {"cpu": "100m", "memory": "96Mi"}, "limits": {"me
 
 
 def proxy_container(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPlan, image: str) -> dict[str, Any]:
-    """The EPD proxy of a unit: `epd-operator proxy` from the operator's `image`, on the front
+    """The EPD proxy of a unit: `epd-dataplane proxy` from the operator's `image`, on the front
     port (it holds the name `http`), forwarding to the router or the only consumer on the pod's
     loopback. Any OpenAI client through the front Service gets its media primed on the encoders
     first (docs/proxy.md).
@@ -436,7 +436,7 @@ def proxy_container(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPla
     return {
         "name": plan.proxy.container_name,
         "image": image,
-        "command": ["epd-operator", "proxy"],
+        "command": ["epd-dataplane", "proxy"],
         "args": [
             *("--port", str(plan.proxy.port), "--upstream", f"http://127.0.0.1:{plan.proxy.upstream_port}"),
             *encoders,
@@ -737,7 +737,7 @@ def _account_labels(deployment: str) -> dict[str, str]:
 
 
 def gateway_deployment(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPlan, image: str) -> dict[str, Any]:
-    """The model's EPD gateway: `epd-operator gateway` from the operator's `image`, on the front
+    """The model's EPD gateway: `epd-dataplane gateway` from the operator's `image`, on the front
     port (named `http`, which the front Service targets), watching the EPDDeployment and the
     units' EndpointSlices with its own ServiceAccount. Its flags never carry the weights
     version (it reads it from the EPDDeployment): a new version rolls nothing."""
@@ -751,7 +751,7 @@ def gateway_deployment(spec: api.EPDDeploymentSpec, deployment: str, plan: Model
     container = {
         "name": GATEWAY_CONTAINER,
         "image": image,
-        "command": ["epd-operator", "gateway"],
+        "command": ["epd-dataplane", "gateway"],
         "args": [
             *("--port", str(port), "--metrics-port", str(PROXY_METRICS_PORT)),
             *("--namespace", "$(POD_NAMESPACE)", "--deployment", deployment, "--model", plan.name),

@@ -15,10 +15,10 @@ from typing import Any
 import promql_parser
 from prometheus_client import CollectorRegistry
 
+from epd_dataplane.gateway import GatewayMetrics, UnitsView
+from epd_dataplane.metrics import ProxyMetrics
 from epd_operator.ec.janitor import StoreMetrics
 from epd_operator.metrics import OperatorMetrics
-from epd_operator.proxy.gateway import GatewayMetrics, UnitsView
-from epd_operator.proxy.metrics import ProxyMetrics
 
 # Sample names a real vLLM 0.32 CPU engine (an encoder and a consumer) exports after serving.
 ENGINE_METRICS = Path(__file__).parent / "vllm-0.32-metrics.txt"

@@ -189,9 +189,9 @@ def test_the_dockerfile_install_step_gives_a_working_operator(tmp_path):
         assert flag in help_text
     python = str(venv / "bin" / "python")
     # The units' EPD proxy runs from this image too, on its runtime dependencies alone.
-    subprocess.run([python, "-c", "import epd_operator.proxy.server"], capture_output=True, check=True)
+    subprocess.run([python, "-c", "import epd_dataplane.server"], capture_output=True, check=True)
     proxy_help = subprocess.run(
-        [venv / "bin" / "epd-operator", "proxy", "--help"], capture_output=True, text=True, check=True
+        [venv / "bin" / "epd-dataplane", "proxy", "--help"], capture_output=True, text=True, check=True
     ).stdout
     assert "--upstream" in proxy_help and "--encoders-dns" in proxy_help
     # Installed, not linked to the sources (the image drops /src), and without test extras.

@@ -37,7 +37,7 @@ def test_the_wheel_ships_only_the_product(tmp_path: Path) -> None:
     (wheel,) = tmp_path.glob("epd_operator-*.whl")
     files = zipfile.ZipFile(wheel).namelist()
     packages = {name.split("/", 1)[0] for name in files if not name.split("/", 1)[0].endswith(".dist-info")}
-    assert packages == {"epd_operator", "epd_client"}
+    assert packages == {"epd_operator", "epd_dataplane", "epd_client"}
     assert "epd_operator/templates/engine.yaml.j2" in files, "templates are package data"
     for forbidden in ("test", "epd_dev", "localcluster", "standin", "bench", "conftest"):
         assert not [f for f in files if forbidden in f], forbidden

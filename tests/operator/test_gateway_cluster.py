@@ -14,8 +14,8 @@ import kopf
 import pytest
 import yaml
 
-from epd_operator.proxy.gateway import UnitsView, watch_units
-from epd_operator.proxy.watch import Api
+from epd_dataplane.gateway import UnitsView, watch_units
+from epd_dataplane.watch import Api
 from tests.operator.test_reconcile import apply, get_json, wait_condition
 from tests.operator.test_resources import EXAMPLES
 

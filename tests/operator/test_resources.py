@@ -4,7 +4,7 @@ from pathlib import Path
 
 import yaml
 
-from epd_operator.cli import build_parser
+from epd_dataplane.cli import build_parser as dataplane_parser
 from epd_operator.render import render
 from epd_operator.resources import (
     ENGINE_LIVENESS_SOURCE,
@@ -503,7 +503,7 @@ def test_the_gateway_fronts_each_proxied_model_and_reads_only_what_it_watches():
         assert front["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
         assert not units["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
         (container,) = pod["spec"]["containers"]
-        assert container["command"] == ["epd-operator", "gateway"] and container["image"] == IMAGE
+        assert container["command"] == ["epd-dataplane", "gateway"] and container["image"] == IMAGE
         assert front["spec"]["ports"][0]["targetPort"] == "http"
         assert "http" in {p["name"] for p in container["ports"]}
         args = container["args"]
@@ -607,7 +607,7 @@ def test_the_media_url_policy_reaches_every_engine_and_the_proxy():
     assert proxy_args(listed)[at + 1 : at + 3] == ["images.example.com", "10.0.0.5"]
     assert "--media-allow-private-networks" in proxy_args(private)
     # The proxy reads what it is given: its own parser takes the rendered arguments.
-    args = build_parser().parse_args(["proxy", *proxy_args(listed)])
+    args = dataplane_parser().parse_args(["proxy", *proxy_args(listed)])
     assert (args.allowed_media_domains, args.media_allow_private_networks) == (
         ["images.example.com", "10.0.0.5"],
         False,

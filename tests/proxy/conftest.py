@@ -15,12 +15,12 @@ import aiohttp
 import pytest
 
 from epd_client import EMBEDS_KINDS, MEDIA_KINDS, Primer, RetryPolicy, keyed_items, write_keys
+from epd_dataplane.core import DNSTarget
+from epd_dataplane.encoders import Encoders, Resolve, resolve_addresses
+from epd_dataplane.gateway import Gateway, UnitsView
+from epd_dataplane.metrics import ProxyMetrics
+from epd_dataplane.server import Proxy, ProxyConfig, serve
 from epd_dev.standins.fault_proxy import FaultProxy
-from epd_operator.proxy.core import DNSTarget
-from epd_operator.proxy.encoders import Encoders, Resolve, resolve_addresses
-from epd_operator.proxy.gateway import Gateway, UnitsView
-from epd_operator.proxy.metrics import ProxyMetrics
-from epd_operator.proxy.server import Proxy, ProxyConfig, serve
 from epd_operator.proxy_limits import Limits
 
 # Quick retries so failure paths take milliseconds.

@@ -14,10 +14,10 @@ import aiohttp
 import pytest
 from yarl import URL
 
+from epd_dataplane import core
+from epd_dataplane import server as server_module
 from epd_dev.standins.fault_proxy import http_status, reset
 from epd_dev.standins.vllm_server import STREAM_TOKENS
-from epd_operator.proxy import core
-from epd_operator.proxy import server as server_module
 
 from .conftest import FAST, answer_models, keyed, raw_upstream
 

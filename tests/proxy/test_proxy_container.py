@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from epd_operator.cli import build_parser, proxy_limits
+from epd_dataplane.cli import build_parser, proxy_limits
 from epd_operator.proxy_limits import SPELLINGS, Limits
 from epd_operator.render import render
 from epd_operator.resources import pool_name, proxy_container
@@ -27,8 +27,8 @@ def plan_of(example: str, **spec_changes):
 
 
 def flags(container: dict):
-    """The container's args as the real `epd-operator proxy` parses them."""
-    assert container["command"] == ["epd-operator", "proxy"]
+    """The container's args as the real `epd-dataplane proxy` parses them."""
+    assert container["command"] == ["epd-dataplane", "proxy"]
     return build_parser().parse_args(["proxy", *container["args"]])
 
 

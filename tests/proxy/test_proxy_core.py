@@ -7,8 +7,8 @@ import json
 import pytest
 
 from epd_client import MediaFailure, PrimeError, RequestError
-from epd_operator.proxy import core
-from epd_operator.proxy.core import BadRequest, DNSTarget
+from epd_dataplane import core
+from epd_dataplane.core import BadRequest, DNSTarget
 
 
 @pytest.mark.parametrize(

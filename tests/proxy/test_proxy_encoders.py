@@ -6,9 +6,9 @@ import asyncio
 import json
 import socket
 
-from epd_operator.proxy.core import DNSTarget
-from epd_operator.proxy.encoders import Ejection, Encoders, Outliers, resolve_addresses
-from epd_operator.proxy.metrics import ProxyMetrics
+from epd_dataplane.core import DNSTarget
+from epd_dataplane.encoders import Ejection, Encoders, Outliers, resolve_addresses
+from epd_dataplane.metrics import ProxyMetrics
 
 
 class Resolver:

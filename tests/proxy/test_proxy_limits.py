@@ -11,8 +11,8 @@ import tracemalloc
 import pytest
 
 from epd_client._prime import prime_body
-from epd_operator.proxy.budget import Budget
-from epd_operator.proxy.core import plan, with_transfer_params
+from epd_dataplane.budget import Budget
+from epd_dataplane.core import plan, with_transfer_params
 from epd_operator.proxy_limits import Limits, nested_deeper, request_cost
 
 MiB = 1024 * 1024

@@ -10,8 +10,8 @@ import openai
 import pytest
 
 from epd_client import MediaItem
-from epd_operator.proxy.core import MediaPart
-from epd_operator.proxy.media_urls import MediaURLPolicy, check, check_addresses, screen
+from epd_dataplane.core import MediaPart
+from epd_dataplane.media_urls import MediaURLPolicy, check, check_addresses, screen
 
 DEFAULT = MediaURLPolicy()
 LISTED = MediaURLPolicy(frozenset({"images.example.com", "10.0.0.5"}))

@@ -1,4 +1,4 @@
-"""`epd-operator proxy` as the process a unit's container runs: its flags, and a SIGTERM that
+"""`epd-dataplane proxy` as the process a unit's container runs: its flags, and a SIGTERM that
 lets a request in flight finish."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import urllib.request
 
 import pytest
 
+from epd_dataplane.cli import build_parser
+from epd_dataplane.encoders import Ejection
 from epd_dev.proxy_process import ProxyProcess
-from epd_operator.cli import build_parser
-from epd_operator.proxy.encoders import Ejection
 
 # Media on a public address, which the proxy's media URL check lets through without asking DNS
 # (the stand-in encoders fetch nothing).

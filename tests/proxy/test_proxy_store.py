@@ -21,10 +21,10 @@ import pytest
 
 from epd_client import Endpoints, EPDClient, ModelEndpoints, PrimeError, media_items, media_key
 from epd_client import Unit as Unit_
+from epd_dataplane import core, keys
 from epd_dev.standins.ec_files import FileStore
 from epd_dev.standins.fault_proxy import http_status
 from epd_operator.ec import janitor, leases
-from epd_operator.proxy import core, keys
 
 from .conftest import keyed
 

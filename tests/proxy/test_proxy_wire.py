@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from epd_operator.proxy.server import LINGER_SECONDS
+from epd_dataplane.server import LINGER_SECONDS
 from epd_operator.proxy_limits import Limits
 
 from .conftest import answer_models, raw_upstream

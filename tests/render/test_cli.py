@@ -6,6 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from epd_dataplane.cli import build_parser as dataplane_parser
 from epd_operator.cli import build_parser
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "encoder-prefill-decode.yaml"
@@ -51,18 +54,24 @@ def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.Argument
     return dict(sub.choices)
 
 
-def test_every_subcommand_says_what_it_does_and_every_option_what_it_means():
-    parser = build_parser()
-    subcommands = _subcommands(parser)
-    assert set(subcommands) == {"run", "render", "convert", "crds", "janitor", "proxy", "gateway"}
+@pytest.mark.parametrize(
+    ("program", "parser", "expected"),
+    [
+        ("epd-operator", build_parser, {"run", "render", "convert", "crds", "janitor"}),
+        ("epd-dataplane", dataplane_parser, {"proxy", "gateway"}),
+    ],
+)
+def test_every_subcommand_says_what_it_does_and_every_option_what_it_means(program, parser, expected):
+    subcommands = _subcommands(parser())
+    assert set(subcommands) == expected
     for name, subparser in subcommands.items():
-        assert subparser.description and len(subparser.description) > 80, f"`epd-operator {name}` has no description"
+        assert subparser.description and len(subparser.description) > 80, f"`{program} {name}` has no description"
         undocumented = [
             action.option_strings[0]
             for action in subparser._actions
             if action.option_strings and not isinstance(action, argparse._HelpAction) and not action.help
         ]
-        assert undocumented == [], f"`epd-operator {name}` options without help: {undocumented}"
+        assert undocumented == [], f"`{program} {name}` options without help: {undocumented}"
 
 
 def test_the_top_level_help_speaks_to_users():

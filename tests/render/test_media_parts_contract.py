@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from epd_client import is_key, key_of, prime_body
+from epd_dataplane import core, keys
 from epd_dev.vllm.cli_parser import VllmParser
-from epd_operator.proxy import core, keys
 
 URL = "https://media.test/a.png"
 OTHER = "https://media.test/b.mp4"

@@ -17,9 +17,9 @@ import pytest
 from urllib3.util import parse_url
 from yarl import URL
 
+from epd_dataplane.cli import build_parser
+from epd_dataplane.media_urls import PRIVATE_FIELD, MediaURLPolicy, check
 from epd_dev.vllm.cli_parser import VllmParser
-from epd_operator.cli import build_parser
-from epd_operator.proxy.media_urls import PRIVATE_FIELD, MediaURLPolicy, check
 from epd_operator.render import render
 from epd_operator.resources import proxy_container
 from epd_operator.validation import validate

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from epd_dataplane import core
 from epd_dev.vllm.cli_parser import VllmParser
-from epd_operator.proxy import core
 
 # vLLM's POST routes that the proxy passes through, and why none of them has a consumer encode
 # a client's media.

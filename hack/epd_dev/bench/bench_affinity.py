@@ -35,10 +35,10 @@ from typing import Any
 import aiohttp
 
 from epd_client import Primer, RetryPolicy, Unit
-from epd_operator.proxy.encoders import Encoders
-from epd_operator.proxy.gateway import Gateway, UnitsView
-from epd_operator.proxy.metrics import ProxyMetrics
-from epd_operator.proxy.server import Proxy, ProxyConfig, serve
+from epd_dataplane.encoders import Encoders
+from epd_dataplane.gateway import Gateway, UnitsView
+from epd_dataplane.metrics import ProxyMetrics
+from epd_dataplane.server import Proxy, ProxyConfig, serve
 
 from ..standins.ec_files import FileStore
 from ..standins.vllm_server import StandinServer

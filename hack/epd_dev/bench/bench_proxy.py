@@ -1,10 +1,10 @@
-"""The EPD proxy's cost: text-only chat completions through `epd-operator proxy` and to the
+"""The EPD proxy's cost: text-only chat completions through `epd-dataplane proxy` and to the
 router alone, side by side in one run.
 
 As in a unit pod, the proxy forwards to the real vllm-router (from `make vllm-envs`, with the
 flags the operator renders for it), and the router to its engine. The engine is a fast
 STAND-IN (epd_dev/standins/fast_upstream.py, not vLLM) in a process of its own; the proxy is
-the real `epd-operator proxy` process, started as a unit runs it (epd_dev.proxy_process). This
+the real `epd-dataplane proxy` process, started as a unit runs it (epd_dev.proxy_process). This
 process is the load: ``clients`` closed-loop clients, each sending its next request when the
 last is answered, aiohttp on uvloop. The paths:
 

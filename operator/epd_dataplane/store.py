@@ -36,10 +36,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from epd_client import MediaFailure, MediaItem, PrimeError, RequestError, is_key, key_generation, key_of
+from epd_operator.ec.leases import EMBEDDING_FILE, Leases
 
-from ..ec.leases import EMBEDDING_FILE, Leases
-
-logger = logging.getLogger("epd_operator.proxy")
+logger = logging.getLogger("epd_dataplane")
 
 GENERATIONS = 16
 # Keys whose last stored generation the proxy remembers (LRU): about 100 bytes each.

@@ -1,4 +1,4 @@
-"""The EPD gateway: `epd-operator gateway`, the EPD proxy in front of a model's units.
+"""The EPD gateway: `epd-dataplane gateway`, the EPD proxy in front of a model's units.
 
 Behind a front Service kube-proxy spreads connections at random: a picture primed on one unit
 comes back on another, whose EC store and prefix cache never saw it, and is encoded again. The
@@ -36,10 +36,10 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from epd_client import Endpoints, EndpointsError, ModelEndpoints, NoReadyUnitError, Primer, Unit, affinity_key
+from epd_operator import api as api_group
+from epd_operator.loop import event_loop, stop_on_signals
+from epd_operator.proxy_limits import Limits
 
-from .. import api as api_group
-from ..loop import event_loop, stop_on_signals
-from ..proxy_limits import Limits
 from .core import Plan, ProxyError, error_body
 from .encoders import Encoders
 from .keys import SESSION_HEADER, WEIGHTS_VERSION_HEADER, requested_version
@@ -51,7 +51,7 @@ from .watch import Api, follow
 # kube-controller-manager labels each EndpointSlice with the Service it lists the pods of.
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 
-logger = logging.getLogger("epd_operator.proxy")
+logger = logging.getLogger("epd_dataplane")
 
 PRIME_PATH = "/epd/v1/prime"
 # What the gateway keeps of a request between reading it and forwarding it: its key, its unit.
@@ -334,7 +334,7 @@ def run_gateway(
     log_level: str,
     media: MediaURLPolicy | None = None,
 ) -> None:
-    """`epd-operator gateway`: watch the model's units (or take ``units``) and serve until
+    """`epd-dataplane gateway`: watch the model's units (or take ``units``) and serve until
     SIGTERM or SIGINT."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # The units' media URL policy: a media URL they would refuse is refused here, a hop earlier.

@@ -45,10 +45,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from yarl import URL
 
 from epd_client import MEDIA_KINDS, MediaFailure, MediaItem, PrimeError, Primer, RetryPolicy
+from epd_operator.ec.leases import RENEW_SECONDS, Leases
+from epd_operator.loop import event_loop, stop_on_signals
+from epd_operator.proxy_limits import Limits, nested_deeper, raise_it, request_cost, reservation
 
-from ..ec.leases import RENEW_SECONDS, Leases
-from ..loop import event_loop, stop_on_signals
-from ..proxy_limits import Limits, nested_deeper, raise_it, request_cost, reservation
 from .budget import Budget, Reservation
 from .core import (
     ANSWER_DROPPED,
@@ -77,7 +77,7 @@ from .media_urls import MediaURLPolicy, screen
 from .metrics import ProxyMetrics
 from .store import Flights, Grants, StoreView
 
-logger = logging.getLogger("epd_operator.proxy")
+logger = logging.getLogger("epd_dataplane")
 
 MiB = 1024 * 1024
 # Answers up to this size (a whole chat completion, a model list) are read whole and written
@@ -848,7 +848,7 @@ def run_proxy(
     ec_store: str | None = None,
     require_weights_version: bool = False,
 ) -> None:
-    """`epd-operator proxy`: build the proxy from its flags and serve until SIGTERM or SIGINT."""
+    """`epd-dataplane proxy`: build the proxy from its flags and serve until SIGTERM or SIGINT."""
     _give_large_blocks_back()
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if log_level != "DEBUG":

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from .core import DNSTarget, encoder_urls
 from .metrics import ProxyMetrics
 
-logger = logging.getLogger("epd_operator.proxy")
+logger = logging.getLogger("epd_dataplane")
 
 Resolve = Callable[[str], Awaitable[list[str]]]
 # getaddrinfo's "the name has no address": a headless Service without ready pods has no

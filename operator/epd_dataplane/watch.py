@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import kopf
 
-logger = logging.getLogger("epd_operator.proxy")
+logger = logging.getLogger("epd_dataplane")
 
 # A watch that sends nothing for this long is cut by the server and resumed (as kopf's own).
 WATCH_SECONDS = 300
