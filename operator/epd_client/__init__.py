@@ -9,6 +9,7 @@ kopf nor kubernetes (``discover`` loads the latter when called).
 
 from ._affinity import Choice, affinity_key
 from ._affinity import choose as choose_unit
+from ._affinity import ranked as rank_units
 from ._client import EPDClient, Session, prime_encoder
 from ._discovery import discover
 from ._endpoints import Endpoints, Engine, ModelEndpoints, SupportsEncoderEndpoints, Unit
@@ -80,6 +81,7 @@ __all__ = [
     "prime_body",
     "prime_encoder",
     "prime_encoder_sync",
+    "rank_units",
     "vime_rollout_args",
     "write_keys",
 ]

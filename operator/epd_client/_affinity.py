@@ -16,6 +16,7 @@ holds more than ``balance`` times the mean. Without a key, the least-loaded unit
 from __future__ import annotations
 
 import hashlib
+import heapq
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -59,10 +60,18 @@ def choose(
     capacity = math.ceil(balance * (sum(load.get(u, 0) for u in units) + 1) / len(units))
     if load.get(preferred, 0) < capacity:
         return Choice(preferred, True)
-    for unit in sorted(units, key=weight, reverse=True)[1:]:
+    for unit in ranked(key, units)[1:]:
         if load.get(unit, 0) < capacity:
             return Choice(unit, False)
     return Choice(min(units, key=lambda u: load.get(u, 0)), False)  # cannot happen: the mean fits
+
+
+def ranked(key: str, units: Sequence[str], limit: int | None = None) -> list[str]:
+    """``units`` in ``key``'s rendezvous order (the first ``limit`` of them): its own unit first,
+    then where it goes when the units before are gone or full (the EPD gateway's fallbacks)."""
+    if limit is not None:
+        return heapq.nlargest(limit, units, key=weigher(key))
+    return sorted(units, key=weigher(key), reverse=True)
 
 
 def weigher(key: str) -> Callable[[str], bytes]:

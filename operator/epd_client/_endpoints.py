@@ -149,6 +149,12 @@ class ModelEndpoints:
             raise NoReadyUnitError(f"model {self.name!r} has no ready unit (of {len(self.units)})")
         return ready
 
+    def ready_names(self) -> list[str]:
+        """The names of the ready units, in the status' order (no Unit is built for them)."""
+        if isinstance(self.units, UnitTable):
+            return self.units.ready_names()
+        return [u.name for u in self.units if u.ready]
+
     def unit_for(self, key: str, loads: Mapping[str, int] | None = None) -> Unit:
         """The ready unit that serves ``key`` (a sample, session or conversation id, or a media
         key), as ``EPDClient`` and the EPD gateway choose it: stable for a key while its unit
@@ -163,10 +169,7 @@ class ModelEndpoints:
         """``unit_for``, and whether the unit is the key's own (``Choice``); without a key the
         least loaded ready unit, ties broken from ``start`` on. ``balance``: the most a unit
         may hold, over the mean of requests in flight."""
-        if isinstance(self.units, UnitTable):
-            names = self.units.ready_names()
-        else:
-            names = [u.name for u in self.units if u.ready]
+        names = self.ready_names()
         if not names:
             raise NoReadyUnitError(f"model {self.name!r} has no ready unit (of {len(self.units)})")
         choice = choose(key, names, loads, start=start, balance=balance)

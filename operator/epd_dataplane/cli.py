@@ -16,7 +16,7 @@ from .media_urls import MediaURLPolicy
 
 def _proxy(args: argparse.Namespace) -> None:
     from .encoders import Ejection
-    from .server import run_proxy
+    from .process import run_proxy
 
     run_proxy(
         host=args.host,
@@ -43,7 +43,9 @@ def _proxy(args: argparse.Namespace) -> None:
 
 
 def _gateway(args: argparse.Namespace) -> None:
-    from .gateway import parse_units, run_gateway
+    from .epp import EPPConfig
+    from .gateway import parse_units
+    from .process import run_gateway
 
     try:
         units = parse_units(args.unit)
@@ -70,6 +72,10 @@ def _gateway(args: argparse.Namespace) -> None:
         shutdown_timeout_seconds=args.shutdown_timeout_seconds,
         log_level=args.log_level,
         media=media_policy(args),
+        epp=None
+        if args.epp_port is None
+        else EPPConfig(args.epp_port, args.epp_health_port, args.epp_secure_serving, args.epp_cert_path, args.host),
+        epp_names=args.epp_name or ["localhost"],
     )
 
 
@@ -256,6 +262,35 @@ def _add_gateway_parser(sub: Any) -> None:
     )
     _add_limits(gateway)
     _add_media(gateway)
+    epp = gateway.add_argument_group(
+        "endpoint picker",
+        "Also serve the Gateway API Inference Extension's endpoint picker protocol (Envoy's ext_proc over gRPC), "
+        "so a Gateway routing an InferencePool places requests as the gateway does (docs/gateway-api.md)",
+    )
+    epp.add_argument(
+        "--epp-port", type=port, help="serve the endpoint picker on this port (GAIE's 9002); default: not served"
+    )
+    epp.add_argument(
+        "--epp-health-port",
+        type=port,
+        default=9003,
+        help="the picker's gRPC health services (liveness, readiness, inference-extension) on this port",
+    )
+    epp.add_argument(
+        "--epp-secure-serving",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="TLS on the picker's port, as GAIE's reference picker (gateways do not verify it): with "
+        "--epp-cert-path's certificate, else a self-signed one made at start; --no-epp-secure-serving: plaintext",
+    )
+    epp.add_argument("--epp-cert-path", metavar="DIR", help="a folder with tls.crt and tls.key (a mounted Secret)")
+    epp.add_argument(
+        "--epp-name",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a DNS name or IP of the picker for its self-signed certificate (repeatable; default localhost)",
+    )
     gateway.add_argument(
         "--shutdown-timeout-seconds",
         type=positive,

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import heapq
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,17 +36,22 @@ from prometheus_client import Counter, Gauge
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from epd_client import Endpoints, EndpointsError, ModelEndpoints, NoReadyUnitError, Primer, Unit, affinity_key
+from epd_client import (
+    Endpoints,
+    EndpointsError,
+    ModelEndpoints,
+    NoReadyUnitError,
+    Unit,
+    affinity_key,
+    choose_unit,
+    rank_units,
+)
 from epd_operator import api as api_group
-from epd_operator.loop import event_loop, stop_on_signals
-from epd_operator.proxy_limits import Limits
 
 from .core import Plan, ProxyError, error_body
-from .encoders import Encoders
 from .keys import SESSION_HEADER, WEIGHTS_VERSION_HEADER, requested_version
-from .media_urls import MediaURLPolicy
 from .metrics import ProxyMetrics
-from .server import Primed, Proxy, ProxyConfig, serve
+from .server import Primed, Proxy
 from .watch import Api, follow
 
 # kube-controller-manager labels each EndpointSlice with the Service it lists the pods of.
@@ -54,6 +60,10 @@ SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 logger = logging.getLogger("epd_dataplane")
 
 PRIME_PATH = "/epd/v1/prime"
+PRIME_REFUSAL = (
+    "POST /epd/v1/prime leases what it primes on one unit: send it to a unit's proxy (epd_client finds them in "
+    "the EPDDeployment's status), not to the gateway"
+)
 # What the gateway keeps of a request between reading it and forwarding it: its key, its unit.
 _KEY = web.RequestKey("epd_key", str)
 _UNIT = web.RequestKey("epd_unit", str)
@@ -106,15 +116,60 @@ class UnitsView:
     def place(self, key: str | None) -> tuple[Unit, bool]:
         """The unit for ``key`` (rendezvous with bounded load over the ready units); whether it
         is the key's own. Raises NoReadyUnitError."""
-        if self.endpoints is None:
+        ranked, own = self.rank(key)
+        return ranked[0], own
+
+    def rank(
+        self, key: str | None, eligible: Callable[[Unit], bool] | None = None, fallbacks: int = 0
+    ) -> tuple[list[Unit], bool]:
+        """The ready unit for ``key`` among those ``eligible`` allows (all by default): rendezvous
+        with bounded load; then up to ``fallbacks`` more, where the key goes when the ones before
+        are gone (its rendezvous order; without a key, the least loaded); whether the first is the
+        key's own. Raises NoReadyUnitError when none is ready and eligible."""
+        endpoints = self.endpoints
+        if endpoints is None:
             raise NoReadyUnitError(f"model {self.model!r}: the gateway knows no unit yet")
+        names = endpoints.ready_names()
+        if eligible is not None:
+            names = [n for n in names if (u := endpoints.unit(n)) is not None and eligible(u)]
+        if not names:
+            raise NoReadyUnitError(f"model {self.model!r} has no ready unit the request may go to")
         self._turn += 1
         loads = {name: n for name, n in self.loads.items() if n}
         bound = {} if self.balance is None else {"balance": self.balance}
-        unit, choice = self.endpoints.choose(key, loads, start=self._turn, **bound)
-        if not unit.front_url:
-            raise NoReadyUnitError(f"unit {unit.name} has no address yet")
-        return unit, choice.preferred
+        choice = choose_unit(key, names, loads, start=self._turn, **bound)
+        order = [choice.unit]
+        if fallbacks:
+            rest = [n for n in names if n != choice.unit]
+            order += (
+                rank_units(key, rest, fallbacks)
+                if key is not None
+                else heapq.nsmallest(fallbacks, rest, key=lambda n: loads.get(n, 0))
+            )
+        units = [u for n in order if (u := endpoints.unit(n)) is not None and u.front_url]
+        if not units or units[0].name != choice.unit:
+            raise NoReadyUnitError(f"unit {choice.unit} has no address yet")
+        return units, choice.preferred
+
+
+def placement_key(found: Plan, headers: Sequence[tuple[str, str]], weights_version: str | None) -> str | None:
+    """What places a request (headers lower-cased): its conversation, else its first media
+    part's key for the request's weights version (its X-EPD-Weights-Version, else the model's);
+    BadRequest for a malformed version header."""
+    version = requested_version(headers)
+    session = next((v for n, v in headers if n == SESSION_HEADER), None)
+    return affinity_key(
+        [part.item for part in found.parts],
+        user=found.body.get("user"),
+        session=session,
+        weights_version=version if version is not None else weights_version,
+    )
+
+
+def session_key(headers: Sequence[tuple[str, str]]) -> str | None:
+    """What places a request whose body is not read: its X-EPD-Session header, if any."""
+    session = next((v for n, v in headers if n == SESSION_HEADER), None)
+    return f"session:{session}" if session else None
 
 
 class GatewayMetrics:
@@ -197,25 +252,14 @@ class Gateway(Proxy):
 
     async def _serve(self, request: web.BaseRequest, name: str) -> web.StreamResponse:
         if request.path == PRIME_PATH:
-            message = (
-                "POST /epd/v1/prime leases what it primes on one unit: send it to a unit's proxy (epd_client finds "
-                "them in the EPDDeployment's status), not to the gateway"
-            )
-            return _error(request, ProxyError(400, message), True)
+            return _error(request, ProxyError(400, PRIME_REFUSAL), True)
         return await super()._serve(request, name)
 
     def _plan(self, request: web.BaseRequest, raw: bytes) -> Plan:
         """The request read as the proxy reads it, and its key: from its conversation or media."""
         found = super()._plan(request, raw)
         headers = [(name.lower(), value) for name, value in request.headers.items()]
-        version = requested_version(headers)  # BadRequest: a 400
-        session = next((v for n, v in headers if n == SESSION_HEADER), None)
-        placed_by = affinity_key(
-            [part.item for part in found.parts],
-            user=found.body.get("user"),
-            session=session,
-            weights_version=version if version is not None else self.units.weights_version,
-        )
+        placed_by = placement_key(found, headers, self.units.weights_version)  # BadRequest: a 400
         if placed_by is not None:
             request[_KEY] = placed_by
         return found
@@ -229,8 +273,7 @@ class Gateway(Proxy):
     ) -> web.StreamResponse:
         key = request.get(_KEY)
         if key is None:
-            session = request.headers.get(SESSION_HEADER)
-            key = f"session:{session}" if session else None
+            key = session_key([(name.lower(), value) for name, value in request.headers.items()])
         try:
             unit, own = self.units.place(key)
         except NoReadyUnitError as error:
@@ -314,61 +357,3 @@ async def watch_units(api: Api, view: UnitsView, *, namespace: str, deployment: 
             f"the endpointslices of {namespace}/{units_service}",
         ),
     )
-
-
-def run_gateway(
-    *,
-    host: str,
-    port: int,
-    metrics_port: int,
-    model: str,
-    units: Mapping[str, str],
-    weights_version: str | None,
-    namespace: str | None,
-    deployment: str | None,
-    units_service: str | None,
-    request_timeout_seconds: float,
-    balance: float | None = None,
-    limits: Limits,
-    shutdown_timeout_seconds: float,
-    log_level: str,
-    media: MediaURLPolicy | None = None,
-) -> None:
-    """`epd-dataplane gateway`: watch the model's units (or take ``units``) and serve until
-    SIGTERM or SIGINT."""
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # The units' media URL policy: a media URL they would refuse is refused here, a hop earlier.
-    config = ProxyConfig(_NO_UPSTREAM, request_timeout_seconds, limits=limits, media=media or MediaURLPolicy())
-    view = UnitsView.fixed(model, units, weights_version) if units else UnitsView(model)
-    view.balance = balance
-
-    async def main() -> None:
-        metrics = ProxyMetrics()
-        stop = stop_on_signals()
-        api = Api()
-        watches = []
-        if not units:
-            assert namespace and deployment and units_service
-            watches.append(
-                watch_units(api, view, namespace=namespace, deployment=deployment, units_service=units_service)
-            )
-        async with Primer() as primer, Gateway(config, Encoders(metrics), primer, metrics, units=view) as gateway:
-            try:
-                await serve(
-                    gateway,
-                    host=host,
-                    port=port,
-                    metrics_port=metrics_port,
-                    shutdown_timeout=shutdown_timeout_seconds,
-                    stop=stop,
-                    tasks=watches,
-                )
-            finally:
-                await api.aclose()
-
-    with event_loop() as runner:
-        runner.run(main())
-
-
-# The gateway has no upstream of its own: each request goes to a unit (upstream_for).
-_NO_UPSTREAM = "http://gateway.invalid"

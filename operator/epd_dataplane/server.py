@@ -14,8 +14,6 @@ serves the admin port (/health, /metrics) too.
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import gc
 import json
 import logging
 import os
@@ -44,9 +42,8 @@ from multidict import CIMultiDict
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from yarl import URL
 
-from epd_client import MEDIA_KINDS, MediaFailure, MediaItem, PrimeError, Primer, RetryPolicy
+from epd_client import MEDIA_KINDS, MediaFailure, MediaItem, PrimeError, Primer
 from epd_operator.ec.leases import RENEW_SECONDS, Leases
-from epd_operator.loop import event_loop, stop_on_signals
 from epd_operator.proxy_limits import Limits, nested_deeper, raise_it, request_cost, reservation
 
 from .budget import Budget, Reservation
@@ -58,7 +55,6 @@ from .core import (
     REFUSED,
     REQUEST_DROPPED,
     BadRequest,
-    DNSTarget,
     Plan,
     ProxyError,
     error_body,
@@ -71,7 +67,7 @@ from .core import (
     route,
     with_transfer_params,
 )
-from .encoders import Ejection, Encoders, Resolve, resolve_addresses
+from .encoders import Encoders, Resolve, resolve_addresses
 from .keys import in_body, key_parts, own_key, requested_lease, requested_version
 from .media_urls import MediaURLPolicy, screen
 from .metrics import ProxyMetrics
@@ -164,7 +160,7 @@ class Proxy:
         self.encoders = encoders
         self.primer = primer
         self.metrics = metrics
-        self._resolve = resolve  # media URLs' host names (media_urls.screen)
+        self.resolve = resolve  # media URLs' host names (media_urls.screen)
         self.budget = Budget(config.limits.max_buffered_bytes)
         self._upstream = config.upstream.rstrip("/")
         self._session: ClientSession | None = None
@@ -321,7 +317,7 @@ class Proxy:
             cost = request_cost(raw, len(found.parts))
             if cost > reservation.size and not reservation.resize(cost):
                 return _error(request, self._busy(cost), True)
-            refused = await screen(found.parts, self.config.media, self._resolve)
+            refused = await screen(found.parts, self.config.media, self.resolve)
             if refused is not None:
                 return _error(request, refused)
             primed = await self._prime(request, found)
@@ -346,31 +342,7 @@ class Proxy:
 
     def _plan(self, request: web.BaseRequest, raw: bytes) -> Plan:
         """What to prime; BadRequest for a body the proxy will not forward."""
-        limits = self.limits
-        name = route(request.method, request.path)
-        try:
-            found = plan(name, raw, pooled=self.config.pooled)
-        except RecursionError:  # deeper than Python's parser goes
-            raise BadRequest(self._too_deep()) from None
-        # No deeper than it has brackets: most bodies need no walk.
-        if raw.count(b"[") + raw.count(b"{") > limits.max_json_depth and nested_deeper(
-            found.body, limits.max_json_depth
-        ):
-            raise BadRequest(self._too_deep())
-        if len(found.parts) > limits.max_media_parts:
-            raise BadRequest(
-                f"the request has {len(found.parts)} media parts, over the proxy's limit of {limits.max_media_parts} "
-                f"a request (each is a request to an encoder); send them in several requests or "
-                f"{raise_it('max_media_parts')}",
-                found.parts[limits.max_media_parts].param,
-            )
-        return found
-
-    def _too_deep(self) -> str:
-        depth = self.limits.max_json_depth
-        return (
-            f"the request body nests JSON deeper than the proxy's limit of {depth} levels; {raise_it('max_json_depth')}"
-        )
+        return read_plan(route(request.method, request.path), raw, self.limits, pooled=self.config.pooled)
 
     def _too_large(self, request: web.BaseRequest) -> web.Response:
         limit = self.limits.max_request_bytes
@@ -670,6 +642,31 @@ async def _read(request: web.BaseRequest, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+def read_plan(name: str, raw: bytes, limits: Limits, *, pooled: bool = False) -> Plan:
+    """A body of route ``name`` read as the proxy reads it (core.plan), within ``limits``' depth
+    and media parts; BadRequest for one it will not forward."""
+    try:
+        found = plan(name, raw, pooled=pooled)
+    except RecursionError:  # deeper than Python's parser goes
+        raise BadRequest(_too_deep(limits)) from None
+    # No deeper than it has brackets: most bodies need no walk.
+    if raw.count(b"[") + raw.count(b"{") > limits.max_json_depth and nested_deeper(found.body, limits.max_json_depth):
+        raise BadRequest(_too_deep(limits))
+    if len(found.parts) > limits.max_media_parts:
+        raise BadRequest(
+            f"the request has {len(found.parts)} media parts, over the proxy's limit of {limits.max_media_parts} "
+            f"a request (each is a request to an encoder); send them in several requests or "
+            f"{raise_it('max_media_parts')}",
+            found.parts[limits.max_media_parts].param,
+        )
+    return found
+
+
+def _too_deep(limits: Limits) -> str:
+    depth = limits.max_json_depth
+    return f"the request body nests JSON deeper than the proxy's limit of {depth} levels; {raise_it('max_json_depth')}"
+
+
 def _expectation(request: web.BaseRequest) -> web.Response | None:
     """The answer to an Expect the proxy cannot meet (RFC 9110 §10.1.1: 417), else None."""
     expect = request.headers.get("Expect")
@@ -807,85 +804,3 @@ async def _renew(leases: Leases) -> None:
             leases.renew()
         except OSError as error:
             logger.warning("renewing the EC store leases failed: %s", error)
-
-
-# glibc's M_MMAP_THRESHOLD: blocks from this size up are mapped apart and unmapped when freed.
-_MMAP_THRESHOLD = -3
-_MAPPED_FROM_BYTES = 128 * 1024
-
-
-def _give_large_blocks_back() -> None:
-    """Fix glibc's mmap threshold at 128 KiB: by default it rises to the size of each large
-    block freed, so after one large body every later one comes from the heap, which is not given
-    back, and the proxy's RSS creeps up wave after wave of large bodies (measured: 776 MiB between
-    waves of 64 MiB bodies that each took 250 MiB). A no-op where the C library is not glibc."""
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(_MMAP_THRESHOLD, _MAPPED_FROM_BYTES)
-    except (OSError, AttributeError):
-        pass
-
-
-def run_proxy(
-    *,
-    host: str,
-    port: int,
-    upstream: str,
-    encoder_urls: Sequence[str],
-    encoders_dns: str | None,
-    dns_refresh_seconds: float,
-    metrics_port: int,
-    request_timeout_seconds: float,
-    prime_timeout_seconds: float,
-    prime_attempt_timeout_seconds: float | None,
-    prime_max_attempts: int,
-    prime_concurrency: int,
-    ejection: Ejection,
-    limits: Limits,
-    pooled: bool,
-    shutdown_timeout_seconds: float,
-    log_level: str,
-    media: MediaURLPolicy,
-    ec_store: str | None = None,
-    require_weights_version: bool = False,
-) -> None:
-    """`epd-dataplane proxy`: build the proxy from its flags and serve until SIGTERM or SIGINT."""
-    _give_large_blocks_back()
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if log_level != "DEBUG":
-        logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per prime at INFO
-    config = ProxyConfig(
-        upstream,
-        request_timeout_seconds,
-        pooled,
-        limits,
-        media=media,
-        ec_store=ec_store,
-        require_weights_version=require_weights_version,
-    )
-    retry = RetryPolicy(
-        max_attempts=prime_max_attempts,
-        deadline=prime_timeout_seconds,
-        attempt_timeout=min(prime_attempt_timeout_seconds or RetryPolicy.attempt_timeout, prime_timeout_seconds),
-    )
-    dns = DNSTarget.parse(encoders_dns) if encoders_dns else None
-
-    async def main() -> None:
-        metrics = ProxyMetrics()
-        stop = stop_on_signals()
-        encoders = Encoders(metrics, encoder_urls, dns, refresh_seconds=dns_refresh_seconds, ejection=ejection)
-        primer = Primer(retry=retry, max_concurrency=prime_concurrency, on_attempt=encoders.outliers.observe)
-        async with primer, Proxy(config, encoders, primer, metrics) as proxy:
-            # What the process holds from here on (modules, the app) is never garbage: out of the
-            # collector's reach, a full collection scans requests' objects only, not 50,000 more.
-            gc.freeze()
-            await serve(
-                proxy,
-                host=host,
-                port=port,
-                metrics_port=metrics_port,
-                shutdown_timeout=shutdown_timeout_seconds,
-                stop=stop,
-            )
-
-    with event_loop() as runner:
-        runner.run(main())

@@ -9,6 +9,7 @@ import copy
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -17,9 +18,11 @@ import pytest
 from epd_client import EMBEDS_KINDS, MEDIA_KINDS, Primer, RetryPolicy, keyed_items, write_keys
 from epd_dataplane.core import DNSTarget
 from epd_dataplane.encoders import Encoders, Resolve, resolve_addresses
+from epd_dataplane.epp import EPPConfig, EPPServer, picker_of
 from epd_dataplane.gateway import Gateway, UnitsView
 from epd_dataplane.metrics import ProxyMetrics
 from epd_dataplane.server import Proxy, ProxyConfig, serve
+from epd_dev.standins.ec_files import FileStore
 from epd_dev.standins.fault_proxy import FaultProxy
 from epd_operator.proxy_limits import Limits
 
@@ -177,5 +180,68 @@ async def start_gateway() -> AsyncIterator[Callable[..., Any]]:
             stack.callback(stop.set)
             port, admin = await asyncio.wait_for(ready, 10)
             return RunningProxy(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}", gateway)
+
+        yield start
+
+
+class Units:
+    def __init__(self) -> None:
+        self.files: dict[str, FileStore] = {}
+        self.encoders: dict[str, object] = {}
+        self.consumers: dict[str, object] = {}
+        self.proxies: dict[str, str] = {}
+
+    def primes(self, name: str) -> list[dict]:
+        return [r.body for r in self.encoders[name].requests("/v1/chat/completions")]  # type: ignore[attr-defined]
+
+    def served(self, name: str) -> list:
+        return self.consumers[name].records  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def units(server, start_proxy, tmp_path: Path):
+    """``await units(count)``: units of stand-ins (an encoder and a consumer sharing an EC store
+    folder), each behind its own real EPD proxy."""
+
+    async def make(count: int, *, consumer_delay: float = 0.0) -> Units:
+        found = Units()
+        for i in range(count):
+            name = f"demo-actor-{i}"
+            files = FileStore(tmp_path / name / "store")
+            found.files[name] = files
+            found.encoders[name] = server(files=files, ec_role="producer")
+            found.consumers[name] = server(files=files, ec_role="consumer", delay=consumer_delay)
+            proxy = await start_proxy(found.consumers[name].url, [found.encoders[name].url], ec_store=str(files.root))
+            found.proxies[name] = proxy.url
+        return found
+
+    return make
+
+
+@dataclass
+class RunningPicker:
+    server: EPPServer
+    address: str
+
+    @property
+    def health_address(self) -> str:
+        return f"127.0.0.1:{self.server.health_port}"
+
+
+@pytest.fixture
+async def start_epp() -> AsyncIterator[Callable[..., Any]]:
+    """``await start_epp(gateway, **EPPConfig)``: the endpoint picker of a running gateway
+    (start_gateway's), plaintext on free ports unless told otherwise."""
+    async with contextlib.AsyncExitStack() as stack:
+
+        async def start(gateway: RunningProxy, *, ready: bool = True, **config: Any) -> RunningPicker:
+            assert isinstance(gateway.proxy, Gateway)
+            options = {"port": 0, "health_port": 0, "secure": False, "host": "127.0.0.1", **config}
+            server = EPPServer(picker_of(gateway.proxy), EPPConfig(**options), ["localhost", "127.0.0.1"])
+            await server.start()
+            stack.push_async_callback(server.stop, 1)
+            if ready:
+                await asyncio.wait_for(server.ready_once(gateway.proxy.units), 5)
+            return RunningPicker(server, f"127.0.0.1:{server.port}")
 
         yield start

@@ -7,12 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
-
-import pytest
 
 from epd_client import choose_unit, media_items, media_key
-from epd_dev.standins.ec_files import FileStore
 
 CHAT = "/v1/chat/completions"
 
@@ -31,37 +27,6 @@ def chat(*parts: dict, **extra: object) -> dict:
 
 def key(part: dict, version: str = "") -> str:
     return media_key(media_items([{"content": [part]}])[0], version)
-
-
-class Units:
-    def __init__(self) -> None:
-        self.files: dict[str, FileStore] = {}
-        self.encoders: dict[str, object] = {}
-        self.consumers: dict[str, object] = {}
-        self.proxies: dict[str, str] = {}
-
-    def primes(self, name: str) -> list[dict]:
-        return [r.body for r in self.encoders[name].requests(CHAT)]  # type: ignore[attr-defined]
-
-    def served(self, name: str) -> list:
-        return self.consumers[name].records  # type: ignore[attr-defined]
-
-
-@pytest.fixture
-def units(server, start_proxy, tmp_path: Path):
-    async def make(count: int, *, consumer_delay: float = 0.0) -> Units:
-        found = Units()
-        for i in range(count):
-            name = f"demo-actor-{i}"
-            files = FileStore(tmp_path / name / "store")
-            found.files[name] = files
-            found.encoders[name] = server(files=files, ec_role="producer")
-            found.consumers[name] = server(files=files, ec_role="consumer", delay=consumer_delay)
-            proxy = await start_proxy(found.consumers[name].url, [found.encoders[name].url], ec_store=str(files.root))
-            found.proxies[name] = proxy.url
-        return found
-
-    return make
 
 
 async def post(http, url: str, body: object, **headers: str):
