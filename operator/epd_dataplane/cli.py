@@ -74,7 +74,14 @@ def _gateway(args: argparse.Namespace) -> None:
         media=media_policy(args),
         epp=None
         if args.epp_port is None
-        else EPPConfig(args.epp_port, args.epp_health_port, args.epp_secure_serving, args.epp_cert_path, args.host),
+        else EPPConfig(
+            args.epp_port,
+            args.epp_health_port,
+            args.epp_secure_serving,
+            args.epp_cert_path,
+            args.host,
+            args.epp_fallbacks,
+        ),
         epp_names=args.epp_name or ["localhost"],
     )
 
@@ -284,6 +291,14 @@ def _add_gateway_parser(sub: Any) -> None:
         "--epp-cert-path's certificate, else a self-signed one made at start; --no-epp-secure-serving: plaintext",
     )
     epp.add_argument("--epp-cert-path", metavar="DIR", help="a folder with tls.crt and tls.key (a mounted Secret)")
+    epp.add_argument(
+        "--epp-fallbacks",
+        type=int_at_least(0),
+        default=0,
+        help="units named after the pick in x-gateway-destination-endpoint, for gateways that go down the list "
+        "when the pick refuses connections (Istio); 0, the default: the pick alone, which a standalone Envoy's "
+        "ORIGINAL_DST cluster needs",
+    )
     epp.add_argument(
         "--epp-name",
         action="append",

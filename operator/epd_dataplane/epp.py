@@ -17,7 +17,8 @@ Per stream, in ``FULL_DUPLEX_STREAMED`` body mode (what the protocol requires):
    the body it is read as the proxy reads it (``read_plan``: a body the units would refuse is
    refused here, in vLLM's error shape), and placed.
 3. The answer to the headers: ``x-gateway-destination-endpoint: ip:port[,ip:port...]`` (the
-   pick, then its fallbacks) in a header and in the ``envoy.lb`` dynamic metadata, the model's
+   pick, then ``--epp-fallbacks`` more units in the key's rendezvous order, for gateways that go
+   down the list) in a header and in the ``envoy.lb`` dynamic metadata, the model's
    weights version as ``X-EPD-Weights-Version`` unless the client sent one, and the route cache
    cleared; then the body back unchanged, in chunks of at most 62,000 bytes.
 4. The response's headers, body chunks and trailers are passed back as they come. The unit holds
@@ -76,8 +77,6 @@ SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 SERVED_KEY = "x-gateway-destination-endpoint-served"
 # Envoy takes streamed body chunks of up to 64 KiB; GAIE's pickers send 62,000 bytes at most.
 MAX_CHUNK_BYTES = 62_000
-# The units named after the pick: where the gateway goes when the pick refuses connections.
-FALLBACKS = 2
 # GAIE's health services: the reference picker's (liveness, readiness, its pool's) and Envoy's
 # check of the ext_proc cluster.
 HEALTH_SERVICES = ("", "liveness", "readiness", "inference-extension", EXT_PROC_SERVICE)
@@ -177,9 +176,13 @@ class Picker:
     metrics: EPPMetrics
     media: MediaURLPolicy = field(default_factory=MediaURLPolicy)
     resolve: Resolve = resolve_addresses
+    fallbacks: int = 0
+    """Units named after the pick, where a gateway that takes the list goes when the pick
+    refuses connections (Istio's override_host); a standalone Envoy's ORIGINAL_DST cluster
+    takes one endpoint only, so none by default."""
 
 
-def picker_of(gateway: Gateway) -> Picker:
+def picker_of(gateway: Gateway, fallbacks: int = 0) -> Picker:
     """The picker of a gateway: its units, bounds, memory budget, metrics and media policy, so a
     request through the picker and one through the gateway's own port are placed alike."""
     return Picker(
@@ -190,6 +193,7 @@ def picker_of(gateway: Gateway) -> Picker:
         EPPMetrics(gateway.metrics.registry),
         gateway.config.media,
         gateway.resolve,
+        fallbacks,
     )
 
 
@@ -336,7 +340,7 @@ class _Stream:
         subset = subset_hint(self.metadata)
         try:
             units, own = picker.units.rank(
-                key, None if subset is None else (lambda u: allows(subset, u)), fallbacks=FALLBACKS
+                key, None if subset is None else (lambda u: allows(subset, u)), fallbacks=picker.fallbacks
             )
         except NoReadyUnitError as error:
             return self._refuse(ProxyError(503, f"no unit to send the request to: {error}; retry later"))
@@ -466,6 +470,8 @@ class EPPConfig:
     cert_path: str | None = None
     """A folder with tls.crt and tls.key (a mounted Secret); none: a self-signed one."""
     host: str = "0.0.0.0"
+    fallbacks: int = 0
+    """Picker.fallbacks."""
 
 
 def self_signed(names: Sequence[str]) -> tuple[bytes, bytes]:

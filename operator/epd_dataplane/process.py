@@ -143,7 +143,7 @@ def run_gateway(
                 watch_units(api, view, namespace=namespace, deployment=deployment, units_service=units_service)
             )
         async with Primer() as primer, Gateway(config, Encoders(metrics), primer, metrics, units=view) as gateway:
-            picker = EPPServer(picker_of(gateway), epp, epp_names) if epp is not None else None
+            picker = EPPServer(picker_of(gateway, epp.fallbacks), epp, epp_names) if epp is not None else None
             if picker is not None:
                 await picker.start()
                 watches.append(picker.ready_once(view))

@@ -234,10 +234,13 @@ async def start_epp() -> AsyncIterator[Callable[..., Any]]:
     (start_gateway's), plaintext on free ports unless told otherwise."""
     async with contextlib.AsyncExitStack() as stack:
 
-        async def start(gateway: RunningProxy, *, ready: bool = True, **config: Any) -> RunningPicker:
+        async def start(
+            gateway: RunningProxy, *, ready: bool = True, fallbacks: int = 0, **config: Any
+        ) -> RunningPicker:
             assert isinstance(gateway.proxy, Gateway)
             options = {"port": 0, "health_port": 0, "secure": False, "host": "127.0.0.1", **config}
-            server = EPPServer(picker_of(gateway.proxy), EPPConfig(**options), ["localhost", "127.0.0.1"])
+            picker = picker_of(gateway.proxy, fallbacks)
+            server = EPPServer(picker, EPPConfig(**options), ["localhost", "127.0.0.1"])
             await server.start()
             stack.push_async_callback(server.stop, 1)
             if ready:

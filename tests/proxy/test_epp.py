@@ -32,7 +32,7 @@ async def picked(units, start_gateway, start_epp):
     """Three units behind a gateway on weights version step-1, its picker, and a channel to it."""
     u = await units(3)
     gateway = await start_gateway(u.proxies, weights_version="step-1")
-    picker = await start_epp(gateway)
+    picker = await start_epp(gateway, fallbacks=2)
     async with grpc.aio.insecure_channel(picker.address) as channel:
         yield u, gateway, picker, channel
 

