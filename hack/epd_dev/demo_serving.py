@@ -174,7 +174,10 @@ NEW_VERSION = "step-2"
 # Two different pictures sent through the front door under one uuid of the client's own (a
 # reused or colliding id): vLLM names a part by its uuid alone, the front door by its content.
 SHARED_UUID = "my-picture"
-SHARED_UUID_PICTURES = (REPEATED, SECOND)
+SHARED_UUID_PICTURES = (
+    REPEATED,
+    Picture("a blue square on white", 56, 56, lambda x, y: BLUE if 14 <= x < 42 and 14 <= y < 42 else WHITE),
+)
 
 
 def demo_request() -> dict[str, Any]:
