@@ -7,7 +7,7 @@ import argparse
 import sys
 from typing import Any
 
-from epd_operator.api import PROXY_METRICS_PORT
+from epd_operator.api import EPP_HEALTH_PORT, EPP_PORT, PROXY_METRICS_PORT
 from epd_operator.argtypes import byte_quantity, int_at_least, port, positive, positive_int
 from epd_operator.proxy_limits import Limits
 
@@ -275,12 +275,12 @@ def _add_gateway_parser(sub: Any) -> None:
         "so a Gateway routing an InferencePool places requests as the gateway does (docs/gateway-api.md)",
     )
     epp.add_argument(
-        "--epp-port", type=port, help="serve the endpoint picker on this port (GAIE's 9002); default: not served"
+        "--epp-port", type=port, help=f"serve the endpoint picker on this port (GAIE's {EPP_PORT}); default: not served"
     )
     epp.add_argument(
         "--epp-health-port",
         type=port,
-        default=9003,
+        default=EPP_HEALTH_PORT,
         help="the picker's gRPC health services (liveness, readiness, inference-extension) on this port",
     )
     epp.add_argument(

@@ -33,6 +33,12 @@ DNS1123_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 JANITOR_METRICS_PORT = 9400
 # The EPD proxy's own /metrics and /health in every unit (its main port passes every path on).
 PROXY_METRICS_PORT = 9401
+# The EPD gateway's endpoint picker (spec.gateway.inferencePool): GAIE's reference ports.
+EPP_PORT = 9002
+EPP_HEALTH_PORT = 9003
+# The Gateway API Inference Extension's InferencePool (GA since GAIE v1.0).
+INFERENCE_POOL_GROUP = "inference.networking.k8s.io"
+INFERENCE_POOL_VERSION = "v1"
 
 # Open maps (vLLM engine args, connector extra config) and embedded Kubernetes core types
 # (affinity, volumes, ...) are kept schemaless: their own API server validates the latter
@@ -586,6 +592,47 @@ class Proxy(Schema):
         return Limits(**{name: value for name, value in given.items() if value is not None})
 
 
+class InferencePoolSpec(Schema):
+    """A Gateway API Inference Extension InferencePool per proxied model, whose endpoint picker is
+    the model's EPD gateway (docs/gateway-api.md): any conformant gateway (Istio, agentgateway,
+    NGINX Gateway Fabric, Envoy) routing an HTTPRoute to the pool places each request on the unit
+    that holds its media, as the front Service does."""
+
+    enabled: bool = Field(
+        default=False,
+        description=(
+            "Create an InferencePool (inference.networking.k8s.io/v1) per model with a gateway: its selector "
+            "matches that model's unit pods, its target port is their EPD proxy, its endpointPickerRef the "
+            "gateway's picker Service (port 9002, gRPC). Needs spec.gateway.enabled and the InferencePool CRD "
+            "(the chart installs it only when asked: inferencePoolCRD.install)."
+        ),
+    )
+    failure_mode: Literal["FailClose", "FailOpen"] = Field(
+        default="FailClose",
+        description=(
+            "What the gateway does when the picker is unreachable: FailClose refuses the request, FailOpen sends "
+            "it to a unit of the pool without the picker (its pictures may be encoded again there)."
+        ),
+    )
+    secure_serving: bool = Field(
+        default=True,
+        description=(
+            "TLS on the picker's port with a self-signed certificate, as GAIE's reference picker serves (gateways "
+            "do not verify it); false: plaintext gRPC (agentgateway's standalone mode wants it)."
+        ),
+    )
+    fallbacks: int = Field(
+        default=0,
+        ge=0,
+        le=7,
+        description=(
+            "Units named after the pick in x-gateway-destination-endpoint, where a gateway that goes down the list "
+            "sends a request whose unit refuses connections (Istio does); 0: the pick alone, which a standalone "
+            "Envoy's ORIGINAL_DST cluster needs."
+        ),
+    )
+
+
 class Gateway(Schema):
     """The EPD gateway in front of each model's units (`epd-dataplane gateway`, the operator's
     image, docs/proxy.md): the model's front Service targets it, and it sends each request to the
@@ -618,6 +665,10 @@ class Gateway(Schema):
     )
     tolerations: list[OpenObject] | None = Field(
         default=None, max_length=32, description="The gateway pods' tolerations; default: spec.tolerations."
+    )
+    inference_pool: InferencePoolSpec = Field(
+        default_factory=InferencePoolSpec,
+        description="An InferencePool per model for Gateway API gateways, the gateway its endpoint picker.",
     )
 
 

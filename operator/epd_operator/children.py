@@ -36,6 +36,24 @@ class WriteRefused(Exception):
         super().__init__(message)
 
 
+# The reason an EPDDeployment's status gives while the InferencePool CRD is missing.
+CRD_MISSING = "InferencePoolCRDMissing"
+
+
+def unserved(kind: str) -> WriteRefused:
+    """A child of a kind another project defines, whose CRD this cluster lacks."""
+    if kind == "InferencePool":
+        return WriteRefused(
+            CRD_MISSING,
+            "spec.gateway.inferencePool.enabled needs the Gateway API Inference Extension's InferencePool CRD "
+            "(inference.networking.k8s.io/v1), which this cluster does not serve: install it (kubectl apply -f "
+            "https://github.com/kubernetes-sigs/gateway-api-inference-extension/releases/download/v1.6.2/manifests.yaml, "
+            "or the operator's chart with --set inferencePoolCRD.install=true), or set "
+            "spec.gateway.inferencePool.enabled to false; the other children are applied",
+        )
+    return WriteRefused("ApplyFailed", f"the API server serves no {kind}: is its CRD installed?")
+
+
 def conflict(kind: str, namespace: str, name: str, owner: str) -> WriteRefused:
     return WriteRefused(
         "ChildConflict",
@@ -94,6 +112,23 @@ class ChildWriter:
         return bool(stale or removed)
 
     async def _write(
+        self,
+        key: Key,
+        owner_uid: str,
+        child: dict[str, Any],
+        existing: AbstractSet[Ref],
+        applied: AbstractSet[Ref],
+        headless: Mapping[str, bool],
+        foreign: AbstractSet[Ref],
+    ) -> None:
+        try:
+            await self._write_child(key, owner_uid, child, existing, applied, headless, foreign)
+        except KubeError as error:
+            if error.kind_unserved:
+                raise unserved(child["kind"]) from error
+            raise
+
+    async def _write_child(
         self,
         key: Key,
         owner_uid: str,

@@ -13,12 +13,14 @@ from typing import Any
 import kopf
 
 from . import api
+from .children import CRD_MISSING
 from .indexes import (
     AccessSummary,
     BudgetSummary,
     DeploymentSummary,
     GatewaySummary,
     Indexes,
+    InferencePoolSummary,
     Key,
     NetworkPolicySummary,
     PodSummary,
@@ -44,6 +46,10 @@ DEPLOYMENTS = ("apps", "v1", "deployments")
 SERVICE_ACCOUNTS = ("v1", "serviceaccounts")
 ROLES = ("rbac.authorization.k8s.io", "v1", "roles")
 ROLE_BINDINGS = ("rbac.authorization.k8s.io", "v1", "rolebindings")
+# spec.gateway.inferencePool: another project's kind, watched once its CRD is served (kopf
+# follows CRDs appearing).
+INFERENCE_POOLS = (api.INFERENCE_POOL_GROUP, api.INFERENCE_POOL_VERSION, "inferencepools")
+INFERENCE_POOL_CRD = f"inferencepools.{api.INFERENCE_POOL_GROUP}"
 PODS = ("v1", "pods")
 OWN_KINDS = (
     STATEFUL_SETS,
@@ -54,6 +60,7 @@ OWN_KINDS = (
     SERVICE_ACCOUNTS,
     ROLES,
     ROLE_BINDINGS,
+    INFERENCE_POOLS,
     PODS,
 )
 
@@ -132,6 +139,7 @@ async def keep_indexes(memo: kopf.Memo, **indexes: Any) -> None:
             service_accounts=indexes["service_accounts"],
             roles=indexes["roles"],
             role_bindings=indexes["role_bindings"],
+            inference_pools=indexes["inference_pools"],
         )
     )
 
@@ -203,6 +211,13 @@ async def role_bindings(
     return {owner_key(namespace, labels): AccessSummary.of(body)}
 
 
+@kopf.index(*INFERENCE_POOLS, labels=OURS)
+async def inference_pools(
+    namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any
+) -> dict[Key, InferencePoolSummary]:
+    return {owner_key(namespace, labels): InferencePoolSummary.of(body)}
+
+
 @kopf.index(*PODS, labels=OURS)
 async def pods(namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any) -> dict[Key, PodSummary]:
     return {owner_key(namespace, labels): PodSummary.of(body)}
@@ -247,6 +262,7 @@ async def set_changed(
 @kopf.on.event(*SERVICE_ACCOUNTS, labels=OURS)
 @kopf.on.event(*ROLES, labels=OURS)
 @kopf.on.event(*ROLE_BINDINGS, labels=OURS)
+@kopf.on.event(*INFERENCE_POOLS, labels=OURS)
 async def child_changed(
     memo: kopf.Memo,
     type: str,
@@ -261,6 +277,19 @@ async def child_changed(
     # The status reads none of these kinds: a confirming event has nothing to refresh.
     if type == "DELETED" or not confirms(memo.reconciler, key, ref, meta.annotations.get(ANNOTATION_SPEC_HASH)):
         memo.reconciler.enqueue(key)
+
+
+@kopf.on.event(
+    "apiextensions.k8s.io", "v1", "customresourcedefinitions", field="metadata.name", value=INFERENCE_POOL_CRD
+)
+async def inference_pool_crd_changed(memo: kopf.Memo, type: str, **_: Any) -> None:
+    """The InferencePool CRD installed: the EPDDeployments waiting for it (their status says so)
+    are reconciled now, not at their next backoff."""
+    if type == "DELETED":
+        return
+    for key, found in memo.reconciler.indexes.deployments.items():
+        if any(CRD_MISSING in summary.status_json for summary in found):
+            memo.reconciler.enqueue(key)
 
 
 @kopf.on.probe(id="deployments")

@@ -204,6 +204,17 @@ class AccessSummary(ChildSummary):
         return cls(**cls._common(body), kind=body["kind"])
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class InferencePoolSummary(ChildSummary):
+    """A model's InferencePool (spec.gateway.inferencePool)."""
+
+    KIND: ClassVar[str] = "InferencePool"
+
+    @classmethod
+    def of(cls, body: Mapping[str, Any]) -> InferencePoolSummary:
+        return cls(**cls._common(body))
+
+
 @dataclass(frozen=True, slots=True)
 class PodSummary:
     """What status, the readiness gates and the janitor scrape read of a unit or encoder pod,
@@ -262,6 +273,7 @@ class Indexes:
     service_accounts: Mapping[Key, Collection[AccessSummary]] = dataclasses.field(default_factory=dict)
     roles: Mapping[Key, Collection[AccessSummary]] = dataclasses.field(default_factory=dict)
     role_bindings: Mapping[Key, Collection[AccessSummary]] = dataclasses.field(default_factory=dict)
+    inference_pools: Mapping[Key, Collection[InferencePoolSummary]] = dataclasses.field(default_factory=dict)
 
     def deployment(self, key: Key) -> DeploymentSummary | None:
         """The EPDDeployment as last seen; None once deleted."""
@@ -278,6 +290,7 @@ class Indexes:
             *self.service_accounts.get(key, ()),
             *self.roles.get(key, ()),
             *self.role_bindings.get(key, ()),
+            *self.inference_pools.get(key, ()),
         ]
 
     def owned_pods(self, key: Key) -> list[PodSummary]:

@@ -30,6 +30,7 @@ CHILD_KINDS = {
     "ServiceAccount": "/api/v1/namespaces/{ns}/serviceaccounts",
     "Role": "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles",
     "RoleBinding": "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings",
+    "InferencePool": f"/apis/{api.INFERENCE_POOL_GROUP}/{api.INFERENCE_POOL_VERSION}/namespaces/{{ns}}/inferencepools",
 }
 
 
@@ -43,6 +44,11 @@ class KubeError(Exception):
         # New objects are refused in a namespace being deleted, or already gone.
         self.namespace_gone = (status_code == 403 and "being terminated" in message) or (
             status_code == 404 and message.startswith("namespaces ")
+        )
+        # A kind the API server does not serve: another project's CRD not installed (an unknown
+        # group is a plain "404 page not found", an unknown resource of a known group this).
+        self.kind_unserved = status_code == 404 and (
+            "page not found" in message or "could not find the requested resource" in message
         )
         super().__init__(f"{method} {path}: {status_code} {message}")
 

@@ -53,6 +53,8 @@ LABEL_GATEWAY = f"{api.GROUP}/gateway"
 ENCODERS_READY_GATE = f"{api.GROUP}/encoders-ready"
 JANITOR_METRICS_PORT = api.JANITOR_METRICS_PORT
 PROXY_METRICS_PORT = api.PROXY_METRICS_PORT
+EPP_PORT = api.EPP_PORT
+EPP_HEALTH_PORT = api.EPP_HEALTH_PORT
 
 # Pod Security "restricted": every unit and pool pod runs as a non-root uid (vLLM's images run
 # as root, with no user of their own), under the runtime's seccomp profile, and no container
@@ -748,6 +750,24 @@ def gateway_deployment(spec: api.EPDDeploymentSpec, deployment: str, plan: Model
     tuned = {SPELLINGS[n][1]: v for n in SPELLINGS if (v := getattr(limits, n)) != getattr(default, n)}
     timeout = spec.proxy.request_timeout_seconds or spec.router.request_timeout_seconds
     port = plan.proxy.port
+    pool = gateway.inference_pool
+    picker = epp_service_name(deployment, plan.name)
+    epp_args = (
+        [
+            *("--epp-port", str(EPP_PORT), "--epp-health-port", str(EPP_HEALTH_PORT)),
+            *(() if pool.secure_serving else ("--no-epp-secure-serving",)),
+            *(("--epp-fallbacks", str(pool.fallbacks)) if pool.fallbacks else ()),
+            # The names its self-signed certificate is for: the picker's Service.
+            *("--epp-name", picker, "--epp-name", f"{picker}.$(POD_NAMESPACE).svc"),
+        ]
+        if pool.enabled
+        else []
+    )
+    epp_ports = (
+        [{"name": "grpc-epp", "containerPort": EPP_PORT}, {"name": "grpc-epp-health", "containerPort": EPP_HEALTH_PORT}]
+        if pool.enabled
+        else []
+    )
     container = {
         "name": GATEWAY_CONTAINER,
         "image": image,
@@ -764,11 +784,13 @@ def gateway_deployment(spec: api.EPDDeploymentSpec, deployment: str, plan: Model
                 for flag, value in tuned.items()
                 for a in (flag, f"{value:g}" if isinstance(value, float) else str(value))
             ),
+            *epp_args,
         ],
         "env": [{"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}],
         "ports": [
             {"name": FRONT_PORT_NAME, "containerPort": port},
             {"name": "gateway-metrics", "containerPort": PROXY_METRICS_PORT},
+            *epp_ports,
         ],
         "resources": _resources(0, gateway.resources, GATEWAY_RESOURCES),
         # Ready once it knows the units (its watches answered); alive while it serves.
@@ -807,6 +829,62 @@ def gateway_deployment(spec: api.EPDDeploymentSpec, deployment: str, plan: Model
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
         },
     }
+
+
+def has_inference_pool(spec: api.EPDDeploymentSpec, plan: ModelPlan) -> bool:
+    return has_gateway(spec, plan) and spec.gateway.inference_pool.enabled
+
+
+def epp_service_name(deployment: str, model: str) -> str:
+    return child_name(deployment, model, "epp", limit=63)
+
+
+def inference_pool_objects(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPlan) -> list[dict[str, Any]]:
+    """The model's InferencePool and the Service of its endpoint picker (the gateway's ext_proc
+    port). The pool selects exactly the model's unit pods (not its encoder pool, not its gateway)
+    and targets their EPD proxy: the picker names a ready unit's proxy, which primes what it lacks.
+    Readiness is the picker's to weigh, as GAIE's pickers do: a selector cannot."""
+    assert plan.proxy is not None, "the pool's endpoints are the units' proxies"
+    pool = spec.gateway.inference_pool
+    labels = {**gateway_labels(deployment, plan.name), LABEL_COMPONENT: "endpoint-picker"}
+    picker = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": epp_service_name(deployment, plan.name), "labels": labels},
+        "spec": {
+            "selector": gateway_selector_labels(deployment, plan.name),
+            "ports": [
+                {
+                    "name": "grpc-epp",
+                    "port": EPP_PORT,
+                    "targetPort": "grpc-epp",
+                    "protocol": "TCP",
+                    "appProtocol": "http2" if pool.secure_serving else "kubernetes.io/h2c",
+                }
+            ],
+        },
+    }
+    inference_pool = {
+        "apiVersion": f"{api.INFERENCE_POOL_GROUP}/{api.INFERENCE_POOL_VERSION}",
+        "kind": "InferencePool",
+        "metadata": {
+            "name": child_name(deployment, plan.name, limit=63),
+            "labels": common_labels(deployment, plan.name, "inference-pool"),
+        },
+        "spec": {
+            "selector": {"matchLabels": {**selector_labels(deployment, plan.name), LABEL_COMPONENT: "unit"}},
+            "targetPorts": [{"number": plan.proxy.port}],
+            "appProtocol": "http",
+            "endpointPickerRef": {
+                "group": "",
+                "kind": "Service",
+                "name": epp_service_name(deployment, plan.name),
+                "port": {"number": EPP_PORT},
+                "failureMode": pool.failure_mode,
+            },
+        },
+    }
+    return [picker, inference_pool]
 
 
 def gateway_access(deployment: str) -> list[dict[str, Any]]:
@@ -866,6 +944,8 @@ def serving_ports(spec: api.EPDDeploymentSpec, plans: list[ModelPlan]) -> list[d
         if plan.pooled:
             blocks.append(pool_ports(spec, model)["ports.engineBase"])
         blocks.append((plan.front_port, plan.front_port))
+        if has_inference_pool(spec, plan):
+            blocks.append((EPP_PORT, EPP_PORT))  # the gateways of an HTTPRoute ask the picker
         ports += [_tcp(low, high) for low, high in blocks if high >= low]
     unique = {json.dumps(p, sort_keys=True): p for p in ports}
     return list(unique.values())
@@ -923,6 +1003,8 @@ def desired_children(
             children += [pool, pool_service(deployment, plan), pod_disruption_budget(spec, pool)]
         if has_gateway(spec, plan):
             children.append(gateway_deployment(spec, deployment, plan, operator_image))
+        if has_inference_pool(spec, plan):
+            children += inference_pool_objects(spec, deployment, plan)
     if any(has_gateway(spec, plan) for plan in plans):
         children += gateway_access(deployment)
     if spec.network_policy.enabled:

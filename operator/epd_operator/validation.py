@@ -439,6 +439,11 @@ def gateway_errors(spec: EPDDeploymentSpec) -> list[str]:
             "spec.gateway.enabled: the gateway sends requests to the units' EPD proxies, which key and prime their "
             "media: set spec.proxy.enabled to true, or spec.gateway.enabled to false"
         )
+    if spec.gateway.inference_pool.enabled and not spec.gateway.enabled:
+        errors.append(
+            "spec.gateway.inferencePool.enabled: the InferencePool's endpoint picker is the model's EPD gateway, "
+            "and the gateway is off: set spec.gateway.enabled to true, or spec.gateway.inferencePool.enabled to false"
+        )
     for index, model in enumerate(spec.models):
         if model.weights_version is not None and not spec.gateway.enabled:
             errors.append(

@@ -68,6 +68,12 @@ NAMESPACED_RULES = [
         "resources": ["roles", "rolebindings"],
         "verbs": ["get", "list", "watch", "create", "patch", "delete"],
     },
+    # spec.gateway.inferencePool: each model's InferencePool, once its CRD is installed.
+    {
+        "apiGroups": ["inference.networking.k8s.io"],
+        "resources": ["inferencepools"],
+        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
+    },
     # Granted to the gateways' Role, so held (an account grants only what it holds); never read.
     {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]},
     # Unit pods: read for the status.

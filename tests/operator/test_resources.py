@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import pytest
 import yaml
 
 from epd_dataplane.cli import build_parser as dataplane_parser
@@ -14,7 +15,7 @@ from epd_operator.resources import (
     desired_children,
     is_headless,
 )
-from epd_operator.validation import validate
+from epd_operator.validation import SpecError, validate
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
 IMAGE = "epd-operator:test"
@@ -612,3 +613,64 @@ def test_the_media_url_policy_reaches_every_engine_and_the_proxy():
         ["images.example.com", "10.0.0.5"],
         False,
     )
+
+
+def test_an_inference_pool_per_gateway_fronted_model_selects_its_units_and_names_the_gateways_picker():
+    pool = {"enabled": True, "failureMode": "FailOpen", "fallbacks": 2}
+    children = _by_ref(children_of("encoder-regular.yaml", gateway={"enabled": True, "inferencePool": pool}))
+    name = "qwen-vl-regular"
+    inference_pool = children[("InferencePool", f"{name}-default")]
+    assert inference_pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    unit_pods = children[("StatefulSet", f"{name}-default")]["spec"]["template"]["metadata"]["labels"]
+    gateway = children[("Deployment", f"{name}-default-gateway")]
+    gateway_pods = gateway["spec"]["template"]["metadata"]["labels"]
+    selector = inference_pool["spec"]["selector"]["matchLabels"]
+    # Exactly the model's units: not its gateway's pods.
+    assert selector.items() <= unit_pods.items() and not selector.items() <= gateway_pods.items()
+    (container,) = gateway["spec"]["template"]["spec"]["containers"]
+    proxy_port = next(p["containerPort"] for p in container["ports"] if p["name"] == "http")
+    assert inference_pool["spec"]["targetPorts"] == [{"number": proxy_port}]
+    assert inference_pool["spec"]["endpointPickerRef"] == {
+        "group": "",
+        "kind": "Service",
+        "name": f"{name}-default-epp",
+        "port": {"number": 9002},
+        "failureMode": "FailOpen",
+    }
+    picker = children[("Service", f"{name}-default-epp")]
+    assert picker["spec"]["selector"].items() <= gateway_pods.items()
+    (port,) = picker["spec"]["ports"]
+    assert (port["port"], port["targetPort"], port["appProtocol"]) == (9002, "grpc-epp", "http2")
+    # The gateway serves the picker, as its real parser reads the flags.
+    args = dataplane_parser().parse_args([*container["command"][1:], *container["args"]])
+    assert (args.epp_port, args.epp_health_port, args.epp_secure_serving, args.epp_fallbacks) == (9002, 9003, True, 2)
+    assert args.epp_name == [f"{name}-default-epp", f"{name}-default-epp.$(POD_NAMESPACE).svc"]
+    assert {"grpc-epp", "grpc-epp-health"} <= {p["name"] for p in container["ports"]}
+    # The gateways of an HTTPRoute reach the picker through the deployment's NetworkPolicy.
+    policy = children[("NetworkPolicy", name)]
+    clients = policy["spec"]["ingress"][1]
+    assert {"protocol": "TCP", "port": 9002} in clients["ports"]
+    # Plaintext when asked; none of it without the pool.
+    plain = _by_ref(
+        children_of(
+            "encoder-regular.yaml",
+            gateway={"enabled": True, "inferencePool": {"enabled": True, "secureServing": False}},
+        )
+    )
+    (container,) = plain[("Deployment", f"{name}-default-gateway")]["spec"]["template"]["spec"]["containers"]
+    assert not dataplane_parser().parse_args([*container["command"][1:], *container["args"]]).epp_secure_serving
+    assert plain[("Service", f"{name}-default-epp")]["spec"]["ports"][0]["appProtocol"] == "kubernetes.io/h2c"
+    without = _by_ref(children_of("encoder-regular.yaml", gateway={"enabled": True}))
+    assert (
+        not any(kind == "InferencePool" for kind, _ in without) and (("Service", f"{name}-default-epp")) not in without
+    )
+    (container,) = without[("Deployment", f"{name}-default-gateway")]["spec"]["template"]["spec"]["containers"]
+    assert dataplane_parser().parse_args([*container["command"][1:], *container["args"]]).epp_port is None
+
+
+def test_an_inference_pool_needs_the_gateway():
+    manifest = yaml.safe_load((EXAMPLES / "encoder-regular.yaml").read_text())
+    manifest["spec"]["gateway"] = {"inferencePool": {"enabled": True}}
+    with pytest.raises(SpecError) as refused:
+        validate(manifest["spec"])
+    assert any("spec.gateway.inferencePool.enabled" in e and "spec.gateway.enabled" in e for e in refused.value.errors)
