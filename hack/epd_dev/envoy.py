@@ -62,7 +62,7 @@ def _host_port(endpoint: str) -> tuple[str, int]:
 def config(
     *,
     listen: tuple[str, int],
-    picker: tuple[str, int],
+    picker: tuple[str, int] | None,
     picker_tls: bool = True,
     fail_open: bool = False,
     fallback: str | None = None,
@@ -70,10 +70,14 @@ def config(
     admin: tuple[str, int] = ("127.0.0.1", 0),
     picker_dns: bool = False,
     health_check_seconds: float = 10,
+    responses: bool = True,
 ) -> dict[str, Any]:
     """Envoy's bootstrap: a listener at `listen` asking the picker at `picker` (`picker_dns`: a
     name to resolve, as a Service's; TLS without verifying, as GAIE's charts) about each request,
-    whose gRPC health (the ext_proc service) it checks every `health_check_seconds`."""
+    whose gRPC health (the ext_proc service) it checks every `health_check_seconds`. Without a
+    picker: round robin over `endpoints` (what Envoy costs by itself)."""
+    if picker is None:
+        return _alone(listen, endpoints, admin)
     ext_proc = {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
@@ -84,11 +88,17 @@ def config(
             },
             "processing_mode": {
                 "request_header_mode": "SEND",
-                "response_header_mode": "SEND",
                 "request_body_mode": "FULL_DUPLEX_STREAMED",
-                "response_body_mode": "FULL_DUPLEX_STREAMED",
                 "request_trailer_mode": "SEND",
-                "response_trailer_mode": "SEND",
+                **(
+                    {
+                        "response_header_mode": "SEND",
+                        "response_body_mode": "FULL_DUPLEX_STREAMED",
+                        "response_trailer_mode": "SEND",
+                    }
+                    if responses
+                    else {"response_header_mode": "SKIP", "response_body_mode": "NONE", "response_trailer_mode": "SKIP"}
+                ),
             },
             "message_timeout": "1000s",
             "failure_mode_allow": fail_open,
@@ -232,6 +242,35 @@ def config(
             "clusters": clusters,
         },
     }
+
+
+def _alone(listen: tuple[str, int], endpoints: Sequence[str], admin: tuple[str, int]) -> dict[str, Any]:
+    pool = {
+        "name": "pool",
+        "type": "STATIC",
+        "connect_timeout": "5s",
+        "lb_policy": "ROUND_ROBIN",
+        "load_assignment": _cluster_endpoints("pool", endpoints),
+    }
+    manager = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": "inference",
+        "route_config": {
+            "name": "inference",
+            "virtual_hosts": [
+                {"name": "pool", "domains": ["*"], "routes": [{"match": {"prefix": "/"}, "route": {"cluster": "pool"}}]}
+            ],
+        },
+        "http_filters": [ROUTER],
+    }
+    listener = {
+        "name": "inference",
+        "address": _address(*listen),
+        "filter_chains": [
+            {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": manager}]}
+        ],
+    }
+    return {"admin": {"address": _address(*admin)}, "static_resources": {"listeners": [listener], "clusters": [pool]}}
 
 
 class Envoy:

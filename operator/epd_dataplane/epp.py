@@ -205,13 +205,16 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
 
     async def Process(
         self, request_iterator: AsyncIterator[ext_proc.ProcessingRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[ext_proc.ProcessingResponse]:
+    ) -> None:
         stream = _Stream(self.picker)
         self.picker.metrics.streams.inc()
         try:
-            async for message in request_iterator:
+            while True:
+                message = await context.read()
+                if message is grpc.aio.EOF:
+                    return
                 for answer in await stream.on(message):
-                    yield answer
+                    await context.write(answer)
                 if stream.ended:
                     return
         except ProtocolError as error:
