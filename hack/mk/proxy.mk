@@ -1,4 +1,4 @@
-# The EPD proxy (operator/epd_operator/proxy, docs/proxy.md). Included from the main Makefile,
+# The EPD proxy and gateway (operator/epd_dataplane, docs/proxy.md, docs/gateway-api.md). Included from the main Makefile,
 # which defines PY (the venv's python) and the `venv` target.
 # Pass options through PROXY_BENCH_ARGS, e.g. PROXY_BENCH_ARGS="--profile proxy.svg".
 

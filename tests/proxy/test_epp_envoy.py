@@ -140,6 +140,25 @@ async def test_envoy_sends_each_request_where_the_picker_picked(units, start_gat
     assert sum(gateway.proxy.units.loads.values()) == 0
 
 
+@pytest.mark.parametrize("responses", [True, False], ids=["GAIE's config", "no responses"])
+async def test_the_unit_counts_the_request_until_its_response_ends(units, start_gateway, start_epp, responses):
+    """The bounded load needs each unit's requests in flight: with the responses sent to the
+    picker (GAIE's configuration) its stream lasts as long as the answer; without them Envoy ends
+    the stream once the request went upstream, and the count is gone (why docs/gateway-api.md says
+    to keep them)."""
+    u = await units(1, consumer_delay=1.0)
+    gateway = await start_gateway(u.proxies)
+    picker = await start_epp(gateway)
+    bootstrap = config(listen=("127.0.0.1", 0), picker=picker_address(picker), picker_tls=False, responses=responses)
+    async with envoy(bootstrap) as proxy:
+        answer = asyncio.create_task(ask(sdk(proxy.url), picture(1)))
+        await asyncio.sleep(0.6)  # the unit answers after 1 s
+        during = sum(gateway.proxy.units.loads.values())
+        await answer
+    assert during == (1 if responses else 0)
+    assert sum(gateway.proxy.units.loads.values()) == 0
+
+
 async def test_a_gateway_that_takes_the_fallbacks_goes_down_the_list(units, start_gateway, start_epp):
     """Several endpoints in the header (--epp-fallbacks): the pick first, then the key's next
     units. A unit that refuses connections (its pod gone before the EndpointSlice says so) costs
