@@ -48,6 +48,19 @@ class ProxyMetrics:
             "Media parts that waited for another request's prime of the same key instead of priming it again.",
             registry=self.registry,
         )
+        # The autoscalers' signals (docs/autoscaling.md): summed over a model's proxies by Prometheus.
+        self.primes_in_flight = Gauge(
+            "epd_proxy_primes_in_flight",
+            "Media parts being primed on the encoders now (each a prime request, waiting for its slot or under way, "
+            "retries included): the encoder pool's load, which its autoscaler divides by the encoder pods.",
+            registry=self.registry,
+        )
+        self.requests_in_flight = Gauge(
+            "epd_proxy_requests_in_flight",
+            "Requests the proxy is serving now (priming or forwarded; its readiness probes not counted): the "
+            "unit's load, which the units' autoscaler divides by the units.",
+            registry=self.registry,
+        )
         self._replaced = Counter(
             "epd_proxy_client_uuids_replaced_total",
             "Media and embeddings parts whose client-chosen uuid the proxy replaced by the part's key (its "

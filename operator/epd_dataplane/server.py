@@ -50,6 +50,7 @@ from .budget import Budget, Reservation
 from .core import (
     ANSWER_DROPPED,
     EPD_PRIME,
+    HEALTH,
     KEYED,
     PASSED_THROUGH,
     REFUSED,
@@ -224,13 +225,19 @@ class Proxy:
         )
 
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
-        """Serve one request, counted under its route."""
+        """Serve one request, counted under its route (and in flight, but the readiness probes)."""
         name = route(request.method, request.path)
+        in_flight = self.metrics.requests_in_flight if name != HEALTH else None
+        if in_flight is not None:
+            in_flight.inc()
         try:
             response = await self._serve(request, name)
         except _CutShort:
             self.metrics.observe_request(name, 200)
             raise
+        finally:
+            if in_flight is not None:
+                in_flight.dec()
         self.metrics.observe_request(name, response.status)
         return response
 
@@ -401,27 +408,37 @@ class Proxy:
         with_primes = prime_headers(headers)
         slots = asyncio.Semaphore(self.limits.prime_concurrency_per_request)
 
+        in_flight = self.metrics.primes_in_flight
+
         async def prime_one(item: MediaItem) -> None:
             async with slots:
                 first, self._rotation = self._rotation, self._rotation + 1
-                await self.primer.prime(
-                    [item], encoders, model=found.model, headers=with_primes, first=first, extra_body=extra
-                )
+                in_flight.inc()
+                try:
+                    await self.primer.prime(
+                        [item], encoders, model=found.model, headers=with_primes, first=first, extra_body=extra
+                    )
+                finally:
+                    in_flight.dec()
 
         async def prime_plain() -> dict[str, Any]:
             if not plain:
                 return {}
             first, self._rotation = self._rotation, self._rotation + len(plain)
-            params = await self.primer.prime(
-                [items[i] for i in plain],
-                encoders,
-                model=found.model,
-                pooled=self.config.pooled,
-                headers=with_primes,
-                first=first,
-                max_concurrency=self.limits.prime_concurrency_per_request,
-                extra_body=extra,
-            )
+            in_flight.inc(len(plain))
+            try:
+                params = await self.primer.prime(
+                    [items[i] for i in plain],
+                    encoders,
+                    model=found.model,
+                    pooled=self.config.pooled,
+                    headers=with_primes,
+                    first=first,
+                    max_concurrency=self.limits.prime_concurrency_per_request,
+                    extra_body=extra,
+                )
+            finally:
+                in_flight.dec(len(plain))
             self.metrics.observe_primed([MEDIA_KINDS[items[i].kind] for i in plain])
             return params
 

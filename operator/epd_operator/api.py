@@ -36,6 +36,9 @@ PROXY_METRICS_PORT = 9401
 # The EPD gateway's endpoint picker (spec.gateway.inferencePool): GAIE's reference ports.
 EPP_PORT = 9002
 EPP_HEALTH_PORT = 9003
+# KEDA's ScaledObject (spec.autoscaling, spec.models[].encoderAutoscaling).
+KEDA_GROUP = "keda.sh"
+KEDA_VERSION = "v1alpha1"
 # The Gateway API Inference Extension's InferencePool (GA since GAIE v1.0).
 INFERENCE_POOL_GROUP = "inference.networking.k8s.io"
 INFERENCE_POOL_VERSION = "v1"
@@ -210,6 +213,78 @@ class EncoderPool(Schema):
     )
 
 
+class Autoscaler(Schema):
+    """A KEDA ScaledObject the operator makes (docs/autoscaling.md): KEDA's HPA owns the replica
+    count from then on, within these bounds, and the operator never writes it."""
+
+    min_replicas: int = Field(
+        default=1,
+        ge=0,
+        le=1000,
+        description="The fewest pods; 0 (scale from zero) is refused until a request can wake a pool up.",
+    )
+    max_replicas: int = Field(ge=1, le=1000, description="The most pods; at least minReplicas.")
+    scale_down_stabilization_seconds: int = Field(
+        default=300,
+        ge=0,
+        le=3600,
+        description=(
+            "The HPA scales down to the highest count it wanted during this window (Kubernetes' default 300): "
+            "short for a bursty RL rollout, long to keep warm engines through a lull."
+        ),
+    )
+
+
+class EncoderAutoscaling(Autoscaler):
+    """The model's encoder pool (placement Pools), sized by its primes in flight."""
+
+    target_primes_in_flight: float = Field(
+        default=2,
+        gt=0,
+        le=1000,
+        description=(
+            "Prime requests in flight per encoder pod the autoscaler aims at: the sum over the model's EPD proxies "
+            "of epd_proxy_primes_in_flight, divided by this, is the pool's size (KEDA's AverageValue). About what "
+            "one encoder pod encodes at once without queueing."
+        ),
+    )
+
+
+class UnitAutoscaling(Autoscaler):
+    """The EPD units (spec.replicas, through the EPDDeployment's scale subresource), sized by the
+    requests their EPD proxies are serving."""
+
+    target_requests_in_flight: float = Field(
+        default=8,
+        gt=0,
+        le=10000,
+        description=(
+            "Requests in flight per unit the autoscaler aims at: the sum over the deployment's EPD proxies of "
+            "epd_proxy_requests_in_flight, divided by this, is spec.replicas."
+        ),
+    )
+
+
+class DeploymentAutoscaling(Schema):
+    """KEDA ScaledObjects on EPD's own load signals, read from Prometheus (docs/autoscaling.md)."""
+
+    prometheus_address: str | None = Field(
+        default=None,
+        max_length=512,
+        pattern=r"^https?://[^\s]+$",
+        description=(
+            "The Prometheus that scrapes the units (the chart's PodMonitor), whose queries the ScaledObjects' "
+            "prometheus triggers run, e.g. http://prometheus-operated.monitoring.svc:9090. Needed by any autoscaler."
+        ),
+    )
+    polling_interval_seconds: int = Field(
+        default=15, ge=1, le=300, description="How often KEDA runs the queries (its pollingInterval)."
+    )
+    units: UnitAutoscaling | None = Field(
+        default=None, description="Autoscale the units: spec.replicas becomes the autoscaler's."
+    )
+
+
 class ModelSpec(Schema):
     """One served model and its server groups: each EPD unit of it is one pod on one node, holding every
     engine (placement Unit) or its consumers only, fed by an encoder pool (placement Pools)."""
@@ -262,6 +337,13 @@ class ModelSpec(Schema):
     )
     encoder_pool: EncoderPool | None = Field(
         default=None, description="The encoder pool's pods (placement Pools): /dev/shm and scheduling."
+    )
+    encoder_autoscaling: EncoderAutoscaling | None = Field(
+        default=None,
+        description=(
+            "Autoscale the encoder pool (placement Pools) with KEDA: encoderReplicas becomes the autoscaler's, "
+            "the operator no longer sets the pool's size."
+        ),
     )
     weights_version: str | None = Field(
         default=None,
@@ -878,6 +960,10 @@ class EPDDeploymentSpec(Schema):
     network_policy: NetworkPolicySpec = Field(
         default_factory=NetworkPolicySpec, description="Who reaches the pods (a NetworkPolicy the operator owns)."
     )
+    autoscaling: DeploymentAutoscaling = Field(
+        default_factory=DeploymentAutoscaling,
+        description="KEDA autoscalers of the units and of the models' encoder pools, and where they read the signal.",
+    )
     api_key: APIKey | None = Field(
         default=None,
         description=(
@@ -985,6 +1071,13 @@ class EncoderPoolStatus(Schema):
     service: str = Field(description="Its headless Service, whose EndpointSlices list the pods with an IP.")
     replicas: int
     ready_pods: int = 0
+    autoscaler: str | None = Field(
+        default=None,
+        description=(
+            "Its KEDA ScaledObject (spec.models[].encoderAutoscaling), which sizes it: `kubectl get hpa "
+            "keda-hpa-<autoscaler>` shows the signal, its target and the size chosen; `replicas` is that size."
+        ),
+    )
     engines: list[EngineEndpoint] = Field(default_factory=list, description="The engines of each pool pod.")
     unready_reasons: dict[str, int] = Field(default_factory=dict, description="Pods not ready, by reason.")
     unready: list[UnreadyPod] = Field(

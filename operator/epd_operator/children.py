@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from collections.abc import Set as AbstractSet
 from typing import Any
 
+from . import api
 from .expectations import Expectations
 from .indexes import ChildSummary, Key, Ref, ServiceSummary, controller_uid
 from .kube import KubeError, KubeSession
@@ -36,22 +37,42 @@ class WriteRefused(Exception):
         super().__init__(message)
 
 
-# The reason an EPDDeployment's status gives while the InferencePool CRD is missing.
-CRD_MISSING = "InferencePoolCRDMissing"
-
-
-def unserved(kind: str) -> WriteRefused:
-    """A child of a kind another project defines, whose CRD this cluster lacks."""
-    if kind == "InferencePool":
-        return WriteRefused(
-            CRD_MISSING,
+# Children of kinds other projects define, whose CRDs a cluster may lack: the reason the status
+# gives, and what to do, while the kind is not served.
+OPTIONAL_KINDS = {
+    "InferencePool": (
+        "InferencePoolCRDMissing",
+        (
             "spec.gateway.inferencePool.enabled needs the Gateway API Inference Extension's InferencePool CRD "
             "(inference.networking.k8s.io/v1), which this cluster does not serve: install it (kubectl apply -f "
             "https://github.com/kubernetes-sigs/gateway-api-inference-extension/releases/download/v1.6.2/manifests.yaml, "
             "or the operator's chart with --set inferencePoolCRD.install=true), or set "
-            "spec.gateway.inferencePool.enabled to false; the other children are applied",
-        )
-    return WriteRefused("ApplyFailed", f"the API server serves no {kind}: is its CRD installed?")
+            "spec.gateway.inferencePool.enabled to false; the other children are applied"
+        ),
+    ),
+    "ScaledObject": (
+        "KEDANotInstalled",
+        (
+            "spec.autoscaling.units and spec.models[].encoderAutoscaling need KEDA (its ScaledObject CRD, "
+            "keda.sh/v1alpha1), which this cluster does not serve: install KEDA 2.21 or later (helm install keda "
+            "kedacore/keda -n keda --create-namespace, or its release manifests), or remove the autoscalers; the other "
+            "children are applied, and the replica counts stay as they are"
+        ),
+    ),
+}
+# The CRDs whose installation should reconcile the EPDDeployments waiting for them, by name.
+OPTIONAL_CRDS = {
+    f"inferencepools.{api.INFERENCE_POOL_GROUP}": "InferencePool",
+    f"scaledobjects.{api.KEDA_GROUP}": "ScaledObject",
+}
+
+
+def unserved(kind: str) -> WriteRefused:
+    """A child of a kind another project defines, whose CRD this cluster lacks."""
+    reason, message = OPTIONAL_KINDS.get(
+        kind, ("ApplyFailed", f"the API server serves no {kind}: is its CRD installed?")
+    )
+    return WriteRefused(reason, message)
 
 
 def conflict(kind: str, namespace: str, name: str, owner: str) -> WriteRefused:

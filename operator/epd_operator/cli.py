@@ -38,7 +38,12 @@ def _render(args: argparse.Namespace) -> None:
         # What the operator would create, for review and scanners (it adds ownerReferences
         # to its EPDDeployment and a spec-hash annotation, which depend on the live object).
         children = desired_children(
-            checked.spec, name, plans, args.janitor_image or own_image(), operator_namespace=own_namespace()
+            checked.spec,
+            name,
+            plans,
+            args.janitor_image or own_image(),
+            operator_namespace=own_namespace(),
+            namespace=namespace,
         )
         for child in children:
             child["metadata"]["namespace"] = namespace

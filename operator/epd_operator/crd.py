@@ -69,6 +69,11 @@ def _inline(node: Any, defs: dict[str, Any]) -> Any:
             # An object with declared fields that also keeps unknown ones (e.g. EnvVar).
             node.pop("additionalProperties")
             node["x-kubernetes-preserve-unknown-fields"] = True
+    for bound in ("exclusiveMinimum", "exclusiveMaximum"):
+        # JSON Schema's number; OpenAPI v3 (Kubernetes) takes the bound and a boolean.
+        if isinstance(node.get(bound), int | float) and not isinstance(node[bound], bool):
+            node["minimum" if bound == "exclusiveMinimum" else "maximum"] = node[bound]
+            node[bound] = True
     if node.get("default") is None:
         node.pop("default", None)
     if node.get("type") == "string" and "enum" in node:

@@ -13,7 +13,7 @@ from typing import Any
 import kopf
 
 from . import api
-from .children import CRD_MISSING
+from .children import OPTIONAL_CRDS, OPTIONAL_KINDS
 from .indexes import (
     AccessSummary,
     BudgetSummary,
@@ -25,6 +25,7 @@ from .indexes import (
     NetworkPolicySummary,
     PodSummary,
     Ref,
+    ScaledObjectSummary,
     ServiceSummary,
     StatefulSetSummary,
     owner_key,
@@ -49,7 +50,8 @@ ROLE_BINDINGS = ("rbac.authorization.k8s.io", "v1", "rolebindings")
 # spec.gateway.inferencePool: another project's kind, watched once its CRD is served (kopf
 # follows CRDs appearing).
 INFERENCE_POOLS = (api.INFERENCE_POOL_GROUP, api.INFERENCE_POOL_VERSION, "inferencepools")
-INFERENCE_POOL_CRD = f"inferencepools.{api.INFERENCE_POOL_GROUP}"
+# spec.autoscaling: KEDA's, watched once its CRD is served.
+SCALED_OBJECTS = (api.KEDA_GROUP, api.KEDA_VERSION, "scaledobjects")
 PODS = ("v1", "pods")
 OWN_KINDS = (
     STATEFUL_SETS,
@@ -61,6 +63,7 @@ OWN_KINDS = (
     ROLES,
     ROLE_BINDINGS,
     INFERENCE_POOLS,
+    SCALED_OBJECTS,
     PODS,
 )
 
@@ -140,6 +143,7 @@ async def keep_indexes(memo: kopf.Memo, **indexes: Any) -> None:
             roles=indexes["roles"],
             role_bindings=indexes["role_bindings"],
             inference_pools=indexes["inference_pools"],
+            scaled_objects=indexes["scaled_objects"],
         )
     )
 
@@ -218,6 +222,13 @@ async def inference_pools(
     return {owner_key(namespace, labels): InferencePoolSummary.of(body)}
 
 
+@kopf.index(*SCALED_OBJECTS, labels=OURS)
+async def scaled_objects(
+    namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any
+) -> dict[Key, ScaledObjectSummary]:
+    return {owner_key(namespace, labels): ScaledObjectSummary.of(body)}
+
+
 @kopf.index(*PODS, labels=OURS)
 async def pods(namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any) -> dict[Key, PodSummary]:
     return {owner_key(namespace, labels): PodSummary.of(body)}
@@ -263,6 +274,7 @@ async def set_changed(
 @kopf.on.event(*ROLES, labels=OURS)
 @kopf.on.event(*ROLE_BINDINGS, labels=OURS)
 @kopf.on.event(*INFERENCE_POOLS, labels=OURS)
+@kopf.on.event(*SCALED_OBJECTS, labels=OURS)
 async def child_changed(
     memo: kopf.Memo,
     type: str,
@@ -279,16 +291,16 @@ async def child_changed(
         memo.reconciler.enqueue(key)
 
 
-@kopf.on.event(
-    "apiextensions.k8s.io", "v1", "customresourcedefinitions", field="metadata.name", value=INFERENCE_POOL_CRD
-)
-async def inference_pool_crd_changed(memo: kopf.Memo, type: str, **_: Any) -> None:
-    """The InferencePool CRD installed: the EPDDeployments waiting for it (their status says so)
-    are reconciled now, not at their next backoff."""
+@kopf.on.event("apiextensions.k8s.io", "v1", "customresourcedefinitions", when=lambda name, **_: name in OPTIONAL_CRDS)
+async def optional_crd_changed(memo: kopf.Memo, type: str, name: str, **_: Any) -> None:
+    """Another project's CRD installed (the InferencePool's, KEDA's ScaledObject's): the
+    EPDDeployments waiting for it (their status says so) are reconciled now, not at their next
+    backoff."""
     if type == "DELETED":
         return
+    reason = OPTIONAL_KINDS[OPTIONAL_CRDS[name]][0]
     for key, found in memo.reconciler.indexes.deployments.items():
-        if any(CRD_MISSING in summary.status_json for summary in found):
+        if any(reason in summary.status_json for summary in found):
             memo.reconciler.enqueue(key)
 
 

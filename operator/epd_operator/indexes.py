@@ -215,6 +215,17 @@ class InferencePoolSummary(ChildSummary):
         return cls(**cls._common(body))
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ScaledObjectSummary(ChildSummary):
+    """A KEDA ScaledObject (spec.autoscaling, spec.models[].encoderAutoscaling)."""
+
+    KIND: ClassVar[str] = "ScaledObject"
+
+    @classmethod
+    def of(cls, body: Mapping[str, Any]) -> ScaledObjectSummary:
+        return cls(**cls._common(body))
+
+
 @dataclass(frozen=True, slots=True)
 class PodSummary:
     """What status, the readiness gates and the janitor scrape read of a unit or encoder pod,
@@ -274,6 +285,7 @@ class Indexes:
     roles: Mapping[Key, Collection[AccessSummary]] = dataclasses.field(default_factory=dict)
     role_bindings: Mapping[Key, Collection[AccessSummary]] = dataclasses.field(default_factory=dict)
     inference_pools: Mapping[Key, Collection[InferencePoolSummary]] = dataclasses.field(default_factory=dict)
+    scaled_objects: Mapping[Key, Collection[ScaledObjectSummary]] = dataclasses.field(default_factory=dict)
 
     def deployment(self, key: Key) -> DeploymentSummary | None:
         """The EPDDeployment as last seen; None once deleted."""
@@ -291,6 +303,7 @@ class Indexes:
             *self.roles.get(key, ()),
             *self.role_bindings.get(key, ()),
             *self.inference_pools.get(key, ()),
+            *self.scaled_objects.get(key, ()),
         ]
 
     def owned_pods(self, key: Key) -> list[PodSummary]:

@@ -31,6 +31,7 @@ CHILD_KINDS = {
     "Role": "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles",
     "RoleBinding": "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings",
     "InferencePool": f"/apis/{api.INFERENCE_POOL_GROUP}/{api.INFERENCE_POOL_VERSION}/namespaces/{{ns}}/inferencepools",
+    "ScaledObject": f"/apis/{api.KEDA_GROUP}/{api.KEDA_VERSION}/namespaces/{{ns}}/scaledobjects",
 }
 
 

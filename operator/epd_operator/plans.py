@@ -101,7 +101,12 @@ class PlanCache:
 
     def _owned(self, body: kopf.Body, spec: api.EPDDeploymentSpec, plans: list[ModelPlan]) -> list[dict[str, Any]]:
         children = desired_children(
-            spec, body.metadata.name or "", plans, self._janitor_image, operator_namespace=self._operator_namespace
+            spec,
+            body.metadata.name or "",
+            plans,
+            self._janitor_image,
+            operator_namespace=self._operator_namespace,
+            namespace=body.metadata.namespace or "",
         )
         kopf.adopt(children, owner=body)
         for child in children:

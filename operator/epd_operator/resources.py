@@ -662,14 +662,17 @@ def pool_pod_template(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelP
 
 
 def pool_statefulset(spec: api.EPDDeploymentSpec, deployment: str, plan: ModelPlan) -> dict[str, Any]:
-    """The encoder pool: `encoderReplicas` pods, scaled independently of the units."""
+    """The encoder pool: `encoderReplicas` pods, scaled independently of the units. An
+    autoscaled pool's size is its autoscaler's: the operator's apply sets none (so owns none)."""
     name = pool_name(deployment, plan.name)
+    model = spec.model(plan.name)
+    size = {} if model.encoder_autoscaling is not None else {"replicas": model.encoder_replicas}
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
         "metadata": {"name": name, "labels": pool_labels(deployment, plan.name)},
         "spec": {
-            "replicas": spec.model(plan.name).encoder_replicas,
+            **size,
             "serviceName": name,
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": pool_selector_labels(deployment, plan.name)},
@@ -924,6 +927,102 @@ def gateway_access(deployment: str) -> list[dict[str, Any]]:
     return [account, role, binding]
 
 
+# --------------------------------------------------------------------------- autoscaling
+
+
+def scaled_objects(
+    spec: api.EPDDeploymentSpec, deployment: str, plans: list[ModelPlan], namespace: str
+) -> list[dict[str, Any]]:
+    """KEDA ScaledObjects on EPD's own signals, as the proxies export them and the chart's
+    PodMonitor labels them (docs/autoscaling.md): each model's encoder pool by its primes in
+    flight per encoder pod, the units (the EPDDeployment's scale subresource: spec.replicas) by
+    their requests in flight per unit. KEDA makes and drives the HPA; the real HPA controller
+    scales through the scale subresource, so the replica counts are its, never the operator's."""
+    scaling = spec.autoscaling
+    objects = []
+    selector = f'namespace="{namespace}",deployment="{deployment}",role="unit"'
+    for plan in plans:
+        encoders = spec.model(plan.name).encoder_autoscaling
+        if encoders is not None and plan.pooled:
+            query = f'sum(epd_proxy_primes_in_flight{{{selector},model="{plan.name}"}})'
+            target = {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": pool_name(deployment, plan.name)}
+            name = encoders_scaled_object_name(deployment, plan.name)
+            objects.append(
+                _scaled_object(
+                    name,
+                    common_labels(deployment, plan.name, "autoscaler"),
+                    target,
+                    encoders,
+                    query,
+                    encoders.target_primes_in_flight,
+                    scaling,
+                )
+            )
+    if scaling.units is not None:
+        query = f"sum(epd_proxy_requests_in_flight{{{selector}}})"
+        target = {"apiVersion": f"{api.GROUP}/{api.VERSION}", "kind": api.KIND, "name": deployment}
+        labels = {**network_policy_labels(deployment), LABEL_COMPONENT: "autoscaler"}
+        objects.append(
+            _scaled_object(
+                child_name(deployment, "", "units", limit=63),
+                labels,
+                target,
+                scaling.units,
+                query,
+                scaling.units.target_requests_in_flight,
+                scaling,
+            )
+        )
+    return objects
+
+
+def encoders_scaled_object_name(deployment: str, model: str) -> str:
+    return child_name(deployment, model, "encoders", limit=63)
+
+
+def _scaled_object(
+    name: str,
+    labels: dict[str, str],
+    target: dict[str, str],
+    scaler: api.Autoscaler,
+    query: str,
+    per_replica: float,
+    scaling: api.DeploymentAutoscaling,
+) -> dict[str, Any]:
+    assert scaling.prometheus_address is not None, "validation requires it with any autoscaler"
+    return {
+        "apiVersion": f"{api.KEDA_GROUP}/{api.KEDA_VERSION}",
+        "kind": "ScaledObject",
+        "metadata": {"name": name, "labels": labels},
+        "spec": {
+            "scaleTargetRef": target,
+            "minReplicaCount": scaler.min_replicas,
+            "maxReplicaCount": scaler.max_replicas,
+            "pollingInterval": scaling.polling_interval_seconds,
+            "advanced": {
+                "horizontalPodAutoscalerConfig": {
+                    "behavior": {
+                        "scaleDown": {"stabilizationWindowSeconds": scaler.scale_down_stabilization_seconds},
+                        "scaleUp": {"stabilizationWindowSeconds": 0},
+                    }
+                }
+            },
+            "triggers": [
+                {
+                    "type": "prometheus",
+                    # AverageValue: the HPA divides the sum by the replicas and aims at the threshold.
+                    "metricType": "AverageValue",
+                    "metadata": {
+                        "serverAddress": scaling.prometheus_address,
+                        "query": query,
+                        "threshold": f"{per_replica:g}",
+                    },
+                }
+            ],
+        },
+    }
+
+
 # --------------------------------------------------------------------------- network policy
 
 
@@ -989,11 +1088,12 @@ def desired_children(
     operator_image: str,
     *,
     operator_namespace: str | None = None,
+    namespace: str = "",
 ) -> list[dict[str, Any]]:
     """Per model: its units' StatefulSet, two Services and a PodDisruptionBudget (with Pools also
     its encoder pool's StatefulSet, Service and budget); and the deployment's NetworkPolicy.
     `operator_image` runs the janitors; `operator_namespace` (where the operator runs, if known)
-    may scrape them."""
+    may scrape them; `namespace` is the deployment's (its autoscalers' queries name it)."""
     children = []
     for plan in plans:
         units = statefulset(spec, deployment, plan, operator_image)
@@ -1009,4 +1109,5 @@ def desired_children(
         children += gateway_access(deployment)
     if spec.network_policy.enabled:
         children.append(network_policy(spec, deployment, plans, operator_namespace))
+    children += scaled_objects(spec, deployment, plans, namespace)
     return children

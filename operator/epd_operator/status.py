@@ -22,7 +22,13 @@ from . import api
 from .ec.budget import budget_warning, effective_max_bytes
 from .indexes import REVISION_LABEL, Pod, PodSummary, StatefulSetSummary
 from .render import EngineCommand, ModelPlan, ProxyCommand, RouterCommand
-from .resources import ENCODERS_READY_GATE, child_name, pool_name, unit_pod_selector
+from .resources import (
+    ENCODERS_READY_GATE,
+    child_name,
+    encoders_scaled_object_name,
+    pool_name,
+    unit_pod_selector,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,40 +222,64 @@ class Pool:
         """Every pod not ready yet is still starting (or there is none yet): nothing is broken."""
         return all(m.starting for m in self.members if not m.ready)
 
-    def status(self, plan: ModelPlan) -> api.EncoderPoolStatus:
+    def status(self, plan: ModelPlan, autoscaler: str | None) -> api.EncoderPoolStatus:
         reasons, unready = unready_summary(self.members)
         return api.EncoderPoolStatus(
             name=self.name,
             service=self.name,
             replicas=len(self.members),
             ready_pods=self.ready_pods,
+            autoscaler=autoscaler,
             engines=endpoints(plan.encoders),
             unready_reasons=reasons,
             unready=unready,
         )
 
 
+def encoders_autoscaler(deployment: str, spec: api.EPDDeploymentSpec, plan: ModelPlan) -> str | None:
+    if spec.model(plan.name).encoder_autoscaling is None:
+        return None
+    return encoders_scaled_object_name(deployment, plan.name)
+
+
+def pool_size(
+    deployment: str, spec: api.EPDDeploymentSpec, plan: ModelPlan, stateful_sets: Mapping[str, StatefulSetSummary]
+) -> int:
+    """The encoder pods a pool should have: encoderReplicas, or with an autoscaler the size it
+    gave the pool's StatefulSet (the one it owns)."""
+    model = spec.model(plan.name)
+    if model.encoder_autoscaling is None:
+        return model.encoder_replicas
+    live = stateful_sets.get(pool_name(deployment, plan.name))
+    return live.replicas if live is not None else model.encoder_autoscaling.min_replicas
+
+
 def observe_pool(
     deployment: str,
-    spec: api.EPDDeploymentSpec,
+    size: int,
     plan: ModelPlan,
     pods: Mapping[str, PodSummary],
     observations: Observations,
     create_failure: str | None = None,
 ) -> Pool:
-    """The encoder pool of a Pools model from its pods (by name)."""
+    """The encoder pool of a Pools model from its pods (by name), ``size`` of them wanted."""
     name = pool_name(deployment, plan.name)
     # A pool pod holds the model's encoders and nothing else: observed as a unit of that shape.
     encoders_only = Shape(plan.name, tuple(e.container_name for e in plan.encoders), ())
     members = [
         observations.observe(encoders_only, pod_name, pods.get(pod_name), None, create_failure, kind="encoder pod")
-        for pod_name in (f"{name}-{i}" for i in range(spec.model(plan.name).encoder_replicas))
+        for pod_name in (f"{name}-{i}" for i in range(size))
     ]
     return Pool(name, plan.name, members)
 
 
 def encoder_gates(
-    deployment: str, spec: api.EPDDeploymentSpec, plans: list[ModelPlan], pods: Mapping[str, PodSummary], now: str
+    deployment: str,
+    spec: api.EPDDeploymentSpec,
+    plans: list[ModelPlan],
+    pods: Mapping[str, PodSummary],
+    stateful_sets: Mapping[str, StatefulSetSummary],
+    now: str,
 ) -> dict[str, dict[str, Any]]:
     """The readiness-gate condition to write on each unit pod of a Pools model whose condition
     does not say yet what its pool says: True while the pool has a ready encoder, else False."""
@@ -257,7 +287,7 @@ def encoder_gates(
     for plan in plans:
         if not plan.pooled:
             continue
-        pool = observe_pool(deployment, spec, plan, pods, Observations())
+        pool = observe_pool(deployment, pool_size(deployment, spec, plan, stateful_sets), plan, pods, Observations())
         ready = pool.ready_pods > 0
         want = {
             "type": ENCODERS_READY_GATE,
@@ -380,7 +410,13 @@ def compute_status(
     for plan in plans:
         failures = create_failures or {}
         pool_failure = failures.get(pool_name(deployment, plan.name))
-        pool = observe_pool(deployment, spec, plan, pods, observations, pool_failure) if plan.pooled else None
+        pool = (
+            observe_pool(
+                deployment, pool_size(deployment, spec, plan, stateful_sets), plan, pods, observations, pool_failure
+            )
+            if plan.pooled
+            else None
+        )
         unit_failure = failures.get(child_name(deployment, plan.name))
         pools += [pool] if pool else []
         names = unit_names(deployment, plan, spec.replicas)
@@ -424,7 +460,7 @@ def compute_status(
                 unready=listed,
                 ec_evictions=_model_sum(names, evictions, earlier.ec_evictions if earlier else None),
                 fallback_encodes=_model_sum(names, fallback_encodes, earlier.fallback_encodes if earlier else None),
-                encoder_pool=pool.status(plan) if pool else None,
+                encoder_pool=pool.status(plan, encoders_autoscaler(deployment, spec, plan)) if pool else None,
             )
         )
     observations.done()

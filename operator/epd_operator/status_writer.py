@@ -206,7 +206,8 @@ class StatusWriter:
         if not any(plan.pooled for plan in planned.plans):
             return
         namespace, name = key
-        gates = encoder_gates(name, planned.spec, planned.plans, indexes.pod_summaries(key), now())
+        sets = {s.name: s for s in indexes.stateful_sets.get(key, ())}
+        gates = encoder_gates(name, planned.spec, planned.plans, indexes.pod_summaries(key), sets, now())
         kube = self._session.client
         await asyncio.gather(*(kube.patch_pod_condition(namespace, pod, c) for pod, c in gates.items()))
 

@@ -430,6 +430,49 @@ def proxy_errors(spec: EPDDeploymentSpec) -> list[str]:
     return errors
 
 
+def autoscaling_errors(spec: EPDDeploymentSpec) -> list[str]:
+    """The autoscalers' bounds, and what their signals need: Prometheus, and the EPD proxies that
+    export them."""
+    scalers = [("spec.autoscaling.units", spec.autoscaling.units)] + [
+        (f"spec.models[{i}].encoderAutoscaling", m.encoder_autoscaling) for i, m in enumerate(spec.models)
+    ]
+    errors = []
+    for where, scaler in scalers:
+        if scaler is None:
+            continue
+        if scaler.min_replicas == 0:
+            errors.append(
+                f"{where}.minReplicas: 0 (scale from zero) is not supported yet: the first request would find no pod "
+                "to wake it; set 1 or more"
+            )
+        if scaler.min_replicas > scaler.max_replicas:
+            errors.append(
+                f"{where}: minReplicas ({scaler.min_replicas}) is above maxReplicas ({scaler.max_replicas}): raise "
+                "maxReplicas or lower minReplicas"
+            )
+        if spec.autoscaling.prometheus_address is None:
+            errors.append(
+                f"{where}: the autoscaler reads its signal from Prometheus: set spec.autoscaling.prometheusAddress "
+                "(e.g. http://prometheus-operated.monitoring.svc:9090)"
+            )
+        if not spec.proxy.enabled:
+            errors.append(
+                f"{where}: the autoscaler's signal comes from the units' EPD proxies: set spec.proxy.enabled to true"
+            )
+    for index, model in enumerate(spec.models):
+        if model.encoder_autoscaling is not None and "encoder_replicas" in model.model_fields_set:
+            errors.append(
+                f"spec.models[{index}].encoderReplicas: the pool's size is its autoscaler's "
+                f"(spec.models[{index}].encoderAutoscaling): remove encoderReplicas"
+            )
+        if model.encoder_autoscaling is not None and not model.pooled:
+            errors.append(
+                f"spec.models[{index}].encoderAutoscaling: the model's encoders are in its units (placement Unit), "
+                "sized with them: autoscale the units (spec.autoscaling.units), or set placement Pools"
+            )
+    return errors
+
+
 def gateway_errors(spec: EPDDeploymentSpec) -> list[str]:
     """The weights version reaches requests through the gateway, and the gateway fronts the
     units' proxies: neither works without the other."""
@@ -591,6 +634,7 @@ def validate(raw: dict[str, Any], *, name: str | None = None, limits: Limits | N
     errors += termination_errors(spec)
     errors += proxy_errors(spec)
     errors += gateway_errors(spec)
+    errors += autoscaling_errors(spec)
     for volume in spec.volumes:
         if "hostPath" in volume:
             errors.append(

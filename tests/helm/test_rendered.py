@@ -74,6 +74,12 @@ NAMESPACED_RULES = [
         "resources": ["inferencepools"],
         "verbs": ["get", "list", "watch", "create", "patch", "delete"],
     },
+    # spec.autoscaling: the KEDA ScaledObjects, once KEDA is installed.
+    {
+        "apiGroups": ["keda.sh"],
+        "resources": ["scaledobjects"],
+        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
+    },
     # Granted to the gateways' Role, so held (an account grants only what it holds); never read.
     {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]},
     # Unit pods: read for the status.

@@ -465,7 +465,7 @@ def test_every_encoder_ready_makes_everything_ready():
 
 def gates(pods):
     spec, plans = pools_setup()
-    return encoder_gates("d", spec, plans, summaries(pods), NOW)
+    return encoder_gates("d", spec, plans, summaries(pods), {}, NOW)
 
 
 def test_the_gate_opens_while_one_encoder_is_ready_and_closes_when_none_is():
@@ -506,7 +506,7 @@ def test_only_pods_whose_gate_differs_are_patched():
 
 def test_unit_models_have_no_gates():
     spec, plans = setup()
-    assert encoder_gates("d", spec, plans, summaries([pod("d-default-0")]), NOW) == {}
+    assert encoder_gates("d", spec, plans, summaries([pod("d-default-0")]), {}, NOW) == {}
 
 
 def test_scraped_fallback_encodes_show_per_model_and_in_all():
