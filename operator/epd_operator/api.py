@@ -341,8 +341,8 @@ class ModelSpec(Schema):
     encoder_autoscaling: EncoderAutoscaling | None = Field(
         default=None,
         description=(
-            "Autoscale the encoder pool (placement Pools) with KEDA: encoderReplicas becomes the autoscaler's, "
-            "the operator no longer sets the pool's size."
+            "Autoscale the encoder pool (placement Pools) with KEDA: the pool's size becomes the autoscaler's "
+            "(encoderReplicas is ignored), the operator no longer sets it."
         ),
     )
     weights_version: str | None = Field(

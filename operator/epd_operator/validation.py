@@ -460,11 +460,6 @@ def autoscaling_errors(spec: EPDDeploymentSpec) -> list[str]:
                 f"{where}: the autoscaler's signal comes from the units' EPD proxies: set spec.proxy.enabled to true"
             )
     for index, model in enumerate(spec.models):
-        if model.encoder_autoscaling is not None and "encoder_replicas" in model.model_fields_set:
-            errors.append(
-                f"spec.models[{index}].encoderReplicas: the pool's size is its autoscaler's "
-                f"(spec.models[{index}].encoderAutoscaling): remove encoderReplicas"
-            )
         if model.encoder_autoscaling is not None and not model.pooled:
             errors.append(
                 f"spec.models[{index}].encoderAutoscaling: the model's encoders are in its units (placement Unit), "

@@ -19,7 +19,8 @@ PROMETHEUS = "http://prometheus.monitoring.svc:9090"
 
 
 def pools(**autoscaling):
-    """The Pools example, autoscaling on (its encoderReplicas left out: the size is the autoscaler's)."""
+    """The Pools example, autoscaling on (its encoderReplicas left out: the size is the autoscaler's,
+    encoderReplicas is ignored)."""
     manifest = yaml.safe_load((EXAMPLES / "encoder-pools.yaml").read_text())
     manifest["spec"]["autoscaling"] = {"prometheusAddress": PROMETHEUS, **autoscaling}
     del manifest["spec"]["models"][0]["encoderReplicas"]
@@ -108,19 +109,6 @@ def test_bad_bounds_are_refused_naming_the_field(encoders, units, prometheus, ex
     with pytest.raises(SpecError) as refused:
         validate(manifest["spec"])
     assert any(expected in error for error in refused.value.errors), refused.value.errors
-
-
-def test_encoder_replicas_beside_an_autoscaler_is_refused():
-    manifest = pools()
-    manifest["spec"]["models"][0]["encoderAutoscaling"] = {"maxReplicas": 3}
-    manifest["spec"]["models"][0]["encoderReplicas"] = 2
-    with pytest.raises(SpecError) as refused:
-        validate(manifest["spec"])
-    expected = (
-        "spec.models[0].encoderReplicas: the pool's size is its autoscaler's (spec.models[0].encoderAutoscaling): "
-        "remove encoderReplicas"
-    )
-    assert refused.value.errors == [expected]
 
 
 def test_a_unit_models_encoders_are_autoscaled_with_its_units():
