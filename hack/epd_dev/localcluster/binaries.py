@@ -1,6 +1,6 @@
 """The control plane and real node binaries: versions, cache location, and the one-time build.
 
-    python -m epd_dev.localcluster.build [--real-nodes 0|1] [--promtool] [--force] [--print-bin-dir]
+    python -m epd_dev.localcluster.build [--real-nodes 0|1] [--promtool] [--autoscaling] [--force] [--print-bin-dir]
 
 Every binary is compiled from published Go modules pinned by the go.mod/go.sum
 files under hack/go (no Docker, no release downloads). Four sets, each with a cache
@@ -11,6 +11,8 @@ node's kubelet and kube-proxy (``NODE``: hack/go/node) in ``<cache root>/node/<k
 (``epd_dev.paths.cache_root``), and its NetworkPolicy engine, kube-router
 (``NETWORK_POLICY``: hack/go/kube-router), in ``<cache root>/network-policy/<key>/bin``, and the
 cluster's DNS, CoreDNS (``CLUSTER_DNS``: hack/go/coredns), in ``<cache root>/cluster-dns/<key>/bin``.
+The autoscaling stack (``AUTOSCALING``: KEDA from hack/go/keda, the Prometheus server from
+hack/go/prometheus) is built on demand only (``--autoscaling``), in ``<cache root>/autoscaling/<key>``.
 ``cluster_sets`` is the one list of what a local cluster starts with: its start checks it, and
 ``make cluster`` and ``make demo`` build it.
 A set's key names its versions plus a hash of its own Go module files only, so changing a
@@ -52,6 +54,9 @@ PROMETHEUS_MODULE_VERSION = "v0.316.0"
 PROMETHEUS_VERSION = "3.16.0"
 PROMETHEUS_OPERATOR = "github.com/prometheus-operator/prometheus-operator"
 PROMETHEUS_OPERATOR_VERSION = "v0.85.0"
+# v2.21.1's go.mod requires Go 1.27.4; v2.21.0 builds with this machine's Go 1.26.
+KEDA_VERSION = "v2.21.0"
+KEDA = "github.com/kedacore/keda/v2"
 
 # Bump when the build recipe changes in a way the Go files do not show.
 RECIPE = "1"
@@ -59,6 +64,7 @@ NODE_RECIPE = "1"
 NETWORK_POLICY_RECIPE = "1"
 CLUSTER_DNS_RECIPE = "1"
 MONITORING_RECIPE = "2"
+AUTOSCALING_RECIPE = "1"
 
 # Upstream's own release flags; without the -X values the binaries say v0.0.0.
 # The warm-up build used exactly these, so the Go build cache is shared.
@@ -82,6 +88,9 @@ class Binary:
     version_args: tuple[str, ...]
     expect: str  # must appear in the version output
     tags: tuple[str, ...] = ()  # Go build tags
+    # No version flag (KEDA's programs): the version output is the binary's Go build info
+    # (`go version -m`), which names the module versions compiled in and the -ldflags.
+    build_info: bool = False
 
 
 BINARIES: tuple[Binary, ...] = (
@@ -143,6 +152,22 @@ PROMTOOL = Binary(
     # Without the service discovery plugins (Prometheus' own build tag): the rule checks need
     # none, and the build takes half the time (1 min 47 s cold on 2 cores).
     ("remove_all_sd",),
+)
+
+# The autoscaling stack, as KEDA's Makefile names its programs (the images' entrypoints).
+KEDA_BINARIES = tuple(
+    Binary(name, "keda", f"{KEDA}/cmd/{command}", (), f"{KEDA}\t{KEDA_VERSION}\t", build_info=True)
+    for name, command in (("keda", "operator"), ("keda-adapter", "adapter"), ("keda-admission-webhooks", "webhooks"))
+)
+PROMETHEUS = Binary(
+    "prometheus",
+    "prometheus",
+    "github.com/prometheus/prometheus/cmd/prometheus",
+    ("--version",),
+    f"prometheus, version {PROMETHEUS_VERSION} ",
+    # Kubernetes service discovery only (Prometheus' own build tags, plugins/*.go), and no web UI
+    # assets (no `builtinassets`): its API is what KEDA's scaler queries.
+    ("remove_all_sd", "enable_kubernetes_sd"),
 )
 
 
@@ -207,6 +232,20 @@ MONITORING = BinarySet(
     f"prometheus-{PROMETHEUS_VERSION}_prometheus-operator-{PROMETHEUS_OPERATOR_VERSION}",
 )
 
+# KEDA and the Prometheus it queries, installed on a running cluster by
+# `python -m epd_dev.localcluster.autoscaling up` (make autoscaling-up). KEDA's manifests (its
+# module's config/ kustomize tree) are copied into the cache with its binaries.
+AUTOSCALING = BinarySet(
+    "autoscaling",
+    (*KEDA_BINARIES, PROMETHEUS),
+    (
+        ("keda", KEDA, KEDA_VERSION),
+        ("prometheus", "github.com/prometheus/prometheus", PROMETHEUS_MODULE_VERSION),
+    ),
+    AUTOSCALING_RECIPE,
+    f"keda-{KEDA_VERSION}_prometheus-{PROMETHEUS_VERSION}",
+)
+
 
 def cluster_sets(real_nodes: int) -> tuple[BinarySet, ...]:
     """The binary sets a local cluster starts with: the control plane, and with the real node its
@@ -235,6 +274,7 @@ KWOK_STAGE_FILES = (
 )
 KWOK_STAGES = "kwok-stages.yaml"
 MANIFEST = "manifest.json"
+KEDA_CONFIG_DIR = "keda-config"
 
 
 def log(msg: str, bset_name: str = "controlplane") -> None:
@@ -297,13 +337,17 @@ def describe_missing(missing: dict[BinarySet, list[str]]) -> str:
 
 
 def version_of(path: Path, binary: Binary) -> str | None:
-    """The binary's version output if it contains the expected version."""
+    """The binary's version output if it contains the expected version (for a `build_info`
+    binary, the line of its build info that does)."""
+    cmd = ["go", "version", "-m", str(path)] if binary.build_info else [str(path), *binary.version_args]
     try:
-        out = subprocess.run([str(path), *binary.version_args], check=False, capture_output=True, text=True, timeout=60)
+        out = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired):
         return None
     text = (out.stdout + out.stderr).strip()
-    return text if out.returncode == 0 and binary.expect in text else None
+    if out.returncode != 0 or binary.expect not in text:
+        return None
+    return next(line.strip() for line in text.splitlines() if binary.expect in line) if binary.build_info else text
 
 
 def _go(module: str, *args: str) -> str:
@@ -336,9 +380,13 @@ def _ldflags(binary: Binary) -> str:
                 f"-X {v}/pkg/chartutil.k8sVersionMinor={minor}",
             ]
         )
-    if binary is PROMTOOL:
+    if binary in (PROMTOOL, PROMETHEUS):
         v = "github.com/prometheus/common/version"
         return f"-s -w -X {v}.Version={PROMETHEUS_VERSION} -X {v}.Branch=release -X {v}.Revision=epd-dev"
+    if binary in KEDA_BINARIES:
+        # KEDA's Makefile sets these (the release's Version has no "v"); without them it says "main".
+        v = f"{KEDA}/version"
+        return f"-s -w -X={v}.Version={KEDA_VERSION.lstrip('v')} -X={v}.GitCommit=epd-dev"
     return "-s -w"  # etcd and kwok carry their versions as constants
 
 
@@ -382,6 +430,22 @@ def _write_monitoring_crds(dest: Path) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     for name in MONITORING_CRDS:
         shutil.copyfile(module / "example" / "prometheus-operator-crd" / name, dest / name)
+
+
+def _write_keda_config(dest: Path) -> None:
+    """KEDA's own kustomize tree (CRDs, RBAC, its three Deployments, Services, APIService,
+    webhooks), which the install renders as KEDA's release does (config/default)."""
+    source = Path(_go("keda", "list", "-m", "-f", "{{.Dir}}", KEDA)) / "config"
+    for path in sorted(source.rglob("*")):
+        if path.is_file():
+            # Written anew: the module cache's files and folders are read-only.
+            (dest / path.relative_to(source)).parent.mkdir(parents=True, exist_ok=True)
+            (dest / path.relative_to(source)).write_bytes(path.read_bytes())
+
+
+def keda_config() -> Path:
+    """KEDA's config/ tree in the autoscaling cache (built by `make autoscaling`)."""
+    return cache_dir(AUTOSCALING) / KEDA_CONFIG_DIR
 
 
 def monitoring_crds() -> list[Path]:
@@ -446,6 +510,9 @@ def build(force: bool = False, bset: BinarySet = CONTROL_PLANE) -> Path:
         if bset is MONITORING:
             _write_monitoring_crds(staging / MONITORING_CRDS_DIR)
             manifest.update(prometheus=PROMETHEUS_VERSION, prometheus_operator=PROMETHEUS_OPERATOR_VERSION)
+        if bset is AUTOSCALING:
+            _write_keda_config(staging / KEDA_CONFIG_DIR)
+            manifest.update(keda=KEDA_VERSION, prometheus=PROMETHEUS_VERSION)
         manifest.update(
             {
                 "key": key,
@@ -483,10 +550,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--promtool", action="store_true", help="also promtool, with which the tests check the chart's alerting rules"
     )
+    parser.add_argument(
+        "--autoscaling",
+        action="store_true",
+        help="also the autoscaling stack: KEDA's operator, metrics API server and webhooks, and Prometheus",
+    )
     args = parser.parse_args(argv)
     if args.print_bin_dir:
         print(bin_dir(CONTROL_PLANE))
         return 0
-    for bset in (*cluster_sets(args.real_nodes), *((MONITORING,) if args.promtool else ())):
+    extra = (*((MONITORING,) if args.promtool else ()), *((AUTOSCALING,) if args.autoscaling else ()))
+    for bset in (*cluster_sets(args.real_nodes), *extra):
         build(force=args.force, bset=bset)
     return 0

@@ -1,0 +1,18 @@
+# The autoscaling stack on the local cluster (docs/local-cluster.md, "Autoscaling stack"): KEDA
+# and the Prometheus its scaler queries, built from their Go modules and installed on demand
+# only. Included from the main Makefile, which defines PY (the venv's python) and `venv`.
+
+.PHONY: autoscaling autoscaling-up autoscaling-down
+
+## autoscaling: build KEDA (operator, metrics API server, webhooks) and Prometheus from their Go modules, and their images (cached in $EPD_CACHE)
+autoscaling: venv
+	$(PY) -m epd_dev.localcluster.build --autoscaling
+	$(PY) -m epd_dev.images build keda keda-metrics-apiserver keda-admission-webhooks prometheus
+
+## autoscaling-up: install KEDA (its own manifests) and Prometheus on the running real node of .cluster/ (CLUSTER_DIR=)
+autoscaling-up: autoscaling
+	$(PY) -m epd_dev.localcluster.autoscaling up --dir $(CLUSTER_DIR)
+
+## autoscaling-down: remove KEDA and Prometheus from .cluster/ (CLUSTER_DIR=)
+autoscaling-down: venv
+	$(PY) -m epd_dev.localcluster.autoscaling down --dir $(CLUSTER_DIR)
