@@ -56,9 +56,10 @@ test-fast: $(PY)
 	$(PY) -m pytest -q -m "not cluster and not vllm"
 
 ## test: lint, then every test (installs what it needs, cached outside the clone)
-# The Go builds (CPU) and the images that need none of them (mostly disk) build side by side.
+# The Go builds (CPU: the cluster's, and KEDA's and Prometheus' for the autoscaling tests) and the
+# images that need none of them (mostly disk) build side by side.
 test: $(PY) lint
-	$(MAKE) --no-print-directory -j2 cluster images-vllm
+	$(MAKE) --no-print-directory -j3 cluster images-vllm autoscaling-binaries
 	$(MAKE) --no-print-directory images
 	@start=$$(date +%s); \
 	$(PY) -m pytest -q --durations=15; rc=$$?; \

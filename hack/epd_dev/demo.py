@@ -411,7 +411,7 @@ def model_claim(cluster: LocalCluster, namespace: str) -> str:
 def up(root: Path, kubeconfig: Path | None = None) -> int:
     began = time.monotonic()
     root.mkdir(parents=True, exist_ok=True)
-    _raise_on_termination()
+    raise_on_termination()
     if down(root):  # a previous demo: its node is the machine's only one
         say("stopped the previous demo")
     (root / "demo.json").write_text(
@@ -473,7 +473,7 @@ def up(root: Path, kubeconfig: Path | None = None) -> int:
         raise
 
 
-def _raise_on_termination() -> None:
+def raise_on_termination() -> None:
     """SIGTERM and SIGHUP (a closed terminal) clean up as Ctrl-C does."""
 
     def interrupt(signum: int, frame: Any) -> None:

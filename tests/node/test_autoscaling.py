@@ -1,0 +1,91 @@
+"""Encoders sized by demand, on the real node: the operator (installed by its chart) makes a KEDA
+ScaledObject for a Pools model's encoder pool; KEDA (built from its module, installed as its
+manifests install it) reads the proxies' primes in flight from Prometheus (scraping as the
+chart's PodMonitor says), and the cluster's own HPA controller scales the pool's StatefulSet
+through its scale subresource. The engines are STAND-INs (the vllm-standin image: vLLM 0.34, which
+Pools needs, has no CPU build); everything else is real: pods on containerd, the proxies, KEDA,
+Prometheus, the HPA controller, the openai SDK as the clients (hack/epd_dev/autoscale_demo.py).
+
+A step of picture requests through the front door grows the pool from 1 to 3 encoders, the load's
+end brings it back to 1; no request fails, no picture is encoded on a consumer, the prime p90 is
+back under its target within one scale step, the operator never writes the pool's size
+(managedFields), and the HPA's SuccessfulRescale events, `kubectl get hpa` and the
+EPDDeployment's status say why."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import yaml
+
+from epd_dev import autoscale_demo as scenario
+from epd_dev.demo_serving import front_service_url
+from epd_dev.localcluster import autoscaling
+from epd_dev.operator_process import wait_for
+from tests.node.conftest import get
+
+pytestmark = [pytest.mark.node, pytest.mark.cluster]
+
+
+@pytest.fixture(scope="module")
+def stack(cluster, real_node, node_images) -> Iterator[autoscaling.Stack]:
+    try:
+        installed = autoscaling.install(cluster)
+    except autoscaling.AutoscalingError as error:
+        autoscaling.uninstall(cluster)  # an APIService nobody serves stalls every namespace's deletion
+        pytest.fail(str(error), pytrace=False)
+    yield installed
+    autoscaling.uninstall(cluster)
+
+
+@pytest.fixture(scope="module")
+def deployed(cluster, stack, helm_operator, node_namespace) -> Iterator[str]:
+    manifest = scenario.manifest(stack.prometheus_in_cluster)
+    cluster.kubectl("apply", "-n", node_namespace, "-f", "-", input=yaml.safe_dump(manifest))
+    wait_for(
+        lambda: (get(cluster, "epd", scenario.NAME, "-n", node_namespace).get("status") or {}).get("phase") == "Ready",
+        300,
+        f"epd/{scenario.NAME} Ready",
+        lambda: str(get(cluster, "epd", scenario.NAME, "-n", node_namespace).get("status")),
+    )
+    yield front_service_url(cluster, node_namespace, scenario.NAME)
+    cluster.kubectl("delete", "epd", scenario.NAME, "-n", node_namespace, "--wait=false", check=False)
+
+
+def test_a_step_of_pictures_grows_the_encoder_pool_to_three_and_its_end_shrinks_it_to_one(
+    cluster, stack, deployed, node_namespace
+):
+    run = scenario.run_scenario(cluster, node_namespace, deployed, stack.prometheus_url)
+    run.consumer_encodes = scenario.consumer_encodes(cluster, node_namespace)
+    writers = scenario.replica_writers(cluster, node_namespace)
+    summary = scenario.summarise(run, int("epd-operator" in writers))
+    print("\n" + summary.line())
+    print(f"{summary}")
+    assert run.failures == [], run.failures[:5]
+    assert summary.most_encoders == scenario.MAX_ENCODERS and summary.last_encoders == 1
+    assert run.consumer_encodes == 0
+    # The pool's size is the HPA controller's, written through the scale subresource.
+    assert writers.get("kube-controller-manager") == "Update/scale" and "epd-operator" not in writers, writers
+    # The signal rose past its target before the answers slowed; the grown pool brought the prime
+    # p90 back under its target.
+    assert summary.signal_crossed_at is not None and summary.prime_p90_after_scale is not None
+    assert summary.prime_p90_after_scale < scenario.PRIME_P90_TARGET_SECONDS, summary
+    assert any("above target" in m for m in run.rescales) and any("below target" in m for m in run.rescales), (
+        run.rescales
+    )
+
+
+def test_kubectl_get_hpa_and_the_status_say_why(cluster, stack, deployed, node_namespace):
+    hpa = get(cluster, "hpa", scenario.HPA, "-n", node_namespace)
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": scenario.POOL}
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["type"] == "External"
+    assert metric["external"]["target"] == {
+        "type": "AverageValue",
+        "averageValue": str(scenario.TARGET_PRIMES_IN_FLIGHT),
+    }
+    printed = cluster.kubectl("get", "hpa", scenario.HPA, "-n", node_namespace).stdout
+    assert scenario.POOL in printed and f"/{scenario.TARGET_PRIMES_IN_FLIGHT} (avg)" in printed
+    pool = get(cluster, "epd", scenario.NAME, "-n", node_namespace)["status"]["models"][0]["encoderPool"]
+    assert pool["autoscaler"] == scenario.SCALED_OBJECT and pool["replicas"] >= 1
