@@ -389,9 +389,12 @@ def install_operator(cluster: LocalCluster, namespace: str) -> Callable[[], str]
     _ensure_namespace(cluster, namespace, {"pod-security.kubernetes.io/enforce": "restricted"})
     say(
         f"helm install {operator_chart.RELEASE} charts/epd-operator -n {namespace} "
-        "(image localhost/epd-operator:dev, on epd-real-0, watching this namespace)"
+        "(image localhost/epd-operator:dev, on epd-real-0, watching this namespace, with the InferencePool CRD)"
     )
-    pod = operator_chart.install(cluster, namespace, operator_chart.values([namespace]))
+    # The demo's model has an InferencePool: the chart installs GAIE's CRD when asked.
+    pod = operator_chart.install(
+        cluster, namespace, operator_chart.values([namespace], **{"inferencePoolCRD.install": True})
+    )
     say(f"operator running in pod {pod['metadata']['name']} on {pod['spec']['nodeName']}")
 
     def log() -> str:

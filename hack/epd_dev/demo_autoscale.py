@@ -15,6 +15,7 @@ KUBECONFIG line to explore.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -55,7 +56,7 @@ def build_missing() -> None:
     images.Builder().build(images.AUTOSCALING_IMAGES)
 
 
-def up(root: Path) -> int:
+def up(root: Path, plot: Path | None = None, figures: Path | None = None, stop: bool = False) -> int:
     began = time.monotonic()
     root.mkdir(parents=True, exist_ok=True)
     raise_on_termination()
@@ -86,8 +87,10 @@ def up(root: Path) -> int:
             300,
             f"epd/{scenario.NAME} Ready",
         )
+        wait_for(lambda: scenario.proxies_know_encoders(cluster, NAMESPACE), 60, "the unit's proxy knowing an encoder")
         say(f"epd/{scenario.NAME} Ready: 1 unit, an encoder pool of 1, ScaledObject {scenario.SCALED_OBJECT}")
-        banner("A step of pictures through the front door (the official openai SDK), then none")
+        phases = ", then ".join(f"{clients} client(s) for {seconds:.0f} s" for _, clients, seconds in scenario.PHASES)
+        banner(f"Pictures through the front door (the official openai SDK): {phases}, then none")
         run = scenario.run_scenario(
             cluster, NAMESPACE, front_service_url(cluster, NAMESPACE, scenario.NAME), stack.prometheus_url, say=say
         )
@@ -109,6 +112,21 @@ def up(root: Path) -> int:
             f"(target {scenario.PRIME_P90_TARGET_SECONDS} s)"
         )
         print(f"\n{summary.line()}\n")
+        if plot is not None:
+            scenario.plot(run, summary, plot)
+            say(f"plot: {plot}")
+        if figures is not None:
+            figures.write_text(
+                json.dumps(
+                    {"summary": dataclasses.asdict(summary), "samples": [dataclasses.asdict(x) for x in run.samples]},
+                    indent=1,
+                )
+            )
+            say(f"figures: {figures}")
+        if stop:
+            down(root)
+            say(f"done in {time.monotonic() - began:.0f}s; everything stopped")
+            return 0
         print(f"  export KUBECONFIG={cluster.kubeconfig}")
         print(f"  kubectl -n {NAMESPACE} get hpa,scaledobject,statefulsets,pods")
         print(f"  kubectl -n {NAMESPACE} get epd {scenario.NAME} -o jsonpath='{{.status.models[0].encoderPool}}'")
@@ -133,8 +151,11 @@ def _seconds(value: float | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m epd_dev.demo_autoscale", description=__doc__.split("\n\n")[0])
     parser.add_argument("command", choices=["up"])
-    parser.parse_args(argv)
-    return up(Path(DEMO_DIR).resolve())
+    parser.add_argument("--plot", type=Path, default=None, help="draw the run into this PNG")
+    parser.add_argument("--json", type=Path, default=None, help="write the summary and the samples here")
+    parser.add_argument("--down", action="store_true", help="stop everything at the end (make bench-autoscale)")
+    args = parser.parse_args(argv)
+    return up(Path(DEMO_DIR).resolve(), args.plot, args.json, args.down)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ session's cluster, Helm-installed operator and model claim.
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import hashlib
 import json
@@ -28,6 +29,9 @@ import yaml
 
 from epd_client import Endpoints, EPDClient, media_items, media_key
 
+from .envoy import config as envoy_config
+from .images import recipes as image_recipes
+from .localcluster import node
 from .operator_process import get_json, wait_for
 from .vllm import payloads, real_node, serving, tiny_model
 
@@ -173,6 +177,10 @@ REPEATS = 8
 NEW_VERSION = "step-2"
 # Two different pictures sent through the front door under one uuid of the client's own (a
 # reused or colliding id): vLLM names a part by its uuid alone, the front door by its content.
+# Sent REPEATS times through a standalone Envoy asking the model's InferencePool's endpoint picker.
+ENVOY_PICTURE = Picture("a red cross on white", 56, 56, lambda x, y: RED if 24 <= x < 32 or 24 <= y < 32 else WHITE)
+ENVOY = "envoy"
+ENVOY_PORT = 8081
 SHARED_UUID = "my-picture"
 SHARED_UUID_PICTURES = (
     REPEATED,
@@ -215,6 +223,7 @@ class Answer:
     pod: dict[str, Any]  # the unit's pod, as the API server has it after the request
     repeats: Repeats | None = None  # the same picture through the front door, again and again
     shared_uuid: SharedUuid | None = None  # two pictures under one client uuid through the front door
+    envoy: ThroughEnvoy | None = None  # ENVOY_PICTURE through Envoy and the model's InferencePool
 
     @property
     def max_logprob_difference(self) -> float:
@@ -249,6 +258,19 @@ class SharedUuid:
         return self.answers == self.reference_answers and len({tuple(a) for a in self.answers}) == len(self.answers)
 
 
+@dataclasses.dataclass(frozen=True)
+class ThroughEnvoy:
+    """ENVOY_PICTURE sent REPEATS times through a standalone Envoy (GAIE's shape) whose ext_proc
+    filter asks the model's InferencePool's endpoint picker (the EPD gateway), and once on the
+    aggregated engine."""
+
+    url: str  # Envoy's Service
+    pool: dict[str, Any]  # the InferencePool the operator made
+    primes: int  # encoder requests for the REPEATS sends
+    answers: list[list[int]]
+    reference: list[int]
+
+
 def manifests(claim: str) -> list[dict[str, Any]]:
     """The tiny model's two EPDDeployments for the real node: the unit (encoder + prefill + decode
     behind vllm-router; prefill hands its KV cache to decode through KV_STORE, a folder of the
@@ -261,7 +283,8 @@ def manifests(claim: str) -> list[dict[str, Any]]:
         claim,
         serving.prefill_decode_groups(Path(KV_STORE)),
         proxy={"primeTimeoutSeconds": PRIME_TIMEOUT_SECONDS},
-        gateway={"enabled": True},
+        # The gateway is also the endpoint picker of the model's InferencePool, for Gateway API gateways.
+        gateway={"enabled": True, "inferencePool": {"enabled": True}},
     )
     reference = real_node.node_manifest(REFERENCE, claim, [{"workerType": "regular", "numGpus": 1}])
     return [unit, reference]
@@ -316,6 +339,7 @@ def serve(cluster: Any, namespace: str, *, timeout: float = 1500) -> Answer:
     wait_for(lambda: _gateway_ready(cluster, namespace), 300, f"the gateway of epd/{NAME} Ready")
     answer.repeats = repeat(answer.front_url, answer.engine_urls["encoder-0"])
     answer.shared_uuid = shared_uuid(answer.front_url, answer.reference_url)
+    answer.envoy = through_envoy(cluster, namespace, answer.engine_urls["encoder-0"], answer.reference_url)
     print_answer(answer)
     return answer
 
@@ -346,6 +370,90 @@ def shared_uuid(front_url: str, reference_url: str) -> SharedUuid:
         [_short_answer(front_url, {**p.part, "uuid": SHARED_UUID}) for p in SHARED_UUID_PICTURES],
         [_short_answer(reference_url, p.part) for p in SHARED_UUID_PICTURES],
     )
+
+
+def envoy_objects(namespace: str) -> list[dict[str, Any]]:
+    """A standalone Envoy as GAIE's charts run one (epd_dev.envoy: ext_proc to the picker over TLS,
+    an ORIGINAL_DST cluster on the picker's header), its picker the model's InferencePool's: the
+    Service `endpointPickerRef` names, found through the cluster's DNS. Restricted like the units."""
+    picker = f"{NAME}-{serving.MODEL}-epp.{namespace}.svc.cluster.local"
+    bootstrap = envoy_config(
+        listen=("0.0.0.0", ENVOY_PORT), picker=(picker, 9002), picker_dns=True, admin=("127.0.0.1", 19000)
+    )
+    labels = {"app.kubernetes.io/name": ENVOY}
+    container = {
+        "name": ENVOY,
+        "image": image_recipes.ENVOY_REF,
+        "imagePullPolicy": "IfNotPresent",
+        "args": ["-c", "/etc/envoy/envoy.yaml", "--disable-hot-restart", "--log-level", "warn"],
+        "ports": [{"name": "http", "containerPort": ENVOY_PORT}],
+        "readinessProbe": {"tcpSocket": {"port": ENVOY_PORT}, "periodSeconds": 2},
+        "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "512Mi"}},
+        "volumeMounts": [{"name": "config", "mountPath": "/etc/envoy"}, {"name": "tmp", "mountPath": "/tmp"}],
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "runAsUser": 65532,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": ENVOY, "labels": labels},
+            "data": {"envoy.yaml": yaml.safe_dump(bootstrap, sort_keys=False)},
+        },
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": ENVOY, "labels": labels},
+            "spec": {
+                "replicas": 1,
+                "selector": {"matchLabels": labels},
+                "template": {
+                    "metadata": {"labels": labels},
+                    "spec": {
+                        "containers": [container],
+                        "volumes": [
+                            {"name": "config", "configMap": {"name": ENVOY}},
+                            {"name": "tmp", "emptyDir": {}},
+                        ],
+                        "nodeSelector": dict(node.NODE_SELECTOR),
+                        "tolerations": copy.deepcopy(node.TOLERATIONS),
+                        "automountServiceAccountToken": False,
+                    },
+                },
+            },
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": ENVOY, "labels": labels},
+            "spec": {"selector": labels, "ports": [{"name": "http", "port": ENVOY_PORT, "targetPort": "http"}]},
+        },
+    ]
+
+
+def through_envoy(cluster: Any, namespace: str, encoder_url: str, reference_url: str) -> ThroughEnvoy:
+    """Envoy in front of the InferencePool's picker, then ENVOY_PICTURE REPEATS times through it."""
+    pool = wait_for(
+        lambda: get_json(
+            cluster, "inferencepools.inference.networking.k8s.io", f"{NAME}-{serving.MODEL}", "-n", namespace
+        ),
+        120,
+        "the model's InferencePool",
+    )
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump_all(envoy_objects(namespace)))
+    cluster.kubectl("rollout", "status", f"deployment/{ENVOY}", "-n", namespace, "--timeout=180s", timeout=200)
+    spec = get_json(cluster, "service", ENVOY, "-n", namespace)["spec"]
+    url = f"http://{spec['clusterIP']}:{ENVOY_PORT}"
+    before = payloads.served_requests(encoder_url).get("/v1/chat/completions", 0)
+    answers = [_short_answer(url, ENVOY_PICTURE.part) for _ in range(REPEATS)]
+    primes = payloads.served_requests(encoder_url).get("/v1/chat/completions", 0) - before
+    return ThroughEnvoy(url, pool, primes, answers, _short_answer(reference_url, ENVOY_PICTURE.part))
 
 
 def repeat(front_url: str, encoder_url: str) -> Repeats:
@@ -557,6 +665,8 @@ def print_answer(answer: Answer) -> None:
         _print_repeats(answer.repeats, answer.front_url)
     if answer.shared_uuid is not None:
         _print_shared_uuid(answer.shared_uuid)
+    if answer.envoy is not None:
+        _print_envoy(answer.envoy)
 
     _section("the same request on an aggregated engine (one vLLM engine, no disaggregation)")
     print(f"  token ids  {answer.reference_token_ids}")
@@ -601,6 +711,24 @@ def _print_repeats(repeats: Repeats, front_url: str) -> None:
     )
     same = all(a == repeats.answers[0] for a in repeats.answers)
     print(f"  answers   identical token ids across the {REPEATS + 1} sends: {'yes' if same else 'NO'}")
+
+
+def _print_envoy(envoy: ThroughEnvoy) -> None:
+    _section(f"the same picture {REPEATS} times through a Gateway API gateway: Envoy and the model's InferencePool")
+    pool = envoy.pool["spec"]
+    picker = pool["endpointPickerRef"]
+    print(
+        f"  pool      InferencePool {envoy.pool['metadata']['name']}: pods {pool['selector']['matchLabels']}, port "
+        f"{pool['targetPorts'][0]['number']}; endpoint picker {picker['name']}:{picker['port']['number']} "
+        f"({picker['failureMode']})"
+    )
+    print(f"  picture   {ENVOY_PICTURE.describe()}")
+    print(f"  client    the official openai SDK, base URL {envoy.url}/v1 (Envoy 1.40, GAIE's standalone configuration)")
+    print(
+        f"  sends 1-{REPEATS}  encoder requests: {envoy.primes} (the picker sent every send to the unit that holds it)"
+    )
+    same = all(a == envoy.reference for a in envoy.answers)
+    print(f"  answers   the aggregated engine's for this picture, all {REPEATS}: {'yes' if same else 'NO'}")
 
 
 def _print_shared_uuid(shared: SharedUuid) -> None:

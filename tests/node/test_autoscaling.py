@@ -49,6 +49,9 @@ def deployed(cluster, stack, helm_operator, node_namespace) -> Iterator[str]:
         f"epd/{scenario.NAME} Ready",
         lambda: str(get(cluster, "epd", scenario.NAME, "-n", node_namespace).get("status")),
     )
+    # The proxy finds the pool through DNS, which may answer empty for a while after the pool's
+    # first pod became ready (a resolver's negative cache): the load starts once it has.
+    wait_for(lambda: scenario.proxies_know_encoders(cluster, node_namespace), 60, "the unit's proxy knowing an encoder")
     yield front_service_url(cluster, node_namespace, scenario.NAME)
     cluster.kubectl("delete", "epd", scenario.NAME, "-n", node_namespace, "--wait=false", check=False)
 
@@ -67,9 +70,11 @@ def test_a_step_of_pictures_grows_the_encoder_pool_to_three_and_its_end_shrinks_
     assert run.consumer_encodes == 0
     # The pool's size is the HPA controller's, written through the scale subresource.
     assert writers.get("kube-controller-manager") == "Update/scale" and "epd-operator" not in writers, writers
-    # The signal rose past its target before the answers slowed; the grown pool brought the prime
-    # p90 back under its target.
-    assert summary.signal_crossed_at is not None and summary.prime_p90_after_scale is not None
+    # The signal passed its target before the answers slowed (if they did at all); the grown pool
+    # brought the prime p90 back under its target.
+    assert summary.signal_crossed_at is not None, summary
+    assert summary.answers_slowed_at is None or summary.signal_crossed_at < summary.answers_slowed_at, summary
+    assert summary.prime_p90_after_scale is not None, summary
     assert summary.prime_p90_after_scale < scenario.PRIME_P90_TARGET_SECONDS, summary
     assert any("above target" in m for m in run.rescales) and any("below target" in m for m in run.rescales), (
         run.rescales

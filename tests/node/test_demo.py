@@ -18,6 +18,7 @@ from contextlib import redirect_stdout
 from pathlib import Path
 
 import pytest
+import yaml
 
 from epd_client import Endpoints, prime_encoder
 from epd_dev import demo_serving
@@ -29,16 +30,28 @@ from tests.node.conftest import host_shm
 
 pytestmark = [pytest.mark.node, pytest.mark.cluster, pytest.mark.vllm]
 
+INFERENCE_POOL_CRD = (
+    Path(__file__).resolve().parents[2] / "charts/epd-operator/files/inference.networking.k8s.io_inferencepools.yaml"
+)
+
 
 @pytest.fixture(scope="module")
 def served(cluster, helm_operator, node_namespace, tiny_model_claim, reference_applied, tmp_path_factory):
     root = tmp_path_factory.mktemp("demo")
+    # What `make demo`'s chart values add: the InferencePool CRD (removed afterwards: the session's
+    # other tests see a cluster without it).
+    cluster.kubectl("apply", "--server-side", "-f", str(INFERENCE_POOL_CRD))
     demo_serving.apply(cluster, root, node_namespace, tiny_model_claim, names=(demo_serving.NAME,))
     out = io.StringIO()
-    with redirect_stdout(out):
-        answer = demo_serving.serve(cluster, node_namespace)
-    yield answer, out.getvalue()
-    cluster.kubectl("delete", "epd", demo_serving.NAME, "-n", node_namespace, "--wait=false", check=False)
+    try:
+        with redirect_stdout(out):
+            answer = demo_serving.serve(cluster, node_namespace)
+        yield answer, out.getvalue()
+    finally:
+        cluster.kubectl("delete", "epd", demo_serving.NAME, "-n", node_namespace, "--wait=false", check=False)
+        objects = yaml.safe_dump_all(demo_serving.envoy_objects(node_namespace))
+        cluster.kubectl("delete", "-n", node_namespace, "-f", "-", "--ignore-not-found", input=objects, check=False)
+        cluster.kubectl("delete", "-f", str(INFERENCE_POOL_CRD), "--ignore-not-found", check=False)
 
 
 def started_at(status: dict) -> dt.datetime:
@@ -100,6 +113,26 @@ def test_two_pictures_under_one_client_uuid_each_get_their_own_answer_through_th
         expected.append(payloads.output(demo_serving.post(url, "/inference/v1/generate", rendered))[0])
     assert shared.answers == expected and expected[0] != expected[1]
     assert "each its own: yes" in printed
+
+
+def test_a_standalone_envoy_asking_the_inference_pools_picker_costs_one_encoder_request_a_picture(served):
+    """Issue 69's acceptance: the model's InferencePool, and Envoy configured as GAIE's charts
+    configure it, pointed at the pool's picker, serving the openai SDK."""
+    answer, printed = served
+    envoy = answer.envoy
+    assert envoy is not None
+    pool = envoy.pool["spec"]
+    assert pool["endpointPickerRef"]["name"] == f"{demo_serving.NAME}-default-epp"
+    assert (
+        pool["targetPorts"] == [{"number": 8000}]
+        and pool["selector"]["matchLabels"]["app.kubernetes.io/component"] == "unit"
+    )
+    assert envoy.primes == 1
+    assert all(tokens == envoy.reference for tokens in envoy.answers) and len(envoy.reference) == 8
+    assert (
+        f"sends 1-{demo_serving.REPEATS}  encoder requests: 1"
+        in printed.split("Envoy and the model's InferencePool")[1]
+    )
 
 
 def test_the_kubelet_started_the_encoder_first_and_the_router_after_the_consumers(served):
