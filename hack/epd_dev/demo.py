@@ -298,7 +298,7 @@ def build_missing(root: Path) -> None:
     tiny model. Each stream prints its own progress. While vLLM's image builds (the first run), the
     SIMULATED part is shown as soon as the control plane is built (`preview`)."""
     banner("Building what is missing (cached in " + str(paths.cache_root()) + ")")
-    streams = {"the images (vLLM venvs, base, vllm-cpu, vllm-router, epd-operator)": IMAGES_BESIDE_GO}
+    streams = {"the images (vLLM venvs, base, vllm-cpu, vllm-router, epd-operator, envoy)": IMAGES_BESIDE_GO}
     if binaries.missing_by_set(binaries.cluster_sets(real_nodes=1)):
         streams = {"the Go builds (control plane, kubelet, kube-proxy, kube-router)": GO_BUILDS, **streams}
     long_build = images.Builder().cached("vllm-cpu") is None

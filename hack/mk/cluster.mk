@@ -18,11 +18,11 @@ cluster: venv
 cluster-up: cluster
 	$(CLUSTER_PY) -m epd_dev.localcluster up --dir $(CLUSTER_DIR) --nodes $(CLUSTER_NODES) --real-nodes $(CLUSTER_REAL_NODES)
 
-## images: build the real node's images (pause, vllm-cpu, vllm-router, epd-operator; cached in $EPD_CACHE) and import them into the running node of .cluster/ (CLUSTER_DIR=)
+## images: build the real node's images (pause, vllm-cpu, vllm-router, epd-operator, envoy, vllm-standin, and KEDA's and Prometheus' once make autoscaling built them; cached in $EPD_CACHE) and import them into the running node of .cluster/ (CLUSTER_DIR=)
 images: vllm-envs cluster
 	$(CLUSTER_PY) -m epd_dev.images build --import-into $(CLUSTER_DIR)
 
-## images-vllm: build the images that need no Go build (base, vllm-cpu, vllm-router, epd-operator): make test builds them beside the control plane
+## images-vllm: build the images that need no Go build (base, vllm-cpu, vllm-router, epd-operator, envoy, vllm-standin): make test builds them beside the control plane
 images-vllm: vllm-envs
 	$(CLUSTER_PY) -m epd_dev.images build --without-go
 
