@@ -238,7 +238,7 @@ def run_scenario(
     began = time.monotonic()
 
     def phase(at: float) -> tuple[str, int]:
-        for (name, clients, _), start, end in zip(phases, starts, starts[1:], strict=True):
+        for (name, clients, _), start, end in zip(phases, starts[:-1], starts[1:], strict=True):
             if start <= at < end:
                 return name, clients
         return "after", 0
