@@ -14,6 +14,7 @@ EPDDeployment's status say why."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -81,16 +82,22 @@ def test_a_step_of_pictures_grows_the_encoder_pool_to_three_and_its_end_shrinks_
     )
 
 
+def quantity(text: str) -> float:
+    """A Kubernetes quantity as the HPA prints its targets: "1.500", "1500m"."""
+    return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
 def test_kubectl_get_hpa_and_the_status_say_why(cluster, stack, deployed, node_namespace):
     hpa = get(cluster, "hpa", scenario.HPA, "-n", node_namespace)
     assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": scenario.POOL}
     (metric,) = hpa["spec"]["metrics"]
     assert metric["type"] == "External"
-    assert metric["external"]["target"] == {
-        "type": "AverageValue",
-        "averageValue": str(scenario.TARGET_PRIMES_IN_FLIGHT),
-    }
+    target = metric["external"]["target"]
+    assert target["type"] == "AverageValue"
+    assert quantity(target["averageValue"]) == scenario.TARGET_PRIMES_IN_FLIGHT  # KEDA writes "1.500"
     printed = cluster.kubectl("get", "hpa", scenario.HPA, "-n", node_namespace).stdout
-    assert scenario.POOL in printed and f"/{scenario.TARGET_PRIMES_IN_FLIGHT} (avg)" in printed
+    shown = re.search(r"/(\S+) \(avg\)", printed)
+    assert scenario.POOL in printed and shown, printed
+    assert quantity(shown.group(1)) == scenario.TARGET_PRIMES_IN_FLIGHT
     pool = get(cluster, "epd", scenario.NAME, "-n", node_namespace)["status"]["models"][0]["encoderPool"]
     assert pool["autoscaler"] == scenario.SCALED_OBJECT and pool["replicas"] >= 1
