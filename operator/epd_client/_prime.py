@@ -90,7 +90,7 @@ async def prime_items(
         raise PrimeError(unit, len(items), failures)
     merged: TransferParams = {}
     for result in results:
-        merged.update(result)  # type: ignore[arg-type]
+        merged.update(result)  # type: ignore[arg-type]  # failures were raised above: each result is TransferParams
     return merged
 
 

@@ -93,5 +93,5 @@ def _certificate_refused(exc: BaseException) -> bool:
     while exc is not None:
         if isinstance(exc, ssl.SSLCertVerificationError):
             return True
-        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]  # the chain ends in None, which ends the loop
     return False

@@ -51,5 +51,5 @@ def install() -> bool:
     own class, if kopf's module is not the one this was written against."""
     if not kopf_source.unchanged(aiotoggles, AIOTOGGLES_SHA256, "the quiet indexing gate"):
         return False
-    aiotoggles.ToggleSet = QuietToggleSet  # type: ignore[misc]
+    aiotoggles.ToggleSet = QuietToggleSet  # type: ignore[misc]  # kopf's class, replaced on purpose: its source is pinned
     return True

@@ -42,5 +42,5 @@ def install() -> bool:
     decoding, if kopf's module is not the one this was written against."""
     if not kopf_source.unchanged(api, API_SHA256, "orjson decoding of watch streams"):
         return False
-    api.json = _Decoder  # type: ignore[assignment]
+    api.json = _Decoder  # type: ignore[assignment]  # kopf's json module, replaced on purpose: its source is pinned
     return True

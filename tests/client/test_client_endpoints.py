@@ -191,7 +191,7 @@ class FakeKubernetes:
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
         package = types.ModuleType("kubernetes")
-        package.client, package.config = self.client, self.config  # type: ignore[attr-defined]
+        package.client, package.config = self.client, self.config  # type: ignore[attr-defined]  # a module made here, standing for kubernetes
         monkeypatch.setitem(sys.modules, "kubernetes", package)
 
 

@@ -23,7 +23,7 @@ def test_media_items_say_where_each_part_is() -> None:
             "content": [responses_image, {"type": "image_embeds", "image_embeds": "A"}],
         },
     ]
-    assert media_items(conversation) == [  # type: ignore[arg-type]
+    assert media_items(conversation) == [  # type: ignore[arg-type]  # a Responses input list, which media_items also reads
         MediaItem(image, "image_url", "https://i.test/a.png", message=2, position=1),
         MediaItem(responses_image, "input_image", "https://i.test/b.png", message=3, position=0),
     ]

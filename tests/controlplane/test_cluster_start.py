@@ -149,7 +149,7 @@ def test_an_image_import_longer_than_the_start_timeout_leaves_every_later_wait_i
     cluster._api_host = "127.0.0.1"  # what the start has set by then; the node's processes are recorded with it
     real = SlowImportNode(cluster.dir)
     try:
-        cluster._start_real_node(real, timeout)  # type: ignore[arg-type]
+        cluster._start_real_node(real, timeout)  # type: ignore[arg-type]  # a RealNode subclass's stand-in, duck-typed
         assert imported == [real]
         assert set(real.recorded) == {"containerd", "kubelet", "kube-proxy", "kube-router"}
     finally:

@@ -192,10 +192,10 @@ class Units:
         self.proxies: dict[str, str] = {}
 
     def primes(self, name: str) -> list[dict]:
-        return [r.body for r in self.encoders[name].requests("/v1/chat/completions")]  # type: ignore[attr-defined]
+        return [r.body for r in self.encoders[name].requests("/v1/chat/completions")]  # type: ignore[attr-defined]  # the encoders are stand-in servers that record requests
 
     def served(self, name: str) -> list:
-        return self.consumers[name].records  # type: ignore[attr-defined]
+        return self.consumers[name].records  # type: ignore[attr-defined]  # the consumers are stand-in servers that record requests
 
 
 @pytest.fixture

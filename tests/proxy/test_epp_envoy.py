@@ -94,7 +94,7 @@ def picker_address(picker) -> tuple[str, int]:
 async def ask(client: openai.AsyncOpenAI, part: dict, **headers: str) -> Any:
     return await client.chat.completions.create(
         model="served",
-        messages=messages(part),  # type: ignore[arg-type]
+        messages=messages(part),  # type: ignore[arg-type]  # vLLM's part shapes, which the SDK's types do not list
         extra_headers=headers or None,
     )
 

@@ -165,7 +165,7 @@ async def test_the_openai_sdk_gets_a_400_naming_the_part_and_the_rule(server, st
                 await client.chat.completions.create(
                     model="served", messages=[{"role": "user", "content": [{"type": "text", "text": "?"}, image]}]
                 )
-            assert caught.value.body["param"] == "messages[0].content[1]"  # type: ignore[index]
+            assert caught.value.body["param"] == "messages[0].content[1]"  # type: ignore[index]  # the SDK types an error's body as object; vLLM's is a dict
             assert rule in caught.value.message and url in caught.value.message
     assert encoder.records == [] and upstream.records == []
 

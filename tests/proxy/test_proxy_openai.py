@@ -104,7 +104,7 @@ async def test_an_image_without_a_type_is_primed_too(unit):
     encoder, upstream, proxy = unit
     messages = [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, {"image_url": IMAGE}]}]
     async with openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="sk-test", max_retries=0) as client:
-        await client.chat.completions.create(model="served", messages=messages)  # type: ignore[arg-type]
+        await client.chat.completions.create(model="served", messages=messages)  # type: ignore[arg-type]  # vLLM's part shapes, which the SDK's types do not list
     (prime,) = encoder.records
     # Primed as the typed part vLLM reads it as, under the key the forwarded part carries.
     forwarded = upstream.records[0].body["messages"]
@@ -118,7 +118,7 @@ async def test_a_media_reference_without_data_is_a_400_naming_the_part(unit):
     messages = [{"role": "user", "content": [{"type": "text", "text": "again?"}, {"image_url": None, "uuid": "seen"}]}]
     async with openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="sk-test", max_retries=0) as client:
         with pytest.raises(openai.BadRequestError) as caught:
-            await client.chat.completions.create(model="served", messages=messages)  # type: ignore[arg-type]
-    assert caught.value.body["param"] == "messages[0].content[1]"  # type: ignore[index]
+            await client.chat.completions.create(model="served", messages=messages)  # type: ignore[arg-type]  # vLLM's part shapes, which the SDK's types do not list
+    assert caught.value.body["param"] == "messages[0].content[1]"  # type: ignore[index]  # the SDK types an error's body as object; vLLM's is a dict
     assert "no data" in caught.value.message
     assert encoder.records == [] and upstream.records == []

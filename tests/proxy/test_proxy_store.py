@@ -290,11 +290,11 @@ def _janitor(store: Path, stop: threading.Event, *, respect_leases: bool) -> jan
     def sweep_forever() -> None:
         while not stop.is_set():
             if not respect_leases:
-                leases.fresh_keys = lambda *_a, **_k: set()  # type: ignore[assignment]
+                leases.fresh_keys = lambda *_a, **_k: set()  # type: ignore[assignment]  # the janitor's lease check swapped for this test, then put back
             try:
                 janitor.sweep(str(store), metrics, state, max_bytes=1, ttl_seconds=None, grace_seconds=0)
             finally:
-                leases.fresh_keys = original  # type: ignore[assignment]
+                leases.fresh_keys = original  # type: ignore[assignment]  # the janitor's lease check swapped for this test, then put back
             time.sleep(0.001)
 
     threading.Thread(target=sweep_forever, daemon=True).start()

@@ -53,7 +53,7 @@ async def read_request(reader: asyncio.StreamReader) -> Request | None:
     lines = head.decode("latin-1").split("\r\n")
     method, target, version = lines[0].split(" ", 2)
     headers = [tuple(s.strip() for s in line.split(":", 1)) for line in lines[1:] if line]
-    request = Request(method, target, version, headers, b"")  # type: ignore[arg-type]
+    request = Request(method, target, version, headers, b"")  # type: ignore[arg-type]  # headers are 2-tuples: split(':', 1) of a header line
     request.body = await reader.readexactly(int(request.header("content-length", "0")))
     return request
 
