@@ -12,7 +12,7 @@ import dataclasses
 import json
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 from .managedfields import owned_by_update
 from .resources import ANNOTATION_SPEC_HASH, FIELD_MANAGER, LABEL_DEPLOYMENT, is_headless
@@ -114,6 +114,11 @@ class ChildSummary:
             "uid": metadata.get("uid"),
         }
 
+    @classmethod
+    def of(cls, body: Mapping[str, Any]) -> Self:
+        """The summary of a kind that keeps nothing beyond what every child has."""
+        return cls(**cls._common(body))
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StatefulSetSummary(ChildSummary):
@@ -163,18 +168,10 @@ class ServiceSummary(ChildSummary):
 class BudgetSummary(ChildSummary):
     KIND: ClassVar[str] = "PodDisruptionBudget"
 
-    @classmethod
-    def of(cls, body: Mapping[str, Any]) -> BudgetSummary:
-        return cls(**cls._common(body))
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class NetworkPolicySummary(ChildSummary):
     KIND: ClassVar[str] = "NetworkPolicy"
-
-    @classmethod
-    def of(cls, body: Mapping[str, Any]) -> NetworkPolicySummary:
-        return cls(**cls._common(body))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -182,10 +179,6 @@ class GatewaySummary(ChildSummary):
     """A model's EPD gateway (a Deployment)."""
 
     KIND: ClassVar[str] = "Deployment"
-
-    @classmethod
-    def of(cls, body: Mapping[str, Any]) -> GatewaySummary:
-        return cls(**cls._common(body))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -210,20 +203,12 @@ class InferencePoolSummary(ChildSummary):
 
     KIND: ClassVar[str] = "InferencePool"
 
-    @classmethod
-    def of(cls, body: Mapping[str, Any]) -> InferencePoolSummary:
-        return cls(**cls._common(body))
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ScaledObjectSummary(ChildSummary):
     """A KEDA ScaledObject (spec.autoscaling, spec.models[].encoderAutoscaling)."""
 
     KIND: ClassVar[str] = "ScaledObject"
-
-    @classmethod
-    def of(cls, body: Mapping[str, Any]) -> ScaledObjectSummary:
-        return cls(**cls._common(body))
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import os
 import signal
@@ -45,7 +44,7 @@ from pathlib import Path
 import aiohttp
 
 from epd_dev.bench.bench_proxy import percentile, start_standin, stop
-from epd_dev.bench.observe import cpu_seconds
+from epd_dev.bench.observe import closed_loop
 from epd_dev.envoy import Envoy, config
 from epd_dev.operator_process import free_port, wait_for
 from epd_dev.vllm.payloads import png_data_url
@@ -86,7 +85,7 @@ async def load(
     run = Run(seconds)
     interval = clients / rate if rate else 0.0
 
-    async def client(index: int) -> None:
+    async def client(index: int, deadline: float) -> None:
         sent = index
         next_at = loop.time() + interval * index / clients
         while loop.time() < deadline:
@@ -100,17 +99,7 @@ async def load(
             run.latencies.append(time.perf_counter() - started)
             sent += clients
 
-    gc.collect()
-    gc.disable()
-    try:
-        cpu = cpu_seconds(gateway_pid)
-        started = loop.time()
-        deadline = started + seconds
-        await asyncio.gather(*(client(i) for i in range(clients)))
-        run.seconds = loop.time() - started
-    finally:
-        gc.enable()
-    run.gateway_cpu = cpu_seconds(gateway_pid) - cpu
+    run.seconds, run.gateway_cpu = await closed_loop(client, clients=clients, seconds=seconds, pid=gateway_pid)
     return run
 
 

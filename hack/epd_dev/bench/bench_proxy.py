@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import os
 import platform
@@ -63,7 +62,7 @@ from pathlib import Path
 
 import aiohttp
 
-from epd_dev.bench.observe import cpu_seconds
+from epd_dev.bench.observe import closed_loop
 from epd_dev.operator_process import free_port, wait_for
 from epd_dev.proxy_process import ProxyProcess
 from epd_dev.vllm import envs, tiny_model
@@ -129,7 +128,7 @@ async def load(
     loop = asyncio.get_running_loop()
     run = Run(seconds)
 
-    async def client(index: int) -> None:
+    async def client(index: int, deadline: float) -> None:
         await asyncio.sleep(delay * index / clients)  # spread over one service time
         while loop.time() < deadline:
             started = time.perf_counter()
@@ -142,20 +141,7 @@ async def load(
             run.latencies.append(done - started)
             run.first_bytes.append((first or done) - started)
 
-    # The load's own cyclic collections stay out of the run, as timeit keeps them out: with 512
-    # clients in flight a full one paused this process for 13 to 24 ms, and landed on whichever
-    # path was measured then (measured with gc callbacks; the p99s at 512 spread 3 to 11 ms).
-    gc.collect()
-    gc.disable()
-    try:
-        cpu = cpu_seconds(proxy_pid)
-        started = loop.time()
-        deadline = started + seconds
-        await asyncio.gather(*(client(i) for i in range(clients)))
-        run.seconds = loop.time() - started
-    finally:
-        gc.enable()
-    run.proxy_cpu = cpu_seconds(proxy_pid) - cpu
+    run.seconds, run.proxy_cpu = await closed_loop(client, clients=clients, seconds=seconds, pid=proxy_pid)
     return run
 
 

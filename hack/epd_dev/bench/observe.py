@@ -3,8 +3,10 @@ times per object, a process's CPU and memory, and the API server's own request m
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
+import gc
 import json
 import re
 import shutil
@@ -14,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -160,6 +162,27 @@ def cpu_seconds(pid: int) -> float:
     counts 10 ms clock ticks, more than a short run of a few requests uses. The clock is Linux's
     process CPU clock of another process (clock_getcpuclockid's encoding: ~pid << 3 | SCHED)."""
     return time.clock_gettime(((~pid) << 3) | 2)
+
+
+async def closed_loop(
+    client: Callable[[int, float], Awaitable[None]], *, clients: int, seconds: float, pid: int
+) -> tuple[float, float]:
+    """Runs ``clients`` copies of ``client(index, deadline)`` until the deadline, ``seconds`` from
+    now on the loop's clock; returns the time they took and process ``pid``'s CPU seconds in it.
+
+    The load's own cyclic collections stay out of the run, as timeit keeps them out: with 512
+    clients in flight a full one paused this process for 13 to 24 ms, and landed on whichever
+    path was measured then (measured with gc callbacks; the p99s at 512 spread 3 to 11 ms)."""
+    loop = asyncio.get_running_loop()
+    gc.collect()
+    gc.disable()
+    try:
+        cpu = cpu_seconds(pid)
+        started = loop.time()
+        await asyncio.gather(*(client(i, started + seconds) for i in range(clients)))
+        return loop.time() - started, cpu_seconds(pid) - cpu
+    finally:
+        gc.enable()
 
 
 def memory_mb(pid: int, key: str) -> float:
