@@ -349,7 +349,7 @@ def _gateway_ready(cluster: Any, namespace: str) -> bool:
     return bool(deployment.get("status", {}).get("readyReplicas"))
 
 
-def _short_answer(base_url: str, part: dict[str, Any]) -> list[int]:
+def _short_answer(base_url: str, part: dict[str, Any], headers: dict[str, str] | None = None) -> list[int]:
     """Eight greedy tokens about one picture, through the openai SDK."""
     client = openai.OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=300)
     content: list[Any] = [part, {"type": "text", "text": "what is this?"}]
@@ -359,6 +359,7 @@ def _short_answer(base_url: str, part: dict[str, Any]) -> list[int]:
         max_tokens=8,
         temperature=0,
         extra_body={"return_token_ids": True, "ignore_eos": True},
+        extra_headers=headers,
     )
     return list(getattr(answer.choices[0], "token_ids", None) or [])
 
@@ -459,24 +460,15 @@ def through_envoy(cluster: Any, namespace: str, encoder_url: str, reference_url:
 def repeat(front_url: str, encoder_url: str) -> Repeats:
     """REPEATED through the front door REPEATS times, as any OpenAI client sends it, then once
     under NEW_VERSION; the encoder's requests counted by its own /metrics."""
-    client = openai.OpenAI(base_url=front_url + "/v1", api_key="none", max_retries=0, timeout=300)
-    content: list[Any] = [REPEATED.part, {"type": "text", "text": "what is this?"}]
 
     def primes() -> int:
         return payloads.served_requests(encoder_url).get("/v1/chat/completions", 0)
 
     def send(headers: dict[str, str] | None = None) -> list[int]:
         started = time.monotonic()
-        answer = client.chat.completions.create(
-            model=tiny_model.SERVED_NAME,
-            messages=[{"role": "user", "content": content}],
-            max_tokens=8,
-            temperature=0,
-            extra_body={"return_token_ids": True, "ignore_eos": True},
-            extra_headers=headers,
-        )
+        answer = _short_answer(front_url, REPEATED.part, headers)
         seconds.append(time.monotonic() - started)
-        return list(getattr(answer.choices[0], "token_ids", None) or [])
+        return answer
 
     seconds: list[float] = []
     before = primes()

@@ -24,6 +24,7 @@ import yaml
 from epd_dev.images.build import KEY_LABEL, Builder
 from epd_dev.localcluster import autoscaling, node
 from epd_dev.localcluster.node import RealNode
+from tests.node.conftest import RESTRICTED_CONTAINER
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node]
 
@@ -64,14 +65,6 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
 http.server.ThreadingHTTPServer(("", {PORT}), Handler).serve_forever()
 """
-# Pod Security "restricted", as the node tests' own pods.
-RESTRICTED_CONTAINER = {
-    "runAsNonRoot": True,
-    "runAsUser": 65532,
-    "allowPrivilegeEscalation": False,
-    "capabilities": {"drop": ["ALL"]},
-    "seccompProfile": {"type": "RuntimeDefault"},
-}
 
 
 @pytest.fixture(scope="module")
