@@ -551,10 +551,10 @@ async def _ask(
 
 
 def front_service(cluster: Any, namespace: str, deployment: str = NAME) -> dict[str, Any]:
-    """The deployment's front Service: of its Services, the one with a ClusterIP (the other is
-    its units' headless governing Service)."""
-    services = get_json(cluster, "services", "-n", namespace, "-l", f"epd.vime.dev/deployment={deployment}")
-    (front,) = [s for s in services["items"] if s["spec"].get("clusterIP") != "None"]
+    """The deployment's front Service (role router or consumer: not its units' headless governing
+    Service, nor its endpoint picker's)."""
+    selector = f"epd.vime.dev/deployment={deployment},epd.vime.dev/role in (router,consumer)"
+    (front,) = get_json(cluster, "services", "-n", namespace, "-l", selector)["items"]
     return dict(front)
 
 
