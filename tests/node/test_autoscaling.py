@@ -10,7 +10,8 @@ A step of picture requests through the front door grows the pool from 1 to 3 enc
 end brings it back to 1; no request fails, no picture is encoded on a consumer, the prime p90 is
 back under its target within one scale step, the operator never writes the pool's size
 (managedFields), and the HPA's SuccessfulRescale events, `kubectl get hpa` and the
-EPDDeployment's status say why."""
+EPDDeployment's status say why. Prometheus labels the pool's engines as the PodMonitor says, and
+KEDA's admission webhook refuses a second autoscaler of the pool."""
 
 from __future__ import annotations
 
@@ -101,3 +102,44 @@ def test_kubectl_get_hpa_and_the_status_say_why(cluster, stack, deployed, node_n
     assert quantity(shown.group(1)) == scenario.TARGET_PRIMES_IN_FLIGHT
     pool = get(cluster, "epd", scenario.NAME, "-n", node_namespace)["status"]["models"][0]["encoderPool"]
     assert pool["autoscaler"] == scenario.SCALED_OBJECT and pool["replicas"] >= 1
+
+
+def test_kedas_webhook_keeps_the_pool_to_one_autoscaler_and_prometheus_labels_its_engines(
+    cluster, stack, deployed, node_namespace
+):
+    # Scraped as the chart's PodMonitor says: the pool's engines by container name, with the
+    # labels of the pod the operator made.
+    selector = ",".join(
+        f'{label}="{value}"'
+        for label, value in {
+            "namespace": node_namespace,
+            "deployment": scenario.NAME,
+            "model": scenario.MODEL,
+            "role": "encoder-pool",
+            "worker_type": "encoder",
+            "container": "encoder-0",
+        }.items()
+    )
+    assert (
+        scenario.Prometheus(stack.prometheus_url).value(f"count(vllm:num_requests_waiting{{{selector}}})") or 0
+    ) >= 1
+    # KEDA's admission webhook answers the API server (through the certificate KEDA's operator
+    # made): a second ScaledObject of the pool is refused, the operator's being the first.
+    second = {
+        "apiVersion": "keda.sh/v1alpha1",
+        "kind": "ScaledObject",
+        "metadata": {"name": f"{scenario.SCALED_OBJECT}-again"},
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": scenario.POOL},
+            "triggers": [
+                {
+                    "type": "prometheus",
+                    "metadata": {"serverAddress": stack.prometheus_in_cluster, "query": "vector(1)", "threshold": "1"},
+                }
+            ],
+        },
+    }
+    refused = cluster.kubectl("apply", "-n", node_namespace, "-f", "-", input=yaml.safe_dump(second), check=False)
+    assert refused.returncode != 0
+    assert 'admission webhook "vscaledobject.kb.io" denied the request' in refused.stderr, refused.stderr
+    assert f"the workload '{scenario.POOL}' of type 'apps/v1.StatefulSet' is already managed by the" in refused.stderr
