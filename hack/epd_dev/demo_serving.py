@@ -16,9 +16,11 @@ import json
 import math
 import re
 import shlex
+import socket
 import sys
 import threading
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -337,6 +339,7 @@ def serve(cluster: Any, namespace: str, *, timeout: float = 1500) -> Answer:
     found = {name: serving.discover_ready(cluster.kubeconfig, name, namespace) for name in (NAME, REFERENCE)}
     answer = asyncio.run(_ask(cluster, namespace, status["models"][0]["ecStoragePath"], found[NAME], found[REFERENCE]))
     wait_for(lambda: _gateway_ready(cluster, namespace), 300, f"the gateway of epd/{NAME} Ready")
+    wait_for(lambda: _accepts(answer.front_url), 60, "the front Service taking connections")
     answer.repeats = repeat(answer.front_url, answer.engine_urls["encoder-0"])
     answer.shared_uuid = shared_uuid(answer.front_url, answer.reference_url)
     answer.envoy = through_envoy(cluster, namespace, answer.engine_urls["encoder-0"], answer.reference_url)
@@ -347,6 +350,17 @@ def serve(cluster: Any, namespace: str, *, timeout: float = 1500) -> Answer:
 def _gateway_ready(cluster: Any, namespace: str) -> bool:
     deployment = get_json(cluster, "deployment", f"{NAME}-{serving.MODEL}-gateway", "-n", namespace) or {}
     return bool(deployment.get("status", {}).get("readyReplicas"))
+
+
+def _accepts(url: str) -> bool:
+    """A Service's ClusterIP takes connections once kube-proxy has its ready endpoints, a moment
+    after the rollout: until then its rules refuse them."""
+    address = urllib.parse.urlsplit(url)
+    try:
+        socket.create_connection((address.hostname, address.port), timeout=2).close()
+    except OSError:
+        return False
+    return True
 
 
 def _short_answer(base_url: str, part: dict[str, Any], headers: dict[str, str] | None = None) -> list[int]:
@@ -451,6 +465,7 @@ def through_envoy(cluster: Any, namespace: str, encoder_url: str, reference_url:
     cluster.kubectl("rollout", "status", f"deployment/{ENVOY}", "-n", namespace, "--timeout=180s", timeout=200)
     spec = get_json(cluster, "service", ENVOY, "-n", namespace)["spec"]
     url = f"http://{spec['clusterIP']}:{ENVOY_PORT}"
+    wait_for(lambda: _accepts(url), 60, f"service/{ENVOY} taking connections")
     before = payloads.served_requests(encoder_url).get("/v1/chat/completions", 0)
     answers = [_short_answer(url, ENVOY_PICTURE.part) for _ in range(REPEATS)]
     primes = payloads.served_requests(encoder_url).get("/v1/chat/completions", 0) - before
@@ -768,6 +783,11 @@ def print_explore(answer: Answer, cluster: Any, namespace: str) -> None:
         f"  openai     OpenAI base URL: {answer.front_url}/v1 (the front Service, the model's EPD gateway: any "
         "OpenAI client gets EPD)"
     )
+    if answer.envoy is not None:
+        print(
+            f"  envoy      {answer.envoy.url}/v1  Envoy, as a Gateway API gateway runs it, asking the model's "
+            "InferencePool's endpoint picker (an OpenAI base URL too)"
+        )
     image = payloads.data_url(SECOND.png)
     ask = {
         "model": tiny_model.SERVED_NAME,

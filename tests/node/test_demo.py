@@ -228,6 +228,8 @@ def test_what_the_demo_prints_for_exploring_works_as_printed(served, cluster, no
     assert set(engines) == {"encoder-0", "prefill-0", "decode-0", "proxy", "aggregated"}
     (base_url,) = [line.split("OpenAI base URL: ")[1].split()[0] for line in lines if "OpenAI base URL: " in line]
     assert base_url == answer.front_url + "/v1" and answer.front_url.startswith("http://10.96.")
+    (envoy_url,) = [line.split()[1] for line in lines if line.startswith("envoy ")]
+    assert envoy_url == answer.envoy.url + "/v1"
     (export,) = [line.split("kubectl", 1)[1].strip().split(";")[0] for line in lines if "export KUBECONFIG=" in line]
     kubectl_lines = [line.split(None, 1)[1] for line in lines if line.split()[:1] in (["logs"], ["exec"], ["operator"])]
     assert kubectl_lines and all(line.startswith(f"kubectl -n {node_namespace} ") for line in kubectl_lines)
