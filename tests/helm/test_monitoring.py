@@ -226,6 +226,40 @@ def test_the_podmonitor_scrapes_each_gateway_under_its_model(rendered):
         assert scrape_targets(monitor, other, pod) == []
 
 
+def test_the_podmonitor_scrapes_each_encoder_pool_engine_under_its_model(rendered):
+    """A pool's pods carry no model label (the units' selector has it); the PodMonitor names the
+    model from the pool's own label, so the encoders' load adds up per model."""
+    (monitor,) = find(rendered, "PodMonitor")
+    manifest = yaml.safe_load((EXAMPLES / "encoder-pools.yaml").read_text())
+    name = manifest["metadata"]["name"]
+    checked = validate(manifest["spec"])
+    (plan,) = render(checked, namespace="team-a", name=name, uid="uid-1")
+    (pool,) = [
+        c
+        for c in desired_children(checked.spec, name, [plan], "epd-operator:test")
+        if c["kind"] == "StatefulSet" and c["metadata"]["name"].endswith("-encoders")
+    ]
+    pod = {
+        "metadata": {**pool["spec"]["template"]["metadata"], "name": "pool-0", "namespace": "team-a"},
+        "spec": pool["spec"]["template"]["spec"],
+        "status": {"podIP": "10.1.2.5"},
+    }
+    engines_endpoint, *others = monitor["spec"]["podMetricsEndpoints"]
+    engines = scrape_targets(monitor, engines_endpoint, pod)
+    assert sorted((t["container"], t["__address__"]) for t in engines) == sorted(
+        (e.container_name, f"10.1.2.5:{e.port}") for e in plan.encoders
+    )
+    for target in engines:
+        assert (target["role"], target["deployment"], target["model"], target["worker_type"]) == (
+            "encoder-pool",
+            name,
+            plan.name,
+            "encoder",
+        )
+    for other in others:
+        assert scrape_targets(monitor, other, pod) == []
+
+
 def test_with_watched_namespaces_the_podmonitor_looks_only_there():
     docs = documents(template({**MONITORING, "watchNamespaces": ["team-a", "team-b"]}).stdout)
     (monitor,) = find(docs, "PodMonitor")

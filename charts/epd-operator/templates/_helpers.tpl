@@ -101,7 +101,7 @@ peers that share the top priority). */}}
 - --janitor-scrape-rate={{ .Values.janitorScrape.rate }}
 {{- end }}
 
-{{/* The PodMonitor's labels of every EPD series, from its pod (resources.py labels every unit pod). */}}
+{{/* The PodMonitor's labels of every EPD series, from its pod (resources.py labels every pod; a pool's and a gateway's name their model in a label of their own). */}}
 {{- define "epd-operator.podTargetRelabelings" -}}
 - sourceLabels: [__meta_kubernetes_pod_label_epd_vime_dev_role]
   targetLabel: role
@@ -110,6 +110,9 @@ peers that share the top priority). */}}
 - sourceLabels: [__meta_kubernetes_pod_label_epd_vime_dev_model]
   targetLabel: model
 - sourceLabels: [__meta_kubernetes_pod_label_epd_vime_dev_gateway]
+  regex: (.+)
+  targetLabel: model
+- sourceLabels: [__meta_kubernetes_pod_label_epd_vime_dev_encoder_pool]
   regex: (.+)
   targetLabel: model
 {{- end }}
