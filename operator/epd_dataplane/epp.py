@@ -52,6 +52,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
+from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -244,7 +245,7 @@ class _Stream:
     async def on(self, message: ext_proc.ProcessingRequest) -> list[ext_proc.ProcessingResponse]:
         if message.HasField("metadata_context"):
             for namespace, values in message.metadata_context.filter_metadata.items():
-                self.metadata.setdefault(namespace, {}).update(_plain(values))
+                self.metadata.setdefault(namespace, {}).update(MessageToDict(values))
         kind = message.WhichOneof("request")
         if kind == "request_headers":
             return await self._request_headers(message.request_headers)
@@ -441,22 +442,6 @@ def _streamed(chunk: bytes, last: bool, phase: str) -> ext_proc.ProcessingRespon
         response=ext_proc.CommonResponse(body_mutation=ext_proc.BodyMutation(streamed_response=streamed))
     )
     return ext_proc.ProcessingResponse(**{phase: answer})
-
-
-def _plain(values: struct_pb2.Struct) -> dict[str, Any]:
-    """A protobuf Struct as plain Python values."""
-    return {key: _value(value) for key, value in values.fields.items()}
-
-
-def _value(value: struct_pb2.Value) -> Any:
-    kind = value.WhichOneof("kind")
-    if kind == "list_value":
-        return [_value(v) for v in value.list_value.values]
-    if kind == "struct_value":
-        return _plain(value.struct_value)
-    if kind in ("string_value", "number_value", "bool_value"):
-        return getattr(value, kind)
-    return None
 
 
 # --------------------------------------------------------------------------- serving
