@@ -41,7 +41,7 @@ import ipaddress
 import json
 import logging
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -56,16 +56,15 @@ from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from epd_client import NoReadyUnitError, Unit
-from epd_operator.proxy_limits import Limits, raise_it, request_cost, reservation
+from epd_client import NoReadyUnitError, Unit, affinity_key
+from epd_operator.proxy_limits import raise_it, request_cost, reservation
 
-from .budget import Budget, Reservation
+from .budget import Reservation
 from .core import EPD_PRIME, PASSED_THROUGH, REFUSED, BadRequest, ProxyError, error_body, refusal, route
-from .encoders import Resolve, resolve_addresses
-from .gateway import PRIME_REFUSAL, Gateway, GatewayMetrics, UnitsView, placement_key, session_key
-from .keys import WEIGHTS_VERSION_HEADER
-from .media_urls import MediaURLPolicy, screen
-from .server import read_plan
+from .gateway import PRIME_REFUSAL, Gateway, UnitsView, no_unit, placement_key
+from .keys import SESSION_HEADER, WEIGHTS_VERSION_HEADER, header
+from .media_urls import screen
+from .server import read_plan, too_large
 
 logger = logging.getLogger("epd_dataplane")
 
@@ -89,18 +88,6 @@ MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 
 class ProtocolError(Exception):
     """The gateway broke the ext_proc protocol: the stream ends with INVALID_ARGUMENT."""
-
-
-@dataclass(frozen=True)
-class Pick:
-    units: list[Unit]
-    """The pick, then its fallbacks."""
-    own: bool
-    """The first is the key's own unit (not moved by the bound)."""
-
-    @property
-    def destination(self) -> str:
-        return ",".join(endpoint(u) for u in self.units)
 
 
 def endpoint(unit: Unit) -> str:
@@ -168,15 +155,12 @@ class EPPMetrics:
 
 @dataclass
 class Picker:
-    """What every stream shares: the units, the bounds, the memory budget, the media policy."""
+    """What every stream shares: the gateway it picks for (its units, bounds, memory budget,
+    metrics and media policy, so a request through the picker and one through the gateway's own
+    port are placed alike) and the picker's own metrics."""
 
-    units: UnitsView
-    limits: Limits
-    budget: Budget
-    gateway_metrics: GatewayMetrics
+    gateway: Gateway
     metrics: EPPMetrics
-    media: MediaURLPolicy = field(default_factory=MediaURLPolicy)
-    resolve: Resolve = resolve_addresses
     fallbacks: int = 0
     """Units named after the pick, where a gateway that takes the list goes when the pick
     refuses connections (Istio's override_host); a standalone Envoy's ORIGINAL_DST cluster
@@ -184,18 +168,7 @@ class Picker:
 
 
 def picker_of(gateway: Gateway, fallbacks: int = 0) -> Picker:
-    """The picker of a gateway: its units, bounds, memory budget, metrics and media policy, so a
-    request through the picker and one through the gateway's own port are placed alike."""
-    return Picker(
-        gateway.units,
-        gateway.limits,
-        gateway.budget,
-        gateway.gateway_metrics,
-        EPPMetrics(gateway.metrics.registry),
-        gateway.config.media,
-        gateway.resolve,
-        fallbacks,
-    )
+    return Picker(gateway, EPPMetrics(gateway.metrics.registry), fallbacks)
 
 
 class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
@@ -285,18 +258,18 @@ class _Stream:
         ]
         if headers.end_of_stream:
             return await self._picked(body=False, end_of_stream=True)
-        limits = self.picker.limits
-        declared = _header(self.headers, "content-length")
+        limits = self.picker.gateway.limits
+        declared = header(self.headers, "content-length")
         length = int(declared) if declared is not None and declared.isdigit() else None
         if length is not None and length > limits.max_request_bytes:
-            return self._refuse(ProxyError(413, _too_large(limits)))
-        self.held = self.picker.budget.try_reserve(
+            return self._refuse(too_large(limits))
+        self.held = self.picker.gateway.budget.try_reserve(
             reservation(limits.max_request_bytes if length is None else length, limits)
         )
         if self.held is None:
             message = (
                 f"the endpoint picker is holding other requests' bodies and has no room for this one's (its "
-                f"{self.picker.budget.total // 2**20} MiB for all of them, {raise_it('max_buffered_bytes')}); retry "
+                f"{self.picker.gateway.budget.total // 2**20} MiB for all of them, {raise_it('max_buffered_bytes')}); retry "
                 "later"
             )
             return self._refuse(ProxyError(429, message))
@@ -306,8 +279,9 @@ class _Stream:
         if self.headers is None or self.body_done:
             raise ProtocolError("a request body chunk before the request headers or after the end of the body")
         self.size += len(body.body)
-        if self.size > self.picker.limits.max_request_bytes:
-            return self._refuse(ProxyError(413, _too_large(self.picker.limits)))
+        limits = self.picker.gateway.limits
+        if self.size > limits.max_request_bytes:
+            return self._refuse(too_large(limits))
         self.chunks.append(body.body)
         if not body.end_of_stream:
             return []
@@ -321,56 +295,57 @@ class _Stream:
         assert self.headers is not None
         raw = b"".join(self.chunks)
         self.chunks = []
-        picker = self.picker
-        path = (_header(self.headers, ":path") or "/").split("?")[0]
-        name = route(_header(self.headers, ":method") or "GET", path)
+        gateway = self.picker.gateway
+        path = (header(self.headers, ":path") or "/").split("?")[0]
+        name = route(header(self.headers, ":method") or "GET", path)
         if name in REFUSED:
             return self._refuse(ProxyError(400, refusal(name)))
         if name == EPD_PRIME:
             return self._refuse(ProxyError(400, PRIME_REFUSAL))
-        key = session_key(self.headers)
+        key = affinity_key((), session=header(self.headers, SESSION_HEADER))
         if name not in PASSED_THROUGH:
             cost = request_cost(raw)
             if self.held is not None and cost > self.held.size and not self.held.resize(cost):
                 return self._refuse(ProxyError(429, "the endpoint picker has no room to read this body now; retry"))
             try:
-                found = read_plan(name, raw, picker.limits)
-                key = placement_key(found, self.headers, picker.units.weights_version)
+                found = read_plan(name, raw, gateway.limits)
+                key = placement_key(found, self.headers, gateway.units.weights_version)
             except BadRequest as error:
                 return self._refuse(ProxyError(400, str(error), error.param))
-            refused = await screen(found.parts, picker.media, picker.resolve)
+            refused = await screen(found.parts, gateway.config.media, gateway.resolve)
             if refused is not None:
                 return self._refuse(refused)
         subset = subset_hint(self.metadata)
         try:
-            units, own = picker.units.rank(
-                key, None if subset is None else (lambda u: allows(subset, u)), fallbacks=picker.fallbacks
+            units, own = gateway.units.rank(
+                key, None if subset is None else (lambda u: allows(subset, u)), fallbacks=self.picker.fallbacks
             )
         except NoReadyUnitError as error:
-            return self._refuse(ProxyError(503, f"no unit to send the request to: {error}; retry later"))
-        pick = Pick(units, own)
-        self.unit, self.picked = units[0].name, pick.destination
-        picker.units.loads[self.unit] += 1
-        picker.gateway_metrics.observe(self.unit, key, own)
-        picker.metrics.answered(200)
+            return self._refuse(no_unit(error))
+        destination = ",".join(endpoint(u) for u in units)
+        self.unit, self.picked = units[0].name, destination
+        gateway.units.loads[self.unit] += 1
+        gateway.gateway_metrics.observe(self.unit, key, own)
+        self.picker.metrics.answered(200)
         if self.held is not None:
             self.held.release()
             self.held = None
-        answers = [self._headers_answer(pick, len(raw) if body else None)]
+        answers = [self._headers_answer(destination, len(raw) if body else None)]
         if body:
             answers += [_streamed(chunk, last, "request_body") for chunk, last in _chunks(raw, end_of_stream)]
         return answers
 
-    def _headers_answer(self, pick: Pick, length: int | None) -> ext_proc.ProcessingResponse:
+    def _headers_answer(self, destination: str, length: int | None) -> ext_proc.ProcessingResponse:
+        """The pick (and its fallbacks, ``destination``) in the header and the metadata."""
         assert self.headers is not None
-        mutation = ext_proc.HeaderMutation(set_headers=[_set(DESTINATION, pick.destination)])
-        version = self.picker.units.weights_version
-        if version is not None and _header(self.headers, WEIGHTS_VERSION_HEADER) is None:
+        mutation = ext_proc.HeaderMutation(set_headers=[_set(DESTINATION, destination)])
+        version = self.picker.gateway.units.weights_version
+        if version is not None and header(self.headers, WEIGHTS_VERSION_HEADER) is None:
             mutation.set_headers.append(_set(WEIGHTS_VERSION_HEADER, version))
         if length is not None:  # the body goes back unchanged: so does its length
             mutation.set_headers.append(_set("content-length", str(length)))
         metadata = struct_pb2.Struct()
-        metadata.update({DESTINATION_NAMESPACE: {DESTINATION: pick.destination}})
+        metadata.update({DESTINATION_NAMESPACE: {DESTINATION: destination}})
         return ext_proc.ProcessingResponse(
             request_headers=ext_proc.HeadersResponse(
                 response=ext_proc.CommonResponse(header_mutation=mutation, clear_route_cache=True)
@@ -383,7 +358,7 @@ class _Stream:
         self.picker.metrics.answered(error.status)
         self.ended = True
         self.close()
-        path = (_header(self.headers or [], ":path") or "").split("?")[0]
+        path = (header(self.headers or [], ":path") or "").split("?")[0]
         body = json.dumps(error_body(error, path)).encode()
         headers = [_set("content-type", "application/json")]
         if error.status == 429:
@@ -405,20 +380,9 @@ class _Stream:
             self.held.release()
             self.held = None
         if self.unit is not None:
-            self.picker.units.loads[self.unit] -= 1
+            self.picker.gateway.units.loads[self.unit] -= 1
             self.unit = None
         self.chunks = []
-
-
-def _too_large(limits: Limits) -> str:
-    return (
-        f"the request body is larger than the proxy's limit of {limits.max_request_bytes} bytes; "
-        f"{raise_it('max_request_bytes')}"
-    )
-
-
-def _header(headers: Sequence[tuple[str, str]], name: str) -> str | None:
-    return next((v for n, v in headers if n == name), None)
 
 
 def _set(name: str, value: str) -> base_pb2.HeaderValueOption:

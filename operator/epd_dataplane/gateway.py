@@ -49,7 +49,7 @@ from epd_client import (
 from epd_operator import api as api_group
 
 from .core import Plan, ProxyError, error_body
-from .keys import SESSION_HEADER, WEIGHTS_VERSION_HEADER, requested_version
+from .keys import SESSION_HEADER, WEIGHTS_VERSION_HEADER, header, requested_version
 from .metrics import ProxyMetrics
 from .server import Primed, Proxy
 from .watch import Api, follow
@@ -152,24 +152,22 @@ class UnitsView:
         return units, choice.preferred
 
 
+def no_unit(error: NoReadyUnitError) -> ProxyError:
+    """503: no ready unit may take the request (through the gateway's port or its picker)."""
+    return ProxyError(503, f"no unit to send the request to: {error}; retry later")
+
+
 def placement_key(found: Plan, headers: Sequence[tuple[str, str]], weights_version: str | None) -> str | None:
     """What places a request (headers lower-cased): its conversation, else its first media
     part's key for the request's weights version (its X-EPD-Weights-Version, else the model's);
     BadRequest for a malformed version header."""
     version = requested_version(headers)
-    session = next((v for n, v in headers if n == SESSION_HEADER), None)
     return affinity_key(
         [part.item for part in found.parts],
         user=found.body.get("user"),
-        session=session,
+        session=header(headers, SESSION_HEADER),
         weights_version=version if version is not None else weights_version,
     )
-
-
-def session_key(headers: Sequence[tuple[str, str]]) -> str | None:
-    """What places a request whose body is not read: its X-EPD-Session header, if any."""
-    session = next((v for n, v in headers if n == SESSION_HEADER), None)
-    return f"session:{session}" if session else None
 
 
 class GatewayMetrics:
@@ -273,13 +271,13 @@ class Gateway(Proxy):
     ) -> web.StreamResponse:
         key = request.get(_KEY)
         if key is None:
-            key = session_key([(name.lower(), value) for name, value in request.headers.items()])
+            key = affinity_key((), session=request.headers.get(SESSION_HEADER))
         try:
             unit, own = self.units.place(key)
         except NoReadyUnitError as error:
             if reservation is not None:
                 reservation.release()
-            return _error(request, ProxyError(503, f"no unit to send the request to: {error}; retry later"))
+            return _error(request, no_unit(error))
         assert unit.front_url is not None  # place() gives only units with an address
         request[_UNIT] = unit.front_url
         self.gateway_metrics.observe(unit.name, key, own)

@@ -2,7 +2,7 @@
 
 A part's key is ``epd_client``'s (``media_key``: the weights version, the part's kind and its
 content), written as the part's ``uuid``, which vLLM uses as the item's name in its caches and
-in the EC store, whatever the content (vLLM #55547). So every part that reaches an engine is
+in the EC store, whatever the content. So every part that reaches an engine is
 named by its own content: a uuid the client chose is replaced (two pictures sent with one uuid
 get one embedding each), and after a weight update a new version makes new names, so no request
 is served an embedding of the old weights (vLLM 0.32 to 0.34 never clear the EC store
@@ -34,9 +34,14 @@ LEASE = re.compile(r"[0-9a-f]{24}")
 UNKEYED_ROUTES = frozenset({"messages"})
 
 
+def header(headers: Sequence[tuple[str, str]], name: str) -> str | None:
+    """The first value of ``name`` (lower-case) in ``headers`` (names lower-cased), None without one."""
+    return next((v for n, v in headers if n == name), None)
+
+
 def requested_version(headers: Sequence[tuple[str, str]]) -> str | None:
     """The request's weights version (its first X-EPD-Weights-Version), None without one."""
-    value = next((v for n, v in headers if n == WEIGHTS_VERSION_HEADER), None)
+    value = header(headers, WEIGHTS_VERSION_HEADER)
     if value is None:
         return None
     value = value.strip()
@@ -49,7 +54,7 @@ def requested_version(headers: Sequence[tuple[str, str]]) -> str | None:
 
 
 def requested_lease(headers: Sequence[tuple[str, str]]) -> str | None:
-    value = next((v for n, v in headers if n == LEASE_HEADER), None)
+    value = header(headers, LEASE_HEADER)
     return value if value is not None and LEASE.fullmatch(value) else None
 
 

@@ -352,9 +352,7 @@ class Proxy:
         return read_plan(route(request.method, request.path), raw, self.limits, pooled=self.config.pooled)
 
     def _too_large(self, request: web.BaseRequest) -> web.Response:
-        limit = self.limits.max_request_bytes
-        message = f"the request body is larger than the proxy's limit of {limit} bytes; {raise_it('max_request_bytes')}"
-        return _error(request, ProxyError(413, message), True)
+        return _error(request, too_large(self.limits), True)
 
     def _busy(self, size: int) -> ProxyError:
         message = (
@@ -657,6 +655,15 @@ async def _read(request: web.BaseRequest, limit: int) -> bytes:
             raise _TooLarge
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def too_large(limits: Limits) -> ProxyError:
+    """413: a body over ``limits``' bound, wherever it was read (the proxy, the picker)."""
+    return ProxyError(
+        413,
+        f"the request body is larger than the proxy's limit of {limits.max_request_bytes} bytes; "
+        f"{raise_it('max_request_bytes')}",
+    )
 
 
 def read_plan(name: str, raw: bytes, limits: Limits, *, pooled: bool = False) -> Plan:
