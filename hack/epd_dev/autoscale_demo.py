@@ -20,17 +20,14 @@ their time to first token).
 from __future__ import annotations
 
 import asyncio
-import base64
 import itertools
 import json
 import math
 import statistics
-import struct
 import threading
 import time
 import urllib.parse
 import urllib.request
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +36,7 @@ import openai
 
 from .images import recipes
 from .localcluster import node
+from .vllm import payloads
 
 NAME = "standin-pools"
 MODEL = "default"
@@ -113,15 +111,8 @@ def manifest(prometheus: str) -> dict[str, Any]:
 
 def png(index: int) -> str:
     """A 4x4 PNG of its own for each request: a new picture, primed once."""
-    pixel = struct.pack(">I", index & 0xFFFFFF)[1:]
-    rows = b"".join(b"\0" + pixel * 4 for _ in range(4))
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-
-    body = chunk(b"IHDR", struct.pack(">IIBBBBB", 4, 4, 8, 2, 0, 0, 0)) + chunk(b"IDAT", zlib.compress(rows))
-    data = b"\x89PNG\r\n\x1a\n" + body + chunk(b"IEND", b"")
-    return "data:image/png;base64," + base64.b64encode(data).decode()
+    rgb = ((index >> 16) & 0xFF, (index >> 8) & 0xFF, index & 0xFF)
+    return payloads.data_url(payloads.png(4, 4, lambda x, y: rgb))
 
 
 @dataclass

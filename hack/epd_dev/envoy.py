@@ -206,42 +206,7 @@ def config(
             },
         }
     clusters += [pool, picker_cluster]
-    return {
-        "admin": {"address": _address(*admin)},
-        "static_resources": {
-            "listeners": [
-                {
-                    "name": "inference",
-                    "address": _address(*listen),
-                    "filter_chains": [
-                        {
-                            "filters": [
-                                {
-                                    "name": "envoy.filters.network.http_connection_manager",
-                                    "typed_config": {
-                                        "@type": "type.googleapis.com/envoy.extensions.filters.network."
-                                        "http_connection_manager.v3.HttpConnectionManager",
-                                        "stat_prefix": "inference",
-                                        "route_config": {
-                                            "name": "inference",
-                                            "virtual_hosts": [{"name": "pool", "domains": ["*"], "routes": routes}],
-                                        },
-                                        "http_filters": [ext_proc, ROUTER],
-                                        "normalize_path": True,
-                                        "merge_slashes": True,
-                                        "common_http_protocol_options": {
-                                            "headers_with_underscores_action": "REJECT_REQUEST"
-                                        },
-                                    },
-                                }
-                            ]
-                        }
-                    ],
-                }
-            ],
-            "clusters": clusters,
-        },
-    }
+    return _bootstrap(listen, admin, routes, [ext_proc, ROUTER], clusters)
 
 
 def _alone(listen: tuple[str, int], endpoints: Sequence[str], admin: tuple[str, int]) -> dict[str, Any]:
@@ -252,16 +217,26 @@ def _alone(listen: tuple[str, int], endpoints: Sequence[str], admin: tuple[str, 
         "lb_policy": "ROUND_ROBIN",
         "load_assignment": _cluster_endpoints("pool", endpoints),
     }
+    routes = [{"match": {"prefix": "/"}, "route": {"cluster": "pool"}}]
+    return _bootstrap(listen, admin, routes, [ROUTER], [pool])
+
+
+def _bootstrap(
+    listen: tuple[str, int],
+    admin: tuple[str, int],
+    routes: list[dict[str, Any]],
+    http_filters: list[dict[str, Any]],
+    clusters: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """One HTTP listener on ``listen`` whose ``routes`` pass ``http_filters``, and ``clusters``."""
     manager = {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "inference",
-        "route_config": {
-            "name": "inference",
-            "virtual_hosts": [
-                {"name": "pool", "domains": ["*"], "routes": [{"match": {"prefix": "/"}, "route": {"cluster": "pool"}}]}
-            ],
-        },
-        "http_filters": [ROUTER],
+        "route_config": {"name": "inference", "virtual_hosts": [{"name": "pool", "domains": ["*"], "routes": routes}]},
+        "http_filters": http_filters,
+        "normalize_path": True,
+        "merge_slashes": True,
+        "common_http_protocol_options": {"headers_with_underscores_action": "REJECT_REQUEST"},
     }
     listener = {
         "name": "inference",
@@ -270,7 +245,7 @@ def _alone(listen: tuple[str, int], endpoints: Sequence[str], admin: tuple[str, 
             {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": manager}]}
         ],
     }
-    return {"admin": {"address": _address(*admin)}, "static_resources": {"listeners": [listener], "clusters": [pool]}}
+    return {"admin": {"address": _address(*admin)}, "static_resources": {"listeners": [listener], "clusters": clusters}}
 
 
 class Envoy:

@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -44,7 +43,7 @@ from pathlib import Path
 import aiohttp
 
 from epd_dev.bench.bench_proxy import percentile, start_standin, stop
-from epd_dev.bench.observe import closed_loop
+from epd_dev.bench.observe import closed_loop, recording
 from epd_dev.envoy import Envoy, config
 from epd_dev.operator_process import free_port, wait_for
 from epd_dev.vllm.payloads import png_data_url
@@ -258,19 +257,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 Envoy(config(listen=("127.0.0.1", 0), picker=None, endpoints=endpoints)) as alone,
             ):
                 urls = {"unit": units[0], "gateway": gateway, "envoy": envoy.url, "envoy_alone": alone.url}
-                if cli.profile:
-                    spy = subprocess.Popen(
-                        [str(Path(sys.executable).with_name("py-spy")), "record", "-o", str(cli.profile)]
-                        + ["-f", "flamegraph" if cli.profile.suffix == ".svg" else "raw"]
-                        + ["-p", str(pid), "-r", "200", "--nonblocking"],
-                        stdout=subprocess.DEVNULL,
-                        stderr=subprocess.DEVNULL,
-                    )
-                with event_loop() as runner:
+                with recording(pid, cli.profile), event_loop() as runner:
                     found = runner.run(measure(urls, pid, cli))
-                if cli.profile:
-                    spy.send_signal(signal.SIGINT)
-                    spy.wait(60)
         finally:
             stop(started)
     result = report(found, cli, load_before)

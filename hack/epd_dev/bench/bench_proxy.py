@@ -49,7 +49,6 @@ import asyncio
 import json
 import os
 import platform
-import signal
 import statistics
 import subprocess
 import sys
@@ -62,7 +61,7 @@ from pathlib import Path
 
 import aiohttp
 
-from epd_dev.bench.observe import closed_loop
+from epd_dev.bench.observe import closed_loop, recording
 from epd_dev.operator_process import free_port, wait_for
 from epd_dev.proxy_process import ProxyProcess
 from epd_dev.vllm import envs, tiny_model
@@ -434,21 +433,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             # The encoder is never asked (text only); the engine's URL satisfies the flag.
             with ProxyProcess(router, [engine], Path(logs)) as proxy:
                 assert proxy.proc is not None
-                spy = None
-                if cli.profile:
-                    kind = "flamegraph" if cli.profile.suffix == ".svg" else "raw"  # raw: collapsed stacks
-                    spy = subprocess.Popen(
-                        [str(Path(sys.executable).with_name("py-spy")), "record", "-o", str(cli.profile), "-f", kind]
-                        + ["-p", str(proxy.proc.pid), "-r", "200", "--nonblocking"],
-                        stdout=subprocess.DEVNULL,
-                        stderr=subprocess.DEVNULL,
-                    )
                 urls = {"engine": engine, "router": router, "relay": relay, "proxy": proxy.url}
-                with event_loop() as runner:  # uvloop, as the proxy's: neither side is handicapped
+                # uvloop, as the proxy's: neither side is handicapped
+                with recording(proxy.proc.pid, cli.profile), event_loop() as runner:
                     levels, saturated = runner.run(measure(urls, proxy, cli))
-                if spy is not None:
-                    spy.send_signal(signal.SIGINT)
-                    spy.wait(60)
                 rss = rss_mb(proxy.proc.pid)
         finally:
             stop(started)

@@ -228,6 +228,27 @@ class Profile:
 
 
 @contextlib.contextmanager
+def recording(pid: int, output: Path | None) -> Iterator[None]:
+    """py-spy records ``pid`` into ``output`` while the block runs (a flame graph for ``.svg``,
+    else raw collapsed stacks; non-blocking, 200 samples a second); nothing without ``output``."""
+    if output is None:
+        yield
+        return
+    kind = "flamegraph" if output.suffix == ".svg" else "raw"
+    spy = subprocess.Popen(
+        [str(Path(sys.executable).with_name("py-spy")), "record", "-o", str(output), "-f", kind]
+        + ["-p", str(pid), "-r", "200", "--nonblocking"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        yield
+    finally:
+        spy.send_signal(signal.SIGINT)
+        spy.wait(60)
+
+
+@contextlib.contextmanager
 def py_spy(pid: int, folder: Path | None, name: str) -> Iterator[Profile | None]:
     """Sample ``pid`` with py-spy while the block runs (non-blocking: the operator is not
     paused per sample); afterwards the hottest functions, by own and by total samples."""

@@ -28,6 +28,7 @@ from .. import paths
 from ..debian import install_packages
 from ..locking import file_lock
 from ..progress import CommandFailed, run_with_progress
+from ..vllm.envs import ENVOY_VERSION
 from . import recipes
 from .buildah import Buildah, BuildError
 
@@ -285,7 +286,7 @@ class Builder:
             "envoy",
             "--version",
         )
-        if "/1.40.0/" not in out:
+        if f"/{ENVOY_VERSION}/" not in out:
             raise BuildError(f"`envoy --version` in {ref} printed {out[-500:]!r}")
         self.buildah.long("committing envoy", "commit", "--quiet", container, ref)
 

@@ -32,6 +32,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..vllm.envs import ENVOY_VERSION
+
 DEBIAN_SUITE = "bookworm"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
 # minbase has no Python; python-is-python3 gives the `python` the Dockerfile's RUN calls.
@@ -66,7 +68,7 @@ COREDNS_REF = "localhost/coredns:v1.15.0"
 # Upstream's image runs CoreDNS as distroless' nonroot user.
 COREDNS_USER = "65532:65532"
 # Envoy's distroless image runs as nonroot too; `envoy` is on PATH, as in its images.
-ENVOY_REF = "localhost/envoy:v1.40.0"
+ENVOY_REF = f"localhost/envoy:v{ENVOY_VERSION}"
 ENVOY_USER = "65532:65532"
 ENVOY_PATH = "/usr/local/bin/envoy"
 # Tagged as the vLLM release its engines stand in for: the operator picks 0.34's templates.
