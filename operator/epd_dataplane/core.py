@@ -17,9 +17,9 @@ from epd_client import HASHED_FIELDS, MEDIA_KINDS, MediaItem, MediaPartError, Pr
 
 # Paths whose media the proxy primes, by the route label metrics use: every route of vLLM 0.32
 # and 0.33 that takes media into a generation. Only POSTs: a GET of /v1/responses/{id} or
-# anything else passes through, as do the scale-out paths (/v1/chat/completions/render,
-# /inference/v1/generate) of clients that prime themselves, and the routes that only tokenize or
-# render (/tokenize, /v1/messages/count_tokens, */render), which run no encoder.
+# anything else passes through, as do /inference/v1/generate (of clients that primed and
+# rendered through the proxy) and the routes that only tokenize (/tokenize,
+# /v1/messages/count_tokens), which run no encoder. The renders are keyed, not primed (below).
 PRIMED_ROUTES = {
     "/v1/chat/completions": "chat_completions",
     "/v1/responses": "responses",

@@ -302,3 +302,7 @@ class Indexes:
     def pod_summaries(self, key: Key) -> dict[str, PodSummary]:
         """The deployment's unit and encoder pods by name, as they are now."""
         return {p.name: p for p in self.pods.get(key, ())}
+
+    def stateful_set_summaries(self, key: Key) -> dict[str, StatefulSetSummary]:
+        """The deployment's StatefulSets (units' and encoder pools') by name, as they are now."""
+        return {s.name: s for s in self.stateful_sets.get(key, ())}

@@ -112,7 +112,7 @@ class StatusWriter:
             spec=planned.spec,
             plans=planned.plans,
             pods=indexes.pod_summaries(key),
-            stateful_sets={s.name: s for s in indexes.stateful_sets.get(key, ())},
+            stateful_sets=indexes.stateful_set_summaries(key),
             generation=body.metadata.get("generation"),
             previous=previous,
             now=now(),
@@ -206,7 +206,7 @@ class StatusWriter:
         if not any(plan.pooled for plan in planned.plans):
             return
         namespace, name = key
-        sets = {s.name: s for s in indexes.stateful_sets.get(key, ())}
+        sets = indexes.stateful_set_summaries(key)
         gates = encoder_gates(name, planned.spec, planned.plans, indexes.pod_summaries(key), sets, now())
         kube = self._session.client
         await asyncio.gather(*(kube.patch_pod_condition(namespace, pod, c) for pod, c in gates.items()))
