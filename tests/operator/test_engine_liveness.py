@@ -6,6 +6,7 @@ tests/node/test_encoder_outliers.py shows it on a real engine whose core is froz
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -135,7 +136,8 @@ def test_the_probe_fails_a_busy_engine_that_makes_no_progress_and_no_other(engin
     assert probe(engine, record, 0.0).returncode == 0  # busy and moving
     stalled = probe(engine, record, 0.0)  # busy, and no step since the last probe
     assert stalled.returncode == 1
-    assert "engine stalled: requests waited 0 s and no step finished (2 in flight now)" in stalled.stdout
+    # The wait is the time between two probes: whole seconds, more on a busy machine.
+    assert re.search(r"engine stalled: requests waited \d+ s and no step finished \(2 in flight now\)", stalled.stdout)
     assert probe(engine, record, 3600.0).returncode == 0  # within its stallSeconds
     # The container restarted (its engine's counters start again): the old record does not count.
     engine.started, engine.progress = 2.0, 0.0
