@@ -559,10 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_bin_dir:
         print(bin_dir(CONTROL_PLANE))
         return 0
-    # The autoscaling stack first: under `make -j` (make test) the process that asks for it builds
-    # KEDA while the cluster's process builds the control plane, instead of waiting on its lock.
-    first = (AUTOSCALING,) if args.autoscaling else ()
-    last = (MONITORING,) if args.promtool else ()
-    for bset in (*first, *cluster_sets(args.real_nodes), *last):
+    extra = (*((MONITORING,) if args.promtool else ()), *((AUTOSCALING,) if args.autoscaling else ()))
+    for bset in (*cluster_sets(args.real_nodes), *extra):
         build(force=args.force, bset=bset)
     return 0
