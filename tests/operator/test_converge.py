@@ -227,7 +227,9 @@ async def test_a_child_the_indexes_do_not_show_yet_is_applied_when_it_exists(api
 
 async def test_a_child_created_is_not_created_again_until_its_watch_event_or_the_settle_time(api):
     reconciler = Reconciler(
-        Settings(janitor_image="epd-operator:test", janitor_scrape_interval=0, created_settle_seconds=0.3), kube=api
+        # Long enough that the reconciles before it ends take less, even on a loaded machine.
+        Settings(janitor_image="epd-operator:test", janitor_scrape_interval=0, created_settle_seconds=2.0),
+        kube=api,
     )
     try:
         await converge(reconciler, body())
@@ -245,8 +247,10 @@ async def test_a_child_created_is_not_created_again_until_its_watch_event_or_the
         # was queued for then, which POSTs them (409: they exist) and takes them over.
         reconciler.watch(watched(deployments={KEY: [DeploymentSummary.of(body())]}))
         api.calls.clear()
-        await asyncio.sleep(0.6)
-        assert {call[1:] for call in api.calls if call[0] == "create"} == set(CHILDREN)
+        deadline = asyncio.get_running_loop().time() + 20
+        while {call[1:] for call in api.calls if call[0] == "create"} != set(CHILDREN):
+            assert asyncio.get_running_loop().time() < deadline, api.calls
+            await asyncio.sleep(0.1)
     finally:
         await reconciler.aclose()
 
