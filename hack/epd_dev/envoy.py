@@ -288,6 +288,10 @@ class Envoy:
             if admin_file.exists() and admin_file.read_text().strip():
                 self.admin_url = f"http://{admin_file.read_text().strip()}"
                 try:
+                    # LIVE once its workers accept: before, the listener is bound but refuses
+                    # connections while Envoy initialises its clusters (their first health checks).
+                    with urllib.request.urlopen(self.admin_url + "/ready", timeout=2) as answer:
+                        answer.read()
                     with urllib.request.urlopen(self.admin_url + "/listeners?format=json", timeout=2) as answer:
                         listeners = json.load(answer)["listener_statuses"]
                     (bound,) = [status["local_address"]["socket_address"] for status in listeners]

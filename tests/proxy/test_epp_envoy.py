@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -270,3 +271,16 @@ async def test_bad_requests_through_envoy_get_the_pickers_answer_and_leave_nothi
     assert u.served("demo-actor-0") == []
     assert sum(gateway.proxy.units.loads.values()) == 0 and gateway.proxy.budget.free == gateway.proxy.budget.total
     assert "epd_epp_streams 0.0" in await gateway.metrics_text()
+
+
+async def test_envoy_is_handed_over_only_once_its_listener_accepts():
+    """Envoy binds its listener before its clusters' first health checks end and refuses
+    connections until then: a picker that accepts and never answers holds that first check for
+    its timeout, and the tests' Envoy is not handed over before it."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        bootstrap = config(listen=("127.0.0.1", 0), picker=silent.getsockname(), picker_tls=False)
+        async with envoy(bootstrap) as proxy:
+            host, port = proxy.url.removeprefix("http://").rsplit(":", 1)
+            socket.create_connection((host, int(port)), timeout=5).close()
