@@ -154,7 +154,7 @@ def test_a_grpo_group_through_the_front_service_costs_one_encoder_request_a_pict
     RESULTS["grpo"] = moved
 
 
-def test_a_conversation_answers_turns_two_to_four_faster_than_turn_one(cluster, deployed, reference, node_namespace):
+def test_a_conversation_primes_its_pictures_at_turn_one_only_on_one_unit(cluster, deployed, reference, node_namespace):
     client = sdk(front_service_url(cluster, node_namespace, NAME))
     ttft: list[list[float]] = []  # per conversation, per turn
     for pictures in TALKS:
@@ -176,6 +176,10 @@ def test_a_conversation_answers_turns_two_to_four_faster_than_turn_one(cluster, 
                 {"role": "assistant", "content": tiny_model_text(tokens)},
                 {"role": "user", "content": f"no, look again (try {turn + 2})"},
             ]
+            if turn == 0:
+                after_first = counts(deployed)
+        later = delta(after_first, counts(deployed))
+        assert sum(p for p, _ in later.values()) == 0, f"turns 2 to 4 primed again: {later}"
         moved = delta(before, counts(deployed))
         print(
             f"\n4-turn conversation: TTFT per turn {[f'{t * 1000:.0f} ms' for t in turns]}; per unit (primes, served) {moved}"
@@ -183,10 +187,9 @@ def test_a_conversation_answers_turns_two_to_four_faster_than_turn_one(cluster, 
         assert sum(p for p, _ in moved.values()) == 2  # its two pictures, once
         assert [s for _, s in moved.values() if s] == [4]  # all turns on one unit
         ttft.append(turns)
-    # Each turn's median over the conversations: one turn's TTFT on two busy cores varies by more than
-    # what a prime and a cold prefix cost the tiny model, a median of three does not.
+    # Reported, not asserted: one turn's TTFT on two busy cores varies by more than what a prime
+    # and a cold prefix cost the tiny model (a median of three turn 1s was once above turn 2's).
     per_turn = [statistics.median(c[turn] for c in ttft) for turn in range(4)]
-    assert max(per_turn[1:]) < per_turn[0], ttft
     RESULTS["ttft_ms"] = [round(t * 1000) for t in per_turn]
 
 
